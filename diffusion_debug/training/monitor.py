@@ -106,9 +106,11 @@ class StepMonitor:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.stability = StabilityActions(params, config, sink, ctx.rank)
         self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
-        self._last: tuple[Any, Any, Any] | None = None
-        """The last monitored step's optimizer, scaler and the GradScaler's per-step state as its monitor
-        found it (``update()`` replaces it: the step's optimizer step ran, or was skipped), for :meth:`last_skip`."""
+        self._last: tuple[Any, Any, Any, int] | None = None
+        """The last monitored step's optimizer, scaler, the GradScaler's per-step state as its monitor
+        found it (``update()`` replaces it: the step's optimizer step ran, or was skipped) and its ``history.joined``,
+        for :meth:`last_skip`. Replaced when the next step counts the skip (``_record_step``), not before: the live
+        server's ``get_summary()`` during that step still counts it."""
         self._early: int | None = None
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
@@ -122,7 +124,6 @@ class StepMonitor:
             self.history.counts.micro_steps += 1
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         step = self._begin(call.step, failure)
-        self._last = (call.optimizer, call.scaler, None)
         if not self.history.coverage_checked:
             self.coverage.check(step.index, call.optimizer)
         elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
@@ -158,14 +159,14 @@ class StepMonitor:
         its optimizer step ran (:meth:`last_skip`); once judged, neither the next step nor close
         records it again (a report mid-run). Under Accelerate's DeepSpeed plugin, the flag its step
         left after the last monitor (``DeepSpeedSteps.last_skip``)."""
-        step = self.history.previous_step
+        step, last = self.history.previous_step, self._last
         with self.sink.guard("judging the last step's skip", step=step, rank=self.ctx.rank):
             skipped = self.last_skip(at)
             if at == "close":  # the optimizer is not held past close
                 self._last = None
             if not skipped:  # not judged, or not skipped: the next step judges it (another rank's skip among them)
                 return
-            self._early = self.history.joined
+            self._early = last[3]
             for anomaly in skipped:
                 self.sink.emit(anomaly, log=self.ctx.is_main)
                 self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"])
@@ -180,9 +181,9 @@ class StepMonitor:
         replaced the per-step state the monitor found). Before close (``at`` a report's, policy ``raise``'s
         inside the monitor among them) only a GradScaler's step is judged: only its state tells."""
         history, last = self.history, self._last
-        if last is None or history.previous_step is None or history.joined == self._early:
+        if last is None or history.previous_step is None or last[3] == self._early:
             return None
-        optimizer, scaler, states = last
+        optimizer, scaler, states, _ = last
         scaler = find_scaler(self.accelerator, optimizer, scaler)
         ran = states is not None and getattr(scaler, "_per_optimizer_states", None) is not states
         if not ran and (states is not None or at != "close"):
@@ -260,7 +261,7 @@ class StepMonitor:
             if step.failure is not None:
                 raise step.failure
             scaler = find_scaler(self.accelerator, call.optimizer, call.scaler)
-            self._last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
+            step.last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
             measured = self.measurer.measure(
                 scaler=scaler,
                 optimizer=call.optimizer,
@@ -434,6 +435,8 @@ class StepMonitor:
         whose failure waits until the policy has run."""
         history, ctx = self.history, self.ctx
         info["anomalies"] = [a.kind for a in judged.anomalies] if judged.anomalies else []  # clean: no call
+        found = step.last  # this step's, from now on (not before: the skip it counts is pending until here)
+        self._last = (call.optimizer, call.scaler, None, history.joined) if found is None else (*found, history.joined)
         recorded, skipped = judged.anomalies, judged.skipped
         if skipped and self._early == history.joined - 1:  # a report recorded it before this step read it
             recorded, skipped = [a for a in recorded if a.kind != "skipped_step"], []

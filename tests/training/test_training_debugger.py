@@ -404,6 +404,35 @@ def test_a_report_records_the_skip_as_the_next_detail_step_would_and_leaves_to_i
     tdbg.close()
 
 
+def test_the_summary_asked_during_a_step_counts_the_last_step_s_skip_as_before_and_after_it(mlp, tmp_path):
+    # the live server asks get_summary() from its own thread at any moment: during step 2 (asked here as its
+    # judging starts, after its measurement) step 1's skip, counted before step 2 and after it, is counted too
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    judge, during = tdbg._steps._judge, []
+
+    def judging(*args):
+        during.append(tdbg.get_summary()["skipped_steps"])
+        return judge(*args)
+
+    tdbg._steps._judge = judging
+    generator, before, after = torch.Generator().manual_seed(0), [], []
+    for step in range(4):
+        x, y = _batch(generator)
+        scaler.scale(((mlp(x) - y) ** 2).mean()).backward()
+        if step == 1:
+            mlp[2].weight.grad[0, 1] = float("inf")
+        before.append(tdbg.get_summary()["skipped_steps"])
+        tdbg.monitor_training_step(torch.tensor(1.0), optimizer=optimizer, step=step, scaler=scaler)
+        after.append(tdbg.get_summary()["skipped_steps"])
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert (before, during, after) == ([0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1])
+    tdbg.close()
+
+
 def test_fp16_accelerate_a_last_step_whose_optimizer_step_never_ran_is_not_skipped_by_the_stale_flag(
     mlp, tmp_path, fresh_accelerate_state
 ):
