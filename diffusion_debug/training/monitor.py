@@ -156,8 +156,10 @@ class StepMonitor:
         skipped, which no later step shows yet (a GradScaler skip calls no optimizer step and no step
         hook: its lowered scale, or Accelerate's flag, is read at the next step). Recorded as that
         step's ``skipped_step``, its row marked; one read of the scale, no collective. Judged once
-        its optimizer step ran (:meth:`last_skip`); once judged, neither the next step nor close
-        records it again (a report mid-run). Under Accelerate's DeepSpeed plugin, the flag its step
+        its optimizer step ran (:meth:`last_skip`); once recorded, neither the next step nor close
+        records it again (a report mid-run: the next step still counts its anomaly step, as without the
+        report); one found not skipped is left to the next step (another rank's skip, which its detail
+        exchange brings, is recorded then). Under Accelerate's DeepSpeed plugin, the flag its step
         left after the last monitor (``DeepSpeedSteps.last_skip``)."""
         step, last = self.history.previous_step, self._last
         with self.sink.guard("judging the last step's skip", step=step, rank=self.ctx.rank):
@@ -175,7 +177,7 @@ class StepMonitor:
     def last_skip(self, at: str) -> list[Anomaly] | None:
         """The last monitored step's ``skipped_step`` (``[]``: not skipped), judged without changing
         what the next step judges (on a copy of this rank's history): nothing recorded, one read of
-        the scale. None: nothing to judge (no step, judged already, or its optimizer step has not run:
+        the scale. None: nothing to judge (no step, its skip recorded already, or its optimizer step has not run:
         the run stopped or raised between the monitor and ``optimizer.step()``, when Accelerate's
         ``step_was_skipped`` is still the step before's: the GradScaler's ``update()`` had not
         replaced the per-step state the monitor found). Before close (``at`` a report's, policy ``raise``'s
