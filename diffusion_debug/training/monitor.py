@@ -106,11 +106,14 @@ class StepMonitor:
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
         self.stability = StabilityActions(params, config, sink, ctx.rank)
         self.policy = StepPolicy(params=params, ctx=ctx, history=history, sink=sink, save_report=save_report)
-        self._last: tuple[Any, Any, Any] | None = None
-        """The last monitored step's optimizer, scaler and the GradScaler's per-step state as its monitor
-        found it (``update()`` replaces it: the step's optimizer step ran, or was skipped), for :meth:`last_skip`."""
-        self._early: Any = None
-        """The step whose skip a report judged (and recorded) before the next step read it: not recorded again."""
+        self._last: tuple[Any, Any, Any, int] | None = None
+        """The last monitored step's optimizer, scaler, the GradScaler's per-step state as its monitor
+        found it (``update()`` replaces it: the step's optimizer step ran, or was skipped) and its ``history.joined``,
+        for :meth:`last_skip`. Replaced when the next step counts the skip (``_record_step``), not before: the live
+        server's ``get_summary()`` during that step still counts it."""
+        self._early: int | None = None
+        """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
+        recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
 
     def monitor(self, call: Call) -> dict[str, Any]:
@@ -121,7 +124,6 @@ class StepMonitor:
             self.history.counts.micro_steps += 1
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         step = self._begin(call.step, failure)
-        self._last = (call.optimizer, call.scaler, None)
         if not self.history.coverage_checked:
             self.coverage.check(step.index, call.optimizer)
         elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
@@ -154,17 +156,19 @@ class StepMonitor:
         skipped, which no later step shows yet (a GradScaler skip calls no optimizer step and no step
         hook: its lowered scale, or Accelerate's flag, is read at the next step). Recorded as that
         step's ``skipped_step``, its row marked; one read of the scale, no collective. Judged once
-        its optimizer step ran (:meth:`last_skip`); once judged, neither the next step nor close
-        records it again (a report mid-run). Under Accelerate's DeepSpeed plugin, the flag its step
+        its optimizer step ran (:meth:`last_skip`); once recorded, neither the next step nor close
+        records it again (a report mid-run: the next step still counts its anomaly step, as without the
+        report); one found not skipped is left to the next step (another rank's skip, which its detail
+        exchange brings, is recorded then). Under Accelerate's DeepSpeed plugin, the flag its step
         left after the last monitor (``DeepSpeedSteps.last_skip``)."""
-        step = self.history.previous_step
+        step, last = self.history.previous_step, self._last
         with self.sink.guard("judging the last step's skip", step=step, rank=self.ctx.rank):
             skipped = self.last_skip(at)
             if at == "close":  # the optimizer is not held past close
                 self._last = None
-            if skipped is None:
+            if not skipped:  # not judged, or not skipped: the next step judges it (another rank's skip among them)
                 return
-            self._early = step
+            self._early = last[3]
             for anomaly in skipped:
                 self.sink.emit(anomaly, log=self.ctx.is_main)
                 self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"])
@@ -173,15 +177,15 @@ class StepMonitor:
     def last_skip(self, at: str) -> list[Anomaly] | None:
         """The last monitored step's ``skipped_step`` (``[]``: not skipped), judged without changing
         what the next step judges (on a copy of this rank's history): nothing recorded, one read of
-        the scale. None: nothing to judge (no step, judged already, or its optimizer step has not run:
+        the scale. None: nothing to judge (no step, its skip recorded already, or its optimizer step has not run:
         the run stopped or raised between the monitor and ``optimizer.step()``, when Accelerate's
         ``step_was_skipped`` is still the step before's: the GradScaler's ``update()`` had not
         replaced the per-step state the monitor found). Before close (``at`` a report's, policy ``raise``'s
         inside the monitor among them) only a GradScaler's step is judged: only its state tells."""
         history, last = self.history, self._last
-        if last is None or history.previous_step is None or history.previous_step == self._early:
+        if last is None or history.previous_step is None or last[3] == self._early:
             return None
-        optimizer, scaler, states = last
+        optimizer, scaler, states, _ = last
         scaler = find_scaler(self.accelerator, optimizer, scaler)
         ran = states is not None and getattr(scaler, "_per_optimizer_states", None) is not states
         if not ran and (states is not None or at != "close"):
@@ -193,7 +197,12 @@ class StepMonitor:
         row = StepRow.from_row([values[name] for name in SLOTS])
         mine = history.ranks[0]
         mine = dataclasses.replace(mine, skips=deque(mine.skips, maxlen=mine.skips.maxlen))
-        return step_checks.judge_skipped([row], [mine], history.previous_step, at, self.ctx.rank)
+        skipped = step_checks.judge_skipped([row], [mine], history.previous_step, at, self.ctx.rank)
+        for a in skipped:  # as the next step's judging marks it
+            a.local_rank, a.host = self.ctx.local_rank, self.ctx.host
+        if history.overflowed is not None:  # the ranks whose own gradients overflowed, as the next detail step names
+            skipped = name_overflow(skipped, *history.overflowed)
+        return skipped
 
     def _pre_reduction_failed(self, step: MonitoredStep) -> None:
         """A failure of the check inside the engine's hook (the reduction still ran): recorded
@@ -254,7 +263,7 @@ class StepMonitor:
             if step.failure is not None:
                 raise step.failure
             scaler = find_scaler(self.accelerator, call.optimizer, call.scaler)
-            self._last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
+            step.last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
             measured = self.measurer.measure(
                 scaler=scaler,
                 optimizer=call.optimizer,
@@ -428,10 +437,13 @@ class StepMonitor:
         whose failure waits until the policy has run."""
         history, ctx = self.history, self.ctx
         info["anomalies"] = [a.kind for a in judged.anomalies] if judged.anomalies else []  # clean: no call
+        found = step.last  # this step's, from now on (not before: the skip it counts is pending until here)
+        self._last = (call.optimizer, call.scaler, None, history.joined) if found is None else (*found, history.joined)
         recorded, skipped = judged.anomalies, judged.skipped
-        if skipped and skipped[0].step == self._early:  # a report recorded it before this step read it
+        if skipped and self._early == history.joined - 1:  # a report recorded it before this step read it
             recorded, skipped = [a for a in recorded if a.kind != "skipped_step"], []
-        history.counts.add_step(recorded, judged.flags, skipped)
+        # its anomaly step counted here, as in a run that does not report (a report counts the skip alone)
+        history.counts.add_step(judged.anomalies, judged.flags, skipped)
         history.previous_step = step.index
         if step.late is not None:
             return info

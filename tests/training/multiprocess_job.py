@@ -19,7 +19,8 @@ models_and_samples_rank1 (two models watched by name, {"unet", "text_encoder"}, 
 loss weights: rank 1's weight of its sample at t=999 is NaN at step 2, its text encoder's gradient at step 4;
 neither step is applied) |
 closure_scaler_rank1 (a DDP model with a BatchNorm, whose forward broadcasts its buffers, and a GradScaler;
-``closure=`` given on both ranks; rank 1's batch holds an Inf at step 1: only rank 1 has an error, both replay) |
+``closure=`` given on both ranks; rank 1's batch holds an Inf at step 1: only rank 1 has an error, both replay;
+rank 0 alone reports after step 1) |
 fsdp2 (the model sharded with FSDP2 ``fully_shard``, not prepared by Accelerate; per monitored step
 each rank prints its measured norms and the reference from the whole gradients, ``full_tensor()``) |
 nan_rank5 (8 processes: rank 5's loss is NaN at step 3) |
@@ -326,6 +327,8 @@ def closure_with_scaler(accelerator: Accelerator, output_dir: str, scenario: str
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
+        if (step, rank) == (1, 0):  # the main process alone reports mid-run: step 1's skip, before step 2 reads it
+            tdbg.report()
     finish(accelerator, tdbg, scenario)
 
 

@@ -275,9 +275,13 @@ def test_a_closure_replay_for_one_ranks_nan_runs_on_every_rank_and_names_the_op(
     assert (loss["rank"], loss["step"]) == (1, 1)
     assert loss["details"]["localization"]["op"] == "PowBackward0"
     assert "anomaly mode names PowBackward0" in loss["message"]
-    # the skip of step 1 (found at step 2) names the rank whose own gradients overflowed
-    (skipped,) = [a for a in load_json(run_dir / "summary.json")["anomalies"] if a["kind"] == "skipped_step"]
+    # the skip of step 1 (seen by rank 0's report after it, before step 2 read it) names the rank whose own
+    # gradients overflowed, as step 2's detail exchange does; once, counted once
+    summary = load_json(run_dir / "summary.json")
+    (skipped,) = [a for a in summary["anomalies"] if a["kind"] == "skipped_step"]
     assert (skipped["step"], skipped["details"]["overflow_ranks"]) == (1, [1])
+    assert (skipped["details"]["detected_at_step"], skipped["rank"], skipped["local_rank"]) == ("report", 0, 0)
+    assert summary["training"]["skipped_steps"] == summary["training"]["anomaly_counts"]["skipped_step"] == 1
     assert "(rank 1's own gradients overflowed, before the gradient all-reduce; scale 16 -> 8)" in skipped["message"]
 
 

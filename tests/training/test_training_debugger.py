@@ -374,6 +374,65 @@ def test_a_report_without_close_sees_the_last_step_s_skip_once_and_the_run_may_g
     ]
 
 
+def test_a_report_records_the_skip_as_the_next_detail_step_would_and_leaves_to_it_one_it_did_not_see(mlp, tmp_path):
+    # one process standing in for rank 0 of two: the detail step of step 1 found rank 1's own gradients overflowed
+    # (history.overflowed, as its exchange sets it): a report's skip of step 1 names rank 1 as the next step's would;
+    # a report that saw no skip of step 3 leaves it to step 4, which finds it (another rank's skip it brings: here
+    # the scale lowered after the report) and records it
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    generator, seen = torch.Generator().manual_seed(0), []
+    for step in range(5):
+        x, y = _batch(generator)
+        scaler.scale(((mlp(x) - y) ** 2).mean()).backward()
+        if step == 1:
+            mlp[2].weight.grad[0, 1] = float("inf")
+        tdbg.monitor_training_step(torch.tensor(1.0), optimizer=optimizer, step=step, scaler=scaler)
+        if step == 1:
+            tdbg._steps.history.overflowed = (1, [1])
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        seen.append(_skips(tdbg))
+        if step == 3:
+            scaler.update(new_scale=scaler.get_scale() / 2)
+    assert seen[1:] == [([(1, "report")], 1, 1)] * 3 + [([(1, "report"), (3, 4)], 2, 2)]
+    skipped = [a for a in tdbg.report().anomalies if a.kind == "skipped_step"]
+    assert [a.details.get("overflow_ranks") for a in skipped] == [[1], None]
+    assert "rank 1's own gradients overflowed" in skipped[0].message
+    tdbg.close()
+
+
+def test_the_summary_asked_during_a_step_counts_the_last_step_s_skip_as_before_and_after_it(mlp, tmp_path):
+    # the live server asks get_summary() from its own thread at any moment: during step 2 (asked here as its
+    # judging starts, after its measurement) step 1's skip, counted before step 2 and after it, is counted too
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    judge, during = tdbg._steps._judge, []
+
+    def judging(*args):
+        during.append(tdbg.get_summary()["skipped_steps"])
+        return judge(*args)
+
+    tdbg._steps._judge = judging
+    generator, before, after = torch.Generator().manual_seed(0), [], []
+    for step in range(4):
+        x, y = _batch(generator)
+        scaler.scale(((mlp(x) - y) ** 2).mean()).backward()
+        if step == 1:
+            mlp[2].weight.grad[0, 1] = float("inf")
+        before.append(tdbg.get_summary()["skipped_steps"])
+        tdbg.monitor_training_step(torch.tensor(1.0), optimizer=optimizer, step=step, scaler=scaler)
+        after.append(tdbg.get_summary()["skipped_steps"])
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert (before, during, after) == ([0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1])
+    tdbg.close()
+
+
 def test_fp16_accelerate_a_last_step_whose_optimizer_step_never_ran_is_not_skipped_by_the_stale_flag(
     mlp, tmp_path, fresh_accelerate_state
 ):
@@ -401,6 +460,60 @@ def test_fp16_accelerate_a_last_step_whose_optimizer_step_never_ran_is_not_skipp
     assert _skips(tdbg) == ([(1, 2)], 1, 1)
     tdbg.close()
     assert _skips(tdbg) == ([(1, 2)], 1, 1)
+
+
+def _skipping_run(tmp_path, reports, overflowed=None):
+    """Ten steps under a real GradScaler, an inf planted at steps 2, 4, 5 and 7 (the third and fourth skips within
+    SKIP_WINDOW: warnings); the step given is the count of applied steps (a script counting only applied steps: a
+    skipped step's number repeats). ``reports``: report() after each monitor and twice after each optimizer step.
+    What the run recorded: its skips (what the report saw first aside), its summary, its rows' marks, what each
+    step returned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path)))
+    generator, applied, infos = torch.Generator().manual_seed(0), 0, []
+    for run in range(10):
+        x, y = _batch(generator)
+        scaler.scale(((model(x) - y) ** 2).mean()).backward()
+        if run in (2, 4, 5, 7):
+            model[2].weight.grad[0, 1] = float("inf")
+        info = tdbg.monitor_training_step(torch.tensor(1.0), optimizer=optimizer, step=applied, scaler=scaler)
+        infos.append((info["step"], info["anomalies"]))
+        if reports:
+            tdbg.report()
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        applied += scaler.get_scale() >= before
+        if reports:
+            tdbg.report(), tdbg.report()
+    summary = tdbg.get_summary()
+    tdbg.close()
+    report = tdbg.report()
+    skips = [
+        {**a.to_dict(), "details": {k: v for k, v in a.details.items() if k != "detected_at_step"}}
+        for a in report.anomalies
+        if a.kind == "skipped_step"
+    ]
+    rows = [(row["step"], row.get("skipped")) for row in load_run(report.save()).rank_steps]
+    return skips, summary, report.summary["training"], rows, infos
+
+
+def test_reports_mid_run_change_nothing_the_run_records_counts_or_judges(tmp_path):
+    # a report judges the last step's skip before the next step reads it: what the run records, counts (the
+    # warning's anomaly step among them) and what each step returns are those of a run that never reports
+    quiet = _skipping_run(tmp_path / "quiet", reports=False)
+    reported = _skipping_run(tmp_path / "reported", reports=True)
+    assert [(a["step"], a["severity"], a["details"]["count"]) for a in quiet[0]] == [
+        (2, "info", 1),
+        (3, "info", 2),  # steps 4 and 5 of the loop, both numbered 3: folded
+        (4, "warning", 1),
+    ]
+    assert quiet[1]["skipped_steps"] == 4 and quiet[1]["anomaly_steps"] == 2
+    assert reported == quiet
 
 
 @pytest.mark.parametrize("growth_interval, warned", [(2000, []), (5, [32])])

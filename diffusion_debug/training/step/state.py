@@ -126,6 +126,8 @@ class MonitoredStep:
     """Every rank's details, on a step whose details were exchanged."""
     sample_ids: list[Any] | None = None
     samples_given: set[str] = field(default_factory=set)
+    last: tuple[Any, Any, Any] | None = None
+    """The optimizer, scaler and the GradScaler's per-step state its measurement found (``StepMonitor._last``)."""
 
 
 def recorded_index(step: Any, default: int, offset: int = 0) -> Any:
