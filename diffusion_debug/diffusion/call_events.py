@@ -47,6 +47,9 @@ _FIRST_FIVE = itemgetter(slice(5))  # a ModuleReading's fields kept in modules.j
 MAX_ENCODED = 8
 """Encoder calls held unread (:meth:`CallEvents.read_encoded`) past which they are read at once: a
 loop of ``encode_prompt`` calls with no other call between holds no more than this."""
+OUTPUT_CHECK = "output check (the call's output; no probe reading named a module)"
+COMPILED_OUTPUT = "output check (a compiled component: nothing inside it is read)"
+"""How a near-overflow output is found (:meth:`CallEvents.output_overflow`): a compiled component's apart."""
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
@@ -575,7 +578,10 @@ class CallEvents:
                 self.emit(found)
             # an fp16 output near its max that no reading named (the sentinel leaves out the end modules):
             # its abs-max is measured already, so a dict look-up and a comparison on a clean call
-            near = _OUTPUT_MAX.get(tensor.dtype) if tensor is not None and site.role != "denoiser" else None
+            # (a compiled denoiser's too, called with no scheduler step: no sentinel inside it)
+            near = None if tensor is None else _OUTPUT_MAX.get(tensor.dtype)
+            if near is not None and site.role == "denoiser" and site.component not in self.probes.compiled:
+                near = None
             if near is not None and finite and seen.overflow is None and values.output_absmax is not None:
                 if values.output_absmax >= near * self.config.overflow_fraction:
                     self.output_overflow(site, values.output_absmax, step)
@@ -597,22 +603,48 @@ class CallEvents:
                 )
         self.calls.drop_call(site.component, site.prefix)
 
-    def output_overflow(self, site: CallSite, absmax: float, step: int | None) -> None:
-        """``overflow_risk`` at the call's output (a text encoder's, a VAE half's): the module that
-        made it is not named, the advice (upcast, the VAE's own) is the component's."""
+    def output_overflow(self, site: CallSite, absmax: float, step: int | None, timestep: float | None = None) -> None:
+        """``overflow_risk`` at the call's output (a text encoder's, a VAE half's, a compiled component's):
+        the module that made it is not named (a compiled one's inside is not read: said so), the advice
+        (upcast, the VAE's own) is the component's."""
         with self.guard("overflow_risk"):
+            compiled = site.component in self.probes.compiled
             reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
             found = checks.overflow_risk(
                 site.component,
                 reading,
                 step=step,
-                timestep=None,
+                timestep=timestep,
                 fraction=self.config.overflow_fraction,
-                localized_by="output check (the call's output; no probe reading named a module)",
+                localized_by=COMPILED_OUTPUT if compiled else OUTPUT_CHECK,
                 role=self.localizer.roles.get(site.component, "other"),
                 sd_vae=site.component in self.localizer.sd_vaes,
+                compiled=compiled,
             )
             self.emit([(anomaly, None) for anomaly in found])
+
+    def compiled_output_overflow(
+        self, values: rows.StepValues, makers: list[str | None], expert: str | None, step: int
+    ) -> None:
+        """``overflow_risk`` at the output of a compiled fp16 denoiser (no probe inside it: its sentinel
+        would be traced) from the step's row, whose abs-max of each denoiser output is read at the call
+        site anyway (for NaN/Inf): no op, graph or host read of its own. The step's largest output at
+        ``overflow_fraction`` of fp16's max or beyond, where its maker (:func:`~.checks.made_by`) is
+        compiled and its readings hold nothing (:meth:`output_overflow`)."""
+        with self.guard("overflow_risk").at(step):
+            output = values.stats.get("model_output")
+            outputs = values.earlier if output is None else [*values.earlier, output]
+            worst, maker = None, None
+            for index, stats in enumerate(outputs):
+                share = stats.dtype_max_fraction
+                if stats.dtype == "float16" and share is not None and share >= self.config.overflow_fraction:
+                    if worst is None or share > worst.dtype_max_fraction:
+                        worst, maker = stats, checks.made_by(makers, len(outputs) - 1 - index, expert)[0]
+            maker = maker or (self.denoiser.name if self.denoiser is not None else None)
+            if worst is None or maker not in self.probes.compiled or values.readings.get(maker):
+                return
+            site = next(s for s in self.calls.sites if s.component == maker and s.prefix == "")
+            self.output_overflow(site, worst.absmax, step, values.scalars.get("timestep"))
 
     def keep_readings(self, readings: dict[str, list], step: int | None, site: str = "") -> None:
         """Level ``extreme`` (full probes; its callers ask only then): each component call's module

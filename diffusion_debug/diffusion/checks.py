@@ -220,9 +220,11 @@ def overflow_risk(
     role: str = "",
     sd_vae: bool = False,
     between: dict[str, str] | None = None,
+    compiled: bool = False,
 ) -> list[Anomaly]:
     """``between``: the modules the component's own forward built the values between
-    (:func:`~.replay.decide.overflow_between`), ``reading`` being the component's."""
+    (:func:`~.replay.decide.overflow_between`), ``reading`` being the component's; ``compiled``: the
+    reading is a compiled component's output, nothing inside it read (its message says so)."""
     share = reading.dtype_max_fraction or 0.0
     return [
         make_anomaly(
@@ -240,6 +242,7 @@ def overflow_risk(
                 "localized_by": localized_by,
                 **_vae_details(role, sd_vae),
                 **(between or {}),
+                **({"compiled": True} if compiled else {}),
             },
         )
     ]

@@ -82,7 +82,8 @@ _MODULE = attrgetter("module")
 
 COMPILED_NOTE = (
     "compiled: measured at the call site and in the step row, no probe inside the compiled code; "
-    "a NaN/Inf or near-overflow is localised by an eager replay of the original module"
+    "a NaN/Inf is localised by an eager replay of the original module; an fp16 output near overflow is warned of "
+    "at its step, the module that made it not named"
 )
 RUNS_MADE: dict[Path, list[Any]] = {}
 """The runs this process's debuggers opened, by output folder: ``[how many, the last run directory]``

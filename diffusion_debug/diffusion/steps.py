@@ -402,6 +402,12 @@ class StepPipeline(CallEvents):
             # what the step's readings call for, decided once (nothing on a clean step: its latents' warnings at most)
             latents, finite = values.stats.get("latents"), values.output_finite  # (is_finite inline: at every step)
             bad = latents is not None and (latents.nan or latents.posinf or latents.neginf)
+            if self.probes.compiled and finite:  # nothing read inside a compiled denoiser: its output's, in the row
+                output, fraction = values.stats.get("model_output"), self.config.overflow_fraction
+                for stats in values.earlier if output is None else (*values.earlier, output):
+                    if stats.dtype == "float16" and (stats.dtype_max_fraction or 0.0) >= fraction:
+                        self.compiled_output_overflow(values, pending.makers, extra["expert"], pending.step)
+                        break
             plan = None
             if values.readings or not finite or bad:  # (none probed, finite: nothing shows, no call)
                 plan = checks.step_plan(

@@ -202,9 +202,15 @@ def overflow_risk(anomaly: Anomaly) -> str:
             f"{d['threshold']:.0%}, the input of {where}.{d['before']} was not (an operation there, such as a "
             f"residual added to the stream, grew it); {advice}."
         )
+    unread = (  # a compiled component's output (no probe inside it)
+        f" {anomaly.component} is compiled: its inside is not read, so the module that made these values is not "
+        "named (run it uncompiled once to name it);"
+        if d.get("compiled")
+        else ""
+    )
     return (
         f"{where} output reached {d['dtype_max_fraction']:.0%} of the {d['dtype']} "
-        f"maximum (|x|={d['absmax']:.4g}); {advice}."
+        f"maximum (|x|={d['absmax']:.4g});{unread} {advice}."
     )
 
 

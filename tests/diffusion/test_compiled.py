@@ -314,3 +314,51 @@ def test_a_vae_compiled_in_place_is_watched_as_usual_since_its_decode_runs_eager
     assert not [e for e in dbg.record.events if e["type"] == "compiled_components"]
     assert compile_state(pipe.vae) is None
     dbg.close()
+
+
+def latents(pipe):
+    generator = torch.Generator().manual_seed(0)
+    return pipe("a cat", num_inference_steps=2, output_type="latent", generator=generator).images
+
+
+def test_a_compiled_fp16_unet_whose_output_nears_overflow_is_warned_at_its_step_from_the_row(tmp_path):
+    """A compiled fp16 UNet has no probe inside (its sentinel would be traced): its output's abs-max,
+    which the step's row reads at the call site for NaN/Inf already, is what warns of a near-overflow
+    there, at the step, naming the component's output and saying that its inside is not read. No op,
+    graph or host read is added (the row's reduction was made anyway); the images are the unwatched
+    compiled call's. The UNet's ``conv_out`` is scaled so that step 0's output is at 30% of the fp16
+    maximum, over a threshold of 25% (DDIM's x0 from an output at 55% is an Inf, and latents this large
+    are one as the pipeline scales them for the VAE: the latents are the images compared; a hook
+    planted inside compiled code would be a guard on its call counter: recompiles)."""
+    torch._dynamo.reset()
+    counters.clear()
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    conv_out, peaks = pipe.unet.conv_out, []
+    handle = conv_out.register_forward_hook(lambda _m, _a, out: peaks.append(float(out.abs().amax())))
+    latents(pipe)
+    handle.remove()
+    with torch.no_grad():  # the output is linear in the weight and bias together
+        scale = 0.3 * torch.finfo(torch.float16).max / peaks[0]
+        conv_out.weight.mul_(scale), conv_out.bias.mul_(scale)
+    compile_unet(pipe, "torch.compile", "aot_eager")
+    plain, before = latents(pipe), dynamo_counts()
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", overflow_fraction=0.25)
+    dbg = DiffusionModelDebugger(pipe, config)
+    with dbg:
+        watched = latents(pipe)
+    assert dynamo_counts() == before, "the debugger added a graph break or a recompile"
+    np.testing.assert_array_equal(watched, plain)
+    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert (risk.component, risk.module, risk.step, risk.severity) == ("unet", "", 0, "warning")
+    assert (risk.details["count"], risk.details["last_step"]) == (2, 1)  # step 1's folded into it
+    assert risk.details["localized_by"] == "output check (a compiled component: nothing inside it is read)"
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.3, abs=1e-3)
+    absmax = risk.details["absmax"]
+    assert absmax == dbg.record.steps[0]["model_output"]["absmax"]  # the row's own reading
+    assert risk.message == (
+        f"unet output reached 30% of the float16 maximum (|x|={absmax:.4g}); unet is compiled: its inside is "
+        "not read, so the module that made these values is not named (run it uncompiled once to name it); "
+        "run this component in bfloat16 or float32, or upcast this module."
+    )
+    assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "debugger_error")]
+    dbg.close()

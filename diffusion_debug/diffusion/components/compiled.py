@@ -21,9 +21,11 @@ Four ways a user compiles a component, each seen on the module itself:
 Hooks inside a compiled region are either traced into the graph (hooks present at the first
 compile) or silently skipped (added later: dynamo does not guard on a submodule's hooks), so
 the debugger puts no probe inside one: a compiled component is measured at its call site and in
-the step row (its output, every step), and a NaN/Inf or near-overflow there is localised by a
-replay of the original module with full probes under ``torch.compiler.set_stance("force_eager")``
-(names without the ``_orig_mod.`` prefix).
+the step row (its output, every step), and a NaN/Inf there is localised by a replay of the
+original module with full probes under ``torch.compiler.set_stance("force_eager")`` (names without
+the ``_orig_mod.`` prefix). An fp16 output near overflow is warned of from the abs-max read there
+(:meth:`~diffusion_debug.diffusion.call_events.CallEvents.output_overflow`), naming the component,
+not the module inside that made it (no replay is made for it).
 
 ``vae.compile()`` and ``pipe.vae = torch.compile(pipe.vae)`` are none of these: they compile the
 VAE's ``forward``, which a pipeline's ``vae.decode`` / ``encode`` do not call (the wrapper hands
