@@ -132,7 +132,7 @@ class InputWatch:
                 if self.first_training_call is not None:
                     first, self.first_training_call = self.first_training_call, None
                     first()
-                self._guarded(lambda: self._arguments(name, named, args, kwargs))
+                self._guarded(lambda: self._arguments(name, named, args, kwargs, trained=True))
                 self.ran.add(id(module))
                 self.open = False
 
@@ -266,15 +266,23 @@ class InputWatch:
             if _countable(t):
                 self._add(_path("batch", keys), _nonfinite(t))
 
-    def _arguments(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        """Count the floating-point arguments of a call, ``name(argument)``; their counts."""
+    def _arguments(
+        self, name: str, module: nn.Module, args: tuple, kwargs: dict, trained: bool = False
+    ) -> list[torch.Tensor]:
+        """Count the floating-point arguments of a call, ``name(argument)``; their counts. A trained
+        model's (``trained``) are marked so in :attr:`producers` (``TRAINED_ARGUMENT``)."""
+        if trained:  # as take(): the training debugger loads with the first step
+            from ..training.measure.loss import TRAINED_ARGUMENT
         found = []
         for argument, value in self._named(module, args, kwargs):
             for keys, t in walk_tensors(value):
                 if _countable(t):
                     count = _nonfinite(t)
-                    self._add(_path(f"{name}({argument})", keys), count)
+                    path = _path(f"{name}({argument})", keys)
+                    self._add(path, count)
                     found.append(count)
+                    if trained:
+                        self.producers[path] = TRAINED_ARGUMENT
         return found
 
     def _frozen_call(self, name: str, child: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -461,3 +461,42 @@ def test_a_loader_iter_the_script_set_over_launchs_stays_at_remove_and_launchs_i
         assert list(loader) == [batch, batch] and seen == [batch, batch] and not watch.counts
     finally:
         del Wrapped.__iter__
+
+
+def test_a_nan_seen_first_at_a_frozen_models_argument_is_the_input_though_the_trained_weights_went_nan(
+    models, tmp_path
+):
+    """Review of the merge that has a NaN seen first at a trained model's argument follow the trained
+    weights' non-finite update (a trained text encoder feeding the UNet): a frozen model's argument
+    (no DataLoader counted the batch: ``vae(x)`` is the first to see the data) is counted only before
+    any trained forward of the micro-step, so a trained model's weights never made it. With the
+    UNet's weights made NaN by step 1's update and a NaN pixel at step 2, that NaN was listed under
+    the update as "The input vae(input) of the trained model ..."; it is the data's, a root."""
+    text_encoder, unet = models
+    vae = _TinyVAE()
+    vae.encoder = torch.nn.Linear(8, 8)
+    vae.requires_grad_(False)
+    watch = InputWatch()
+    watch.watch_trained(unet, "unet")
+    watch.watch_frozen(text_encoder, "text_encoder")
+    watch.watch_frozen(vae, "vae")
+    optimizer = torch.optim.SGD(unet.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for step, batch in enumerate(_batches(3, nan_pixel_at=2)):
+        if step == 1:
+            handle = unet.out.weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("nan")))
+        latents = vae.encode(batch["pixel_values"])
+        loss = unet(latents, text_encoder(batch["input_ids"], return_dict=False)[0]).pow(2).mean()
+        loss.backward()
+        if step == 1:
+            handle.remove()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, inputs=watch.take())
+        optimizer.step()
+        optimizer.zero_grad()
+    watch.remove()
+    anomalies = tdbg.report().anomalies
+    tdbg.close()
+    (found,) = [a for a in anomalies if a.kind == "nonfinite_input"]
+    assert (found.step, found.component, found.parameter) == (2, "input", "vae.encoder(input)")
+    assert "cause" not in found.details and "weights" not in found.details
+    assert found.message.startswith("The training batch holds 1 NaN/Inf value(s) at step 2 on rank 0, in vae.encoder")

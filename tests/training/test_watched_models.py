@@ -325,6 +325,13 @@ def test_dreambooth_lora_with_the_text_encoders_adapters_names_them_unwatched(tm
     assert tdbg.report().components["model"]["models"]["text_encoder"]["trainable_tensors"] == 8
 
 
+class _Encoder(nn.Sequential):
+    """A text encoder's shape: its first module is its input embeddings (transformers' method)."""
+
+    def get_input_embeddings(self):
+        return self[0]
+
+
 def test_input_embeddings_made_trainable_beside_a_text_encoders_lora_are_not_unoptimized():
     """diffusers' SDXL, Flux and SD3 DreamBooth LoRA scripts with ``--train_text_encoder`` set the text
     encoders' input embeddings trainable ("set top parameter requires_grad = True for gradient
@@ -332,7 +339,7 @@ def test_input_embeddings_made_trainable_beside_a_text_encoders_lora_are_not_uno
     ``unwatched_parameters`` warning naming them, advising to add them to the optimizer or freeze
     them. Embeddings beside adapters the optimizer holds are left out; any other trainable
     parameter no optimizer holds is still named."""
-    text_encoder = nn.Sequential(nn.Embedding(10, 4), _LoRA(nn.Linear(4, 4)), nn.Linear(4, 4))
+    text_encoder = _Encoder(nn.Embedding(10, 4), _LoRA(nn.Linear(4, 4)), nn.Linear(4, 4))
     text_encoder[2].requires_grad_(False)
     optimizer = torch.optim.SGD([p for n, p in text_encoder.named_parameters() if "lora_" in n], lr=0.1)
     params = WatchedModels.of(text_encoder).parameters()
@@ -349,6 +356,38 @@ def test_input_embeddings_made_trainable_beside_a_text_encoders_lora_are_not_uno
         WatchedModels.of(text_encoder).parameters(), [plain], [], step=0, rank=0, watched_models=[text_encoder]
     )
     assert found.details == {"not_optimized": {"count": 1, "groups": {"model 0": 1}}}
+
+
+class _ClassConditioned(nn.Module):
+    """A UNet's shape for the coverage check: LoRA adapters, and a class embedding (``num_class_embeds``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_q = _LoRA(nn.Linear(4, 4))
+        self.class_embedding = nn.Embedding(3, 4)
+
+
+def test_only_a_text_encoders_input_embeddings_beside_its_lora_are_left_out_not_any_embedding(tiny_sd):
+    """Review of the merge that left out of ``unwatched_parameters`` the embeddings beside LoRA
+    adapters: it left out every ``nn.Embedding`` of a model whose adapters an optimizer holds, so a
+    UNet's class embedding made trainable to learn new classes and left out of the optimizer (it
+    never changes) was silent. Only the input embeddings (a CLIP text encoder's token and position
+    embeddings, which diffusers' scripts set trainable) are left out."""
+    unet = _ClassConditioned().requires_grad_(True)
+    unet.to_q.base.requires_grad_(False)
+    optimizer = torch.optim.SGD([p for n, p in unet.named_parameters() if "lora_" in n], lr=0.1)
+    found = judge_coverage(WatchedModels.of(unet).parameters(), [optimizer], [], step=0, rank=0, watched_models=[unet])
+    assert found is not None and found.details == {
+        "not_optimized": {"count": 1, "groups": {"model class_embedding": 1}}
+    }
+    text_encoder = _with_lora(tiny_sd[1], ("self_attn",), ("q_proj", "v_proj"))
+    (embeddings,) = [m for m in text_encoder.modules() if hasattr(m, "token_embedding")]  # CLIPTextEmbeddings
+    embeddings.requires_grad_(True)  # as diffusers' scripts: text_model.embeddings.requires_grad_(True)
+    held = [p for n, p in text_encoder.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.SGD(held, lr=0.1)
+    params = WatchedModels.of(text_encoder).parameters()
+    assert len([p for p in params.params if p.requires_grad]) == len(held) + 2  # token and position embeddings
+    assert judge_coverage(params, [optimizer], [], step=0, rank=0, watched_models=[text_encoder]) is None
 
 
 def test_a_parameter_held_by_no_module_is_counted_as_such():

@@ -72,12 +72,11 @@ _WEIGHTS_EXPLAIN = ("nonfinite_loss", "nonfinite", "nonfinite_input")
 
 def at_trained_arguments(anomaly: Anomaly) -> bool:
     """Whether ``anomaly`` is a ``nonfinite_input`` seen first at a trained model's argument (launch's
-    ``unet(encoder_hidden_states)``), neither the batch (``batch[...]``, ``inputs[...]``) nor a frozen
-    model's output (its component): a trained text encoder made it when its weights are non-finite."""
-    if anomaly.kind != "nonfinite_input" or anomaly.component != "input":
-        return False
-    seen = anomaly.details.get("inputs") or [""]
-    return bool(seen[0]) and not seen[0].startswith(("batch", "inputs"))
+    ``unet(encoder_hidden_states)``, ``details["trained_argument"]``), neither the batch
+    (``batch[...]``, ``inputs[...]``) nor a frozen model's output (its component) nor a frozen
+    model's argument (``vae.encoder(input)``: counted before any trained forward of its micro-step):
+    a trained text encoder made it when its weights are non-finite."""
+    return anomaly.kind == "nonfinite_input" and anomaly.details.get("trained_argument") is True
 
 
 def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:

@@ -2,7 +2,7 @@
 monitored call that has an optimizer: trainable parameters an optimizer holds outside the
 watched model(s) (their NaN gradients and updates go unseen, or surface a step later on the
 watched ones), and watched trainable parameters no optimizer holds (they never change; not the
-input embeddings of a model whose LoRA adapters an optimizer holds, trainable for gradient
+input embeddings (``get_input_embeddings()``) of a model whose LoRA adapters an optimizer holds, trainable for gradient
 checkpointing in diffusers' DreamBooth LoRA scripts). Both
 are named in ONE ``unwatched_parameters`` warning, grouped by model and module prefix.
 
@@ -158,19 +158,37 @@ def judge_coverage(
 
 
 def _embeddings_beside_adapters(models: Iterable[nn.Module], held: dict[int, torch.Tensor]) -> set[int]:
-    """The parameters (by ``id``) of the ``nn.Embedding`` modules of each watched model whose LoRA
-    adapters (``lora_`` in their names) an optimizer holds: diffusers' SDXL, Flux and SD3 DreamBooth
-    LoRA scripts set a text encoder's input embeddings trainable so that gradient checkpointing has
-    an input that requires grad, and train its adapters only; those embeddings stay as they are on
-    purpose."""
+    """The parameters (by ``id``) of the input embeddings of each watched model whose LoRA adapters
+    (``lora_`` in their names) an optimizer holds: diffusers' SDXL, Flux and SD3 DreamBooth LoRA
+    scripts set a text encoder's input embeddings trainable so that gradient checkpointing has an
+    input that requires grad, and train its adapters only; those embeddings stay as they are on
+    purpose. Not any other ``nn.Embedding`` (a UNet's class embedding made trainable and left out of
+    the optimizer is a mistake, named)."""
     beside: set[int] = set()
     for model in models:
         inner = unwrap_model(model)
         if any("lora_" in name and id(p) in held for name, p in inner.named_parameters()):
-            for module in inner.modules():
-                if isinstance(module, nn.Embedding):
-                    beside.update(id(p) for p in module.parameters(recurse=False))
+            for module in _input_embeddings(inner):
+                beside.update(id(p) for p in module.parameters(recurse=False))
     return beside
+
+
+def _input_embeddings(model: nn.Module) -> list[nn.Module]:
+    """A transformers model's input embeddings (``get_input_embeddings()``), with the ``nn.Embedding``
+    modules beside it in its own parent (CLIP's position embedding: diffusers' scripts set
+    ``text_model.embeddings`` trainable) unless that parent is the model itself; none for a model
+    without them (a diffusers UNet or transformer)."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        token = get() if callable(get) else None
+    except Exception:  # NotImplementedError: a model without input embeddings
+        return []
+    if not isinstance(token, nn.Module):
+        return []
+    parent = next((m for m in model.modules() if any(c is token for c in m.children())), model)
+    if parent is model:
+        return [token]
+    return [token, *(c for c in parent.children() if c is not token and isinstance(c, nn.Embedding))]
 
 
 def _described(names: list[tuple[str, str]]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from ...memory import growth_mb
 from ...probes import BackwardOrder
 from ...record import Anomaly, make_anomaly, rebuilt
 from ..measure.gradients import TrainableParameters
+from ..measure.loss import TRAINED_ARGUMENT
 from ..measure.step_row import SKIPPED_BY_DEEPSPEED, StepRow
 from .loss_spikes import LossSpikeDetector
 from .trends import LossTrend, judge_trend
@@ -473,7 +474,8 @@ def name_inputs(anomaly: Anomaly, counts: dict[str, float], producers: dict[str,
     if bad:
         details["first_input_values"] = int(counts[bad[0]])
     made_by = (producers or {}).get(bad[0]) if bad else None
-    if made_by is None:
+    if made_by is None or made_by == TRAINED_ARGUMENT:  # seen first at a trained model's argument: its weights'?
+        details.update({"trained_argument": True} if made_by else {})
         return rebuilt(anomaly, parameter=bad[0] if bad else None, details=details)
     component, module, *weights = made_by
     found = weights[0]() if weights and weights[0] is not None else None  # its weights, read on this step only

@@ -190,13 +190,21 @@ class LossAccumulator:
         return self.loss_sum if self.count == 1 else self.loss_sum / self.count
 
 
+TRAINED_ARGUMENT: tuple = ("", "", "a trained model's argument")
+"""``CountedInputs.producers``' value for a path that is a trained model's argument (launch counts
+its first forward under grad of each micro-step): a NaN seen first there may be a trained text
+encoder's output, made by its non-finite weights; one seen first at a frozen model's argument,
+counted only before any trained forward, never is."""
+
+
 class CountedInputs(dict):
     """Inputs counted where they were seen (``diffusion-debug launch`` counts the batch, the trained
     model's arguments and the frozen models' outputs as the script makes them): path -> NaN/Inf
     count, a device scalar, in the order they were made. ``producers`` names the paths that are a
     frozen model's output from finite inputs, ``{path: (component, module[, weights])}``: when the
     first non-finite path is one of them, that model made the NaN (``nonfinite_input`` names it,
-    and the weight that ``weights()`` reads, ``(name, count)``, when one holds NaN/Inf)."""
+    and the weight that ``weights()`` reads, ``(name, count)``, when one holds NaN/Inf); a trained
+    model's argument is :data:`TRAINED_ARGUMENT` there."""
 
     def __init__(self, counts: dict[str, torch.Tensor], producers: dict[str, tuple] | None = None):
         super().__init__(counts)
