@@ -248,6 +248,55 @@ def test_a_compiled_ddp_model_of_torch_s_own_class_stays_uncompiled_as_in_the_pl
     assert graphs[1] == graphs[0] and graphs[0][0] == 0
 
 
+def _compiled_after_watch(unet, watched, one_rank_group):
+    """Two steps of a DDP UNet compiled (aot_eager) after launch watched it (the script's
+    ``model = accelerator.prepare(model); model = torch.compile(model)``): the outputs and gradients,
+    dynamo's graph count, its graph breaks, and the counts of the watched run's steps."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ddp = torch.nn.parallel.DistributedDataParallel(unet)
+    watch = InputWatch()
+    if watched:
+        watch.watch_trained(ddp, "unet")  # at prepare
+    trained = torch.compile(ddp, backend="aot_eager")
+    out, counted = [], []
+    try:
+        for batch in _batches(2, nan_pixel_at=1):
+            prediction = trained(batch["pixel_values"], torch.ones(2, 3, 16))
+            prediction.square().mean().backward()
+            watch.end_backward()
+            out.append(prediction.detach())
+            counted.append({path: int(count) for path, count in (watch.take() or {}).items()})
+    finally:
+        watch.remove()
+    graphs = counters["stats"]["unique_graphs"]
+    return out + [p.grad.clone() for p in unet.parameters()], graphs, dict(counters["graph_break"]), counted
+
+
+def test_a_ddp_model_compiled_after_it_was_watched_gets_no_graph_break_and_is_counted_at_the_wrapper(
+    models, one_rank_group
+):
+    """DDP prepared, then compiled by the script: the watch, told of the wrapper as ``torch.compile``
+    makes it (before its first call), moves the trained model's hook from DDP to the wrapper, whose
+    hooks run before the compiled code: the arguments are counted there, by the UNet's names, and
+    dynamo's graphs and graph breaks are the plain run's, the run bitwise. Before, the pre-hook on DDP
+    made dynamo trace DDP's own Python: 4 graph breaks for the plain run's 3."""
+    _, unet = models
+    state = {k: v.clone() for k, v in unet.state_dict().items()}
+    plain, plain_graphs, plain_breaks, _ = _compiled_after_watch(unet, False, one_rank_group)
+    unet.load_state_dict(state)
+    unet.zero_grad(set_to_none=True)
+    watched, graphs, breaks, counted = _compiled_after_watch(unet, True, one_rank_group)
+    assert (graphs, breaks) == (plain_graphs, plain_breaks)
+    assert all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(watched, plain))  # bitwise
+    assert counted == [
+        {"unet(sample)": 0, "unet(encoder_hidden_states)": 0},
+        {"unet(sample)": 1, "unet(encoder_hidden_states)": 0},
+    ]
+
+
 def test_ddp_around_a_compiled_model_names_its_arguments_by_the_model_s_forward(models, one_rank_group):
     """DDP around ``torch.compile(model)`` (Accelerate's prepare of a model the script compiled first):
     the arguments are counted at DDP, named by the trained model's ``forward``. Before, by the compile
