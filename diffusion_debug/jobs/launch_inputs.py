@@ -103,6 +103,8 @@ class InputWatch:
         self._trained: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         """By trained model watched: its name and the handle of its pre-hook (moved to a wrapper made later)."""
         self._compile_seam: Any = None
+        self._frozen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """By frozen model watched: its root's two hooks, their handles (moved to a wrapper made later)."""
         self._wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         """By trained model: a weak reference to what ``torch.compile`` made around it after it was watched."""
         self._inner: weakref.WeakSet = weakref.WeakSet()
@@ -186,9 +188,19 @@ class InputWatch:
         to the wrapper, whose hooks run before the compiled code (:meth:`watch_trained`), so launch's first
         training call (the debugger made, its hooks registered) comes there, before dynamo traces the
         model: no recompile, and no hook left on DDP (dynamo would trace its Python: a graph break). The
-        model itself keeps one that tells inference (validation on it, eagerly), unless it is torch's own."""
+        model itself keeps one that tells inference (validation on it, eagerly), unless it is torch's own.
+        A frozen model watched already: its root's hooks move to the wrapper (its call counted there, before
+        the compiled code), its children's stay (``vae.encode`` runs eagerly); no hook is added later."""
         found = self._trained.pop(model, None)
         if found is None:
+            hooks = self._frozen.pop(model, None)
+            if hooks is not None:  # its root's hooks move to the wrapper (its children's stay: vae.encode)
+                enter, leave, *handles = hooks
+                for handle in handles:
+                    handle.remove()
+                self._watched.add(wrapper)
+                self._handles.append(wrapper.register_forward_pre_hook(enter, with_kwargs=True))
+                self._handles.append(wrapper.register_forward_hook(leave, with_kwargs=True, always_call=True))
             return
         name, handle = found
         handle.remove()
@@ -228,8 +240,12 @@ class InputWatch:
             if self.open and self.error is None:
                 self._guarded(lambda: self._frozen_call(name, "", inner, args, kwargs, output))
 
-        self._handles.append(model.register_forward_pre_hook(enter, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(leave, with_kwargs=True, always_call=True))
+        handles = (
+            model.register_forward_pre_hook(enter, with_kwargs=True),
+            model.register_forward_hook(leave, with_kwargs=True, always_call=True),
+        )
+        self._handles.extend(handles)
+        self._frozen[model] = (enter, leave, *handles)
         for child_name, child in inner.named_children():
 
             def child_call(module: nn.Module, args: tuple, kwargs: dict, output: Any, child_name=child_name) -> None:

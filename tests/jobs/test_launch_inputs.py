@@ -297,6 +297,61 @@ def test_a_ddp_model_compiled_after_it_was_watched_gets_no_graph_break_and_is_co
     ]
 
 
+class _Encoder(torch.nn.Module):
+    """A frozen text encoder of the script's class (torch's own would have its hooks traced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(64, 16).requires_grad_(False)
+
+    def forward(self, ids):
+        return self.embedding(ids)
+
+
+def test_models_compiled_after_they_were_watched_are_counted_with_the_plain_run_s_graphs(models):
+    """The script compiles its trained and its frozen model after ``prepare`` (launch watched both):
+    the trained model's hook moves to its wrapper as torch.compile makes it, the frozen one keeps its
+    own (it runs before the compiled ``forward``) and its wrapper gets none, so what the watch adds
+    after the first call (launch's look at the script's models at the first ``backward``) adds nothing
+    dynamo guards on: the plain run's graphs and breaks, bitwise, both models' calls counted. Before,
+    the frozen model's wrapper got hooks on the model's children there: a recompile (3 graphs for 2)."""
+    from torch._dynamo.utils import counters
+
+    _, unet = models
+    text_encoder = _Encoder()
+    state = {k: v.clone() for k, v in unet.state_dict().items()}
+    runs = []
+    for watched in (False, True):
+        unet.load_state_dict(state)
+        unet.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        counters.clear()
+        watch = InputWatch()
+        if watched:  # at prepare
+            watch.watch_trained(unet, "unet")
+            watch.watch_frozen(text_encoder, "text_encoder")
+        trained, frozen = torch.compile(unet, backend="aot_eager"), torch.compile(text_encoder, backend="aot_eager")
+        out, counted = [], []
+        try:
+            for step, batch in enumerate(_batches(3)):
+                prediction = trained(batch["pixel_values"], frozen(batch["input_ids"]))
+                prediction.square().mean().backward()
+                if watched and step == 0:  # at the first backward: what the script holds now
+                    watch.watch_trained(trained, "unet")
+                    watch.watch_frozen(frozen, "text_encoder")
+                watch.end_backward()
+                out.append(prediction.detach())
+                counted.append(sorted(watch.take() or {}))
+        finally:
+            watch.remove()
+        grads = [p.grad.clone() for p in unet.parameters()]
+        runs.append((out + grads, counters["stats"]["unique_graphs"], dict(counters["graph_break"]), counted))
+    (plain, plain_graphs, plain_breaks, _), (watched, graphs, breaks, counted) = runs
+    assert (graphs, breaks) == (plain_graphs, plain_breaks)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+    assert counted == [["text_encoder(...)", "unet(encoder_hidden_states)", "unet(sample)"]] * 3
+
+
 def test_ddp_around_a_compiled_model_names_its_arguments_by_the_model_s_forward(models, one_rank_group):
     """DDP around ``torch.compile(model)`` (Accelerate's prepare of a model the script compiled first):
     the arguments are counted at DDP, named by the trained model's ``forward``. Before, by the compile
