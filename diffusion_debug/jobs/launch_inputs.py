@@ -30,7 +30,11 @@ seen only through the trained model's arguments; a model called compiled (``torc
 they ran there would break the graph, or fall back to eager, and change the numbers the script gets):
 a trained model's arguments, and a frozen model's call, are counted at what ``torch.compile``
 returned, when the script holds it in a variable (its hooks run before the compiled code), not under
-``model.compile()`` nor where the script holds only the model it compiled.
+``model.compile()`` nor where the script holds only the model it compiled. A model compiled after it
+was watched (after ``accelerator.prepare``) is seen as ``torch.compile`` makes the wrapper
+(:meth:`InputWatch.compiled`): its hooks move to the wrapper before its first call, and launch's
+debugger watches the wrapper (:meth:`InputWatch.compiled_as`), so nothing is hooked after dynamo traced
+it (a recompile) and nothing on DDP (whose Python dynamo would trace: a graph break).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """launch_inputs: what `diffusion-debug launch` counts on its way to the trained model (the batch,
 a frozen text encoder's output, the trained model's arguments), in-process with a real tiny CLIP
-text encoder; the launched scripts themselves are in test_launch.py."""
+text encoder; the launched scripts themselves are in test_launch.py. Long because each way a script
+holds its models (compiled before or after launch watched them, DDP, validation) is checked here on
+the same fixtures, in-process."""
 
 import pytest
 import torch
