@@ -30,7 +30,11 @@ seen only through the trained model's arguments; a model called compiled (``torc
 they ran there would break the graph, or fall back to eager, and change the numbers the script gets):
 a trained model's arguments, and a frozen model's call, are counted at what ``torch.compile``
 returned, when the script holds it in a variable (its hooks run before the compiled code), not under
-``model.compile()`` nor where the script holds only the model it compiled.
+``model.compile()`` nor where the script holds only the model it compiled. A model compiled after it
+was watched (after ``accelerator.prepare``) is seen as ``torch.compile`` makes the wrapper
+(:meth:`InputWatch.compiled`): its hooks move to the wrapper before its first call, and launch's
+debugger watches the wrapper (:meth:`InputWatch.compiled_as`), so nothing is hooked after dynamo traced
+it (a recompile) and nothing on DDP (whose Python dynamo would trace: a graph break).
 """
 
 from __future__ import annotations
@@ -67,6 +71,11 @@ def _path(prefix: str, keys: tuple[Any, ...]) -> str:
     return prefix + "".join(f"[{key!r}]".replace("'", '"') for key in keys)
 
 
+def _torch_own(module: nn.Module) -> bool:
+    """One of torch's own module classes (DDP, ``nn.Sequential``): hooked, dynamo traces its Python."""
+    return type(module).__module__.startswith(("torch.nn.", "torch.ao."))
+
+
 def _countable(t: torch.Tensor) -> bool:
     return (t.is_floating_point() or t.is_complex()) and not t.is_meta and t.layout is torch.strided
 
@@ -95,6 +104,13 @@ class InputWatch:
         self._inside: set[int] = set()
         self._handles: list[Any] = []
         self._watched: weakref.WeakSet = weakref.WeakSet()
+        self._trained: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """By trained model watched: its name and the handle of its pre-hook (moved to a wrapper made later)."""
+        self._compile_seam: Any = None
+        self._frozen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """By frozen model watched: its root's two hooks, their handles (moved to a wrapper made later)."""
+        self._wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """By trained model: a weak reference to what ``torch.compile`` made around it after it was watched."""
         self._inner: weakref.WeakSet = weakref.WeakSet()
         """The models inside a watched wrapper (DDP's, ``torch.compile``'s) whose call without grad is inference."""
         self._loaders: weakref.WeakSet = weakref.WeakSet()
@@ -105,7 +121,7 @@ class InputWatch:
         """By frozen model: what reads its first non-finite weight (on the step that names it)."""
 
     # -- what is watched -------------------------------------------------------------------------
-    def watch_trained(self, model: nn.Module, name: str) -> None:
+    def watch_trained(self, model: nn.Module, name: str, compiled: nn.Module | None = None) -> None:
         """The trained model's arguments at its first forward under grad of each micro-step. A call
         without grad (validation: a pipeline runs the model under ``no_grad``, the unwrapped one
         under DDP) is inference: what the frozen models made for it, or make after it (the VAE's
@@ -118,8 +134,15 @@ class InputWatch:
         if model in self._watched:
             return
         self._watched.add(model)
-        wrapper = compile_wrapper(model)
-        inner = model._orig_mod if wrapper else model
+        if self._compile_seam is None:  # torch.compile(model) made after this: see compiled()
+            from torch.nn.modules.module import register_module_module_registration_hook
+
+            self._compile_seam = register_module_module_registration_hook(self._registered)
+            self._handles.append(self._compile_seam)
+        if compiled is None and compile_wrapper(model):
+            compiled = model._orig_mod  # (given while torch.compile makes the wrapper: it is not set yet)
+        wrapper = compiled is not None
+        inner = compiled if wrapper else model
         inner = getattr(inner, "module", inner)
         named = inner._orig_mod if compile_wrapper(inner) else inner  # DDP around torch.compile's: its model's names
 
@@ -136,17 +159,68 @@ class InputWatch:
                 self.ran.add(id(module))
                 self.open = False
 
-        def inner_before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not compiling() and not torch.is_grad_enabled():
-                self._inference()
-
-        self._handles.append(model.register_forward_pre_hook(before, with_kwargs=True))
+        handle = model.register_forward_pre_hook(before, with_kwargs=True)
+        self._handles.append(handle)
+        self._trained[model] = (name, handle)
         # once (a wrapper's DDP is watched too, or the model inside it itself); not torch's own module class
         # inside a wrapper: a hook makes dynamo compile its forward when DDP calls it (trace_rules), not the script
-        inbuilt = wrapper and type(inner).__module__.startswith(("torch.nn.", "torch.ao."))
-        if inner is not model and not inbuilt and inner not in self._inner and inner not in self._watched:
+        if (
+            inner is not model
+            and not (wrapper and _torch_own(inner))
+            and inner not in self._inner
+            and inner not in self._watched
+        ):
             self._inner.add(inner)
-            self._handles.append(inner.register_forward_pre_hook(inner_before, with_kwargs=True))
+            self._handles.append(inner.register_forward_pre_hook(self._inner_before, with_kwargs=True))
+
+    def _inner_before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not compiling() and not torch.is_grad_enabled():
+            self._inference()
+
+    def _registered(self, module: nn.Module, name: str, child: Any) -> None:
+        if (
+            name == "_orig_mod"
+            and not compiling()
+            and self.error is None
+            and type(module).__name__ == "OptimizedModule"
+        ):
+            self._guarded(lambda: self.compiled(module, child))
+
+    def compiled(self, wrapper: nn.Module, model: nn.Module) -> None:
+        """``torch.compile`` made ``wrapper`` around a trained model watched already (the script compiles
+        after ``accelerator.prepare``), as it makes it, before its first call: the model's pre-hook moves
+        to the wrapper, whose hooks run before the compiled code (:meth:`watch_trained`), so launch's first
+        training call (the debugger made, its hooks registered) comes there, before dynamo traces the
+        model: no recompile, and no hook left on DDP (dynamo would trace its Python: a graph break). The
+        model itself keeps one that tells inference (validation on it, eagerly), unless it is torch's own.
+        A frozen model watched already: its root's hooks move to the wrapper (its call counted there, before
+        the compiled code), its children's stay (``vae.encode`` runs eagerly); no hook is added later."""
+        found = self._trained.pop(model, None)
+        if found is None:
+            hooks = self._frozen.pop(model, None)
+            if hooks is not None:  # its root's hooks move to the wrapper (its children's stay: vae.encode)
+                enter, leave, *handles = hooks
+                for handle in handles:
+                    handle.remove()
+                self._watched.add(wrapper)
+                self._handles.append(wrapper.register_forward_pre_hook(enter, with_kwargs=True))
+                self._handles.append(wrapper.register_forward_hook(leave, with_kwargs=True, always_call=True))
+            return
+        name, handle = found
+        handle.remove()
+        self._wrappers[model] = weakref.ref(wrapper)
+        self.watch_trained(wrapper, name, model)
+        if not _torch_own(model) and model not in self._inner:
+            self._inner.add(model)
+            self._handles.append(model.register_forward_pre_hook(self._inner_before, with_kwargs=True))
+
+    def compiled_as(self, model: nn.Module) -> nn.Module:
+        """What the script compiled ``model`` into after it was watched (:meth:`compiled`), else ``model``:
+        the debugger watches that, whose hooks run before the compiled code (on DDP, a hook of the
+        debugger's would make dynamo trace DDP's Python: a graph break the plain run does not have)."""
+        ref = self._wrappers.get(model)
+        wrapper = ref() if ref is not None else None
+        return model if wrapper is None else wrapper
 
     def watch_frozen(self, model: nn.Module, name: str) -> None:
         """A frozen model's calls (its root's, else its direct children's: ``vae.encode``). ``model`` may be
@@ -170,8 +244,12 @@ class InputWatch:
             if self.open and self.error is None:
                 self._guarded(lambda: self._frozen_call(name, "", inner, args, kwargs, output))
 
-        self._handles.append(model.register_forward_pre_hook(enter, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(leave, with_kwargs=True, always_call=True))
+        handles = (
+            model.register_forward_pre_hook(enter, with_kwargs=True),
+            model.register_forward_hook(leave, with_kwargs=True, always_call=True),
+        )
+        self._handles.extend(handles)
+        self._frozen[model] = (enter, leave, *handles)
         for child_name, child in inner.named_children():
 
             def child_call(module: nn.Module, args: tuple, kwargs: dict, output: Any, child_name=child_name) -> None:
@@ -208,6 +286,7 @@ class InputWatch:
         ours stays, ours inside it passing through); an iteration already running counts nothing more."""
         while self._handles:
             self._handles.pop().remove()
+        self._compile_seam = None
         self._loaders.clear()
         for kind, (own, ours) in self._classes.items():
             put_back(kind, "__iter__", ours, own)

@@ -710,7 +710,8 @@ class LaunchWatch:
     def _make_debugger(self) -> Any:
         from ..training import TrainingDebugger
 
-        models, accelerator, config = _model_names(self.models), self.accelerator, self.config
+        models = _model_names([self.inputs.compiled_as(model) for model in self.models])
+        accelerator, config = self.accelerator, self.config
         self._making = True
         try:
             return self.early.hand_over(lambda: TrainingDebugger(models, accelerator=accelerator, config=config))

@@ -1,6 +1,8 @@
 """launch_inputs: what `diffusion-debug launch` counts on its way to the trained model (the batch,
 a frozen text encoder's output, the trained model's arguments), in-process with a real tiny CLIP
-text encoder; the launched scripts themselves are in test_launch.py."""
+text encoder; the launched scripts themselves are in test_launch.py. Long because each way a script
+holds its models (compiled before or after launch watched them, DDP, validation) is checked here on
+the same fixtures, in-process."""
 
 import pytest
 import torch
@@ -246,6 +248,110 @@ def test_a_compiled_ddp_model_of_torch_s_own_class_stays_uncompiled_as_in_the_pl
         watch.remove()
         graphs.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
     assert graphs[1] == graphs[0] and graphs[0][0] == 0
+
+
+def _compiled_after_watch(unet, watched, one_rank_group):
+    """Two steps of a DDP UNet compiled (aot_eager) after launch watched it (the script's
+    ``model = accelerator.prepare(model); model = torch.compile(model)``): the outputs and gradients,
+    dynamo's graph count, its graph breaks, and the counts of the watched run's steps."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ddp = torch.nn.parallel.DistributedDataParallel(unet)
+    watch = InputWatch()
+    if watched:
+        watch.watch_trained(ddp, "unet")  # at prepare
+    trained = torch.compile(ddp, backend="aot_eager")
+    out, counted = [], []
+    try:
+        for batch in _batches(2, nan_pixel_at=1):
+            prediction = trained(batch["pixel_values"], torch.ones(2, 3, 16))
+            prediction.square().mean().backward()
+            watch.end_backward()
+            out.append(prediction.detach())
+            counted.append({path: int(count) for path, count in (watch.take() or {}).items()})
+    finally:
+        watch.remove()
+    graphs = counters["stats"]["unique_graphs"]
+    return out + [p.grad.clone() for p in unet.parameters()], graphs, dict(counters["graph_break"]), counted
+
+
+def test_a_ddp_model_compiled_after_it_was_watched_gets_no_graph_break_and_is_counted_at_the_wrapper(
+    models, one_rank_group
+):
+    """DDP prepared, then compiled by the script: the watch, told of the wrapper as ``torch.compile``
+    makes it (before its first call), moves the trained model's hook from DDP to the wrapper, whose
+    hooks run before the compiled code: the arguments are counted there, by the UNet's names, and
+    dynamo's graphs and graph breaks are the plain run's, the run bitwise. Before, the pre-hook on DDP
+    made dynamo trace DDP's own Python: 4 graph breaks for the plain run's 3."""
+    _, unet = models
+    state = {k: v.clone() for k, v in unet.state_dict().items()}
+    plain, plain_graphs, plain_breaks, _ = _compiled_after_watch(unet, False, one_rank_group)
+    unet.load_state_dict(state)
+    unet.zero_grad(set_to_none=True)
+    watched, graphs, breaks, counted = _compiled_after_watch(unet, True, one_rank_group)
+    assert (graphs, breaks) == (plain_graphs, plain_breaks)
+    assert all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(watched, plain))  # bitwise
+    assert counted == [
+        {"unet(sample)": 0, "unet(encoder_hidden_states)": 0},
+        {"unet(sample)": 1, "unet(encoder_hidden_states)": 0},
+    ]
+
+
+class _Encoder(torch.nn.Module):
+    """A frozen text encoder of the script's class (torch's own would have its hooks traced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(64, 16).requires_grad_(False)
+
+    def forward(self, ids):
+        return self.embedding(ids)
+
+
+def test_models_compiled_after_they_were_watched_are_counted_with_the_plain_run_s_graphs(models):
+    """The script compiles its trained and its frozen model after ``prepare`` (launch watched both):
+    the trained model's hook moves to its wrapper as torch.compile makes it, the frozen one keeps its
+    own (it runs before the compiled ``forward``) and its wrapper gets none, so what the watch adds
+    after the first call (launch's look at the script's models at the first ``backward``) adds nothing
+    dynamo guards on: the plain run's graphs and breaks, bitwise, both models' calls counted. Before,
+    the frozen model's wrapper got hooks on the model's children there: a recompile (3 graphs for 2)."""
+    from torch._dynamo.utils import counters
+
+    _, unet = models
+    text_encoder = _Encoder()
+    state = {k: v.clone() for k, v in unet.state_dict().items()}
+    runs = []
+    for watched in (False, True):
+        unet.load_state_dict(state)
+        unet.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        counters.clear()
+        watch = InputWatch()
+        if watched:  # at prepare
+            watch.watch_trained(unet, "unet")
+            watch.watch_frozen(text_encoder, "text_encoder")
+        trained, frozen = torch.compile(unet, backend="aot_eager"), torch.compile(text_encoder, backend="aot_eager")
+        out, counted = [], []
+        try:
+            for step, batch in enumerate(_batches(3)):
+                prediction = trained(batch["pixel_values"], frozen(batch["input_ids"]))
+                prediction.square().mean().backward()
+                if watched and step == 0:  # at the first backward: what the script holds now
+                    watch.watch_trained(trained, "unet")
+                    watch.watch_frozen(frozen, "text_encoder")
+                watch.end_backward()
+                out.append(prediction.detach())
+                counted.append(sorted(watch.take() or {}))
+        finally:
+            watch.remove()
+        grads = [p.grad.clone() for p in unet.parameters()]
+        runs.append((out + grads, counters["stats"]["unique_graphs"], dict(counters["graph_break"]), counted))
+    (plain, plain_graphs, plain_breaks, _), (watched, graphs, breaks, counted) = runs
+    assert (graphs, breaks) == (plain_graphs, plain_breaks)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+    assert counted == [["text_encoder(...)", "unet(encoder_hidden_states)", "unet(sample)"]] * 3
 
 
 def test_ddp_around_a_compiled_model_names_its_arguments_by_the_model_s_forward(models, one_rank_group):

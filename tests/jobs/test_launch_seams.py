@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -685,6 +686,84 @@ def test_a_compiled_models_nan_input_is_named_at_the_compiled_call_and_the_run_i
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.component, first.step) == ("nonfinite_input", "input", 1)
     assert first.details["inputs"] == ["compiled(input)"]
+
+
+class _Net(torch.nn.Module):
+    """``_model``'s layers in a class of the script's own (DDP around one of torch's is not compiled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = _model()
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _compiled_after_prepare_loop(make: Callable[[], torch.nn.Module]) -> tuple[list[float], list[torch.Tensor], tuple]:
+    """An Accelerate loop that compiles its model after ``prepare`` (``model = accelerator.prepare(model);
+    model = torch.compile(model)``), 3 steps, its input NaN at step 1: its losses, final weights, and
+    dynamo's graph count and graph breaks."""
+    import accelerate
+    from accelerate.state import AcceleratorState, GradientState
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = make()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model = torch.compile(model, backend="aot_eager")
+    losses = []
+    for step in range(3):
+        x = X.clone()
+        if step == 1:
+            x[0, 1] = float("nan")
+        loss = model(x).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    counted = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    return losses, [p.detach().clone() for p in model.parameters()], counted
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its_nan_input_is_named(
+    tmp_path, torch_own, monkeypatch, ddp, request
+):
+    """``torch.compile`` after ``accelerator.prepare``: launch is told of the wrapper as torch.compile
+    makes it and watches it in place of the prepared model, so the debugger is made at its first call
+    (its hooks run before the compiled code) and everything is registered before dynamo traces: the
+    plain run's graphs and graph breaks, the run bitwise, the NaN input named at its step. Before, the
+    debugger was made at the first ``backward``, after the first compiled call: its hooks failed
+    dynamo's guards on an ``nn.Sequential`` (torch's own class: dynamo traces its hooks), 2 graphs for
+    1; with DDP (a gloo group of one rank; its hooks traced too) around a model of the script's class,
+    the pre-hooks of launch and of its debugger on DDP made dynamo trace DDP's Python: 4 graph breaks
+    for the plain run's 3."""
+    import accelerate
+
+    if ddp:
+        request.getfixturevalue("one_rank_group")
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("MASTER_PORT", "29500")  # the group is made already: accelerate joins none
+    own_prepare = accelerate.Accelerator.prepare
+    try:
+        (plain_losses, plain, plain_graphs), (losses, watched, graphs), run = _plain_then_watched(
+            tmp_path, functools.partial(_compiled_after_prepare_loop, _Net if ddp else _model)
+        )
+    finally:
+        accelerate.Accelerator.prepare = own_prepare
+    assert graphs == plain_graphs == ((1, 3) if ddp else (1, 0))
+    same = functools.partial(torch.allclose, rtol=0, atol=0, equal_nan=True)
+    assert same(torch.tensor(losses), torch.tensor(plain_losses)) and all(map(same, watched, plain))
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.component, first.step) == ("nonfinite_input", "input", 1)
+    assert first.details["inputs"] == ["model(x)" if ddp else "model(input)"]
 
 
 def test_fsdps_sharded_grad_scaler_s_own_scale_gives_the_loss_it_scaled(torch_own):
