@@ -402,7 +402,9 @@ class StepPipeline(CallEvents):
             # what the step's readings call for, decided once (nothing on a clean step: its latents' warnings at most)
             latents, finite = values.stats.get("latents"), values.output_finite  # (is_finite inline: at every step)
             bad = latents is not None and (latents.nan or latents.posinf or latents.neginf)
-            if self.probes.compiled and finite:  # nothing read inside a compiled denoiser: its output's, in the row
+            # nothing read inside a compiled denoiser: its output's, in the row (past MAX_UNSTEPPED_CALLS calls
+            # each was checked on its own, the row's last one too: CallEvents.check_call)
+            if self.probes.compiled and finite and extra["denoiser_calls"] <= rows.MAX_UNSTEPPED_CALLS:
                 output, fraction = values.stats.get("model_output"), self.config.overflow_fraction
                 for stats in values.earlier if output is None else (*values.earlier, output):
                     if stats.dtype == "float16" and (stats.dtype_max_fraction or 0.0) >= fraction:

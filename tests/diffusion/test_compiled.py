@@ -361,4 +361,22 @@ def test_a_compiled_fp16_unet_whose_output_nears_overflow_is_warned_at_its_step_
         "run this component in bfloat16 or float32, or upcast this module."
     )
     assert not [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "debugger_error")]
+
+    # ten calls a step: the ninth and tenth are each checked on their own (MAX_UNSTEPPED_CALLS), and the
+    # step's row holds the tenth's output only: warned of once a checked call (2 a step), as the uncompiled
+    # UNet's conv_out is (its sentinel's readings taken by each call's check): not a third time by the row
+    # (the pipeline's call: its graph, not a recompile)
+    kw = dict(timestep_cond=None, cross_attention_kwargs=None, added_cond_kwargs=None, return_dict=False)
+    with dbg, torch.no_grad():
+        kw["encoder_hidden_states"] = torch.cat(pipe.encode_prompt("a cat", "cpu", 1, True)[::-1])
+        pipe.scheduler.set_timesteps(2)
+        noisy = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float16)
+        for t in pipe.scheduler.timesteps:
+            x = pipe.scheduler.scale_model_input(noisy, t)
+            outputs = [pipe.unet(x, t, **kw)[0] for _ in range(10)]
+            noisy = pipe.scheduler.step(torch.stack(outputs).mean(0), t, noisy).prev_sample
+    assert dynamo_counts() == before
+    (_, many) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert (many.component, many.module, many.step) == ("unet", "", 0)
+    assert (many.details["count"], many.details["last_step"]) == (4, 1)
     dbg.close()
