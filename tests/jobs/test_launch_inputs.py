@@ -354,6 +354,30 @@ def test_models_compiled_after_they_were_watched_are_counted_with_the_plain_run_
     assert counted == [["text_encoder(...)", "unet(encoder_hidden_states)", "unet(sample)"]] * 3
 
 
+def test_a_trained_model_compiled_for_validation_keeps_its_training_calls_counted(models):
+    """The script trains the model it prepared and compiles it only to validate (``torch.compile``'s
+    wrapper called under ``no_grad``, the model itself still trained): its training arguments stay
+    counted at every step, as before the compile."""
+    _, unet = models
+    text_encoder = _Encoder()
+    watch = InputWatch()
+    counted = []
+    try:
+        watch.watch_trained(unet, "unet")
+        for step, batch in enumerate(_batches(3)):
+            unet(batch["pixel_values"], text_encoder(batch["input_ids"])).square().mean().backward()
+            watch.end_backward()
+            counted.append(sorted(watch.take() or {}))
+            if step == 0:  # validation: a compiled copy of the trained model, run without grad
+                validated = torch.compile(unet, backend="aot_eager")
+                with torch.no_grad():
+                    validated(batch["pixel_values"], text_encoder(batch["input_ids"]))
+                watch.take()
+    finally:
+        watch.remove()
+    assert counted == [["unet(encoder_hidden_states)", "unet(sample)"]] * 3
+
+
 class UNet2DConditionModel(torch.nn.Linear):
     """Named by its class as launch names the script's models (``launched._model_names``)."""
 
