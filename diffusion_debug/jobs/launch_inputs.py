@@ -98,6 +98,9 @@ class InputWatch:
         its own counts with it (:meth:`take_earlier`), the others join the step's (:meth:`take`)."""
         self.error: BaseException | None = None
         """The first error of a hook: the watch stops there, and the run goes on."""
+        self.fresh = True
+        """No trained model has made a training call yet: one compiled after that (a copy to validate,
+        say) keeps its hook, its training calls counted (:meth:`compiled`)."""
         self.first_training_call: Callable[[], None] | None = None
         """Called once, as a trained model's first forward under grad begins (launch makes its debugger
         there: an out-of-memory error in step 0's forward is then step 0's); None once called."""
@@ -157,7 +160,7 @@ class InputWatch:
                     first()
                 self._guarded(lambda: self._arguments(name, named, args, kwargs, trained=True))
                 self.ran.add(id(module))
-                self.open = False
+                self.open = self.fresh = False
 
         handle = model.register_forward_pre_hook(before, with_kwargs=True)
         self._handles.append(handle)
@@ -195,6 +198,8 @@ class InputWatch:
         model itself keeps one that tells inference (validation on it, eagerly), unless it is torch's own.
         A frozen model watched already: its root's hooks move to the wrapper (its call counted there, before
         the compiled code), its children's stay (``vae.encode`` runs eagerly); no hook is added later."""
+        if not self.fresh and model in self._trained:  # compiled once training began (a copy to validate): as it is
+            return
         found = self._trained.pop(model, None)
         if found is None:
             hooks = self._frozen.pop(model, None)

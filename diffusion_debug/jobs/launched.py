@@ -138,7 +138,8 @@ def _model_names(models: list[nn.Module]) -> Any:
     roles = {"UNet2DConditionModel": "unet", "CLIPTextModel": "text_encoder", "T5EncoderModel": "text_encoder"}
     named: dict[str, nn.Module] = {}
     for model in models:
-        inner = getattr(model, "module", model)
+        inner = model._orig_mod if compile_wrapper(model) else model  # compiled after prepare: compiled_as
+        inner = getattr(inner, "module", inner)
         base = roles.get(type(inner).__name__, type(inner).__name__.lower())
         name, n = base, 2
         while name in named:

@@ -354,6 +354,55 @@ def test_models_compiled_after_they_were_watched_are_counted_with_the_plain_run_
     assert counted == [["text_encoder(...)", "unet(encoder_hidden_states)", "unet(sample)"]] * 3
 
 
+def test_a_trained_model_compiled_for_validation_keeps_its_training_calls_counted(models):
+    """The script trains the model it prepared and compiles it only to validate (``torch.compile``'s
+    wrapper called under ``no_grad``, the model itself still trained): its training arguments stay
+    counted at every step, as before the compile."""
+    _, unet = models
+    text_encoder = _Encoder()
+    watch = InputWatch()
+    counted = []
+    try:
+        watch.watch_trained(unet, "unet")
+        for step, batch in enumerate(_batches(3)):
+            unet(batch["pixel_values"], text_encoder(batch["input_ids"])).square().mean().backward()
+            watch.end_backward()
+            counted.append(sorted(watch.take() or {}))
+            if step == 0:  # validation: a compiled copy of the trained model, run without grad
+                validated = torch.compile(unet, backend="aot_eager")
+                with torch.no_grad():
+                    validated(batch["pixel_values"], text_encoder(batch["input_ids"]))
+                watch.take()
+    finally:
+        watch.remove()
+    assert counted == [["unet(encoder_hidden_states)", "unet(sample)"]] * 3
+
+
+class UNet2DConditionModel(torch.nn.Linear):
+    """Named by its class as launch names the script's models (``launched._model_names``)."""
+
+
+def test_models_compiled_after_they_were_watched_keep_their_names_in_launch_s_debugger(one_rank_group):
+    """Launch gives its debugger ``torch.compile``'s wrapper of a model compiled after ``prepare``
+    (:meth:`InputWatch.compiled_as`): its component keeps the model's name (``unet``), as without the
+    compile, on one process (the model itself inside) and under DDP. Before: ``optimizedmodule``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from diffusion_debug.jobs.launched import _model_names
+
+    unet, text_encoder = UNet2DConditionModel(2, 2), _Encoder()
+    for trained in (unet, DistributedDataParallel(unet)):
+        watch = InputWatch()
+        try:
+            watch.watch_trained(trained, "unet")
+            watch.watch_trained(text_encoder, "text_encoder")
+            compiled = torch.compile(trained, backend="aot_eager")
+            given = _model_names([watch.compiled_as(m) for m in (trained, text_encoder)])
+        finally:
+            watch.remove()
+        assert given == {"unet": compiled, "_encoder": text_encoder}
+
+
 def test_ddp_around_a_compiled_model_names_its_arguments_by_the_model_s_forward(models, one_rank_group):
     """DDP around ``torch.compile(model)`` (Accelerate's prepare of a model the script compiled first):
     the arguments are counted at DDP, named by the trained model's ``forward``. Before, by the compile

@@ -764,6 +764,9 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.component, first.step) == ("nonfinite_input", "input", 1)
     assert first.details["inputs"] == ["model(x)" if ddp else "model(input)"]
+    # the debugger watches the wrapper: its names are the model's own, as without the compile
+    named = {(a.component, a.module, a.parameter) for a in run.anomalies if a.parameter or a.module}
+    assert named and not any(w in f"{n}" for n in named for w in ("_orig_mod", "module.", "optimizedmodule"))
 
 
 def test_fsdps_sharded_grad_scaler_s_own_scale_gives_the_loss_it_scaled(torch_own):

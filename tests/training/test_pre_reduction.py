@@ -334,6 +334,10 @@ def test_the_prepared_wrapper_of_a_watched_model_is_found(one_rank_group):
 
     assert ddp_models([inner], Accelerator()) == [wrapper]
     assert ddp_models([wrapper], None) == [wrapper]
+    # compiled after accelerator.prepare (launch gives the debugger torch.compile's wrapper of DDP): DDP found inside
+    compiled = torch.compile(wrapper, backend="aot_eager")
+    assert ddp_models([compiled], None) == [wrapper]
+    assert ddp_models([compiled], Accelerator()) == [wrapper]
 
 
 class _Syncs(TorchDispatchMode):
@@ -824,7 +828,13 @@ def test_the_debugger_knows_which_engine_reduces_the_gradients_and_its_stall_pos
     sharded = _model()
     for module in (sharded[0], sharded[2], sharded):
         fully_shard(module)
-    for model, engine in ((DistributedDataParallel(_model()), "ddp"), (sharded, "fsdp2"), (_model(), "")):
+    compiled = torch.compile(DistributedDataParallel(_model()), backend="aot_eager")  # after prepare: DDP inside
+    for model, engine in (
+        (DistributedDataParallel(_model()), "ddp"),
+        (sharded, "fsdp2"),
+        (_model(), ""),
+        (compiled, "ddp"),
+    ):
         with TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False)) as tdbg:
             assert (engine_of(tdbg.params, [model]), tdbg._liveness.position.engine) == (engine, engine)
 
