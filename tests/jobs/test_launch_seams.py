@@ -41,10 +41,15 @@ def _no_report_html(monkeypatch):
 
 @pytest.fixture
 def torch_own():
-    """torch's own ``backward`` functions, put back after the test whatever it left."""
+    """torch's own ``backward`` functions, put back after the test whatever it left (and
+    Accelerate's own ``Accelerator.prepare``, which a watch's install wraps)."""
+    import accelerate
+
     own = torch.Tensor.backward, torch.autograd.backward
+    prepare = accelerate.Accelerator.prepare
     yield own
     torch.Tensor.backward, torch.autograd.backward = own
+    accelerate.Accelerator.prepare = prepare
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -366,16 +371,14 @@ def _accelerate_script(watch: LaunchWatch | None = None, plant=None) -> list[tor
 
 
 def test_a_give_up_after_the_debugger_was_made_closes_it_there_and_the_run_goes_on_bitwise_plain(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, torch_own
 ):
     """Launch gives up in the script's second ``prepare`` (a planted failure of its watch), with the
     debugger made at step 0: that debugger's hooks go at once (none left on the model; it stayed
     attached till the end before), the later steps are those of the plain script bitwise, and the
     end saves the run of the two steps it monitored."""
-    import accelerate
 
     plain = _accelerate_script()
-    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
     watch.check_settings()
     watch.install()
@@ -394,7 +397,6 @@ def test_a_give_up_after_the_debugger_was_made_closes_it_there_and_the_run_goes_
         watch.finish()
     finally:
         watch.uninstall()
-        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
     assert all(torch.equal(a, b) for a, b in zip(watched, plain))
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("diffusion-debug launch:")]
     assert said[0] == (
@@ -406,7 +408,9 @@ def test_a_give_up_after_the_debugger_was_made_closes_it_there_and_the_run_goes_
     assert [row["step"] for row in run.steps] == [0, 1] and run.summary["end"] == {"status": "finished"}
 
 
-def test_a_script_that_raises_before_its_first_training_forward_is_said_to_have_raised_there(tmp_path, capsys):
+def test_a_script_that_raises_before_its_first_training_forward_is_said_to_have_raised_there(
+    tmp_path, capsys, torch_own
+):
     """diffusers' train_dreambooth_lora.py with ``--train_text_encoder``, whose text encoder's
     ``add_adapter`` raises (transformers 5 wants a newer PEFT) once the UNet is prepared with its
     optimizer: nothing was watched, and the line said "it stepped no optimizer of a model it
@@ -419,7 +423,6 @@ def test_a_script_that_raises_before_its_first_training_forward_is_said_to_have_
     def check_peft_version():
         raise ValueError("The version of PEFT you are using is not compatible, please use a version >= 0.22.0")
 
-    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora.py")
     watch.check_settings()
     watch.install()
@@ -433,7 +436,6 @@ def test_a_script_that_raises_before_its_first_training_forward_is_said_to_have_
         watch.finish()
     finally:
         watch.uninstall()
-        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
     assert (
         watch.end["where"]
         == f"{__file__}, line {check_peft_version.__code__.co_firstlineno + 1}, in check_peft_version"
@@ -445,7 +447,7 @@ def test_a_script_that_raises_before_its_first_training_forward_is_said_to_have_
     assert not (tmp_path / "runs").exists()
 
 
-def test_an_out_of_memory_error_in_the_first_training_forward_is_recorded_at_step_0(tmp_path, capsys):
+def test_an_out_of_memory_error_in_the_first_training_forward_is_recorded_at_step_0(tmp_path, capsys, torch_own):
     """diffusers' scripts most often fail in their first step's forward, out of memory (SDXL at 1024
     px). launch made its debugger at the first ``backward``, so that OOM was not recorded and no run
     was saved, while one in step 1's forward was (``out_of_memory`` at step 1). The debugger is now
@@ -456,7 +458,6 @@ def test_an_out_of_memory_error_in_the_first_training_forward_is_recorded_at_ste
     from diffusion_debug.jobs.launch_end import describe_end
     from diffusion_debug.testing import plant_oom
 
-    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora_sdxl.py")
     watch.check_settings()
     watch.install()
@@ -474,7 +475,6 @@ def test_an_out_of_memory_error_in_the_first_training_forward_is_recorded_at_ste
         watch.finish()
     finally:
         watch.uninstall()
-        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = load_run(run_dir)
     assert [(a.kind, a.component, a.step) for a in run.anomalies] == [("out_of_memory", "model", 0)]
@@ -1558,7 +1558,9 @@ def test_launch_names_only_the_pipeline_runs_the_script_made_not_those_its_proce
     assert "before" not in said
 
 
-def test_a_trained_text_encoders_nan_update_is_the_cause_of_the_nan_it_feeds_the_unet_not_the_batch(tmp_path):
+def test_a_trained_text_encoders_nan_update_is_the_cause_of_the_nan_it_feeds_the_unet_not_the_batch(
+    tmp_path, torch_own
+):
     """diffusers' train_dreambooth_lora.py with ``--train_text_encoder`` (rank 1 of two there): a NaN
     gradient in the text encoder's LoRA at step 1 makes its weights NaN in that step's update, and
     at step 2 the UNet's ``encoder_hidden_states`` hold NaN. That was a second root, "The training
@@ -1570,7 +1572,6 @@ def test_a_trained_text_encoders_nan_update_is_the_cause_of_the_nan_it_feeds_the
 
     from diffusion_debug.jobs.launch_end import describe_end
 
-    own = torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare
     watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora.py")
     watch.check_settings()
     watch.install()
@@ -1599,7 +1600,6 @@ def test_a_trained_text_encoders_nan_update_is_the_cause_of_the_nan_it_feeds_the
         watch.finish()
     finally:
         watch.uninstall()
-        torch.Tensor.backward, torch.autograd.backward, accelerate.Accelerator.prepare = own
     (run_dir,) = (tmp_path / "runs").iterdir()
     first, *rest = by_cause(load_run(run_dir).anomalies)
     assert (first.kind, first.component, first.parameter, first.step) == ("nonfinite", "sequential_2", "0.weight", 1)
