@@ -76,6 +76,7 @@ def test_the_debugger_made_at_the_first_step_takes_the_check_over_and_it_lets_go
         assert early.spread is None  # no bucket read by the check that let go
     finally:
         watch.debugger.close()
+        watch.inputs.remove()  # its global module-registration hook: left, it fires in every later test
 
 
 def test_torch_autograd_backward_on_one_scalar_is_a_backward_of_the_loss_as_tensor_backward_is():
