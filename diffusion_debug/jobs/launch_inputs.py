@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..probes.tracing import compile_wrapper, compiling
+from ..probes.tracing import compile_wrapper, compiling, eager_module
 from ..stats import read_now, walk_tensors
 from ..stats.quantized import parameter_values
 from .launch_plain import MISSING, put_back
@@ -147,7 +147,7 @@ class InputWatch:
         wrapper = compiled is not None
         inner = compiled if wrapper else model
         inner = getattr(inner, "module", inner)
-        named = inner._orig_mod if compile_wrapper(inner) else inner  # DDP around torch.compile's: its model's names
+        named = eager_module(inner)  # DDP around torch.compile's: its model's names
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if compiling():  # a compiled model's: no break or recompile of ours (counts nothing)
@@ -235,7 +235,7 @@ class InputWatch:
             return
         self._watched.add(model)
         root = id(model)
-        inner = model._orig_mod if compile_wrapper(model) else model
+        inner = eager_module(model)
         self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(inner))
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:

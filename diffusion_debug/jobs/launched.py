@@ -81,7 +81,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..probes.tracing import compile_wrapper
+from ..probes.tracing import compile_wrapper, eager_module
 from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
@@ -138,7 +138,7 @@ def _model_names(models: list[nn.Module]) -> Any:
     roles = {"UNet2DConditionModel": "unet", "CLIPTextModel": "text_encoder", "T5EncoderModel": "text_encoder"}
     named: dict[str, nn.Module] = {}
     for model in models:
-        inner = model._orig_mod if compile_wrapper(model) else model  # compiled after prepare: compiled_as
+        inner = eager_module(model)  # compiled after prepare: compiled_as
         inner = getattr(inner, "module", inner)
         base = roles.get(type(inner).__name__, type(inner).__name__.lower())
         name, n = base, 2

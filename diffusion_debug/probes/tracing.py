@@ -39,6 +39,11 @@ def compile_wrapper(module: nn.Module) -> bool:
     return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
 
 
+def eager_module(module: nn.Module) -> nn.Module:
+    """The original module of a ``torch.compile`` wrapper (the module itself otherwise)."""
+    return module._orig_mod if compile_wrapper(module) else module
+
+
 def runs_compiled(model: nn.Module, modules: Iterable[nn.Module | None]) -> bool:
     """Whether compiled code runs part of ``model``: it is a ``torch.compile`` wrapper, or it or one
     of ``modules`` (its modules, or those a probe watches; None: gone) was compiled in place."""

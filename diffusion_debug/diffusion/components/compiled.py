@@ -62,7 +62,7 @@ from torch import nn
 
 from ...installed import HAS_SET_STANCE
 from ...probes import ModuleReading, probe_call
-from ...probes.tracing import compile_wrapper, compiled_in_place
+from ...probes.tracing import compile_wrapper, compiled_in_place, eager_module
 from ...stats import read_now, tensors_in
 from ..pipeline_patches import MethodPatch
 from .structure import ROOT_METHODS
@@ -129,11 +129,6 @@ def compiled_methods(module: nn.Module) -> dict[str, Callable[..., Any]]:
 
 HALF_METHODS = {"decoder": "decode", "encoder": "encode"}
 """The VAE method whose call reaches each half (its call site's prefix)."""
-
-
-def eager_module(module: nn.Module) -> nn.Module:
-    """The original module of a ``torch.compile`` wrapper (the module itself otherwise)."""
-    return getattr(module, ORIG) if compile_wrapper(module) else module
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ...core.instance_methods import MISSING, OnThisInstance
+from ...probes.tracing import eager_module
 from .deepspeed_zero import is_engine
 from .wrappers import fsdp1_type, unwrap_model
 
@@ -430,7 +431,7 @@ def ddp_models(models: Iterable[Any], accelerator: Any = None) -> list[Any]:
     """The DDP wrappers of ``models``: a model that is one, or ``torch.compile``'s wrapper of one (DDP
     compiled whole: launch watches that of a model compiled after ``accelerator.prepare``), or the
     accelerator's prepared wrapper whose ``module`` is a watched model."""
-    models = [_compiled_of(m) for m in models]
+    models = [eager_module(m) for m in models]
     found = [m for m in models if _DDP_TYPES and isinstance(m, _DDP_TYPES)]
     prepared = getattr(accelerator, "_models", None) or []
     for wrapper in prepared:
@@ -438,12 +439,6 @@ def ddp_models(models: Iterable[Any], accelerator: Any = None) -> list[Any]:
             if all(wrapper is not f for f in found):
                 found.append(wrapper)
     return found
-
-
-def _compiled_of(model: Any) -> Any:
-    """What ``torch.compile`` wrapped, where ``model`` is its wrapper, else ``model``."""
-    inner = getattr(model, "_modules", {}).get("_orig_mod") if type(model).__name__ == "OptimizedModule" else None
-    return inner if inner is not None else model
 
 
 def fsdp_groups(model: torch.nn.Module) -> list[Any]:
