@@ -110,8 +110,14 @@ def parameter_values(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     named = list(module.named_parameters())
     if all(type(t) in _PLAIN for _, t in named):
         return iter(named)
-    owners = {id(t): owner for owner in module.modules() for t in owner.parameters(recurse=False)}
+    owners = parameter_owners(module)
     return ((name, dequantized(t, owners.get(id(t))) if is_quantized(t) else t) for name, t in named)
+
+
+def parameter_owners(module: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The module holding each parameter of ``module`` (by the parameter's ``id``): the layer whose
+    scales or compute dtype a quantized weight's values and dtype depend on."""
+    return {id(t): owner for owner in module.modules() for t in owner.parameters(recurse=False)}
 
 
 def compute_dtype(t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.dtype | None:

@@ -34,7 +34,7 @@ from torch import nn
 
 from ...errors import DiffusionDebugError
 from ...stats import dtype_name
-from ...stats.quantized import PLAIN_TYPES, compute_dtype, is_quantized, stored_bytes, weight_numel
+from ...stats.quantized import PLAIN_TYPES, compute_dtype, is_quantized, parameter_owners, stored_bytes, weight_numel
 from .roles import has_check, role, roles
 from .roles import role as _role
 
@@ -371,7 +371,7 @@ def describe_module(module: nn.Module) -> dict[str, Any]:
             dtypes[dtype_name(p.dtype)] += n
             devices[str(p.device)] += n
     else:
-        owners = {id(p): owner for owner in module.modules() for p in owner.parameters(recurse=False)}
+        owners = parameter_owners(module)
         for p in parameters:
             owner = owners.get(id(p))
             n = weight_numel(p)
@@ -411,7 +411,7 @@ def module_dtype(module: nn.Module) -> torch.dtype | None:
             if p.is_floating_point():
                 counts[p.dtype] += p.numel()
         return counts.most_common(1)[0][0] if counts else None
-    owners = {id(p): owner for owner in module.modules() for p in owner.parameters(recurse=False)}
+    owners = parameter_owners(module)
     for p in parameters:
         dtype = compute_dtype(p, owners.get(id(p)))
         if dtype is not None and dtype.is_floating_point:
