@@ -79,14 +79,21 @@ def _hooks(model: torch.nn.Module) -> int:
     return modules + parameters
 
 
+def _installed_watch(tmp_path: Path, script: str) -> LaunchWatch:
+    """A launch watch installed as a launched process installs it, saving its run under ``tmp_path / "runs"``
+    (the caller finishes and uninstalls it)."""
+    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, script)
+    watch.check_settings()
+    watch.install()
+    return watch
+
+
 def _plain_then_watched(tmp_path: Path, loop, script: str = "train.py"):
     """``loop()`` run plain, then again under a launch watch (installed as a launched process
     installs it, finished as its end does, uninstalled whatever happens) that saves its run under
     ``tmp_path / "runs"``: what the plain run returned, what the watched one returned, and the run."""
     plain = loop()
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, script)
-    watch.check_settings()
-    watch.install()
+    watch = _installed_watch(tmp_path, script)
     try:
         watched = loop()
         watch.finish()
@@ -379,9 +386,7 @@ def test_a_give_up_after_the_debugger_was_made_closes_it_there_and_the_run_goes_
     end saves the run of the two steps it monitored."""
 
     plain = _accelerate_script()
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-    watch.check_settings()
-    watch.install()
+    watch = _installed_watch(tmp_path, "train.py")
 
     def plant():
         def fail(optimizer):
@@ -423,9 +428,7 @@ def test_a_script_that_raises_before_its_first_training_forward_is_said_to_have_
     def check_peft_version():
         raise ValueError("The version of PEFT you are using is not compatible, please use a version >= 0.22.0")
 
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora.py")
-    watch.check_settings()
-    watch.install()
+    watch = _installed_watch(tmp_path, "train_dreambooth_lora.py")
     try:
         accelerator = accelerate.Accelerator(cpu=True)
         model = _model()
@@ -458,9 +461,7 @@ def test_an_out_of_memory_error_in_the_first_training_forward_is_recorded_at_ste
     from diffusion_debug.jobs.launch_end import describe_end
     from diffusion_debug.testing import plant_oom
 
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora_sdxl.py")
-    watch.check_settings()
-    watch.install()
+    watch = _installed_watch(tmp_path, "train_dreambooth_lora_sdxl.py")
     try:
         accelerator = accelerate.Accelerator(cpu=True)
         model = _model()
@@ -524,9 +525,7 @@ def test_after_the_end_launchs_wrappers_inside_the_scripts_own_pass_through_and_
         plain = script()
     finally:
         torch.Tensor.backward = torch_own[0]
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-    watch.check_settings()
-    watch.install()
+    watch = _installed_watch(tmp_path, "train.py")
     try:
         watched = script(watch)
     finally:
@@ -1214,9 +1213,7 @@ def test_a_prepared_script_accumulating_through_its_own_backward_has_the_mean_of
     import accelerate
 
     own_prepare = accelerate.Accelerator.prepare
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train.py")
-    watch.check_settings()
-    watch.install()
+    watch = _installed_watch(tmp_path, "train.py")
     try:
         losses = _accelerate_accumulating(backward)
         watch.finish()
@@ -1572,9 +1569,7 @@ def test_a_trained_text_encoders_nan_update_is_the_cause_of_the_nan_it_feeds_the
 
     from diffusion_debug.jobs.launch_end import describe_end
 
-    watch = LaunchWatch({"output_dir": str(tmp_path / "runs")}, "train_dreambooth_lora.py")
-    watch.check_settings()
-    watch.install()
+    watch = _installed_watch(tmp_path, "train_dreambooth_lora.py")
     try:
         accelerator = accelerate.Accelerator(cpu=True)
         text_encoder, unet = torch.nn.Sequential(torch.nn.Linear(4, 8)), _model()
