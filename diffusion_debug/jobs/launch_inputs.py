@@ -29,8 +29,11 @@ seen only through the trained model's arguments; a model called compiled (``torc
 ``model.compile()``) runs its hooks inside the compiled code, where they count nothing (any Python
 they ran there would break the graph, or fall back to eager, and change the numbers the script gets):
 a trained model's arguments, and a frozen model's call, are counted at what ``torch.compile``
-returned, when the script holds it in a variable (its hooks run before the compiled code), not under
-``model.compile()`` nor where the script holds only the model it compiled. A model compiled after it
+returned, when the script holds it in a variable (its hooks run before the compiled code), not where
+the script holds only the model it compiled. Under ``model.compile()`` (no wrapper: torch compiles the
+model's ``_call_impl``, a frame dynamo skips, and traces each hook it calls as a frame of its own) the
+trained model's hook runs eagerly (:func:`~diffusion_debug.probes.tracing.eager_frame`), its arguments
+counted; a frozen model's hooks count nothing there. A model compiled after it
 was watched (after ``accelerator.prepare``) is seen as ``torch.compile`` makes the wrapper
 (:meth:`InputWatch.compiled`): its hooks move to the wrapper before its first call, and launch's
 debugger watches the wrapper (:meth:`InputWatch.compiled_as`), so nothing is hooked after dynamo traced
@@ -50,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..probes.tracing import compile_wrapper, compiling, eager_module
+from ..probes.tracing import compile_callback, compile_wrapper, compiling, eager_frame, eager_module, run_eagerly
 from ..stats import read_now, walk_tensors
 from ..stats.quantized import parameter_values
 from .launch_plain import MISSING, put_back
@@ -149,9 +152,16 @@ class InputWatch:
         inner = getattr(inner, "module", inner)
         named = eager_module(inner)  # DDP around torch.compile's: its model's names
 
-        def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if compiling():  # a compiled model's: no break or recompile of ours (counts nothing)
-                return
+        def before(module: nn.Module, args: tuple, kwargs: dict, eager: bool = False) -> None:
+            # compiling(), inline: a Python call here is a frame dynamo traces under module.compile()
+            if torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag:
+                return  # a compiled model's: no break or recompile of ours (counts nothing)
+            if module.__dict__.get("_compiled_call_impl") is not None:  # module.compile(): eager_frame
+                if not eager:
+                    run_eagerly(lambda: before(module, args, kwargs, True))
+                    return
+            elif compile_callback is not None and compile_callback() is not None:
+                return  # run eagerly inside another's compiled call (a wrapper's model): as compiled code
             if not torch.is_grad_enabled():
                 self._inference()
             elif id(module) not in self.ran and self.error is None:
@@ -162,7 +172,7 @@ class InputWatch:
                 self.ran.add(id(module))
                 self.open = self.fresh = False
 
-        handle = model.register_forward_pre_hook(before, with_kwargs=True)
+        handle = model.register_forward_pre_hook(eager_frame(before), with_kwargs=True)
         self._handles.append(handle)
         self._trained[model] = (name, handle)
         # once (a wrapper's DDP is watched too, or the model inside it itself); not torch's own module class

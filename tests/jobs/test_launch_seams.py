@@ -698,10 +698,12 @@ class _Net(torch.nn.Module):
         return self.layers(x)
 
 
-def _compiled_after_prepare_loop(make: Callable[[], torch.nn.Module]) -> tuple[list[float], list[torch.Tensor], tuple]:
+def _compiled_after_prepare_loop(
+    make: Callable[[], torch.nn.Module], in_place: bool = False
+) -> tuple[list[float], list[torch.Tensor], tuple]:
     """An Accelerate loop that compiles its model after ``prepare`` (``model = accelerator.prepare(model);
-    model = torch.compile(model)``), 3 steps, its input NaN at step 1: its losses, final weights, and
-    dynamo's graph count and graph breaks."""
+    model = torch.compile(model)``, or ``model.compile()`` ``in_place``), 3 steps, its input NaN at step 1:
+    its losses, final weights, and dynamo's graph count and graph breaks."""
     import accelerate
     from accelerate.state import AcceleratorState, GradientState
     from torch._dynamo.utils import counters
@@ -713,7 +715,10 @@ def _compiled_after_prepare_loop(make: Callable[[], torch.nn.Module]) -> tuple[l
     accelerator = accelerate.Accelerator(cpu=True)
     model = make()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    model = torch.compile(model, backend="aot_eager")
+    if in_place:
+        model.compile(backend="aot_eager")
+    else:
+        model = torch.compile(model, backend="aot_eager")
     losses = []
     for step in range(3):
         x = X.clone()
@@ -730,9 +735,9 @@ def _compiled_after_prepare_loop(make: Callable[[], torch.nn.Module]) -> tuple[l
     return losses, [p.detach().clone() for p in model.parameters()], counted
 
 
-@pytest.mark.parametrize("ddp", [False, True])
+@pytest.mark.parametrize("ddp, in_place", [(False, False), (True, False), (False, True)])
 def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its_nan_input_is_named(
-    tmp_path, torch_own, monkeypatch, ddp, request
+    tmp_path, torch_own, monkeypatch, ddp, in_place, request
 ):
     """``torch.compile`` after ``accelerator.prepare``: launch is told of the wrapper as torch.compile
     makes it and watches it in place of the prepared model, so the debugger is made at its first call
@@ -742,7 +747,9 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     dynamo's guards on an ``nn.Sequential`` (torch's own class: dynamo traces its hooks), 2 graphs for
     1; with DDP (a gloo group of one rank; its hooks traced too) around a model of the script's class,
     the pre-hooks of launch and of its debugger on DDP made dynamo trace DDP's Python: 4 graph breaks
-    for the plain run's 3."""
+    for the plain run's 3. ``model.compile()`` (``in_place``, no wrapper: torch compiles the model's
+    ``_call_impl``, whose hooks dynamo traces as frames of their own) counted nothing: launch's hook was
+    traced there, the NaN input was only the NaN loss it made, the debugger made at the ``backward``."""
     import accelerate
 
     if ddp:
@@ -753,7 +760,7 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     own_prepare = accelerate.Accelerator.prepare
     try:
         (plain_losses, plain, plain_graphs), (losses, watched, graphs), run = _plain_then_watched(
-            tmp_path, functools.partial(_compiled_after_prepare_loop, _Net if ddp else _model)
+            tmp_path, functools.partial(_compiled_after_prepare_loop, _Net if ddp or in_place else _model, in_place)
         )
     finally:
         accelerate.Accelerator.prepare = own_prepare
@@ -762,7 +769,8 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     assert same(torch.tensor(losses), torch.tensor(plain_losses)) and all(map(same, watched, plain))
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.component, first.step) == ("nonfinite_input", "input", 1)
-    assert first.details["inputs"] == ["model(x)" if ddp else "model(input)"]
+    assert first.details["inputs"] == ["model(x)" if ddp or in_place else "model(input)"]
+    assert [row["step"] for row in run.steps] == [0, 1, 2]
     # the debugger watches the wrapper: its names are the model's own, as without the compile
     named = {(a.component, a.module, a.parameter) for a in run.anomalies if a.parameter or a.module}
     assert named and not any(w in f"{n}" for n in named for w in ("_orig_mod", "module.", "optimizedmodule"))
