@@ -646,16 +646,19 @@ def test_a_grad_scaler_skip_at_the_last_step_is_in_the_saved_summary(tmp_path, t
     assert [a["step"] for a in summary["anomalies"] if a["kind"] == "skipped_step"] == [3]
 
 
-def _compiled_loop(nan_input_at: int | None = None) -> tuple[list[float], list[torch.Tensor], int]:
-    """A plain loop of 3 steps on ``torch.compile(model)`` (aot_eager), its input NaN at ``nan_input_at``:
-    its losses, final weights and dynamo's graph count."""
+def _compiled_loop(nan_input_at: int | None = None, only: bool = False) -> tuple[list[float], list[torch.Tensor], int]:
+    """A plain loop of 3 steps on ``torch.compile(model)`` (aot_eager), its input NaN at ``nan_input_at``
+    (``only``: the script holds only what torch.compile returned, around a model of its own class): its
+    losses, final weights and dynamo's graph count."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    model = _model()
+    model = _Net() if only else _model()
     compiled = torch.compile(model, backend="aot_eager")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if only:
+        del model
+    optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
     losses = []
     for step in range(3):
         x = X.clone()
@@ -666,25 +669,31 @@ def _compiled_loop(nan_input_at: int | None = None) -> tuple[list[float], list[t
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]
+    return losses, [p.detach().clone() for p in compiled.parameters()], counters["stats"]["unique_graphs"]
 
 
-def test_a_compiled_models_nan_input_is_named_at_the_compiled_call_and_the_run_is_bitwise(tmp_path, torch_own):
+@pytest.mark.parametrize("only", [False, True])
+def test_a_compiled_models_nan_input_is_named_at_the_compiled_call_and_the_run_is_bitwise(tmp_path, torch_own, only):
     """``torch.compile(model)`` in a plain script: its arguments are counted at what torch.compile
     returned, whose hooks run before the compiled code, so a NaN input is the headline as the input
     at its step; the compiled model's own hooks count nothing (no graph of ours), and the run is the
     plain one. Before, dynamo traced launch's hooks inside the compiled code (recompiles; on a DDP UNet,
     graph breaks and weights an ulp off the plain run's); once they counted nothing there, the NaN
-    input was only the NaN loss it made."""
+    input was only the NaN loss it made. A script that holds ``only`` the compiled model: launch took the
+    model's one part that holds every parameter (``layers``, of torch's own class, hooked inside the
+    compiled code) for the trained model, so the NaN input was only the NaN loss, its modules named
+    ``0``, not ``layers.0``."""
     (plain_losses, plain, plain_graphs), (losses, watched, graphs), run = _plain_then_watched(
-        tmp_path, lambda: _compiled_loop(nan_input_at=1)
+        tmp_path, lambda: _compiled_loop(nan_input_at=1, only=only)
     )
     assert graphs == plain_graphs
     same = functools.partial(torch.allclose, rtol=0, atol=0, equal_nan=True)  # bitwise, NaN as NaN
     assert same(torch.tensor(losses), torch.tensor(plain_losses)) and all(map(same, watched, plain))
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.component, first.step) == ("nonfinite_input", "input", 1)
-    assert first.details["inputs"] == ["compiled(input)"]
+    assert first.details["inputs"] == ["compiled(x)" if only else "compiled(input)"]
+    made = [a.module for a in run.anomalies if a.kind == "nonfinite" and a.step == 1]
+    assert made == ["layers.0" if only else "0"]
 
 
 class _Net(torch.nn.Module):
