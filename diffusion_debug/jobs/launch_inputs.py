@@ -117,6 +117,9 @@ class InputWatch:
         """By frozen model watched: its root's two hooks, their handles (moved to a wrapper made later)."""
         self._wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         """By trained model: a weak reference to what ``torch.compile`` made around it after it was watched."""
+        self._undecided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """By wrapper made before the first training call: the trained model inside it, which keeps its own
+        hook till that call says which of the two trains (:meth:`_settle`)."""
         self._inner: weakref.WeakSet = weakref.WeakSet()
         """The models inside a watched wrapper (DDP's, ``torch.compile``'s) whose call without grad is inference."""
         self._loaders: weakref.WeakSet = weakref.WeakSet()
@@ -165,6 +168,8 @@ class InputWatch:
             if not torch.is_grad_enabled():
                 self._inference()
             elif id(module) not in self.ran and self.error is None:
+                if self._undecided:
+                    self._settle(module)
                 if self.first_training_call is not None:
                     first, self.first_training_call = self.first_training_call, None
                     first()
@@ -206,8 +211,11 @@ class InputWatch:
         training call (the debugger made, its hooks registered) comes there, before dynamo traces the
         model: no recompile, and no hook left on DDP (dynamo would trace its Python: a graph break). The
         model itself keeps one that tells inference (validation on it, eagerly), unless it is torch's own.
-        A frozen model watched already: its root's hooks move to the wrapper (its call counted there, before
-        the compiled code), its children's stay (``vae.encode`` runs eagerly); no hook is added later."""
+        A model of the script's own class keeps its pre-hook till the first training call: a wrapper made
+        to validate before step 0, the model trained uncompiled, took it, and no training call was counted
+        (:meth:`_settle`). A frozen model watched already: its root's hooks move to the wrapper (its call
+        counted there, before the compiled code), its children's stay (``vae.encode`` runs eagerly); no
+        hook is added later."""
         if not self.fresh and model in self._trained:  # compiled once training began (a copy to validate): as it is
             return
         found = self._trained.pop(model, None)
@@ -222,12 +230,35 @@ class InputWatch:
                 self._handles.append(wrapper.register_forward_hook(leave, with_kwargs=True, always_call=True))
             return
         name, handle = found
-        handle.remove()
         self._wrappers[model] = weakref.ref(wrapper)
+        if _torch_own(model):  # DDP, nn.Sequential: a hook of theirs is traced in the wrapper's code
+            handle.remove()
+        else:  # its hook stays till the first training call says which of the two trains (_settle)
+            self._trained[model] = found
+            self._undecided[wrapper] = model
         self.watch_trained(wrapper, name, model)
+        if model not in self._trained:
+            self._inner_only(model)
+
+    def _inner_only(self, model: nn.Module) -> None:
+        """``model``, inside a watched wrapper, keeps the hook that tells inference (unless it is torch's own)."""
         if not _torch_own(model) and model not in self._inner:
             self._inner.add(model)
             self._handles.append(model.register_forward_pre_hook(self._inner_before, with_kwargs=True))
+
+    def _settle(self, module: nn.Module) -> None:
+        """The first training call, of ``module``: a trained model compiled before it (:meth:`compiled`)
+        trains through that wrapper (its own hook goes, before dynamo traces it: the wrapper's counts),
+        or trains itself, and the wrapper is a copy to validate (the debugger watches the model)."""
+        for wrapper, model in list(self._undecided.items()):
+            found = self._trained.get(model)
+            if module is wrapper and found is not None:
+                del self._trained[model]
+                found[1].remove()
+                self._inner_only(model)
+            else:
+                self._wrappers.pop(model, None)
+        self._undecided.clear()
 
     def compiled_as(self, model: nn.Module) -> nn.Module:
         """What the script compiled ``model`` into after it was watched (:meth:`compiled`), else ``model``:

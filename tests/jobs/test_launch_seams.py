@@ -708,10 +708,11 @@ class _Net(torch.nn.Module):
 
 
 def _compiled_after_prepare_loop(
-    make: Callable[[], torch.nn.Module], in_place: bool = False
+    make: Callable[[], torch.nn.Module], how: str = "wrapper"
 ) -> tuple[list[float], list[torch.Tensor], tuple]:
     """An Accelerate loop that compiles its model after ``prepare`` (``model = accelerator.prepare(model);
-    model = torch.compile(model)``, or ``model.compile()`` ``in_place``), 3 steps, its input NaN at step 1:
+    model = torch.compile(model)``; ``model.compile()`` ``in_place``; a ``validation`` copy compiled and
+    called under ``no_grad`` before step 0, the model trained uncompiled), 3 steps, its input NaN at step 1:
     its losses, final weights, and dynamo's graph count and graph breaks."""
     import accelerate
     from accelerate.state import AcceleratorState, GradientState
@@ -724,8 +725,11 @@ def _compiled_after_prepare_loop(
     accelerator = accelerate.Accelerator(cpu=True)
     model = make()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    if in_place:
+    if how == "in_place":
         model.compile(backend="aot_eager")
+    elif how == "validation":
+        with torch.no_grad():
+            torch.compile(model, backend="aot_eager")(X)
     else:
         model = torch.compile(model, backend="aot_eager")
     losses = []
@@ -744,9 +748,11 @@ def _compiled_after_prepare_loop(
     return losses, [p.detach().clone() for p in model.parameters()], counted
 
 
-@pytest.mark.parametrize("ddp, in_place", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    "ddp, how", [(False, "wrapper"), (True, "wrapper"), (False, "in_place"), (False, "validation")]
+)
 def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its_nan_input_is_named(
-    tmp_path, torch_own, monkeypatch, ddp, in_place, request
+    tmp_path, torch_own, monkeypatch, ddp, how, request
 ):
     """``torch.compile`` after ``accelerator.prepare``: launch is told of the wrapper as torch.compile
     makes it and watches it in place of the prepared model, so the debugger is made at its first call
@@ -758,7 +764,9 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     the pre-hooks of launch and of its debugger on DDP made dynamo trace DDP's Python: 4 graph breaks
     for the plain run's 3. ``model.compile()`` (``in_place``, no wrapper: torch compiles the model's
     ``_call_impl``, whose hooks dynamo traces as frames of their own) counted nothing: launch's hook was
-    traced there, the NaN input was only the NaN loss it made, the debugger made at the ``backward``."""
+    traced there, the NaN input was only the NaN loss it made, the debugger made at the ``backward``. A
+    ``validation`` copy compiled before step 0 took the trained model's hook, its training calls not
+    counted (the NaN input only the NaN loss)."""
     import accelerate
 
     if ddp:
@@ -769,7 +777,7 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     own_prepare = accelerate.Accelerator.prepare
     try:
         (plain_losses, plain, plain_graphs), (losses, watched, graphs), run = _plain_then_watched(
-            tmp_path, functools.partial(_compiled_after_prepare_loop, _Net if ddp or in_place else _model, in_place)
+            tmp_path, functools.partial(_compiled_after_prepare_loop, _Net if ddp or how != "wrapper" else _model, how)
         )
     finally:
         accelerate.Accelerator.prepare = own_prepare
@@ -778,7 +786,7 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     assert same(torch.tensor(losses), torch.tensor(plain_losses)) and all(map(same, watched, plain))
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.component, first.step) == ("nonfinite_input", "input", 1)
-    assert first.details["inputs"] == ["model(x)" if ddp or in_place else "model(input)"]
+    assert first.details["inputs"] == ["model(input)" if how == "wrapper" and not ddp else "model(x)"]
     assert [row["step"] for row in run.steps] == [0, 1, 2]
     # the debugger watches the wrapper: its names are the model's own, as without the compile
     named = {(a.component, a.module, a.parameter) for a in run.anomalies if a.parameter or a.module}
