@@ -38,6 +38,10 @@ was watched (after ``accelerator.prepare``) is seen as ``torch.compile`` makes t
 (:meth:`InputWatch.compiled`): its hooks move to the wrapper before its first call, and launch's
 debugger watches the wrapper (:meth:`InputWatch.compiled_as`), so nothing is hooked after dynamo traced
 it (a recompile) and nothing on DDP (whose Python dynamo would trace: a graph break).
+
+Long because :class:`InputWatch` is the one state its hooks read and change (the micro-step's counts,
+the models watched, the wrappers ``torch.compile`` made around them), and each way a script compiles a
+model (a wrapper after or before ``prepare``, ``model.compile()``, a copy to validate) is a case of it.
 """
 
 from __future__ import annotations
