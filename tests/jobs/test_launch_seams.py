@@ -769,6 +769,10 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     counted (the NaN input only the NaN loss)."""
     import accelerate
 
+    from diffusion_debug.probes.tracing import compile_callback
+
+    if how == "in_place" and compile_callback is None:
+        pytest.skip("no dynamo frame callback to ask on this torch (2.5): model.compile()'s calls count nothing")
     if ddp:
         request.getfixturevalue("one_rank_group")
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
