@@ -251,10 +251,14 @@ class InputWatch:
             self._handles.append(model.register_forward_pre_hook(self._inner_before, with_kwargs=True))
 
     def _settle(self, module: nn.Module) -> None:
-        """The first training call, of ``module``: a trained model compiled before it (:meth:`compiled`)
-        trains through that wrapper (its own hook goes, before dynamo traces it: the wrapper's counts),
-        or trains itself, and the wrapper is a copy to validate (the debugger watches the model)."""
+        """The first training call of ``module``, a trained model compiled before it (:meth:`compiled`)
+        or that wrapper: it trains through the wrapper (its own hook goes, before dynamo traces it: the
+        wrapper's counts), or trains itself, and the wrapper is a copy to validate (the debugger watches
+        the model). Another model's call (a text encoder trained too, called first) says nothing of it."""
         for wrapper, model in list(self._undecided.items()):
+            if module is not wrapper and module is not model:
+                continue
+            del self._undecided[wrapper]
             found = self._trained.get(model)
             if module is wrapper and found is not None:
                 del self._trained[model]
@@ -262,7 +266,6 @@ class InputWatch:
                 self._inner_only(model)
             else:
                 self._wrappers.pop(model, None)
-        self._undecided.clear()
 
     def compiled_as(self, model: nn.Module) -> nn.Module:
         """What the script compiled ``model`` into after it was watched (:meth:`compiled`), else ``model``:
