@@ -8,7 +8,6 @@ own origin; a call that raises with finite inputs records nothing."""
 from __future__ import annotations
 
 import json
-import tempfile
 import traceback
 
 import pytest
@@ -183,7 +182,7 @@ class _Raising(torch.Tensor):
         return result
 
 
-def test_a_denoiser_output_whose_own_ops_raise_adds_no_error_of_ours_to_the_users():
+def test_a_denoiser_output_whose_own_ops_raise_adds_no_error_of_ours_to_the_users(tmp_path):
     """The UNet's output is such a tensor: the pipeline's ``chunk`` raises the user's KeyError, as
     without the debugger. The debugger read that output with the subclass's ops: a ``debugger_error``
     (the unfinished step's check, IndexError or KeyError) on top of the user's exception (two on a
@@ -195,7 +194,7 @@ def test_a_denoiser_output_whose_own_ops_raise_adds_no_error_of_ours_to_the_user
             return (output[0].as_subclass(_Raising), *output[1:])
 
     handle = pipe.unet.register_forward_hook(raising)
-    dbg = DiffusionModelDebugger(pipe, cfg(tempfile.mkdtemp()))
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     try:
         with pytest.raises(KeyError) as raised:
             with dbg:
