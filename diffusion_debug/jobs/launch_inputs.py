@@ -124,6 +124,8 @@ class InputWatch:
         self._undecided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         """By wrapper made before the first training call: the trained model inside it, which keeps its own
         hook till that call says which of the two trains (:meth:`_settle`)."""
+        self._unsettled = False
+        """Whether :attr:`_undecided` holds a wrapper (a flag: no Python call of its ``__len__`` a step)."""
         self._inner: weakref.WeakSet = weakref.WeakSet()
         """The models inside a watched wrapper (DDP's, ``torch.compile``'s) whose call without grad is inference."""
         self._loaders: weakref.WeakSet = weakref.WeakSet()
@@ -172,7 +174,7 @@ class InputWatch:
             if not torch.is_grad_enabled():
                 self._inference()
             elif id(module) not in self.ran and self.error is None:
-                if self._undecided:
+                if self._unsettled:
                     self._settle(module)
                 if self.first_training_call is not None:
                     first, self.first_training_call = self.first_training_call, None
@@ -240,6 +242,7 @@ class InputWatch:
         else:  # its hook stays till the first training call says which of the two trains (_settle)
             self._trained[model] = found
             self._undecided[wrapper] = model
+            self._unsettled = True
         self.watch_trained(wrapper, name, model)
         if model not in self._trained:
             self._inner_only(model)
@@ -255,10 +258,10 @@ class InputWatch:
         or that wrapper: it trains through the wrapper (its own hook goes, before dynamo traces it: the
         wrapper's counts), or trains itself, and the wrapper is a copy to validate (the debugger watches
         the model). Another model's call (a text encoder trained too, called first) says nothing of it."""
-        for wrapper, model in list(self._undecided.items()):
+        pairs = list(self._undecided.items())
+        for wrapper, model in pairs:
             if module is not wrapper and module is not model:
                 continue
-            del self._undecided[wrapper]
             found = self._trained.get(model)
             if module is wrapper and found is not None:
                 del self._trained[model]
@@ -266,6 +269,10 @@ class InputWatch:
                 self._inner_only(model)
             else:
                 self._wrappers.pop(model, None)
+            for other, of in pairs:  # the model's other wrappers too (compiled twice): settled with it
+                if of is model:
+                    self._undecided.pop(other, None)
+        self._unsettled = bool(self._undecided)
 
     def compiled_as(self, model: nn.Module) -> nn.Module:
         """What the script compiled ``model`` into after it was watched (:meth:`compiled`), else ``model``:
