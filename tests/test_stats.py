@@ -287,3 +287,29 @@ def test_scalars_to_host_reads_what_to_host_reads_in_one_stack_where_the_values_
     tracked = torch.tensor(2.5, requires_grad=True)  # tracked by autograd: no graph for the read
     assert scalars_to_host([tracked, tracked * 2]) == [2.5, 5.0]
     assert scalars_to_host([]) == []
+
+
+class _OwnOps(torch.Tensor):
+    """A subclass with a ``__torch_function__`` of its own whose ops raise (as a compiled GGUF model's
+    ``GGUFParameter``)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise KeyError(None)
+
+
+def test_plain_tensor_unwraps_a_subclass_of_own_ops_only_where_its_storage_is_its_data():
+    """A subclass of torch's dispatch (``GGUFParameter``'s kind) is read as the tensor it holds, no copy;
+    a wrapper subclass with a ``__torch_dispatch__`` of its own (a jagged nested tensor; torchao's and
+    DTensor's kind) is left as it is: its data is not its storage, and its ``alias`` raised
+    (NotImplementedError) where a measurement read it, a ``debugger_error`` on its call."""
+    from diffusion_debug.stats import plain_tensor
+
+    base = torch.arange(6.0)
+    with torch._C.DisableTorchFunctionSubclass():
+        own = base.as_subclass(_OwnOps)
+    plain = plain_tensor(own)
+    assert type(plain) is torch.Tensor and plain.data_ptr() == base.data_ptr() and plain.tolist() == base.tolist()
+    jagged = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(1, 3)], layout=torch.jagged)
+    parameter = torch.nn.Parameter(base.clone())
+    assert plain_tensor(jagged) is jagged and plain_tensor(parameter) is parameter

@@ -33,7 +33,7 @@ import torch
 from ..probes import ModuleReading, readings_by_call
 from ..probes.fused import FUSED_DTYPES, _absmaxes
 from ..record import rebuilt
-from ..stats import absmax_on_device, detached, measurable, read_now, scalars_to_host, to_host
+from ..stats import absmax_on_device, detached, measurable, plain_tensor, read_now, scalars_to_host, to_host
 from . import checks, origins
 from . import step_values as rows
 from .components.call_sites import CallSite
@@ -154,6 +154,8 @@ class CallEvents:
             self.scheduler_replaced()  # swapped inside the call: its next step is this call's
 
     def on_call_output(self, site: CallSite, output: Any, tensor: torch.Tensor | None) -> None:
+        if tensor is not None and type(tensor) is not torch.Tensor:  # a compiled GGUF model's GGUFParameter
+            tensor = plain_tensor(tensor)
         plan = self._plans.get((site.component, site.prefix)) or self._new_plan(site)
         # plan.check "none": a ControlNet or adapter, its readings measured with the step, before the denoiser's
         if plan.check != "none":

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..probes import ProbeHandle
+from ..stats import plain_tensor
 from .components.inventory import TOKENIZER_FOR_ENCODER
 from .step_values import StepInputs
 
@@ -643,6 +644,12 @@ def read_scheduler_step(
     else:
         prev = getattr(output, "prev_sample", None)
         x0 = getattr(output, "pred_original_sample", None)
+    if type(model_output) is not torch.Tensor or type(sample) is not torch.Tensor or type(prev) is not torch.Tensor:
+        # a tensor subclass of the denoiser's (a compiled GGUF model's GGUFParameter): read as a tensor
+        model_output, sample, prev, x0 = [
+            plain_tensor(t) if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor else t
+            for t in (model_output, sample, prev, x0)
+        ]
     kind = type(scheduler)
     config_getattr = _CONFIG_GETATTR.get(kind)
     if config_getattr is None:

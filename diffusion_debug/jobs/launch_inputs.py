@@ -29,12 +29,19 @@ seen only through the trained model's arguments; a model called compiled (``torc
 ``model.compile()``) runs its hooks inside the compiled code, where they count nothing (any Python
 they ran there would break the graph, or fall back to eager, and change the numbers the script gets):
 a trained model's arguments, and a frozen model's call, are counted at what ``torch.compile``
-returned, when the script holds it in a variable (its hooks run before the compiled code), not under
-``model.compile()`` nor where the script holds only the model it compiled. A model compiled after it
+returned, when the script holds it in a variable (its hooks run before the compiled code), not where
+the script holds only the model it compiled. Under ``model.compile()`` (no wrapper: torch compiles the
+model's ``_call_impl``, a frame dynamo skips, and traces each hook it calls as a frame of its own) the
+trained model's hook runs eagerly (:func:`~diffusion_debug.probes.tracing.eager_frame`), its arguments
+counted; a frozen model's hooks count nothing there. A model compiled after it
 was watched (after ``accelerator.prepare``) is seen as ``torch.compile`` makes the wrapper
 (:meth:`InputWatch.compiled`): its hooks move to the wrapper before its first call, and launch's
 debugger watches the wrapper (:meth:`InputWatch.compiled_as`), so nothing is hooked after dynamo traced
 it (a recompile) and nothing on DDP (whose Python dynamo would trace: a graph break).
+
+Long because :class:`InputWatch` is the one state its hooks read and change (the micro-step's counts,
+the models watched, the wrappers ``torch.compile`` made around them), and each way a script compiles a
+model (a wrapper after or before ``prepare``, ``model.compile()``, a copy to validate) is a case of it.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..probes.tracing import compile_wrapper, compiling, eager_module
+from ..probes.tracing import compile_callback, compile_wrapper, compiling, eager_frame, eager_module, run_eagerly
 from ..stats import read_now, walk_tensors
 from ..stats.quantized import parameter_values
 from .launch_plain import MISSING, put_back
@@ -114,6 +121,11 @@ class InputWatch:
         """By frozen model watched: its root's two hooks, their handles (moved to a wrapper made later)."""
         self._wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         """By trained model: a weak reference to what ``torch.compile`` made around it after it was watched."""
+        self._undecided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """By wrapper made before the first training call: the trained model inside it, which keeps its own
+        hook till that call says which of the two trains (:meth:`_settle`)."""
+        self._unsettled = False
+        """Whether :attr:`_undecided` holds a wrapper (a flag: no Python call of its ``__len__`` a step)."""
         self._inner: weakref.WeakSet = weakref.WeakSet()
         """The models inside a watched wrapper (DDP's, ``torch.compile``'s) whose call without grad is inference."""
         self._loaders: weakref.WeakSet = weakref.WeakSet()
@@ -149,12 +161,21 @@ class InputWatch:
         inner = getattr(inner, "module", inner)
         named = eager_module(inner)  # DDP around torch.compile's: its model's names
 
-        def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if compiling():  # a compiled model's: no break or recompile of ours (counts nothing)
-                return
+        def before(module: nn.Module, args: tuple, kwargs: dict, eager: bool = False) -> None:
+            # compiling(), inline: a Python call here is a frame dynamo traces under module.compile()
+            if torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag:
+                return  # a compiled model's: no break or recompile of ours (counts nothing)
+            if module.__dict__.get("_compiled_call_impl") is not None:  # module.compile(): eager_frame
+                if not eager:
+                    run_eagerly(lambda: before(module, args, kwargs, True))
+                    return
+            elif compile_callback is not None and compile_callback() is not None:
+                return  # run eagerly inside another's compiled call (a wrapper's model): as compiled code
             if not torch.is_grad_enabled():
                 self._inference()
             elif id(module) not in self.ran and self.error is None:
+                if self._unsettled:
+                    self._settle(module)
                 if self.first_training_call is not None:
                     first, self.first_training_call = self.first_training_call, None
                     first()
@@ -162,7 +183,7 @@ class InputWatch:
                 self.ran.add(id(module))
                 self.open = self.fresh = False
 
-        handle = model.register_forward_pre_hook(before, with_kwargs=True)
+        handle = model.register_forward_pre_hook(eager_frame(before), with_kwargs=True)
         self._handles.append(handle)
         self._trained[model] = (name, handle)
         # once (a wrapper's DDP is watched too, or the model inside it itself); not torch's own module class
@@ -196,8 +217,11 @@ class InputWatch:
         training call (the debugger made, its hooks registered) comes there, before dynamo traces the
         model: no recompile, and no hook left on DDP (dynamo would trace its Python: a graph break). The
         model itself keeps one that tells inference (validation on it, eagerly), unless it is torch's own.
-        A frozen model watched already: its root's hooks move to the wrapper (its call counted there, before
-        the compiled code), its children's stay (``vae.encode`` runs eagerly); no hook is added later."""
+        A model of the script's own class keeps its pre-hook till the first training call: a wrapper made
+        to validate before step 0, the model trained uncompiled, took it, and no training call was counted
+        (:meth:`_settle`). A frozen model watched already: its root's hooks move to the wrapper (its call
+        counted there, before the compiled code), its children's stay (``vae.encode`` runs eagerly); no
+        hook is added later."""
         if not self.fresh and model in self._trained:  # compiled once training began (a copy to validate): as it is
             return
         found = self._trained.pop(model, None)
@@ -212,12 +236,43 @@ class InputWatch:
                 self._handles.append(wrapper.register_forward_hook(leave, with_kwargs=True, always_call=True))
             return
         name, handle = found
-        handle.remove()
         self._wrappers[model] = weakref.ref(wrapper)
+        if _torch_own(model):  # DDP, nn.Sequential: a hook of theirs is traced in the wrapper's code
+            handle.remove()
+        else:  # its hook stays till the first training call says which of the two trains (_settle)
+            self._trained[model] = found
+            self._undecided[wrapper] = model
+            self._unsettled = True
         self.watch_trained(wrapper, name, model)
+        if model not in self._trained:
+            self._inner_only(model)
+
+    def _inner_only(self, model: nn.Module) -> None:
+        """``model``, inside a watched wrapper, keeps the hook that tells inference (unless it is torch's own)."""
         if not _torch_own(model) and model not in self._inner:
             self._inner.add(model)
             self._handles.append(model.register_forward_pre_hook(self._inner_before, with_kwargs=True))
+
+    def _settle(self, module: nn.Module) -> None:
+        """The first training call of ``module``, a trained model compiled before it (:meth:`compiled`)
+        or that wrapper: it trains through the wrapper (its own hook goes, before dynamo traces it: the
+        wrapper's counts), or trains itself, and the wrapper is a copy to validate (the debugger watches
+        the model). Another model's call (a text encoder trained too, called first) says nothing of it."""
+        pairs = list(self._undecided.items())
+        for wrapper, model in pairs:
+            if module is not wrapper and module is not model:
+                continue
+            found = self._trained.get(model)
+            if module is wrapper and found is not None:
+                del self._trained[model]
+                found[1].remove()
+                self._inner_only(model)
+            else:
+                self._wrappers.pop(model, None)
+            for other, of in pairs:  # the model's other wrappers too (compiled twice): settled with it
+                if of is model:
+                    self._undecided.pop(other, None)
+        self._unsettled = bool(self._undecided)
 
     def compiled_as(self, model: nn.Module) -> nn.Module:
         """What the script compiled ``model`` into after it was watched (:meth:`compiled`), else ``model``:

@@ -517,20 +517,34 @@ def patch_clip(watch: Any) -> Callable[[], None]:
 
 
 def _model_of(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
-    """The smallest of ``modules`` holding every parameter the optimizer steps; of a DDP wrapper
-    and the module it wraps (the same parameters), the wrapper: the debugger checks each rank's
-    gradients on its all-reduce, which the inner module does not know of."""
+    """The smallest of ``modules`` holding every parameter the optimizer steps; of several holding
+    the same ones, the outermost: a DDP wrapper (the debugger checks each rank's gradients on its
+    all-reduce, which the inner module does not know of), what ``torch.compile`` returned (the script
+    may hold only that: ``model = torch.compile(model)``), the script's model around its one part
+    that holds them all (not that part: its names and its arguments are not the model's); never a
+    container with no ``forward`` (an ``nn.ModuleDict`` or ``nn.ModuleList`` holding the model for a
+    checkpoint: no call of it is ever made) over a module it holds."""
     wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
     best: tuple[int, nn.Module] | None = None
     for module in modules:
         params = {id(p) for p in module.parameters()}
-        if wanted <= params and (best is None or len(params) < best[0] or _wraps(module, best[1])):
+        if wanted <= params and (
+            best is None or len(params) < best[0] or (len(params) == best[0] and _outer(module, best[1]))
+        ):
             best = (len(params), module)
     return best[1] if best else None
 
 
-def _wraps(module: nn.Module, inner: nn.Module) -> bool:
-    return isinstance(module, nn.parallel.DistributedDataParallel) and module.module is inner
+def _outer(module: nn.Module, best: nn.Module) -> bool:
+    """Of two modules holding the same parameters, whether ``module`` is the trained model over ``best``."""
+    if _container(module):
+        return False
+    return _container(best) or (module is not best and any(m is best for m in module.modules()))
+
+
+def _container(module: nn.Module) -> bool:
+    """A module with no ``forward`` (ModuleDict, ModuleList): never called (torch.compile's sets its own)."""
+    return getattr(module.forward, "__func__", None) is nn.Module.forward
 
 
 def plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:

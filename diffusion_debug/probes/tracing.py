@@ -11,7 +11,7 @@ call is taken around it, by the caller (``diffusion/components/call_sites.py``),
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -53,3 +53,40 @@ def runs_compiled(model: nn.Module, modules: Iterable[nn.Module | None]) -> bool
         if m is not None and vars(m).get("_compiled_call_impl") is not None:  # compiled_in_place(m)
             return True
     return False
+
+
+compile_callback: Callable[[], Any] | None = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+"""dynamo's frame callback now (a C function: no frame dynamo would trace; torch 2.6 on, else None): not
+None in Python that runs inside a compiled call (a hook of :func:`eager_frame` run eagerly there)."""
+
+
+def eager_frame(function: Callable) -> Callable:
+    """``function`` (a hook) marked for dynamo to run as Python when it meets it as a frame of its own:
+    under ``module.compile()`` torch compiles ``Module._call_impl``, a frame dynamo skips, so each hook
+    it calls is a frame dynamo traces, where :func:`compiling` is the constant True and the hook counts
+    nothing; marked, it runs eagerly, the functions it calls still traced as frames of their own (a
+    Python call there, even :func:`compiling`, is one: see :func:`run_eagerly` and
+    :data:`compile_callback`). Inlined into a traced frame it is traced as before. Not on a torch with
+    no such mark or no :data:`compile_callback` (private APIs): ``function`` is as it was, its hook
+    counting nothing there. Returns ``function``."""
+    frames = torch._C._dynamo.eval_frame
+    if compile_callback is not None and hasattr(frames, "set_code_exec_strategy"):
+        try:
+            action = frames._FrameAction
+            frames.set_code_exec_strategy(function.__code__, frames._FrameExecStrategy(action.SKIP, action.DEFAULT))
+        except Exception:  # never the user's run: the hook is as it was
+            pass
+    return function
+
+
+_EAGER: list[Callable] = []
+
+
+def run_eagerly(work: Callable[[], Any]) -> Any:
+    """``work()`` with dynamo off, for a hook of :func:`eager_frame` called under ``module.compile()``
+    (dynamo is imported there): the Python it calls is not traced as frames of their own."""
+    if not _EAGER:
+        import torch._dynamo
+
+        _EAGER.append(torch._dynamo.disable(lambda work: work(), recursive=True))
+    return _EAGER[0](work)

@@ -104,6 +104,30 @@ def dtype_max(dtype: torch.dtype) -> float | None:
     return limit
 
 
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` seen as a ``torch.Tensor`` (no copy) where it is a subclass with a ``__torch_function__`` of
+    its own (diffusers' ``GGUFParameter``, which a compiled GGUF transformer returns as its output, and
+    whose every op then raises, ``KeyError: None``): a measurement of its values is no op of that
+    subclass, so it adds no error of ours to the one the user's code meets. Any other tensor (a
+    parameter, a wrapper subclass such as ``DTensor``) as it is; so is a subclass with a
+    ``__torch_dispatch__`` of its own (a jagged nested tensor, torchao's, ``MaskedTensor``): its data is
+    not its storage (its ``alias`` raised, or made one of its own kind). Called where a type is not
+    ``torch.Tensor`` (checked inline: no Python call for a plain tensor)."""
+    kind = type(t)
+    own = getattr(kind, "__torch_function__", None)
+    if getattr(own, "__func__", own) in _PLAIN_TORCH_FUNCTIONS or kind.__torch_dispatch__ is not _PLAIN_DISPATCH:
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(torch.Tensor)
+
+
+_PLAIN_TORCH_FUNCTIONS = (
+    torch.Tensor.__torch_function__.__func__,
+    torch._C._disabled_torch_function_impl,
+)
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
 def _unmeasurable(t: torch.Tensor) -> str | None:
     if t.is_meta:
         return "meta tensor: no data to measure"

@@ -170,6 +170,42 @@ def test_an_sd_call_that_raises_in_check_inputs_names_its_nan_latents(tmp_path):
     dbg.close()
 
 
+class _Raising(torch.Tensor):
+    """A tensor whose every op making a tensor raises, as the ``GGUFParameter`` a compiled GGUF transformer
+    returns (its ``__torch_function__`` rebuilds each tensor result as one: ``KeyError: None``)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if isinstance(result, torch.Tensor):
+            raise KeyError(None)
+        return result
+
+
+def test_a_denoiser_output_whose_own_ops_raise_adds_no_error_of_ours_to_the_users(tmp_path):
+    """The UNet's output is such a tensor: the pipeline's ``chunk`` raises the user's KeyError, as
+    without the debugger. The debugger read that output with the subclass's ops: a ``debugger_error``
+    (the unfinished step's check, IndexError or KeyError) on top of the user's exception (two on a
+    compiled GGUF Wan 2.2). It reads its values as a tensor's now: nothing is recorded."""
+    pipe = tiny_pipeline("sd")
+
+    def raising(module, args, output):
+        with torch._C.DisableTorchFunctionSubclass():
+            return (output[0].as_subclass(_Raising), *output[1:])
+
+    handle = pipe.unet.register_forward_hook(raising)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    try:
+        with pytest.raises(KeyError) as raised:
+            with dbg:
+                pipe("a cat", num_inference_steps=2, output_type="pt")
+    finally:
+        handle.remove()
+    assert raised.value.args == (None,)
+    assert [(a.kind, a.details.get("where")) for a in dbg.report().anomalies] == []
+    dbg.close()
+
+
 def test_the_raised_calls_arguments_are_read_as_they_were_when_it_raised_a_deleted_one_left_out():
     """``pipeline_inputs`` from a raised call's frame, against the values written out: an argument
     rebound in the call is read as rebound, one a closure holds (a cell) as it is, one the call

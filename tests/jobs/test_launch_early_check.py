@@ -58,6 +58,31 @@ def test_a_plain_ddp_script_s_model_is_its_ddp_wrapper_whichever_the_garbage_col
     assert not any(model is inner or any(model is part for part in inner) for model in models)
 
 
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_a_plain_script_s_model_is_the_outermost_callable_module_holding_its_parameters_in_any_order():
+    """Of the modules holding exactly the optimizer's parameters, the trained model is the outermost one
+    that has a ``forward``: what ``torch.compile`` returned around the script's model (not ``layers``, its
+    one part holding them all), and the script's model, not an ``nn.ModuleDict`` or ``nn.ModuleList`` that
+    also holds it (for a checkpoint): one was watched, its hook never called, the NaN input of a step only
+    its NaN loss, the names ``unet.layers.0``."""
+    net = _Net()
+    held = [torch.nn.ModuleDict({"unet": net}), torch.nn.ModuleList([net])]
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for modules in ([*held, net, net.layers], [net.layers, net, *held]):
+        assert _model_of(optimizer, modules) is net
+    compiled = torch.compile(net)
+    for modules in ([*held, net, compiled, net.layers], [net.layers, compiled, net, *held]):
+        assert _model_of(optimizer, modules) is compiled
+
+
 def test_the_debugger_made_at_the_first_step_takes_the_check_over_and_it_lets_go(one_rank_group, tmp_path):
     """The handover (``TrainingDebugger._carry_pre_reduction``): on one rank the debugger has no
     check of its own (no reduction to name a rank by), and the early one lets go all the same."""

@@ -655,3 +655,23 @@ def test_a_nan_seen_first_at_a_frozen_models_argument_is_the_input_though_the_tr
     assert (found.step, found.component, found.parameter) == (2, "input", "vae.encoder(input)")
     assert "cause" not in found.details and "weights" not in found.details
     assert found.message.startswith("The training batch holds 1 NaN/Inf value(s) at step 2 on rank 0, in vae.encoder")
+
+
+def test_a_model_compiled_before_step_0_stays_at_its_wrapper_when_another_trained_model_is_called_first():
+    """DreamBooth's ``--train_text_encoder`` with ``unet = torch.compile(unet)`` before step 0: the text
+    encoder's training call comes first, and says nothing of which of the UNet and its wrapper trains
+    (:meth:`InputWatch._settle` waits for the UNet's own first training call). It took that call for the
+    UNet's: the wrapper was a copy to validate, the UNet's own hook kept inside the compiled code, and
+    launch's debugger given the UNet (its hooks then traced there), not the wrapper."""
+    unet, text_encoder = UNet2DConditionModel(2, 2), UNet2DConditionModel(2, 2)
+    watch = InputWatch()
+    try:
+        watch.watch_trained(unet, "unet")
+        watch.watch_trained(text_encoder, "text_encoder")
+        compiled = torch.compile(unet, backend="aot_eager")
+        text_encoder(torch.ones(1, 2))
+        given = watch.compiled_as(unet)
+    finally:
+        watch.remove()
+    assert given is compiled
+    assert {path: int(count) for path, count in watch.take().items()} == {"text_encoder(input)": 0}

@@ -646,16 +646,19 @@ def test_a_grad_scaler_skip_at_the_last_step_is_in_the_saved_summary(tmp_path, t
     assert [a["step"] for a in summary["anomalies"] if a["kind"] == "skipped_step"] == [3]
 
 
-def _compiled_loop(nan_input_at: int | None = None) -> tuple[list[float], list[torch.Tensor], int]:
-    """A plain loop of 3 steps on ``torch.compile(model)`` (aot_eager), its input NaN at ``nan_input_at``:
-    its losses, final weights and dynamo's graph count."""
+def _compiled_loop(nan_input_at: int | None = None, only: bool = False) -> tuple[list[float], list[torch.Tensor], int]:
+    """A plain loop of 3 steps on ``torch.compile(model)`` (aot_eager), its input NaN at ``nan_input_at``
+    (``only``: the script holds only what torch.compile returned, around a model of its own class): its
+    losses, final weights and dynamo's graph count."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    model = _model()
+    model = _Net() if only else _model()
     compiled = torch.compile(model, backend="aot_eager")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if only:
+        del model
+    optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
     losses = []
     for step in range(3):
         x = X.clone()
@@ -666,25 +669,31 @@ def _compiled_loop(nan_input_at: int | None = None) -> tuple[list[float], list[t
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]
+    return losses, [p.detach().clone() for p in compiled.parameters()], counters["stats"]["unique_graphs"]
 
 
-def test_a_compiled_models_nan_input_is_named_at_the_compiled_call_and_the_run_is_bitwise(tmp_path, torch_own):
+@pytest.mark.parametrize("only", [False, True])
+def test_a_compiled_models_nan_input_is_named_at_the_compiled_call_and_the_run_is_bitwise(tmp_path, torch_own, only):
     """``torch.compile(model)`` in a plain script: its arguments are counted at what torch.compile
     returned, whose hooks run before the compiled code, so a NaN input is the headline as the input
     at its step; the compiled model's own hooks count nothing (no graph of ours), and the run is the
     plain one. Before, dynamo traced launch's hooks inside the compiled code (recompiles; on a DDP UNet,
     graph breaks and weights an ulp off the plain run's); once they counted nothing there, the NaN
-    input was only the NaN loss it made."""
+    input was only the NaN loss it made. A script that holds ``only`` the compiled model: launch took the
+    model's one part that holds every parameter (``layers``, of torch's own class, hooked inside the
+    compiled code) for the trained model, so the NaN input was only the NaN loss, its modules named
+    ``0``, not ``layers.0``."""
     (plain_losses, plain, plain_graphs), (losses, watched, graphs), run = _plain_then_watched(
-        tmp_path, lambda: _compiled_loop(nan_input_at=1)
+        tmp_path, lambda: _compiled_loop(nan_input_at=1, only=only)
     )
     assert graphs == plain_graphs
     same = functools.partial(torch.allclose, rtol=0, atol=0, equal_nan=True)  # bitwise, NaN as NaN
     assert same(torch.tensor(losses), torch.tensor(plain_losses)) and all(map(same, watched, plain))
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.component, first.step) == ("nonfinite_input", "input", 1)
-    assert first.details["inputs"] == ["compiled(input)"]
+    assert first.details["inputs"] == ["compiled(x)" if only else "compiled(input)"]
+    made = [a.module for a in run.anomalies if a.kind == "nonfinite" and a.step == 1]
+    assert made == ["layers.0" if only else "0"]
 
 
 class _Net(torch.nn.Module):
@@ -698,10 +707,13 @@ class _Net(torch.nn.Module):
         return self.layers(x)
 
 
-def _compiled_after_prepare_loop(make: Callable[[], torch.nn.Module]) -> tuple[list[float], list[torch.Tensor], tuple]:
+def _compiled_after_prepare_loop(
+    make: Callable[[], torch.nn.Module], how: str = "wrapper"
+) -> tuple[list[float], list[torch.Tensor], tuple]:
     """An Accelerate loop that compiles its model after ``prepare`` (``model = accelerator.prepare(model);
-    model = torch.compile(model)``), 3 steps, its input NaN at step 1: its losses, final weights, and
-    dynamo's graph count and graph breaks."""
+    model = torch.compile(model)``; ``model.compile()`` ``in_place``; a ``validation`` copy compiled and
+    called under ``no_grad`` before step 0, the model trained uncompiled), 3 steps, its input NaN at step 1:
+    its losses, final weights, and dynamo's graph count and graph breaks."""
     import accelerate
     from accelerate.state import AcceleratorState, GradientState
     from torch._dynamo.utils import counters
@@ -713,7 +725,13 @@ def _compiled_after_prepare_loop(make: Callable[[], torch.nn.Module]) -> tuple[l
     accelerator = accelerate.Accelerator(cpu=True)
     model = make()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    model = torch.compile(model, backend="aot_eager")
+    if how == "in_place":
+        model.compile(backend="aot_eager")
+    elif how == "validation":
+        with torch.no_grad():
+            torch.compile(model, backend="aot_eager")(X)
+    else:
+        model = torch.compile(model, backend="aot_eager")
     losses = []
     for step in range(3):
         x = X.clone()
@@ -730,9 +748,11 @@ def _compiled_after_prepare_loop(make: Callable[[], torch.nn.Module]) -> tuple[l
     return losses, [p.detach().clone() for p in model.parameters()], counted
 
 
-@pytest.mark.parametrize("ddp", [False, True])
+@pytest.mark.parametrize(
+    "ddp, how", [(False, "wrapper"), (True, "wrapper"), (False, "in_place"), (False, "validation")]
+)
 def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its_nan_input_is_named(
-    tmp_path, torch_own, monkeypatch, ddp, request
+    tmp_path, torch_own, monkeypatch, ddp, how, request
 ):
     """``torch.compile`` after ``accelerator.prepare``: launch is told of the wrapper as torch.compile
     makes it and watches it in place of the prepared model, so the debugger is made at its first call
@@ -742,9 +762,17 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     dynamo's guards on an ``nn.Sequential`` (torch's own class: dynamo traces its hooks), 2 graphs for
     1; with DDP (a gloo group of one rank; its hooks traced too) around a model of the script's class,
     the pre-hooks of launch and of its debugger on DDP made dynamo trace DDP's Python: 4 graph breaks
-    for the plain run's 3."""
+    for the plain run's 3. ``model.compile()`` (``in_place``, no wrapper: torch compiles the model's
+    ``_call_impl``, whose hooks dynamo traces as frames of their own) counted nothing: launch's hook was
+    traced there, the NaN input was only the NaN loss it made, the debugger made at the ``backward``. A
+    ``validation`` copy compiled before step 0 took the trained model's hook, its training calls not
+    counted (the NaN input only the NaN loss)."""
     import accelerate
 
+    from diffusion_debug.probes.tracing import compile_callback
+
+    if how == "in_place" and compile_callback is None:
+        pytest.skip("no dynamo frame callback to ask on this torch (2.5): model.compile()'s calls count nothing")
     if ddp:
         request.getfixturevalue("one_rank_group")
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
@@ -753,7 +781,7 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     own_prepare = accelerate.Accelerator.prepare
     try:
         (plain_losses, plain, plain_graphs), (losses, watched, graphs), run = _plain_then_watched(
-            tmp_path, functools.partial(_compiled_after_prepare_loop, _Net if ddp else _model)
+            tmp_path, functools.partial(_compiled_after_prepare_loop, _Net if ddp or how != "wrapper" else _model, how)
         )
     finally:
         accelerate.Accelerator.prepare = own_prepare
@@ -762,7 +790,8 @@ def test_a_model_compiled_after_prepare_gets_no_recompile_or_graph_break_and_its
     assert same(torch.tensor(losses), torch.tensor(plain_losses)) and all(map(same, watched, plain))
     first = by_cause(run.anomalies)[0]
     assert (first.kind, first.component, first.step) == ("nonfinite_input", "input", 1)
-    assert first.details["inputs"] == ["model(x)" if ddp else "model(input)"]
+    assert first.details["inputs"] == ["model(input)" if how == "wrapper" and not ddp else "model(x)"]
+    assert [row["step"] for row in run.steps] == [0, 1, 2]
     # the debugger watches the wrapper: its names are the model's own, as without the compile
     named = {(a.component, a.module, a.parameter) for a in run.anomalies if a.parameter or a.module}
     assert named and not any(w in f"{n}" for n in named for w in ("_orig_mod", "module.", "optimizedmodule"))
