@@ -86,13 +86,13 @@ def one_rank_group():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    hook = sys.excepthook  # init_process_group sets its own (torch 2.13), which destroy_process_group leaves
+    hook = sys.excepthook  # init_process_group sets its own (torch 2.13), which destroy_process_group leaves:
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    sys.excepthook = hook  # put back at once, or the test asking first for the group is told it left it
     try:
         yield
     finally:
         dist.destroy_process_group()
-        sys.excepthook = hook
 
 
 @pytest.fixture(scope="module", autouse=True)
