@@ -455,7 +455,18 @@ def _quiet_libraries(loads_pipelines: bool = True) -> Iterator[None]:
 
 
 _QUIET_VARIABLES = ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY")
-_QUIET_LOGGERS = ("diffusers", "transformers", "huggingface_hub", "accelerate")
+# torchao and bitsandbytes log at import, when diffusers imports them, that their kernels for another
+# torch or GPU did not load, and torch that torchao's pytree registrations are deprecated: a
+# library's noise on every command's stderr where they are installed (the quant extra)
+_QUIET_LOGGERS = (
+    "diffusers",
+    "transformers",
+    "huggingface_hub",
+    "accelerate",
+    "torchao",
+    "bitsandbytes",
+    "torch.utils._pytree",
+)
 
 
 def version_line() -> str:

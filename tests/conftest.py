@@ -86,13 +86,13 @@ def one_rank_group():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    hook = sys.excepthook  # init_process_group sets its own (torch 2.13), which destroy_process_group leaves
+    hook = sys.excepthook  # init_process_group sets its own (torch 2.13), which destroy_process_group leaves:
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    sys.excepthook = hook  # put back at once, or the test asking first for the group is told it left it
     try:
         yield
     finally:
         dist.destroy_process_group()
-        sys.excepthook = hook
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -226,3 +226,48 @@ def multiprocess_job(request, tmp_path_factory) -> tuple[Path, dict[str, subproc
         scenario: subprocess.CompletedProcess(done.args, done.returncode, out, done.stderr)
         for scenario, out in by_scenario(done.stdout, scenarios).items()
     }
+
+
+def _global_state() -> dict[str, object]:
+    """What a test could leave behind for every later test of its worker: torch's global module and
+    optimizer hooks (a leaked LaunchWatch's module-registration hook fired in every later test and
+    raised test_op_count's hook counts by one), the functions the debugger's watches wrap, the
+    torch-function modes pushed, the process-wide autograd modes and the signal handlers."""
+    import signal
+
+    import accelerate
+    import torch.nn.modules.module as modules
+    import torch.optim.optimizer as optimizers
+
+    hooks = {
+        name: getattr(modules, name) for name in dir(modules) if name.startswith("_global_") and name.endswith("hooks")
+    }
+    hooks |= {
+        name: getattr(optimizers, name) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    }
+    state: dict[str, object] = {name: tuple(hooks_dict) for name, hooks_dict in hooks.items()}
+    state |= {
+        "torch.Tensor.backward": torch.Tensor.backward,
+        "torch.autograd.backward": torch.autograd.backward,
+        "accelerate.Accelerator.prepare": accelerate.Accelerator.prepare,
+        "torch-function modes": torch._C._len_torch_function_stack(),
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "anomaly mode": torch.is_anomaly_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "sys.excepthook": sys.excepthook,
+    }
+    state |= {f"signal {s.name}": signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _nothing_global_leaked():
+    """Fails the test that leaves global state changed (see :func:`_global_state`), naming what it
+    left, so that the failure is its own and not a later test's on the same worker."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    leaked = [name for name in before if after[name] != before[name]]
+    if leaked:
+        pytest.fail(f"the test left global state changed: {', '.join(leaked)}", pytrace=False)
