@@ -147,8 +147,8 @@ def test_an_optimizer_that_makes_its_own_lr_is_diagnosed_without_one():
     }
 
 
-@pytest.mark.parametrize("lr", [5e-3, 2.0])
-def test_a_run_that_trains_only_an_embeddings_new_row_reads_that_rows_update(tmp_path, lr):
+@pytest.mark.parametrize("lr, named", [(5e-3, False), (2.0, True)], ids=["quiet", "spike_named_model"])
+def test_a_run_that_trains_only_an_embeddings_new_row_reads_that_rows_update(tmp_path, lr, named):
     # textual inversion: only the new token's row (appended last) learns and every other row is put
     # back after each step. The sampled block was the table's middle: it read 0.0 at every step, and
     # at lr 2 (AdamW moving the new row by ~60 times the norm of its block in one step) nothing was said
@@ -159,7 +159,7 @@ def test_a_run_that_trains_only_an_embeddings_new_row_reads_that_rows_update(tmp
     table = torch.nn.init.normal_(model[0].weight, std=0.02)  # as CLIP's token embedding
     kept = table.detach().clone()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    tdbg = TrainingDebugger(model, config=_config(tmp_path))
+    tdbg = TrainingDebugger({"text_encoder": model} if named else model, config=_config(tmp_path))
     weights = []
     for step in range(12):
         weights.append(table.detach().clone())
@@ -183,7 +183,7 @@ def test_a_run_that_trains_only_an_embeddings_new_row_reads_that_rows_update(tmp
         assert max(naive) < 0.2 and serious == []
         return
     spikes = [(a.kind, a.step, a.module, a.details["reason"], a.details["detected_at_step"]) for a in serious]
-    assert spikes[0] == ("lr_spike", 0, "0", "applied_update", 1)
+    assert spikes[0] == ("lr_spike", 0, "text_encoder.0", "applied_update", 1)
     assert serious[0].details["update_to_weight_ratio"] == pytest.approx(naive[0], rel=1e-6) and naive[0] > 10
 
 
