@@ -185,6 +185,12 @@ def test_a_run_that_trains_only_an_embeddings_new_row_reads_that_rows_update(tmp
     spikes = [(a.kind, a.step, a.module, a.details["reason"], a.details["detected_at_step"]) for a in serious]
     assert spikes[0] == ("lr_spike", 0, "text_encoder.0", "applied_update", 1)
     assert serious[0].details["update_to_weight_ratio"] == pytest.approx(naive[0], rel=1e-6) and naive[0] > 10
+    # the figure is the last rows' (the whole table moved far less): the message says whose it is
+    assert serious[0].message == (
+        "The optimizer step of step 0 moved 1 of 1 modules by more than 1 times their own norm (the most: "
+        f"text_encoder.0's last rows, where added tokens train, {naive[0]:.3g}x; measured from the weights): lower "
+        "the learning rate or warm it up."
+    )
 
 
 def test_bf16_weights_under_sgd_without_momentum_round_away_and_are_not_cleared_gradients():

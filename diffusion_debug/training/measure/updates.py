@@ -37,7 +37,8 @@ zero convolutions) grows from nothing: its ratio is not judged. An ``nn.Embeddin
 last rows: the tokens a script adds are appended there (``resize_token_embeddings``), and textual
 inversion and Custom Diffusion train only those, putting every other row back after each step (its
 middle rows never move: the update read 0, and a new token's row moved 100 times its norm in a step
-went unseen); a full fine-tune's last CLIP rows are its start and end tokens, in every prompt. The
+went unseen; an ``lr_spike`` there says the figure is the last rows', not the whole table's); a full
+fine-tune's last CLIP rows are its start and end tokens, in every prompt. The
 blocks are views, each holding its parameter's whole storage: a model moved or cast mid-run
 (``model.to``) keeps its old weights' memory until the sketch's next keep or reading (the steps
 around a scheduled one, ``step.detail``) takes them again; ``TrainingDebugger.close`` lets go of
@@ -85,6 +86,8 @@ class UpdateSketch:
         module's number of blocks, and the blocks in module order (None: they are already)."""
         self.grown_from_zero: set[str] | None = None
         """Modules whose sampled weights were all zero at the first comparison (never judged)."""
+        self.table_modules: frozenset[str] = frozenset()
+        """The sampled modules whose block is an embedding table's last rows (their ratio is those rows')."""
         self.kept_at: int | None = None
         """The monitored step whose blocks are kept for the next reading (:meth:`keep`)."""
         self._current_at: int | None = None
@@ -195,6 +198,7 @@ class UpdateSketch:
         )
         self._sums = {}
         self._sampled_names = [self.params.module_names[m] for m in sampled.tolist()]
+        self.table_modules = frozenset(self.params.module_of_parameter(i) for i in self._order if i in tables)
         self.grown_from_zero = None
 
     def ratios(self, values: list[float]) -> dict[str, float]:
@@ -326,9 +330,12 @@ def judge_applied_update(
     *,
     detected_at: Any,
     skip: set[str] = frozenset(),
+    tables: frozenset[str] = frozenset(),
 ) -> list[Anomaly]:
     """``lr_spike`` (reason ``applied_update``) for the optimizer step of ``update_step`` when it
-    moved a module (outside ``skip``) by more than ``threshold`` times its norm."""
+    moved a module (outside ``skip``) by more than ``threshold`` times its norm. ``tables``: the
+    modules whose figure is an embedding table's last rows' (``details["last_rows"]``: the top one
+    is such a table, whose whole norm moved far less where only those rows train)."""
     values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
     finite = np.isfinite(values)  # one numpy pass where a per-module loop ran every step
     hits = (finite & (values > threshold)).nonzero()[0]
@@ -349,6 +356,8 @@ def judge_applied_update(
         "top_modules": dict(over[:_TOP_MODULES]),
         "detected_at_step": detected_at,
     }
+    if over[0][0] in tables:
+        details["last_rows"] = True
     return [
         make_anomaly(
             kind="lr_spike",
