@@ -39,8 +39,14 @@ from .wrappers import local_part, unwrap_model, wrapper_free
 
 
 def embedding_tables(*models: nn.Module) -> frozenset[int]:
-    """The ids of the ``nn.Embedding`` tables in ``models`` (read once, when the debugger is made)."""
-    return frozenset(id(m.weight) for model in models for m in model.modules() if isinstance(m, nn.Embedding))
+    """The ids of the ``nn.Embedding`` tables in ``models`` (read once, when the debugger is made), but
+    those whose last row is their ``padding_idx`` (zero and never trained; nothing appended after it)."""
+    return frozenset(
+        id(m.weight)
+        for model in models
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and m.padding_idx != m.num_embeddings - 1
+    )
 
 
 @dataclass
