@@ -105,8 +105,9 @@ def lr_spike(anomaly: Anomaly) -> str:
     if d["reason"] == "applied_update":
         found = (
             f"The optimizer step of step {anomaly.step} moved {d['modules_over']} of {d['modules_measured']} modules "
-            f"by more than {d['threshold']:g} times their own norm (the most: {anomaly.module or '(root)'}, "
-            f"{d['update_to_weight_ratio']:.3g}x; measured from the weights)"
+            f"by more than {d['threshold']:g} times their own norm (the most: {anomaly.module or '(root)'}"
+            + ("'s last rows, where added tokens train" if d.get("last_rows") else "")
+            + f", {d['update_to_weight_ratio']:.3g}x; measured from the weights)"
         )
         advice = ": lower the learning rate or warm it up."
     else:

@@ -48,7 +48,7 @@ from torch import nn
 
 from ..errors import DiffusionDebugError
 from ..record import Anomaly, cause_reference, rebuilt
-from .measure.gradients import TrainableParameters
+from .measure.gradients import TrainableParameters, embedding_tables
 from .measure.optimizer_state import raw_optimizer
 from .measure.wrappers import fsdp1_type, unwrap_model
 
@@ -87,7 +87,8 @@ class WatchedModels:
         """The trainable parameters of every watched model, in order (``<model>.<name>`` with several)."""
         if self.single:
             return TrainableParameters.of(self.models[SINGLE])
-        return TrainableParameters.from_named(self._named())
+        tables = embedding_tables(*map(unwrap_model, self.models.values()))
+        return TrainableParameters.from_named(self._named(), tables=tables)
 
     def flat_sharded(self) -> bool:
         """Some watched model holds an FSDP1 unit (``FullyShardedDataParallel``): each of its

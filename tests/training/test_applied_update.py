@@ -118,6 +118,28 @@ def test_a_module_that_starts_at_zero_is_not_judged():
     assert sketch.grown_from_zero == {"1"}
 
 
+@pytest.mark.parametrize("padding_idx, block", [(0, "last"), (999, "middle")])
+def test_an_embedding_whose_last_row_is_its_padding_row_is_sampled_in_its_middle(padding_idx, block):
+    # the last rows are where a script's new tokens are; a padding row there is zero and never trained: its
+    # block (128 elements, the row) read inf at the first comparison and the table was never judged
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(1000, SAMPLED, padding_idx=padding_idx)
+    optimizer = torch.optim.AdamW(table.parameters(), lr=1e-2)
+    sketch = UpdateSketch(TrainableParameters.of(table))
+    weights, read = [], []
+    for _ in range(3):
+        weights.append(table.weight.detach().double().reshape(-1).clone())
+        read.append(sketch.measure(torch.device("cpu")))
+        table(torch.arange(1000)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    start = 1000 * SAMPLED - SAMPLED if block == "last" else (1000 * SAMPLED - SAMPLED) // 2
+    w = [x[start : start + SAMPLED] for x in weights]
+    naive = [((w[k] - w[k - 1]).norm() / w[k - 1].norm()).item() for k in (1, 2)]
+    assert [sketch.ratios(r.tolist())[""] for r in read[1:]] == pytest.approx(naive, rel=1e-6)
+    assert all(0 < r < 1 for r in naive) and sketch.grown_from_zero == set()
+
+
 def test_replaced_storage_starts_the_sketch_again_at_once_or_within_its_round(monkeypatch):
     # the first parameter's storage is checked at every step (model.to, a cast: every parameter
     # moves); a rotating STORAGE_ROUND-th of them each step, so a parameter replaced alone

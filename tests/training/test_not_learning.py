@@ -147,30 +147,50 @@ def test_an_optimizer_that_makes_its_own_lr_is_diagnosed_without_one():
     }
 
 
-def test_a_run_that_trains_one_embedding_row_outside_the_sampled_block_stays_quiet(tmp_path):
-    # textual inversion: only the new token's row learns and every other row is put back after each
-    # step, so the sampled block of the embedding never moves; the whole weights do
+@pytest.mark.parametrize("lr, named", [(5e-3, False), (2.0, True)], ids=["quiet", "spike_named_model"])
+def test_a_run_that_trains_only_an_embeddings_new_row_reads_that_rows_update(tmp_path, lr, named):
+    # textual inversion: only the new token's row (appended last) learns and every other row is put
+    # back after each step. The sampled block was the table's middle: it read 0.0 at every step, and
+    # at lr 2 (AdamW moving the new row by ~60 times the norm of its block in one step) nothing was said
     from diffusion_debug import TrainingDebugger
 
     torch.manual_seed(0)
-    embedding, head = torch.nn.Embedding(1001, 8), torch.nn.Linear(8, 1).requires_grad_(False)
-    kept = embedding.weight.detach().clone()
-    optimizer = torch.optim.AdamW(embedding.parameters(), lr=5e-3)
-    tdbg = TrainingDebugger(embedding, config=_config(tmp_path))
+    model, head = torch.nn.Sequential(torch.nn.Embedding(1001, 8)), torch.nn.Linear(8, 1).requires_grad_(False)
+    table = torch.nn.init.normal_(model[0].weight, std=0.02)  # as CLIP's token embedding
+    kept = table.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    tdbg = TrainingDebugger({"text_encoder": model} if named else model, config=_config(tmp_path))
+    weights = []
     for step in range(12):
-        loss = (head(embedding(torch.tensor([1000, 3, 7]))).mean() - 1.0) ** 2
+        weights.append(table.detach().clone())
+        loss = (head(model(torch.tensor([1000, 3, 7]))).mean() - 1.0) ** 2
         loss.backward()
         tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
         optimizer.step()
         optimizer.zero_grad()
         with torch.no_grad():
-            embedding.weight[:1000] = kept[:1000]
-    assert (embedding.weight[1000] - kept[1000]).norm() > 0.1  # it learned
-    # the sample did not move (read on the steps of the per-module schedule: the first ten, then one in five)
-    read = [r for r in tdbg.report().steps[1:] if "max_applied_update_ratio" in r]
+            table[:1000] = kept[:1000]
+    assert (table[1000] - kept[1000]).norm() > 0.1  # it learned
+    # the block is the table's last 128 elements (16 rows): the naive reference, read on the steps of
+    # the per-module schedule (the first ten, then one in five)
+    block = [w.double().reshape(-1)[-128:] for w in weights]
+    naive = [((block[k] - block[k - 1]).norm() / block[k - 1].norm()).item() for k in range(1, 11)]
+    read = [r for r in tdbg.report().steps[1:] if "max_applied_update_ratio" in r][:10]  # an anomaly reads on
     assert [r["step"] for r in read] == list(range(1, 11))
-    assert [r["max_applied_update_ratio"] for r in read] == [0.0] * 10
-    assert _serious(tdbg) == []
+    assert [r["max_applied_update_ratio"] for r in read] == pytest.approx(naive, rel=1e-6)
+    serious = _serious(tdbg)
+    if lr < 1:
+        assert max(naive) < 0.2 and serious == []
+        return
+    spikes = [(a.kind, a.step, a.module, a.details["reason"], a.details["detected_at_step"]) for a in serious]
+    assert spikes[0] == ("lr_spike", 0, "text_encoder.0", "applied_update", 1)
+    assert serious[0].details["update_to_weight_ratio"] == pytest.approx(naive[0], rel=1e-6) and naive[0] > 10
+    # the figure is the last rows' (the whole table moved far less): the message says whose it is
+    assert serious[0].message == (
+        "The optimizer step of step 0 moved 1 of 1 modules by more than 1 times their own norm (the most: "
+        f"text_encoder.0's last rows, where added tokens train, {naive[0]:.3g}x; measured from the weights): lower "
+        "the learning rate or warm it up."
+    )
 
 
 def test_bf16_weights_under_sgd_without_momentum_round_away_and_are_not_cleared_gradients():

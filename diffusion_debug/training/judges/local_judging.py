@@ -185,6 +185,7 @@ class LocalJudge:
             config.update_ratio_threshold,
             detected_at=index,
             skip=self.sketch.grown_from_zero or set(),
+            tables=self.sketch.table_modules,
         )
         flagged_before, self.history.update_flagged = self.history.update_flagged, bool(found)
         causes: CauseTracker = self.history.causes

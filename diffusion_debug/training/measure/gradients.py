@@ -38,6 +38,17 @@ from .deepspeed_zero import DeepSpeedSteps, ZeroPartitions
 from .wrappers import local_part, unwrap_model, wrapper_free
 
 
+def embedding_tables(*models: nn.Module) -> frozenset[int]:
+    """The ids of the ``nn.Embedding`` tables in ``models`` (read once, when the debugger is made), but
+    those whose last row is their ``padding_idx`` (zero and never trained; nothing appended after it)."""
+    return frozenset(
+        id(m.weight)
+        for model in models
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and m.padding_idx != m.num_embeddings - 1
+    )
+
+
 @dataclass
 class TrainableParameters:
     """The parameters with ``requires_grad``, in registration order, with their module."""
@@ -63,15 +74,22 @@ class TrainableParameters:
     """Each parameter's name as the modules hold it (``named_parameters()``'s), where some differ
     from :attr:`names` (FSDP1 units, checkpoint wrappers: :func:`wrapper_free`); None: the same.
     What ``watched_models.ParameterSwaps`` walks the modules by."""
+    tables: frozenset[int] = field(repr=False, default=frozenset())
+    """Indices of the parameters that are an ``nn.Embedding``'s table, whose trained rows may be its
+    last ones only (``updates.UpdateSketch`` samples them there)."""
 
     @classmethod
     def of(cls, model: nn.Module) -> "TrainableParameters":
-        return cls.from_named(unwrap_model(model).named_parameters())
+        inner = unwrap_model(model)
+        return cls.from_named(inner.named_parameters(), tables=embedding_tables(inner))
 
     @classmethod
-    def from_named(cls, named: Iterable[tuple[str, nn.Parameter]]) -> "TrainableParameters":
+    def from_named(
+        cls, named: Iterable[tuple[str, nn.Parameter]], tables: frozenset[int] = frozenset()
+    ) -> "TrainableParameters":
         """From ``(qualified name, parameter)`` pairs, as ``named_parameters()`` gives them; named
-        without wrappers' components (:func:`wrapper_free`), the names as given kept in :attr:`paths`."""
+        without wrappers' components (:func:`wrapper_free`), the names as given kept in :attr:`paths`;
+        ``tables``: the ids of the embedding tables among them (:func:`embedding_tables`)."""
         names, params, module_of, module_names, index, paths = [], [], [], [], {}, []
         for path, param in named:
             if not param.requires_grad:
@@ -85,7 +103,8 @@ class TrainableParameters:
             names.append(name)
             params.append(param)
             module_of.append(index[module])
-        return cls(names, params, module_of, module_names, paths=paths if paths != names else None)
+        rows = frozenset(i for i, p in enumerate(params) if id(p) in tables)
+        return cls(names, params, module_of, module_names, paths=paths if paths != names else None, tables=rows)
 
     def __len__(self) -> int:
         return len(self.params)

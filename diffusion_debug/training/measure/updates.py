@@ -4,17 +4,17 @@ optimizer (AdamW, Adafactor, 8-bit Adam, SGD, Prodigy): a fixed sample of each p
 the judgement of an update that moved modules by more than their own norm
 (:func:`judge_applied_update`), and which weights went non-finite (:func:`nonfinite_weight_mask`).
 
-The sketch keeps one block of :data:`SAMPLED` consecutive elements of each trainable parameter
-(its middle; the whole parameter when smaller) as it was at the previous monitored step, which
-is read before ``optimizer.step()``: the difference at the next monitored step is the update the
-step applied. The blocks of one device and dtype live in one flat buffer: per step one ``cat`` of
-the blocks (which is the next step's kept copy), the difference, their squares and both per-block
-squared norms in one ``segment_reduce``: a handful of ops whatever the number of parameters (a ``_foreach_*`` op is
-a kernel per tensor on a CPU, and its host cost per tensor shows on a GPU). Each block's squares are
-scaled to its parameter's size and summed per module on the device too (three ops): two values per
-sampled module ride to the host in the step's one transfer, not two per parameter (390 modules
-against 684 parameters on an SD UNet: the host read them into a list and then into numpy, a tenth
-of a millisecond a step).
+The sketch keeps one block of :data:`SAMPLED` consecutive elements of each trainable parameter (its
+middle; an embedding table's end; the whole parameter when smaller) as it was at the previous
+monitored step, which is read before ``optimizer.step()``: the difference at the next monitored step
+is the update the step applied. The blocks of one device and dtype live in one flat buffer: per step
+one ``cat`` of the blocks (which is the next step's kept copy), the difference, their squares and
+both per-block squared norms in one ``segment_reduce``: a handful of ops whatever the number of
+parameters (a ``_foreach_*`` op is a kernel per tensor on a CPU, and its host cost per tensor shows
+on a GPU). Each block's squares are scaled to its parameter's size and summed per module on the
+device too (three ops): two values per sampled module ride to the host in the step's one transfer,
+not two per parameter (390 modules against 684 parameters on an SD UNet: the host read them into a
+list and then into numpy, a tenth of a millisecond a step).
 
 >>> model = torch.nn.Linear(4, 2)
 >>> with torch.no_grad():  # ||w||^2 = 8 x 1 + 2 x 4 = 16
@@ -27,17 +27,27 @@ True
 >>> sketch.ratios(read_now(sketch.measure(torch.device("cpu"))))  # one module, the root; exact under 128 elements
 {'': 1.5811388300841898}
 
-Limits: for a parameter of more than 128 elements the block is a sample, not the whole: the
-ratio is a sketch (on the tiny UNet's first AdamW update: 1.7% median error, 33% at worst); a
-parameter whose storage is not dense is left out; when parameters' storage is replaced the
-sketch starts again, at once when the first parameter's was, else within :data:`STORAGE_ROUND`
-monitored steps (a replaced parameter's block reads as unmoved until then); anything else that
-writes the weights between two monitored steps counts as the update. A module that starts at
-zero (LoRA's ``lora_B``, ControlNet's zero convolutions) grows from nothing: its ratio is not
-judged. The blocks are views, each holding its parameter's whole storage: a model moved or cast
-mid-run (``model.to``) keeps its old weights' memory until the sketch's next keep or reading (the
-steps around a scheduled one, ``step.detail``) takes them again; ``TrainingDebugger.close`` lets go
-of them (:meth:`UpdateSketch.release`).
+Limits: for a parameter of more than 128 elements the block is a sample, not the whole: the ratio is
+a sketch (on the tiny UNet's first AdamW update: 1.7% median error, 33% at worst); a parameter whose
+storage is not dense is left out; when parameters' storage is replaced the sketch starts again, at
+once when the first parameter's was, else within :data:`STORAGE_ROUND` monitored steps (a replaced
+parameter's block reads as unmoved until then); anything else that writes the weights between two
+monitored steps counts as the update. A module that starts at zero (LoRA's ``lora_B``, ControlNet's
+zero convolutions) grows from nothing: its ratio is not judged. An ``nn.Embedding``'s block is its
+last rows: the tokens a script adds are appended there (``resize_token_embeddings``), and textual
+inversion and Custom Diffusion train only those, putting every other row back after each step (its
+middle rows never move: the update read 0, and a new token's row moved 100 times its norm in a step
+went unseen; an ``lr_spike`` there says the figure is the last rows', not the whole table's); a full
+fine-tune's last CLIP rows are its start and end tokens, in every prompt (on the tiny CLIP, AdamW: the
+last rows' ratio 3.5e-3, the whole table's 7.4e-4, the middle's 1.0e-6, weight decay alone). A table whose
+last row is its ``padding_idx`` (zero, never trained) is sampled in its middle. One whose last rows
+no prompt uses (T5's vocabulary padded to 32128, Llama 3's reserved tokens) reads weight decay alone
+there in a full fine-tune: a spike is seen at the model's other modules, and ``not_learning`` checks
+the whole weights. The
+blocks are views, each holding its parameter's whole storage: a model moved or cast mid-run
+(``model.to``) keeps its old weights' memory until the sketch's next keep or reading (the steps
+around a scheduled one, ``step.detail``) takes them again; ``TrainingDebugger.close`` lets go of
+them (:meth:`UpdateSketch.release`).
 """
 
 from __future__ import annotations
@@ -81,6 +91,8 @@ class UpdateSketch:
         module's number of blocks, and the blocks in module order (None: they are already)."""
         self.grown_from_zero: set[str] | None = None
         """Modules whose sampled weights were all zero at the first comparison (never judged)."""
+        self.table_modules: frozenset[str] = frozenset()
+        """The sampled modules whose block is an embedding table's last rows (their ratio is those rows')."""
         self.kept_at: int | None = None
         """The monitored step whose blocks are kept for the next reading (:meth:`keep`)."""
         self._current_at: int | None = None
@@ -165,9 +177,10 @@ class UpdateSketch:
     def _take_blocks(self) -> None:
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
         self._scales = [0.0] * len(self.params)
+        tables = self.params.tables
         for i, p in enumerate(self.params.params):
             local = local_part(p)  # a sharded parameter: a block of this rank's shard
-            view = _block(local, self.sampled)
+            view = _block(local, self.sampled, last=i in tables)
             if view is None:
                 continue
             self._scales[i] = local.numel() / view.numel()
@@ -190,6 +203,7 @@ class UpdateSketch:
         )
         self._sums = {}
         self._sampled_names = [self.params.module_names[m] for m in sampled.tolist()]
+        self.table_modules = frozenset(self.params.module_of_parameter(i) for i in self._order if i in tables)
         self.grown_from_zero = None
 
     def ratios(self, values: list[float]) -> dict[str, float]:
@@ -302,14 +316,14 @@ class _ModuleSums:
         return sums.index_add_(1, self._module_of, scaled)
 
 
-def _block(p: torch.Tensor, sampled: int) -> torch.Tensor | None:
-    """A view of ``sampled`` consecutive elements in the middle of ``p``'s storage (all of it when
-    smaller); None when its storage is not dense (a strided view, a sharded parameter)."""
+def _block(p: torch.Tensor, sampled: int, last: bool = False) -> torch.Tensor | None:
+    """A view of ``sampled`` consecutive elements in the middle of ``p``'s storage (``last``: at its
+    end; all of it when smaller); None when its storage is not dense (a strided view, a sharded parameter)."""
     dense = p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last))
     if not dense or p.numel() == 0 or p.device.type == "meta":
         return None
     count = min(sampled, p.numel())
-    start = p.storage_offset() + (p.numel() - count) // 2
+    start = p.storage_offset() + ((p.numel() - count) if last else (p.numel() - count) // 2)
     return torch.as_strided(p.detach(), (count,), (1,), start)
 
 
@@ -321,9 +335,12 @@ def judge_applied_update(
     *,
     detected_at: Any,
     skip: set[str] = frozenset(),
+    tables: frozenset[str] = frozenset(),
 ) -> list[Anomaly]:
     """``lr_spike`` (reason ``applied_update``) for the optimizer step of ``update_step`` when it
-    moved a module (outside ``skip``) by more than ``threshold`` times its norm."""
+    moved a module (outside ``skip``) by more than ``threshold`` times its norm. ``tables``: the
+    modules whose figure is an embedding table's last rows' (``details["last_rows"]``: the top one
+    is such a table, whose whole norm moved far less where only those rows train)."""
     values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
     finite = np.isfinite(values)  # one numpy pass where a per-module loop ran every step
     hits = (finite & (values > threshold)).nonzero()[0]
@@ -344,6 +361,8 @@ def judge_applied_update(
         "top_modules": dict(over[:_TOP_MODULES]),
         "detected_at_step": detected_at,
     }
+    if over[0][0] in tables:
+        details["last_rows"] = True
     return [
         make_anomaly(
             kind="lr_spike",
