@@ -354,9 +354,10 @@ def test_a_nan_in_the_vae_decoder_at_the_4th_modular_call_of_one_attach_is_named
 
 def test_an_attach_before_a_run_not_read_puts_no_sentinel_hook_in(tmp_path):
     """A reused debugger's attach before a run a group of its sentinels does not read (the UNet's step 0,
-    the VAE's or the text encoder's calls, each read on runs of its own) leaves its hooks out (``SentinelPace.left_out``),
-    where it put them in and the run's beginning took them out again (a 1-step fp16 call not read paid
-    both, at every call of a served pipeline); a run read finds them in at the attach. The calls are bitwise
+    the VAE's or the text encoder's calls, each read on runs of its own) leaves its hooks out
+    (``SentinelPace.left_out``), where it put them in and the run's beginning took them out again (a
+    1-step fp16 call not read paid both, at every call of a served pipeline); a run read finds them in at
+    the attach. The calls are bitwise
     the plain ones."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     plain = run(pipe, steps=1)
