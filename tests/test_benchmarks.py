@@ -623,9 +623,10 @@ def test_the_call_parts_timer_counts_the_fp16_sentinel_by_block_and_by_flush():
     on its own), each probe's values taken once a call (3 takes: the text encoder's as its calls are
     read together, the VAE's at its output check, the UNet's at the step; 5 while a step took every
     probe, also those holding nothing, and 6 before that), and the two encoder calls read together
-    once, in one host read. Counted on the debugger's 5th call, one whose step 0 the UNet's sentinel
-    reads (as its 1st, 2nd, 9th...: ``components.sentinel_pace``), and the VAE's and text encoder's
-    sentinels their calls; the calls between run none of the 14 (7 while those two read every call)."""
+    once, in one host read. Counted on a call that reads every group of sentinels (the UNet's step 0,
+    the VAE's and the text encoder's calls: a debugger's 2nd, ``call_parts`` sets its pace back to it);
+    from the 3rd each group reads runs of its own (``components.sentinel_pace``: 7, 5 or 2 of the 14,
+    or none)."""
     found = call_parts.measure(torch.float16, rounds=1)
     calls = {label.strip(): calls for label, (_, calls) in found["parts"].items()}
     assert calls["sentinel block hooks (all)"] == 14
