@@ -33,7 +33,10 @@ from the 3rd each group reads runs of its own, the text encoder's 3, 7..., the U
 the VAE's 6, 10...: :mod:`diffusion_debug.diffusion.components.sentinel_pace`): the figure of each
 kind is printed too. Where a pipeline has sentinels (fp16), a third case runs in the same rounds: a
 second reused debugger whose groups all read the same runs (1, 2, 5, 9...: every ``phases`` 1, the
-pace before cost23), the A/B of the two paces on the same calls.
+pace before cost23), the A/B of the two paces, on a deep copy of the pipeline: a debugger attached
+to a pipeline another debugger attached to since its last call finds its components again and
+builds its probes afresh (~520 Python calls, ~0.4 ms on tiny SD fp16), which with one pipeline fell
+on whichever watched case followed the other (cost23's sitting: see RESULTS.md).
 ``python -m benchmarks.call_control fp16 [--rounds N]``.
 """
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import gc
 import statistics
@@ -66,9 +70,10 @@ TOGETHER = "reused, every group on the same runs"
 
 @contextlib.contextmanager
 def compute_clock(
-    pipe: Any, spent: list[float], now: Callable[[], float], seen: set[int] | None = None
+    pipe: Any, spent: list[float], now: Callable[[], float], seen: set[int] | None = None, twins: tuple = ()
 ) -> Iterator[None]:
     """While open, ``spent[0]`` gathers the time inside the ``forward`` of each of :data:`COMPUTED`
+    (of ``pipe``, and of each pipeline of ``twins``)
     (their classes swapped for same-named subclasses whose ``forward`` reads the clock around the
     class's own; the hooks torch runs for the module itself are outside it), and ``spent[1]`` the
     time inside the debugger's sentinel block hooks (``Probe._read_output``, wrapped on the class),
@@ -101,8 +106,8 @@ def compute_clock(
                 seen.add(id(self))
 
     try:
-        for path in COMPUTED:
-            module = pipe
+        for path, timed_pipe in [(path, p) for p in (pipe, *twins) for path in COMPUTED]:
+            module = timed_pipe
             for name in path.split("."):
                 module = getattr(module, name, None)
             if isinstance(module, torch.nn.Module):
@@ -190,24 +195,30 @@ def run(pipe: Any, *, repeats: int, output_dir: str, label: str, clock: str = "c
     :func:`~benchmarks.harness.interleaved` does."""
     now, spent, seen = CLOCKS[clock], [0.0, 0.0], set()
     result = Controlled(f"1-step {label} call, output_type='pil'", clock=clock)
-    with compute_clock(pipe, spent, now, seen):
+    twin = copy.deepcopy(pipe) if any(p.dtype == torch.float16 for p in pipe.unet.parameters()) else None
+    with compute_clock(pipe, spent, now, seen, twins=(twin,) if twin is not None else ()):
         debuggers = {REUSED: DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir))}
-        if any(p.dtype == torch.float16 for p in pipe.unet.parameters()):
-            debuggers[TOGETHER] = DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir))
+        if twin is not None:  # the A/B of the paces, on a pipeline of its own
+            debuggers[TOGETHER] = DiffusionModelDebugger(twin, DebugConfig(output_dir=output_dir))
             debuggers[TOGETHER]._steps.probes.pace.phases = dict.fromkeys(SENTINEL_PHASES, 1)
 
-        def plain() -> None:
-            generator = torch.Generator().manual_seed(0)
-            pipe("a photo of a cat", num_inference_steps=1, output_type="pil", generator=generator)
+        def called(pipe: Any) -> Callable[[], None]:
+            def call() -> None:
+                generator = torch.Generator().manual_seed(0)
+                pipe("a photo of a cat", num_inference_steps=1, output_type="pil", generator=generator)
+
+            return call
 
         def watched(debugger: DiffusionModelDebugger) -> Callable[[], None]:
+            plain = called(debugger.pipe)
+
             def call() -> None:
                 with debugger:
                     plain()
 
             return call
 
-        cases = {"plain": plain, **{name: watched(debugger) for name, debugger in debuggers.items()}}
+        cases = {"plain": called(pipe), **{name: watched(debugger) for name, debugger in debuggers.items()}}
         for name in cases:
             result.whole[name], result.compute[name] = [], []
         for name in debuggers:
