@@ -88,8 +88,9 @@ def _cases(dtype_name: str, output_dir: str) -> tuple[Callable[[], None], Callab
 
 WARM_UP = 10
 """Uninstrumented calls of each kind before any is counted: Python 3.11 quickens a function's code at
-its 8th call (``_PyCode_Quicken``), and an fp16 debugger's unread path is new at its runs 3, 4 and 6
-(its runs 1, 2 and 5 read): counted there, 0.1-0.4 M instructions of a call were this warm-up's."""
+its 8th call (``_PyCode_Quicken``), and an fp16 debugger's unread path was new at its runs 3, 4 and 6
+(before cost23, when its runs 1, 2 and 5 read every group): counted there, 0.1-0.4 M instructions of a
+call were this warm-up's."""
 
 
 def _force(pace: Any, kind: str) -> None:

@@ -211,7 +211,7 @@ def added_python_calls(
 
     pipe = one_step(pipe)
     debugger = DiffusionModelDebugger(pipe, config)
-    pace = debugger._steps.probes.pace  # (its run count set back: the 5th run again)
+    pace = debugger._steps.probes.pace  # (its run count set: the run to count next)
 
     def plain() -> None:
         pipe("a photo of a cat", num_inference_steps=1, output_type="pil", generator=torch.Generator().manual_seed(0))
