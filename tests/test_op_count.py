@@ -334,9 +334,17 @@ def test_an_fp16_dit_runs_one_sentinel_hook_a_block_list_a_step(kind):
 @FRESH
 # 112 and 136, 12 and 12 while the UNet's step 0, the VAE's and the text encoder's sentinels read the same runs
 # (a call read read all three): 56 and 76, 10 and 10 once each read runs of its own (sentinel_pace.SENTINEL_PHASES)
-@pytest.mark.parametrize("kind, fp16_over_fp32, not_read_over_fp32", [("tiny", 56, 10), ("sd15_shaped", 76, 10)])
+# each group's own read call pinned too (the VAE's 49 and 53, the text encoder's 32 and 32): the costliest alone
+# (``float16``, the UNet's) left the others' read paths unpinned, where the call reading all three pinned them all
+@pytest.mark.parametrize(
+    "kind, fp16_over_fp32, not_read_over_fp32, groups_over_fp32",
+    [
+        ("tiny", 56, 10, {"steps": 56, "decoders": 49, "encoders": 32}),
+        ("sd15_shaped", 76, 10, {"steps": 76, "decoders": 53, "encoders": 32}),
+    ],
+)
 def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(
-    kind, fp16_over_fp32, not_read_over_fp32, fresh_process
+    kind, fp16_over_fp32, not_read_over_fp32, groups_over_fp32, fresh_process
 ):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
     (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1268
@@ -451,6 +459,9 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     3rd and 6th read a group now). Over four calls fp16 adds 249 on average on tiny SD as before."""
     added = fresh_process(FRESH_PROCESS_COUNT, kind)
     fp32, sites = added["float32"], added.pop("float32_sites")  # what an fp32 count over its pin is made of
+    by_group = added.pop("float16_by_group")  # each group's own read call (its runs: sentinel_pace.SENTINEL_PHASES)
+    over = {group: count - fp32 for group, count in by_group.items()}
+    assert set(over) == set(groups_over_fp32) and all(over[g] <= groups_over_fp32[g] for g in over), (over, fp32)
     assert fp32 <= 214, (added, sites)
     assert abs(added["bfloat16"] - fp32) <= 10, added
     assert added["float16"] - fp32 <= fp16_over_fp32, added
@@ -473,7 +484,8 @@ counts = {  # the sites of fp32's count only (what names a count over its pin): 
 }
 added = {dtype: count.get("added_read", count["added"]) for dtype, count in counts.items()}
 added["float16_not_read"] = counts["float16"]["added"]  # a call whose step 0 the UNet's sentinel reads not
-print(json.dumps({**added, "float32_sites": counts["float32"]["added_by_site"]}))
+by_group = counts["float16"]["added_read_by_group"]
+print(json.dumps({**added, "float32_sites": counts["float32"]["added_by_site"], "float16_by_group": by_group}))
 """
 
 
