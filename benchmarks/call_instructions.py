@@ -8,8 +8,8 @@ pipelines' build and the warm-up run uninstrumented; each counted call is bracke
 client requests (zero the counts and instrument, then dump and stop: ``CALLGRIND_*`` from
 ``valgrind/callgrind.h``, built into a small library with the C compiler). Per dtype, after
 :data:`WARM_UP` calls of each kind: ``N`` pairs of a plain call and a watched one (a reused
-debugger, ``with dbg:``) at a run no fp16 sentinel reads (the pace set to the debugger's 6th run:
-``components.sentinel_pace``), and with ``--read`` one at a run read (its 5th); the added figure is
+debugger, ``with dbg:``) at a run no fp16 sentinel reads (the pace set to the debugger's 8th run:
+``components.sentinel_pace``), and with ``--read`` one at a run that reads them all (its 2nd); the added figure is
 the fewest watched minus the fewest plain (a collection of the garbage collector, run before each
 call but possible inside one, only adds). Python's hash seed is fixed (``PYTHONHASHSEED=0``) and
 torch runs one thread. Slow: callgrind runs the instrumented code ~50 times slower (an fp16 call
@@ -88,16 +88,18 @@ def _cases(dtype_name: str, output_dir: str) -> tuple[Callable[[], None], Callab
 
 WARM_UP = 10
 """Uninstrumented calls of each kind before any is counted: Python 3.11 quickens a function's code at
-its 8th call (``_PyCode_Quicken``), and an fp16 debugger's unread path is new at its runs 3, 4 and 6
-(its runs 1, 2 and 5 read): counted there, 0.1-0.4 M instructions of a call were this warm-up's."""
+its 8th call (``_PyCode_Quicken``), and an fp16 debugger's unread path was new at its runs 3, 4 and 6
+(before cost23, when its runs 1, 2 and 5 read every group): counted there, 0.1-0.4 M instructions of a
+call were this warm-up's."""
 
 
 def _force(pace: Any, kind: str) -> None:
-    """The pace set so that the next run is read (the 5th) or not (the 6th): ``components.sentinel_pace``."""
+    """The pace set so that the next run reads every group of sentinels (the 2nd) or none (the 8th):
+    ``components.sentinel_pace``."""
     if kind == "read":
-        pace.runs = SENTINEL_EVERY
+        pace.runs = 1
     elif kind == "unread":
-        pace.runs = SENTINEL_EVERY + 1
+        pace.runs = 2 * SENTINEL_EVERY - 1
 
 
 def counted(dtype_names: list[str], calls: int, read: bool = False) -> None:

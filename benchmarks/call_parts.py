@@ -104,9 +104,12 @@ def measure(dtype: torch.dtype = torch.float32, rounds: int = 30, pipe: Any = No
             with debugger:
                 plain()
 
-        for _ in range(SENTINEL_EVERY):  # the first timed call is the 5th: one whose step 0 an fp16 UNet's
-            plain()  # sentinel reads, and its VAE's and text encoder's theirs, as the 1st, 2nd, 9th... (sentinel_pace)
+        for _ in range(SENTINEL_EVERY):
+            plain()
             watched()
+        # the first timed call reads every group of sentinels (an fp16 UNet's step 0, the VAE's and the text
+        # encoder's calls): its pace set back to the 2nd run; from the 3rd each reads runs of its own (sentinel_pace)
+        debugger._steps.probes.pace.runs = 1
         for entry in totals.values():
             entry[0] = entry[1] = 0
         clock, times = time.thread_time_ns, {"plain": [], "watched": []}

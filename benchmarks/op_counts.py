@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import diffusion_debug
 from diffusion_debug import DebugConfig, DiffusionModelDebugger, TrainingDebugger
-from diffusion_debug.diffusion.components.sentinel_pace import SENTINEL_EVERY
+from diffusion_debug.diffusion.components.sentinel_pace import SENTINEL_EVERY, SENTINEL_PHASES
 from diffusion_debug.op_count import added_ops, count_aten_ops
 from diffusion_debug.training.step.detail import DETAIL_FIRST
 
@@ -134,9 +134,10 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
     """Hooks torch runs (and probe readings taken) for a call of ``pipe`` watched by a reused
     debugger, once its first call (full probes on the components called once per image) is behind
     it: per call of ``short`` steps, and per step (the difference to a ``long``-step call). Both
-    counted calls are runs whose step 0 an fp16 UNet's sentinel reads (the debugger's 2nd and 5th),
-    as do the fp16 VAE's and text encoder's: a 1-step call's count is that of a call read, the most a
-    call runs (3 in 4 run 14 fewer on tiny SD: the UNet's 7, the VAE's 5 and the text encoder's 2).
+    counted calls are runs that read every group of sentinels (the debugger's 2nd, twice: its pace set
+    back a run): an fp16 UNet's step 0, the fp16 VAE's and text encoder's calls: a 1-step call's count
+    is that of a call reading all, the most a call runs (from the 3rd on each group reads runs of its own,
+    1 in 4: ``components.sentinel_pace``; on tiny SD the UNet's 7, the VAE's 5, the text encoder's 2).
     ``kwargs``: the call's other arguments (a Flux's size; its prompt in place of the default)."""
     debugger = DiffusionModelDebugger(pipe, config)
     kwargs.setdefault("prompt", "a photo of a cat")
@@ -150,9 +151,8 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
 
     first = hook_calls(call(short))
     one = hook_calls(call(short))
-    for _ in range(SENTINEL_EVERY - 2):  # runs 3 and 4: an fp16 UNet's sentinel reads not their step 0
-        call(short)()
-    more = hook_calls(call(long))  # run 5: step 0 read, as runs 1 and 2 (``components.sentinel_pace``)
+    debugger._steps.probes.pace.runs = 1  # run 2 again: every group read (``components.sentinel_pace``)
+    more = hook_calls(call(long))
     debugger.close()
     measures = one.pop(READINGS, 0), more.pop(READINGS, 0)
     first.pop(READINGS, 0)
@@ -199,17 +199,19 @@ def added_python_calls(
     fewest of three each. On a CPU at tiny size most of a watched call's fixed cost is this Python;
     the count is the same from one run to the next (for one set of versions), where a time is not.
     ``added`` is of a call whose step 0 an fp16 UNet's sentinel does not read, nor the fp16 VAE's and
-    text encoder's sentinels their calls (the debugger's 3rd, 4th and 6th: ``components.sentinel_pace``
-    reads the 1st, 2nd, 5th, 9th... runs, 3 in 4 calls of a served pipeline are not read); ``read``:
-    also ``added_read``, of a call whose step 0 is read, the 5th three times (its pace set back a run
-    after each: not the 9th and 13th, 7 calls more). In fp32 and bf16 both are the same path.
+    text encoder's sentinels their calls (the debugger's 4th, three times: its pace set back a run
+    before each; ``components.sentinel_pace`` reads each group on runs of its own, and 1 call in 4 of a
+    served pipeline reads none); ``read``: also ``added_read_by_group``, per group of sentinels
+    (``SENTINEL_PHASES``), of the call that reads that group alone (the 5th: the UNet's step 0; the 6th:
+    the VAE's; the 7th: the text encoder's), the fewer of two each, and ``added_read``, the most of
+    them. In fp32 and bf16 all are the same path.
     ``sites``: also ``added_by_site``, the functions whose calls differ (watched minus plain, of the
     two counted calls of ``added``), to name what moved a count: a process-wide change shows there by name."""
     from .call_cost import one_step
 
     pipe = one_step(pipe)
     debugger = DiffusionModelDebugger(pipe, config)
-    pace = debugger._steps.probes.pace  # (its run count set back: the 5th run again)
+    pace = debugger._steps.probes.pace  # (its run count set: the run to count next)
 
     def plain() -> None:
         pipe("a photo of a cat", num_inference_steps=1, output_type="pil", generator=torch.Generator().manual_seed(0))
@@ -231,18 +233,22 @@ def added_python_calls(
         for _ in range(warmup):  # the pipeline's own first calls are in them too: no plain one apart
             watched()
         unwatched, plain_sites = fewest(*[counted(plain) for _ in range(3)])
-        not_read = [counted(watched) for _ in range(SENTINEL_EVERY - 2)]  # runs 3 and 4
-        read_runs = [counted(watched) if read else (watched(), None)]  # run 5
-        for _ in range(2 if read else 0):
-            pace.runs -= 1
-            read_runs.append(counted(watched))
-        not_read.append(counted(watched))  # run 6
+        not_read = []
+        for _ in range(3):  # run 4 (no group read), three times
+            pace.runs = SENTINEL_EVERY - 1
+            not_read.append(counted(watched))
+        read_runs: dict[str, list[int]] = {}
+        for group, phase in SENTINEL_PHASES.items() if read else ():
+            for _ in range(2):  # the group's own run (5, 6, 7), twice
+                pace.runs = SENTINEL_EVERY + phase - 1
+                read_runs.setdefault(group, []).append(counted(watched)[0])
         seen, watched_sites = fewest(*not_read)
     finally:
         debugger.close()
     out: dict[str, Any] = {"plain": unwatched, "watched": seen, "added": seen - unwatched}
     if read:
-        out["added_read"] = fewest(*read_runs)[0] - unwatched
+        out["added_read_by_group"] = {group: min(counts) - unwatched for group, counts in read_runs.items()}
+        out["added_read"] = max(out["added_read_by_group"].values())
     if sites:
         watched_sites.subtract(plain_sites)
         out["added_by_site"] = {site: n for site, n in sorted(watched_sites.items()) if n}

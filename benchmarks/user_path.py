@@ -6,8 +6,9 @@
 - the same call, plain against the reused debugger, over more rounds with the components' own
   compute taken out of each round's difference (:mod:`benchmarks.call_control`): fp16's plain call
   is ~170 ms of CPU fp16 kernels scattering by ~5 ms, which no 30 rounds resolve to a millisecond;
-  its verdict on the 3 ms budget is printed beside the one of the rounds as timed (the rounds the
-  sentinels read, 1 in 4 of a served pipeline, and the others, apart too);
+  its verdict on the 3 ms budget is printed beside the one of the rounds as timed (the rounds each
+  group of sentinels reads, 1 in 4 of a served pipeline each, and the others, apart too; in fp16 beside
+  a second debugger whose groups read the same runs, the pace before cost23);
 - the GPU-shaped proxy (:func:`~benchmarks.models.sd15_shaped_pipeline`, SD1.5's module topology at
   tiny widths) in fp16 and bf16: 20 steps with CFG, plain vs a debugger made per call with probes
   off, level basic, the default and full probes (``benchmarks.gpu``'s feature table), and its

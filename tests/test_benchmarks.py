@@ -157,6 +157,19 @@ def test_the_kernels_scatter_common_to_a_rounds_two_calls_leaves_the_controlled_
     }
     rows = found.markdown().splitlines()[2:]
     assert [row.split(" | ")[:2] for row in rows] == [["| all rounds", "40"], ["| not read", "30"], ["| read", "10"]]
+    # told by whose sentinels ran (each group on runs of its own): a row a group, its rounds' figure exactly
+    found.groups = {call_cost.REUSED: [["unet", "", "vae", "text_encoder"][i % 4] for i in range(n)]}
+    rows = found.markdown().splitlines()[2:]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        ["| all rounds", "40"],
+        ["| not read", "10"],
+        ["| read: unet", "10"],
+        ["| read: vae", "10"],
+        ["| read: text_encoder", "10"],
+        ["| read, any", "30"],
+    ]
+    assert found.comparison("adjusted", "unet").added_ms(call_cost.REUSED) == pytest.approx(2.5)
+    assert found.comparison("adjusted", "vae").added_ms(call_cost.REUSED) == pytest.approx(2.0)
 
 
 def test_the_attached_once_case_runs_a_twin_and_the_plain_calls_run_unwatched(tmp_path, monkeypatch):
@@ -294,11 +307,16 @@ def _check_user_path(users, text):
     assert list(users.controlled) == ["fp16"]  # the 1-step call with the kernels' time taken out (smoke: fp16)
     for dtype, found in users.controlled.items():
         rounds = users.settings["controlled_rounds"]
-        for case in ("plain", call_cost.REUSED):
+        for case in ("plain", call_cost.REUSED, call_control.TOGETHER):
             assert len(found.whole[case]) == len(found.compute[case]) == rounds
             assert all(0 < c < w for c, w in zip(found.compute[case], found.whole[case]))
-        # the sentinels read the debugger's 2nd run (the first timed after one warm-up round), not its 3rd
-        assert found.read == ([True, False] if dtype == "fp16" else [False, False])
+        # the sentinels read every group at the debugger's 2nd run (the first timed after one warm-up round), the
+        # text encoder's alone at its 3rd; the A/B case's, every group on the same runs, none at its 3rd
+        assert found.read == [True, True]
+        assert found.groups == {
+            call_cost.REUSED: ["text_encoder+unet+vae", "text_encoder"],
+            call_control.TOGETHER: ["text_encoder+unet+vae", ""],
+        }
         assert "reused debugger adds <= 3 ms to a 1-step tiny SD call (compute taken out): " in text
     assert "### 1-step tiny SD call, reused debugger, the components' compute taken out (2 rounds)" in text
     fp32 = users.counts["tiny SD fp32"]
@@ -605,9 +623,10 @@ def test_the_call_parts_timer_counts_the_fp16_sentinel_by_block_and_by_flush():
     on its own), each probe's values taken once a call (3 takes: the text encoder's as its calls are
     read together, the VAE's at its output check, the UNet's at the step; 5 while a step took every
     probe, also those holding nothing, and 6 before that), and the two encoder calls read together
-    once, in one host read. Counted on the debugger's 5th call, one whose step 0 the UNet's sentinel
-    reads (as its 1st, 2nd, 9th...: ``components.sentinel_pace``), and the VAE's and text encoder's
-    sentinels their calls; the calls between run none of the 14 (7 while those two read every call)."""
+    once, in one host read. Counted on a call that reads every group of sentinels (the UNet's step 0,
+    the VAE's and the text encoder's calls: a debugger's 2nd, ``call_parts`` sets its pace back to it);
+    from the 3rd each group reads runs of its own (``components.sentinel_pace``: 7, 5 or 2 of the 14,
+    or none)."""
     found = call_parts.measure(torch.float16, rounds=1)
     calls = {label.strip(): calls for label, (_, calls) in found["parts"].items()}
     assert calls["sentinel block hooks (all)"] == 14

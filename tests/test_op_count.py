@@ -332,9 +332,19 @@ def test_an_fp16_dit_runs_one_sentinel_hook_a_block_list_a_step(kind):
 # CFG call on tiny SD (2 layers), 22 at SD1.5 topology (12): 323 in fp16 on tiny SD, 347 at SD1.5 topology, fp32
 # and bf16 unchanged at 211 and 219
 @FRESH
-@pytest.mark.parametrize("kind, fp16_over_fp32, not_read_over_fp32", [("tiny", 112, 12), ("sd15_shaped", 136, 12)])
+# 112 and 136, 12 and 12 while the UNet's step 0, the VAE's and the text encoder's sentinels read the same runs
+# (a call read read all three): 56 and 76, 10 and 10 once each read runs of its own (sentinel_pace.SENTINEL_PHASES)
+# each group's own read call pinned too (the VAE's 49 and 53, the text encoder's 32 and 32): the costliest alone
+# (``float16``, the UNet's) left the others' read paths unpinned, where the call reading all three pinned them all
+@pytest.mark.parametrize(
+    "kind, fp16_over_fp32, not_read_over_fp32, groups_over_fp32",
+    [
+        ("tiny", 56, 10, {"steps": 56, "decoders": 49, "encoders": 32}),
+        ("sd15_shaped", 76, 10, {"steps": 76, "decoders": 53, "encoders": 32}),
+    ],
+)
 def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_in_fp32(
-    kind, fp16_over_fp32, not_read_over_fp32, fresh_process
+    kind, fp16_over_fp32, not_read_over_fp32, groups_over_fp32, fresh_process
 ):
     """On a CPU at tiny size a reused debugger's fixed cost per 1-step call is Python, counted here
     (deterministic; benchmarks/RESULTS.md, 2026-11-28). Events streamed, log level error: 1268
@@ -440,9 +450,18 @@ def test_a_reused_debugger_adds_about_as_many_python_calls_in_fp16_and_bf16_as_i
     an unprobed component's (no hold, take or flush) and an fp16 or bf16 decoded image's extremes were
     read with its float32 count by one stack (no float64 join): counted in one process as the test
     does, 258 -> 224 in fp16 not read (fp32 213 -> 214, bf16 221 -> 214, fp16 read 324 -> 324); fp16
-    not read over fp32: 10 on both."""
+    not read over fp32: 10 on both. Then each group of sentinels read runs of its own from a debugger's
+    3rd (sentinel_pace.SENTINEL_PHASES: the text encoder's 3, 7..., the UNet's step 0 5, 9..., the VAE's 6,
+    10...; runs 1 and 2 read all three): ``float16`` is now the costliest of the three calls that read one
+    group (``added_read_by_group``; the UNet's: 268 on tiny SD, 288 at SD1.5 topology; the VAE's 261 and
+    265, the text encoder's 244 and 244) where it was the call that read all three (324 and 346, a
+    debugger's 2nd call still), and ``float16_not_read`` a call no group reads (its 4th: 222 on both; the
+    3rd and 6th read a group now). Over four calls fp16 adds 249 on average on tiny SD as before."""
     added = fresh_process(FRESH_PROCESS_COUNT, kind)
     fp32, sites = added["float32"], added.pop("float32_sites")  # what an fp32 count over its pin is made of
+    by_group = added.pop("float16_by_group")  # each group's own read call (its runs: sentinel_pace.SENTINEL_PHASES)
+    over = {group: count - fp32 for group, count in by_group.items()}
+    assert set(over) == set(groups_over_fp32) and all(over[g] <= groups_over_fp32[g] for g in over), (over, fp32)
     assert fp32 <= 214, (added, sites)
     assert abs(added["bfloat16"] - fp32) <= 10, added
     assert added["float16"] - fp32 <= fp16_over_fp32, added
@@ -465,7 +484,8 @@ counts = {  # the sites of fp32's count only (what names a count over its pin): 
 }
 added = {dtype: count.get("added_read", count["added"]) for dtype, count in counts.items()}
 added["float16_not_read"] = counts["float16"]["added"]  # a call whose step 0 the UNet's sentinel reads not
-print(json.dumps({**added, "float32_sites": counts["float32"]["added_by_site"]}))
+by_group = counts["float16"]["added_read_by_group"]
+print(json.dumps({**added, "float32_sites": counts["float32"]["added_by_site"], "float16_by_group": by_group}))
 """
 
 

@@ -373,7 +373,7 @@ class CallEvents:
         returned it; a held block output so changed reads 0, as a sentinel's does (:mod:`~..probes.fused`).
         ``hidden``: the output's ``hidden_states`` (read only if the call shows a NaN/Inf: :meth:`hold_unread`)."""
         pace = self.probes.pace  # a run its sentinel does not read: checked at its output alone, as unprobed
-        out = pace.once_out and site.component in pace.once
+        out = site.component in pace.once_out
         own = self.probes.probes.get(site.component) if tensor is not None and not out else None  # (no call unprobed)
         slot = own.hold(tensor) if own is not None else None
         # no slot: its abs-max is taken when read, with the other calls' (an empty or meta output has none)
@@ -555,7 +555,7 @@ class CallEvents:
                 # the output's abs-max taken with the sentinel's block outputs (a decoded image: its own extremes);
                 # a run its sentinel does not read: checked at its output alone, as an unprobed component's
                 pace = self.probes.pace
-                out = pace.once_out and site.component in pace.once
+                out = site.component in pace.once_out
                 own = None if decoded or tensor is None or out else self.probes.probes.get(site.component)
                 held = own.hold(tensor) if own is not None else None
                 probe = self.probes.take(site.component) if not out else None
@@ -569,7 +569,7 @@ class CallEvents:
             if readings and site.component in pace.once:  # warm: its next run is read (pace.note_call, inline)
                 for reading in readings:
                     if reading.output_value is not None and not reading.output_value < pace.warm_at:  # (NaN too)
-                        pace.once_warm = True
+                        pace.once_warm[pace.once[site.component]] = True
                         break
             if seen is not checks.NONE or not finite:
                 origin = self.localizer.origin

@@ -1,5 +1,6 @@
 """The sentinels of an fp16 VAE and text encoder, components called once per image, read a reused
-debugger's runs 1, 2, 5, 9... and every run after one whose block outputs were warm
+debugger's first two runs, then runs of their own: the VAE's 6, 10..., the text encoder's 3, 7, 11...
+(the UNet's step 0: 5, 9...), and every run after one whose block outputs were warm
 (``components.sentinel_pace``): a near-overflow is warned at most ``SENTINEL_EVERY - 1`` calls late,
 and a NaN/Inf at a call not read is still named at its module by the replay of the kept call."""
 
@@ -62,43 +63,46 @@ class Calls:
 
 
 @pytest.mark.parametrize(
-    "quiet, warned",
+    "quiet, warned, vae_reads",
     [
-        (0.01, [9]),  # far from the warning: runs 2, 5, 9 read; the near-overflow from call 6 on is warned at 9
-        (0.2, [6, 7, 8, 9]),  # within 4x of it (warm): every run read, warned from the call it appears on
+        # far from the warning: the VAE reads runs 2 and 6; the near-overflow from call 3 on is warned at 6,
+        # SENTINEL_EVERY - 1 calls late, and at 7 (warm since 6)
+        (0.01, [6, 7], [1, 0, 0, 0, 1, 1]),
+        (0.2, [3, 4, 5, 6, 7], [1] * 6),  # within 4x of it (warm): every run read, warned from the call it appears on
     ],
 )
-def test_a_reused_debugger_reads_the_vae_and_text_encoder_sentinels_at_runs_2_5_9_and_while_warm(
-    tmp_path, quiet, warned
+def test_a_reused_debugger_reads_the_vae_and_text_encoder_sentinels_at_runs_of_their_own_and_while_warm(
+    tmp_path, quiet, warned, vae_reads
 ):
     """A served fp16 pipeline's every call is a run: the VAE's and text encoder's sentinels read a
-    debugger's first two runs, then every 4th, and every run after one where a block output they read
+    debugger's first two runs, then every 4th, each on runs of its own (the VAE 6, 10...; the text
+    encoder 3, 7...: no call pays both), and every run after one where a block output its group read
     was within 4x of the warning; at the others their hooks are out as the component runs. A VAE block
-    output near overflow from call 6 on is warned within ``SENTINEL_EVERY - 1`` calls, at its module
-    (the replay of that call's decode), with the VAE's upcast advice."""
+    output near overflow from call 3 on (the call after a run read) is warned within ``SENTINEL_EVERY - 1``
+    calls, at its module (the replay of that call's decode), with the VAE's upcast advice; the VAE's
+    warmth makes the text encoder read no run more."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     calls = Calls(pipe)
     name = "decoder.up_blocks.0.upsamplers.0.conv"
 
     def scaled(module, args, out):
-        fraction = 0.61 if calls.now >= 6 else quiet
+        fraction = 0.61 if calls.now >= 3 else quiet
         return (out.float() * (fraction * HALF_MAX / out.detach().abs().amax().float())).to(out.dtype)
 
     grown = pipe.vae.get_submodule(name).register_forward_hook(scaled)
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
     try:
-        for call in range(1, 10):
+        for call in range(1, 8):
             calls.now = call
             with dbg:
                 run(pipe, steps=1)
     finally:
         calls.remove()
         grown.remove()
-    reads = [1, 0, 0, 1, 0, 0, 0, 1] if quiet < 0.1 else [1] * 8  # calls 2 to 9
-    assert calls.hooked == {"vae": reads, "text_encoder": reads}
+    assert calls.hooked == {"vae": vae_reads, "text_encoder": [1, 1, 0, 0, 0, 1]}  # calls 2 to 7
     risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
     assert [(a.component, a.module, a.details.get("run")) for a in risks] == [("vae", name, r) for r in warned], risks
-    assert warned[0] - 6 <= SENTINEL_EVERY - 1
+    assert warned[0] - 3 <= SENTINEL_EVERY - 1
     assert risks[0].details["localized_by"] == REPLAYED
     assert "sdxl-vae-fp16-fix" in risks[0].message
     dbg.close()
@@ -124,7 +128,7 @@ def nan(out):
 def test_a_nonfinite_at_a_run_the_sentinels_do_not_read_is_named_at_its_module_by_the_replay(
     tmp_path, component, module, make
 ):
-    """The debugger's 3rd call (its VAE's and text encoder's sentinels out): the NaN/Inf reaches the
+    """The debugger's 4th call (its VAE's and text encoder's sentinels out): the NaN/Inf reaches the
     call's output, checked at every call, and the replay of the kept call names its module, at no
     step; the fp16 VAE's black image keeps its upcast advice. The calls around it are clean and
     bitwise as without the debugger."""
@@ -134,7 +138,7 @@ def test_a_nonfinite_at_a_run_the_sentinels_do_not_read_is_named_at_its_module_b
     plain = run(pipe, steps=1)
     calls = Calls(pipe)
     planted = target.get_submodule(module).register_forward_hook(
-        lambda m, a, out: make(out) if calls.now == 3 else None  # the 3rd call (and its replay)
+        lambda m, a, out: make(out) if calls.now == 4 else None  # the 4th call (and its replay)
     )
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
     try:
@@ -142,21 +146,21 @@ def test_a_nonfinite_at_a_run_the_sentinels_do_not_read_is_named_at_its_module_b
             calls.now = call
             with dbg:
                 images = run(pipe, steps=1)
-            assert (images == plain).all() != (call == 3), call
+            assert (images == plain).all() != (call == 4), call
     finally:
         calls.remove()
         planted.remove()
-    assert calls.hooked == {"vae": [1, 0, 0], "text_encoder": [1, 0, 0]}  # calls 2 to 4
+    assert calls.hooked == {"vae": [1, 0, 0], "text_encoder": [1, 1, 0]}  # calls 2 to 4
     errors = [a for a in dbg.report().anomalies if a.severity == "error"]
     assert [(a.kind, a.component, a.module, a.step, a.details.get("run")) for a in errors] == [
-        ("nonfinite", component, module, None, 3)
+        ("nonfinite", component, module, None, 4)
     ], errors
     assert errors[0].details["localized_by"] == OUTPUT_REPLAYED
     if make is past_fp16:
         assert "force_upcast=True" in errors[0].message and "sdxl-vae-fp16-fix" in errors[0].message
     assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
     found = [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
-    assert {a.details.get("run") for a in found} == {3}, found
+    assert {a.details.get("run") for a in found} == {4}, found
     dbg.close()
 
 
@@ -175,8 +179,9 @@ def hooks_fired(run_call):
 def test_one_attach_around_a_serving_loop_reads_the_vae_and_text_encoder_fully_on_its_first_call_only(tmp_path):
     """``with dbg:`` around six 1-step calls (a serving loop) reads the fp16 VAE and text encoder
     with full probes on the first call alone, as a debugger attached at every call does: calls 2 to 6
-    run the hooks and readings of the attach-per-call pattern's calls 2 to 6 (the sentinel, read at
-    runs 2 and 5: 22 hooks and 14 readings, 8 and 0 at another run), where every call of the one
+    run the hooks and readings of the attach-per-call pattern's calls 2 to 6 (the sentinels: all at run 2,
+    22 hooks and 14 readings; the text encoder's at run 3, the UNet's at 5, the VAE's at 6; 8 hooks and 0
+    readings at run 4), where every call of the one
     attach ran full probes on every module of both (174 to 181 hooks and 120 to 127 readings a call
     on tiny SD). The images are bitwise the plain ones."""
     patterns = {}
@@ -211,11 +216,11 @@ def test_one_attach_around_a_serving_loop_reads_the_vae_and_text_encoder_fully_o
         assert not [a for a in dbg.report().anomalies if a.severity == "error"]
         dbg.close()
     (once, hooked), (per_call, hooked_per_call) = patterns["once"], patterns["per_call"]
-    assert hooked == hooked_per_call == {"vae": [1, 0, 0, 1, 0], "text_encoder": [1, 0, 0, 1, 0]}  # calls 2 to 6
+    assert hooked == hooked_per_call == {"vae": [1, 0, 0, 0, 1], "text_encoder": [1, 1, 0, 0, 0]}  # calls 2 to 6
     assert once[1:] == per_call[1:]
     readings = [count.pop(READINGS, 0) for count in once[1:]]
-    assert readings == [14, 0, 0, 14, 0]  # the UNet's sentinel 7, the text encoder's 2 (CFG), the VAE's 5
-    assert [sum(count.values()) for count in once[1:]] == [22, 8, 8, 22, 8]  # the call sites' 8 and the sentinels'
+    assert readings == [14, 2, 0, 7, 5]  # the UNet's sentinel 7, the text encoder's 2 (CFG), the VAE's 5
+    assert [sum(count.values()) for count in once[1:]] == [22, 10, 8, 15, 13]  # the call sites' 8 and the sentinels'
 
 
 def nan_at_one_call(tmp_path, pipe, call, component, module, at, calls, levels):
@@ -282,13 +287,14 @@ def modular_fp16():
 def test_one_attach_around_modular_calls_reads_the_vae_and_text_encoders_fully_on_the_first_call_only(tmp_path):
     """A modular pipeline's call ends unseen (no ``maybe_free_model_hooks``): ``with dbg:`` around five calls
     probes its fp16 VAE and text encoders again as call 2's run begins (at the first text encoder's pre-hooks,
-    before its forward), so calls 2 to 5 read what the attach-per-call pattern's calls 2 to 5 read (23, 2, 2
-    and 23 readings, where the one attach read every module of all three on every call: 298 to 330 hooks a
+    before its forward), so calls 2 to 5 read what the attach-per-call pattern's calls 2 to 5 read (23, 2, 0
+    and 16 readings: run 2 every sentinel, run 3 the text encoders' last layers alone, run 4 none, run 5 the
+    UNet's alone; the one attach read every module of all three on every call before: 298 to 330 hooks a
     call); call 2 runs one hook more, the first text encoder's full probe arming itself before it is taken off.
-    At calls 3 and 4 (runs the pace does not read) an attach per call leaves the sentinels out
-    (``SentinelPace.left_out``: 0 readings), and the one attach takes them out: 0 readings too, the two text
-    encoders' last layers among them (SDXL asks for hidden states, so transformers' output-capturing hook
-    shares each of those layers: ``PausedHooks`` takes ours out from behind it; before, it read them, 2).
+    Where a run does not read a group an attach per call leaves its sentinels out (``SentinelPace.left_out``),
+    and the one attach takes them out: the two text encoders' last layers at runs 4 and 5 too (SDXL asks for
+    hidden states, so transformers' output-capturing hook shares each of those layers: ``PausedHooks`` takes
+    ours out from behind it, and puts it back there at run 3; before, it read them, 2).
     The images are bitwise the plain ones."""
     patterns = {}
     for pattern in ("once", "per_call"):
@@ -316,9 +322,9 @@ def test_one_attach_around_modular_calls_reads_the_vae_and_text_encoders_fully_o
         dbg.close()
     once, per_call = patterns["once"], patterns["per_call"]
     assert once[1] - per_call[1] == {"Probe._attach_armed.<locals>.arm": 1} and not per_call[1] - once[1]
-    assert once[2:] == per_call[2:]  # runs 3 and 4 not read: nothing of ours runs in either (before: 2 readings)
-    assert [count[READINGS] for count in once[1:]] == [23, 0, 0, 23]
-    assert [count[READINGS] for count in per_call[1:]] == [23, 0, 0, 23]
+    assert once[2:] == per_call[2:]  # runs 3 to 5: the same sentinels run in either (run 4: none of ours)
+    assert [count[READINGS] for count in once[1:]] == [23, 2, 0, 16]
+    assert [count[READINGS] for count in per_call[1:]] == [23, 2, 0, 16]
 
 
 @modular
@@ -347,10 +353,11 @@ def test_a_nan_in_the_vae_decoder_at_the_4th_modular_call_of_one_attach_is_named
 
 
 def test_an_attach_before_a_run_not_read_puts_no_sentinel_hook_in(tmp_path):
-    """A reused debugger's attach before a run its sentinels do not read (its runs 3, 4, 6...: the UNet's
-    step 0, the VAE's and the text encoder's calls) leaves their hooks out (``SentinelPace.left_out``),
-    where it put them in and the run's beginning took them out again (a 1-step fp16 call not read paid
-    both, at every call of a served pipeline); a run read finds them in at the attach. The calls are bitwise
+    """A reused debugger's attach before a run a group of its sentinels does not read (the UNet's step 0,
+    the VAE's or the text encoder's calls, each read on runs of its own) leaves its hooks out
+    (``SentinelPace.left_out``), where it put them in and the run's beginning took them out again (a
+    1-step fp16 call not read paid both, at every call of a served pipeline); a run read finds them in at
+    the attach. The calls are bitwise
     the plain ones."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     plain = run(pipe, steps=1)
@@ -364,7 +371,8 @@ def test_an_attach_before_a_run_not_read_puts_no_sentinel_hook_in(tmp_path):
         hooked.append(sum(len(block._forward_hooks) for block in blocks))
         assert (run(pipe, steps=1) == plain).all()
         dbg.detach()
-    assert hooked == [2, 7, 0, 0, 7, 0]  # run 1: full probes (armed at the call); runs 2 and 5 read
+    # run 1: full probes (armed at the call); run 2 reads all, 3 the text encoder, 5 the UNet, 6 the VAE
+    assert hooked == [2, 7, 1, 0, 1, 5]
     assert sum(len(block._forward_hooks) for block in blocks) == 0
     assert not [a for a in dbg.report().anomalies if a.severity == "error"]
     dbg.close()

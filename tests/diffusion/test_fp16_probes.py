@@ -609,26 +609,26 @@ def test_a_reused_debugger_keeps_its_probes_across_calls_and_they_still_name_eac
     planted on the fifth and sixth calls are named at their module by the kept probes, and the
     call after them is quiet."""
     dbg = DiffusionModelDebugger(fp16_sd, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    # the first reads the VAE and text encoder fully, the next two their sentinels, the fourth none
-    # (components.sentinel_pace: runs 1, 2, 5, 9...; the fifth is read)
+    # the first reads the VAE and text encoder fully, the second their sentinels, the third the text
+    # encoder's, the fourth none (components.sentinel_pace: the UNet's step 0 reads run 5, the VAE run 6)
     for _ in range(4):
         with dbg:
             run(fp16_sd, steps=1)
     assert dbg._steps.probes.probes == {}  # dropped at detach ...
     kept = {name: entry[2] for name, entry in dbg._steps.probes._kept.items()}
     assert sorted(kept) == ["text_encoder", "unet", "vae"]  # ... and kept for the next attach
-    name = "decoder.up_blocks.0.upsamplers.0.conv"
-    with plant_overflow(fp16_sd.vae.get_submodule(name), fraction=0.61), dbg:
-        assert all(dbg._steps.probes.probes[c] is probe for c, probe in kept.items())
-        run(fp16_sd, steps=2)
-    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.details.get("run") == 5]
-    assert (risk.component, risk.module, risk.details["localized_by"]) == ("vae", name, REPLAYED)
     with plant(fp16_sd.unet.get_submodule("up_blocks.1.resnets.0.conv2"), 1), dbg:
+        assert all(dbg._steps.probes.probes[c] is probe for c, probe in kept.items())
         run(fp16_sd, steps=2)
     errors = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
     assert [(a.component, a.module, a.step, a.details["run"]) for a in errors] == [
-        ("unet", "up_blocks.1.resnets.0.conv2", 1, 6)
+        ("unet", "up_blocks.1.resnets.0.conv2", 1, 5)
     ]
+    name = "decoder.up_blocks.0.upsamplers.0.conv"
+    with plant_overflow(fp16_sd.vae.get_submodule(name), fraction=0.61), dbg:
+        run(fp16_sd, steps=2)
+    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.details.get("run") == 6]
+    assert (risk.component, risk.module, risk.details["localized_by"]) == ("vae", name, REPLAYED)
     with dbg:
         run(fp16_sd, steps=2)
     assert not [a for a in dbg.report().anomalies if a.details.get("run") == 7]

@@ -27,7 +27,7 @@ from ...stats import dtype_name
 from .compiled import ORIG, compile_state
 from .inventory import Component, call_sites, is_loop_role
 from .roles import role
-from .sentinel_pace import SentinelPace
+from .sentinel_pace import SentinelPace, run_group
 from .structure import TreeMemo
 
 
@@ -357,7 +357,7 @@ class ComponentProbes:
         self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
         self.reading_fully = [name for name in first if self.levels[name] == "full"] if first else []
         self.compiled, handles = [], []  # (compiled: as found at this attach; a component may be compiled between)
-        paced: dict = {"steps": ([], []), "runs": ([], []), None: ([], [])}  # (names, probes) by what pace reads
+        paced: dict = {"steps": ([], []), "encoders": ([], []), "decoders": ([], []), None: ([], [])}  # by pace group
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
         late = self.pace.left_out() if self._kept else {None: None}  # (fp32, bf16: nothing kept, no call)
         try:
@@ -405,9 +405,11 @@ class ComponentProbes:
                     if self.strict:  # a hook's own error goes through the sink (attributes: no call)
                         probe.on_raise, probe.label = self.on_error, f"probe {name}."
                     # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output),
-                    # a component's called once per image some runs (its output checked at every call)
+                    # a component's called once per image some runs, encoders and decoders apart (its output checked
+                    # at every call)
                     unet = component.role == "denoiser" and _unet(module)
-                    pace = ("runs" if once else "steps" if unet else None) if level == "sentinel" else None
+                    pace = run_group(component.role) if once else "steps" if unet else None
+                    pace = pace if level == "sentinel" else None
                     self._kept[name] = (watched, level, probe, config.armed, pace)
                 if hooks is None and late.get(pace) is not None:  # its hooks in: its group's too (all or none out)
                     outputs += late.pop(pace)
@@ -421,16 +423,8 @@ class ComponentProbes:
             raise
         if not self.probes:  # (fp32, bf16)
             return ProbeHandle(handles)
-        (sampled, unets), (per_run, encoders) = paced["steps"], paced["runs"]  # (encoders: and VAEs)
         # the runs begun with a probe counted; the paced sentinels' hooks found at their first step or run not read
-        self.pace.watch(
-            sampled,
-            lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets),
-            tuple(per_run),
-            lambda: chain.from_iterable(probe.output_hooks(unread=True) or () for probe in encoders),
-            late.get("steps") or None,
-            late.get("runs") or None,
-        )
+        self.pace.watch(paced, late)
         return ProbeHandle(handles, on_remove=self.pace.forget)
 
     def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:

@@ -40,17 +40,32 @@ The components called once per image (an fp16 VAE's decoder blocks, a text or im
 layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
 first :data:`SENTINEL_FIRST_STEPS` runs (a run counts from the debugger's first with a component
 probed: the first, where a component's first call is read with full probes, is one), then every
-:data:`SENTINEL_EVERY`-th (5, 9, 13...), and every run after one where a block output they read
-was within :data:`SENTINEL_WARM` of the warning (or not finite). A
-served 1-step fp16 call paid them at every call: 7 hooks on tiny SD (the VAE decode's 5, the text
-encoder's last layer at the prompt's and the negative prompt's calls), their readings and their
-flush, what made its reused-debugger cost 1 ms over bf16's on the CPU benchmark. What it costs:
+:data:`SENTINEL_EVERY`-th, and every run after one where a block output their group read was within
+:data:`SENTINEL_WARM` of the warning (or not finite). A served 1-step fp16 call paid them at every
+call: 7 hooks on tiny SD (the VAE decode's 5, the text encoder's last layer at the prompt's and the
+negative prompt's calls), their readings and their flush, what made its reused-debugger cost 1 ms
+over bf16's on the CPU benchmark.
+
+Each group reads runs of its own (:data:`SENTINEL_PHASES`): the UNet's step 0 at 5, 9, 13..., the
+VAE decode at 6, 10, 14..., the encoders at 3, 7, 11..., so that no call after a debugger's 2nd pays
+two groups (all three had read runs 5, 9...: such a call added 3.2 ms on the CPU benchmark, over the
+3 ms budget, where the others added 2.4). The groups share no cost a run: each one's readings join
+the flush and the host read its own component's output check takes at every call (the encoders'
+calls read together, the VAE decode's, the step's), so reading them apart adds no op, sync or host
+read; a call reads each group 1 in 4 as before (timed at load 7-9: the costliest call ~0.45 ms less,
+the mean a call ~0.09 ms more, three read paths run cold where one ran them together: RESULTS.md, cost23).
+
+>>> {group: [run for run in range(1, 12) if reads(0, warm=False, run=run, phase=phase)]
+...  for group, phase in SENTINEL_PHASES.items()}
+{'steps': [1, 2, 5, 9], 'decoders': [1, 2, 6, 10], 'encoders': [1, 2, 3, 7, 11]}
+
+What it costs:
 
 - A NaN/Inf is found at every call, at the call's output (checked at every call: a VAE decode's,
   each encoder call's), and named by the replay of the kept call with full probes at its module;
   an fp16 VAE's black image keeps its upcast advice (the advice is the component's, not the probe's).
-- A near-overflow block output at a run not read is warned at the next run read if it is still
-  there: at most ``SENTINEL_EVERY - 1`` runs (pipeline calls) later, named at its module by the
+- A near-overflow block output at a run not read is warned at the next run its group reads if it is
+  still there: at most ``SENTINEL_EVERY - 1`` runs (pipeline calls) later, named at its module by the
   replay. One that reaches the call's output is flagged at every call (the output check). One that
   comes and goes between two runs read is not warned.
 
@@ -66,12 +81,14 @@ does not read are left out at the attach).
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Callable, Iterable
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from ...probes import ModuleReading
 from ...probes.handles import ForwardHooks, PausedHooks
+from .roles import role
 
 SENTINEL_FIRST_STEPS = 2
 """A run's first steps, which the sentinel reads whatever else."""
@@ -80,14 +97,34 @@ SENTINEL_EVERY = 4
 SENTINEL_WARM = 4
 """Warm: a block output read was within this factor of the overflow warning (8188 at the default
 ``overflow_fraction`` 0.5 of fp16's 65504)."""
+SENTINEL_PHASES: Mapping[str, int] = MappingProxyType({"steps": 1, "decoders": 2, "encoders": 3})
+"""After a debugger's first :data:`SENTINEL_FIRST_STEPS` runs, the runs each group of sentinels reads,
+``SENTINEL_EVERY`` apart, by the run they fall on: ``"steps"`` a UNet's step 0 (5, 9, 13...),
+``"decoders"`` the VAE decode's blocks and any other component called once per image that begins no
+run (6, 10, 14...), ``"encoders"`` the text and image encoders' last layers (3, 7, 11...): no run after
+the 2nd reads two groups (but while warm), and no group waits more than ``SENTINEL_EVERY`` runs."""
 _HALF_MAX = float(torch.finfo(torch.float16).max)
+_NONE: frozenset[str] = frozenset()
+_ONCE_GROUPS = ("encoders", "decoders")
 
 
-def reads(step: int, *, warm: bool, run: int = 1) -> bool:
-    """Whether the sentinel reads ``step`` of a run, the ``run``-th (from 1) its debugger watches."""
+def reads(step: int, *, warm: bool, run: int = 1, phase: int = 1) -> bool:
+    """Whether the sentinel reads ``step`` of a run, the ``run``-th (from 1) its debugger watches; its
+    step 0 by the group's ``phase`` (:data:`SENTINEL_PHASES`; 1: a UNet's)."""
     if step == 0:
-        return run <= SENTINEL_FIRST_STEPS or (run - 1) % SENTINEL_EVERY == 0 or warm
+        return run <= SENTINEL_FIRST_STEPS or (run - phase) % SENTINEL_EVERY == 0 or warm
     return step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or warm
+
+
+def run_group(role_name: str) -> str:
+    """The group (:data:`SENTINEL_PHASES`) whose runs the sentinel of a component called once per image
+    of role ``role_name`` reads: ``"encoders"`` for a role whose call begins a run (text and image
+    encoders), ``"decoders"`` for the others (the VAE).
+
+    >>> run_group("text_encoder"), run_group("image_encoder"), run_group("vae")
+    ('encoders', 'encoders', 'decoders')
+    """
+    return "encoders" if role(role_name).begins_run else "decoders"
 
 
 class SentinelPace:
@@ -97,17 +134,23 @@ class SentinelPace:
     def __init__(self, overflow_fraction: float):
         self.sampled: list[str] = []
         """The UNet denoisers whose sentinel reads some steps, at this attach (empty: nothing paced)."""
-        self.once: tuple[str, ...] = ()
-        """The components called once per image whose sentinel reads some runs, at this attach."""
+        self.once: dict[str, str] = {}
+        """The components called once per image whose sentinel reads some runs, at this attach, each with
+        its group (``"encoders"`` or ``"decoders"``, :data:`SENTINEL_PHASES`)."""
+        self.phases: Mapping[str, int] = SENTINEL_PHASES
+        """Each group's phase (:data:`SENTINEL_PHASES`); every phase 1 reads the three groups at the same
+        runs (``benchmarks.call_control`` times that against the default)."""
         self.paced = False
         """Whether this attach probes a component (a sentinel or full probes): a run's beginning asks
         :meth:`at` then, which counts it (:attr:`runs`) and paces :attr:`sampled` and :attr:`once`."""
-        self.once_warm = False
-        """A block output the sentinels of :attr:`once` read in the last run they read was within
-        :data:`SENTINEL_WARM` of the overflow warning (:attr:`warm_at`, or not finite): the next run is
-        read. Set by the call's check as it reads them (``CallEvents.check_call``: a loop there, no call)."""
-        self._once_hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None
-        self._once_paused: PausedHooks | None = None
+        self.once_warm: dict[str, bool] = dict.fromkeys(_ONCE_GROUPS, False)
+        """Per group of :attr:`once`: a block output its sentinels read in the last run they read was within
+        :data:`SENTINEL_WARM` of the overflow warning (:attr:`warm_at`, or not finite): the next run reads
+        the group. Set by the call's check as it reads them (``CallEvents.check_call``: a loop there, no call)."""
+        self._once_hooks: dict[str, Callable[[], Iterable[tuple[Any, Callable]]]] = {}
+        self._once_paused: dict[str, PausedHooks] = {}
+        self._members: dict[str, frozenset[str]] = {}
+        """Per group of :attr:`once` at this attach: its components."""
         self.warm = False
         """A block output the sentinels read last was within :data:`SENTINEL_WARM` of the overflow
         warning (or not finite): every step is read (:meth:`note`)."""
@@ -117,13 +160,14 @@ class SentinelPace:
         self._paused: PausedHooks | None = None
         """The sentinels' hooks, found at this attach's first step not read."""
         self._late: list[Iterable[tuple[Any, Callable]]] | None = None
-        self._once_late: list[Iterable[tuple[Any, Callable]]] | None = None
-        """The ``(module, hook)`` pairs of :attr:`sampled`'s and :attr:`once`'s sentinels that this attach
-        left out (:meth:`left_out`: its first run reads none of them), put in at the first step or run read."""
-        self.once_out = False
-        """Whether :attr:`once`'s sentinel hooks are out (a run not read, or before the first run of an attach
-        that left them out): their components' calls are then checked at their output alone, as an
-        unprobed component's (``CallEvents``: no hold, no take)."""
+        self._once_late: dict[str, list[Iterable[tuple[Any, Callable]]]] = {}
+        """The ``(module, hook)`` pairs of :attr:`sampled`'s and of each group of :attr:`once`'s sentinels
+        that this attach left out (:meth:`left_out`: its first run reads none of them), put in at the first
+        step or run read."""
+        self.once_out: frozenset[str] | set[str] = _NONE
+        """The components of :attr:`once` whose sentinel hooks are out (a run that does not read their group,
+        or before the first run of an attach that left them out): their calls are then checked at their
+        output alone, as an unprobed component's (``CallEvents``: no hold, no take)."""
         self._put_in: list[ForwardHooks] = []
         """What put :attr:`_late` and :attr:`_once_late` in: removed at :meth:`forget`."""
         self.runs = 0
@@ -133,42 +177,57 @@ class SentinelPace:
 
     def left_out(self) -> dict[str | None, list | None]:
         """At an attach, before :meth:`watch`: per sentinel group (``"steps"``: the UNets', :attr:`sampled`;
-        ``"runs"``: the components' called once per image, :attr:`once`) an empty list where the next run
-        does not read it (its step 0; its calls: as :meth:`at` will decide as the run begins), to collect
-        the group's reused hooks left out at the attach (``late`` in :meth:`watch`); None where it reads
-        it. A reused debugger's 1-step call not read puts no sentinel hook in and takes none out, as a
+        ``"encoders"`` and ``"decoders"``: those of :attr:`once`) an empty list where the next run does not
+        read it (its step 0; its calls: as :meth:`at` will decide as the run begins), to collect the group's
+        reused hooks left out at the attach (``late`` and ``once_late`` in :meth:`watch`); None where it
+        reads it. A reused debugger's 1-step call not read puts no sentinel hook in and takes none out, as a
         bf16 call. Limit: a call of a component called once per image before the attach's first run
         begins (a modular pipeline's encoders, ``vae.decode`` alone) is read as that run will be."""
         runs = self.runs + 1
-        due = runs <= SENTINEL_FIRST_STEPS or (runs - 1) % SENTINEL_EVERY == 0
-        return {"steps": None if due or self.warm else [], "runs": None if due or self.once_warm else [], None: None}
+        if runs <= SENTINEL_FIRST_STEPS:
+            return {None: None}
+        phases, warm = self.phases, self.once_warm
+        return {
+            "steps": None if (runs - phases["steps"]) % SENTINEL_EVERY == 0 or self.warm else [],
+            "encoders": None if (runs - phases["encoders"]) % SENTINEL_EVERY == 0 or warm["encoders"] else [],
+            "decoders": None if (runs - phases["decoders"]) % SENTINEL_EVERY == 0 or warm["decoders"] else [],
+            None: None,
+        }
 
-    def watch(
-        self,
-        sampled: list[str],
-        hooks: Callable[[], Iterable[tuple[Any, Callable]]],
-        once: tuple[str, ...] = (),
-        once_hooks: Callable[[], Iterable[tuple[Any, Callable]]] | None = None,
-        late: list[Iterable[tuple[Any, Callable]]] | None = None,
-        once_late: list[Iterable[tuple[Any, Callable]]] | None = None,
-    ) -> None:
-        """An attach (after :meth:`forget`): ``sampled`` and ``once`` (their hooks in, but those of
-        ``late`` and ``once_late``: put in at the first step or run read), ``hooks()`` and ``once_hooks()``
-        their ``(module, hook)`` pairs."""
-        self.sampled, self._hooks, self._paused, self._late = sampled, hooks, None, late
-        self.once, self._once_hooks, self._once_paused, self._once_late = once, once_hooks, None, once_late
-        self.paced, self.once_out = True, once_late is not None
+    def watch(self, paced: dict[str | None, tuple[list[str], list]], late: dict[str | None, list | None]) -> None:
+        """An attach (after :meth:`forget`): ``paced``, per group (``"steps"``, ``"encoders"``, ``"decoders"``),
+        its components' names and probes, their hooks in but those of the groups ``late`` (:meth:`left_out`)
+        holds a non-empty list for (their ``(module, hook)`` pairs: put in at the first step or run read)."""
+        sampled, unets = paced["steps"]
+        self.sampled, self._paused, self._late = sampled, None, late.get("steps") or None
+        self._hooks = lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets)
+        once: dict[str, str] = {}
+        members: dict[str, frozenset[str]] = {}
+        hooks: dict[str, Callable[[], Iterable[tuple[Any, Callable]]]] = {}
+        left: dict[str, list[Iterable[tuple[Any, Callable]]]] = {}
+        out: frozenset[str] = _NONE
+        for group in _ONCE_GROUPS:  # (a loop: no Python call a group)
+            names, probes = paced[group]
+            if not names:
+                continue
+            members[group] = frozenset(names)
+            once.update(dict.fromkeys(names, group))
+            hooks[group] = lambda ps=probes: chain.from_iterable(p.output_hooks(unread=True) or () for p in ps)
+            if late.get(group):  # left out at the attach: their calls checked at their output alone
+                left[group], out = late[group], out | members[group]
+        self.once, self._members, self._once_hooks, self._once_late = once, members, hooks, left
+        self._once_paused, self.once_out, self.paced = {}, out, True
 
     def forget(self) -> None:
         """At detach (the hooks removed, or about to be): nothing taken out is put back, what was put in
         late is taken out."""
         paused, self._paused, self.sampled, self._hooks = self._paused, None, [], None
-        once, self._once_paused, self.once, self._once_hooks = self._once_paused, None, (), None
-        self.paced, self._late, self._once_late, self.once_out = False, None, None, False
+        once, self._once_paused, self.once, self._once_hooks = self._once_paused, {}, {}, {}
+        self.paced, self._late, self._once_late, self.once_out = False, None, {}, _NONE
         if paused is not None:
             paused.remove()
-        if once is not None:
-            once.remove()
+        for held in once.values():
+            held.remove()
         if self._put_in:
             put_in, self._put_in = self._put_in, []
             for added in put_in:
@@ -180,27 +239,33 @@ class SentinelPace:
         paused = self._paused
         if not step:
             self.runs = runs = self.runs + 1
-            due = runs <= SENTINEL_FIRST_STEPS or (runs - 1) % SENTINEL_EVERY == 0  # (reads(), inline)
-            if self.once:  # the sentinels of the components called once per image
-                once, read = self._once_paused, due or self.once_warm
-                self.once_out = not read
-                if read:
-                    self.once_warm = False  # what this run's readings show
-                    if self._once_late is not None:  # left out at the attach: in now
-                        self._put_in.append(ForwardHooks(chain.from_iterable(self._once_late)))
-                        self._once_late = None
-                    elif once is not None and once.paused:
-                        once.resume()
-                elif self._once_late is not None:  # out already
-                    pass
-                elif once is not None or self._once_hooks is not None:
-                    if once is None:
-                        once = self._once_paused = PausedHooks(self._once_hooks())
-                    if not once.paused:
-                        once.pause()
+            first, phases = runs <= SENTINEL_FIRST_STEPS, self.phases
+            if self.once:  # the sentinels of the components called once per image, group by group
+                out: frozenset[str] | set[str] = _NONE
+                warm = self.once_warm
+                for group, hooks in self._once_hooks.items():
+                    if first or (runs - phases[group]) % SENTINEL_EVERY == 0 or warm[group]:  # (reads(), inline)
+                        warm[group] = False  # what this run's readings show
+                        late = self._once_late.pop(group, None)
+                        if late is not None:  # left out at the attach: in now
+                            self._put_in.append(ForwardHooks(chain.from_iterable(late)))
+                        else:
+                            held = self._once_paused.get(group)
+                            if held is not None and held.paused:
+                                held.resume()
+                        continue
+                    out = self._members[group] if not out else out | self._members[group]
+                    if group in self._once_late:  # out already
+                        continue
+                    held = self._once_paused.get(group)
+                    if held is None:
+                        held = self._once_paused[group] = PausedHooks(hooks())
+                    if not held.paused:
+                        held.pause()
+                self.once_out = out
             if not self.sampled:
                 return
-            read = due or self.warm
+            read = first or (runs - phases["steps"]) % SENTINEL_EVERY == 0 or self.warm
         else:
             read = step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or self.warm
         if read:
