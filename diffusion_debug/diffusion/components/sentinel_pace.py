@@ -52,8 +52,9 @@ two groups (all three had read runs 5, 9...: such a call added 3.2 ms on the CPU
 3 ms budget, where the others added 2.4). The groups share no cost a run: each one's readings join
 the flush and the host read its own component's output check takes at every call (the encoders'
 calls read together, the VAE decode's, the step's), so reading them apart adds no op, sync or host
-read; a call reads each group 1 in 4 as before (timed at load 7-9: the costliest call ~0.45 ms less,
-the mean a call ~0.09 ms more, three read paths run cold where one ran them together: RESULTS.md, cost23).
+read; a call reads each group 1 in 4 as before (timed against the pace before on a twin pipeline, load
+~3.5: the costliest call 3.27 -> 2.89 ms added, the median call the same within noise; an earlier
+sitting at load 7-9 saw the mean ~0.09 ms more: RESULTS.md, cost23).
 
 >>> {group: [run for run in range(1, 12) if reads(0, warm=False, run=run, phase=phase)]
 ...  for group, phase in SENTINEL_PHASES.items()}
