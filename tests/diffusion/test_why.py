@@ -13,7 +13,13 @@ from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebu
 from diffusion_debug.diffusion.replay.bundle import save_bundle
 from diffusion_debug.diffusion.replay.why import explain_bundle
 from diffusion_debug.testing import tiny_pipeline
-from diffusion_debug.testing.features import HAS_CACHE_HOOKS, HAS_LAYERWISE_CASTING, SDPA_KEEPS_NAN, clip_name
+from diffusion_debug.testing.features import (
+    HAS_ATTENTION_BACKENDS,
+    HAS_CACHE_HOOKS,
+    HAS_LAYERWISE_CASTING,
+    SDPA_KEEPS_NAN,
+    clip_name,
+)
 
 INF_MODULE = "up_blocks.1.resnets.0.conv2"
 
@@ -126,6 +132,45 @@ def test_a_faulty_attention_processor_is_fixed_by_the_default_one(pipe, tmp_path
         result.verdict
         == "smallest fix: use diffusers' AttnProcessor2_0 (default attention processor) makes unet finite"
     )
+
+
+@pytest.mark.skipif(not HAS_ATTENTION_BACKENDS, reason="this diffusers has no attention backends")
+def test_a_fault_of_the_attention_backend_set_on_the_model_is_fixed_by_the_native_one(tmp_path):
+    """``transformer.set_attention_backend(...)`` (flash, sage, flex on a GPU; ``_native_math`` here) whose
+    kernel makes NaN: the native backend is the fix (before: "no setting fixes it", the SDPA math kernel
+    changes nothing under diffusers' dispatch), and the model's processors and the active backend are as
+    the user left them."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    active = _AttentionBackendRegistry._active_backend
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.set_attention_backend("_native_math")  # also makes it the active backend
+    attention = pipe.transformer.get_submodule("transformer_blocks.0.attn")
+
+    def made_by_the_backend(module, args, output):  # what the dispatch of a non-native kernel would make
+        backend = module.processor._attention_backend or _AttentionBackendRegistry._active_backend
+        if backend == AttentionBackendName.NATIVE:
+            return None
+        return (torch.full_like(output[0], float("nan")), *output[1:])
+
+    attention.register_forward_hook(made_by_the_backend)
+    try:
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(level="advanced", output_dir=tmp_path, log_level="error"))
+        with dbg:
+            pipe(**FLUX_CALL[0](), num_inference_steps=1, generator=torch.Generator().manual_seed(0))
+        dbg.close()
+        result = dbg.report().why()
+        assert (result.baseline.finite, result.fix) == (False, "native attention backend")
+        assert result.verdict == (
+            "smallest fix: use diffusers' native attention backend (pipe.transformer.set_attention_backend('native')) "
+            "(native attention backend) makes transformer finite"
+        )
+        assert attention.processor._attention_backend == AttentionBackendName._NATIVE_MATH
+        assert _AttentionBackendRegistry._active_backend == AttentionBackendName._NATIVE_MATH
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)
 
 
 def test_a_nan_weight_is_named_when_no_setting_fixes_it(pipe, tmp_path):
