@@ -31,11 +31,11 @@ from torch import nn
 from ..config import DebugConfig
 from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
-from ..stats import dtype_max
+from ..stats import dtype_max, dtype_name
 from . import checks, origins
 from . import step_values as rows
 from .components.call_sites import CallSiteHooks, kept_arguments
-from .components.inventory import role_of, stable_diffusion_vae
+from .components.inventory import module_dtype, role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
 from .replay.decide import (
     NOTHING,
@@ -329,8 +329,15 @@ class Localizer:
             origin=self.origin.where() if self.origin is not None else None,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
+            dtype=self._dtype(component),
         )
         return [(self.settle(anomaly), ("nonfinite", component, consequence)) for anomaly in made]
+
+    def _dtype(self, component: str) -> str | None:
+        """The dtype ``component`` computes in now (read on a NaN/Inf only: ``pipe.to`` may have changed it)."""
+        module = self.modules.get(component)
+        dtype = module_dtype(module) if module is not None else None
+        return dtype_name(dtype) if dtype is not None else None
 
     def _replayed_source(self, component: str, block: str, probed: bool, step: int | None):
         """``(source, replay reading count)``: where the replay with full probes of the kept call holding

@@ -157,7 +157,7 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"clipped it to {d['dtype']}'s largest value{largest}, so the output stayed finite but carries that "
             f"clipped value, not the one computed ({advice})."
         )
-    if d.get("vae_role"):
+    if d.get("vae_role") and d.get("vae_dtype") != "float32":  # a float32 VAE's NaN is no half-precision one
         advice = vae_advice(component, d.get("sd_vae", False))
     own = "its own forward" if not anomaly.module else "its forward"
     if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)
