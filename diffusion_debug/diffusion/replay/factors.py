@@ -145,6 +145,10 @@ def processor_factor() -> Factor:
     return Factor("default attention processor", "use diffusers' AttnProcessor2_0", 10, build)
 
 
+_ABSENT = object()
+"""An attribute a processor did not hold itself (its class's was read)."""
+
+
 def _dispatching_processors(module: nn.Module) -> list[Any]:
     """The attention processors of ``module`` that call diffusers' attention dispatch (they carry an
     ``_attention_backend``: None for the active backend, else the one ``set_attention_backend`` gave
@@ -164,10 +168,14 @@ def other_attention_backend(module: nn.Module) -> bool:
     processors = _dispatching_processors(module)
     if not processors:
         return False
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    try:  # a diffusers whose dispatch is laid out otherwise: no such factor, rather than no why()
+        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    active = _AttentionBackendRegistry.get_active_backend()[0]
-    return any((p._attention_backend or active) != AttentionBackendName.NATIVE for p in processors)
+        native = AttentionBackendName.NATIVE
+        active = getattr(_AttentionBackendRegistry, "_active_backend", native)
+    except ImportError:
+        return False
+    return any((p._attention_backend or active) != native for p in processors)
 
 
 @contextlib.contextmanager
@@ -177,7 +185,7 @@ def _native_attention(module: nn.Module):
     from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend
 
     processors = _dispatching_processors(module)
-    kept = [vars(p).get("_attention_backend", _ABSENT) for p in processors]
+    kept = [getattr(p, "__dict__", {}).get("_attention_backend", _ABSENT) for p in processors]
     try:
         for processor in processors:
             processor._attention_backend = AttentionBackendName.NATIVE
@@ -189,9 +197,6 @@ def _native_attention(module: nn.Module):
                 del processor._attention_backend
             else:
                 processor._attention_backend = was
-
-
-_ABSENT = object()
 
 
 def native_backend_factor(component: str) -> Factor:
