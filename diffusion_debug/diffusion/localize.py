@@ -329,15 +329,28 @@ class Localizer:
             origin=self.origin.where() if self.origin is not None else None,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
-            dtype=self._dtype(component),
+            dtype=self._dtype(component, module),
         )
         return [(self.settle(anomaly), ("nonfinite", component, consequence)) for anomaly in made]
 
-    def _dtype(self, component: str) -> str | None:
-        """The dtype ``component`` computes in now (read on a NaN/Inf only: ``pipe.to`` may have changed it)."""
-        module = self.modules.get(component)
-        dtype = module_dtype(module) if module is not None else None
-        return dtype_name(dtype) if dtype is not None else None
+    def _dtype(self, component: str, module: str) -> str | None:
+        """The dtype ``component.module`` computes in now, read at the module, else at the nearest module
+        above it that holds floating weights (a component's dtypes may differ: diffusers < 0.36's
+        ``upcast_vae`` keeps the VAE's mid block in float16); read on a NaN/Inf only, during the call
+        (``force_upcast`` casts the VAE to float32 for the decode alone)."""
+        root = self.modules.get(component)
+        name = module or ""
+        while root is not None:
+            try:
+                dtype = module_dtype(root.get_submodule(name) if name else root)
+            except AttributeError:  # a name no module has
+                dtype = None
+            if dtype is not None:
+                return dtype_name(dtype)
+            if not name:
+                return None
+            name = name.rpartition(".")[0]
+        return None
 
     def _replayed_source(self, component: str, block: str, probed: bool, step: int | None):
         """``(source, replay reading count)``: where the replay with full probes of the kept call holding
