@@ -26,13 +26,18 @@ def vae_advice(component: str = "vae", sd_vae: bool = False, dtype: str | None =
     ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
     ``details["sd_vae"]``); another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept
     in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``), and one not
-    called ``vae`` (Kandinsky's ``movq``) is named as it is.
+    called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE
+    under ``force_upcast`` too) is told so: no dtype advice fits it.
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
     >>> vae_advice("vae", dtype="bfloat16")
     'run the VAE in float32: pipe.vae.to(torch.float32)'
+    >>> vae_advice("movq", dtype="float32")
+    'it ran in float32, so this is no half-precision overflow: check its weights and inputs'
     """
+    if dtype == "float32":
+        return "it ran in float32, so this is no half-precision overflow: check its weights and inputs"
     if component != "vae":
         return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
     if dtype == "bfloat16":
@@ -162,7 +167,7 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"clipped it to {d['dtype']}'s largest value{largest}, so the output stayed finite but carries that "
             f"clipped value, not the one computed ({advice})."
         )
-    if d.get("vae_role") and d.get("vae_dtype") != "float32":  # a float32 VAE's NaN is no half-precision one
+    if d.get("vae_role"):
         advice = vae_advice(component, d.get("sd_vae", False), d.get("vae_dtype"))
     own = "its own forward" if not anomaly.module else "its forward"
     if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)

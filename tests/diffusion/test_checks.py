@@ -210,6 +210,11 @@ def test_an_sdxl_fp16_vae_nan_is_advised_by_the_dtype_of_the_module_that_made_it
         "(pipe.vae.to(torch.float32) or vae.config.force_upcast=True) or use an fp16-fixed VAE such as "
         "madebyollin/sdxl-vae-fp16-fix)."
     )
+    # the up block ran in float32 (before: "try float32 or bfloat16", to a VAE that ran in float32)
+    assert up.message == (
+        "vae.decoder.up_blocks.0.resnets.0.conv2 produced NaN/Inf from finite inputs (it ran in float32, so this "
+        "is no half-precision overflow: check its weights and inputs)."
+    )
     assert pipe.vae.dtype == torch.float16  # the pipeline cast it back after the decode
 
 
