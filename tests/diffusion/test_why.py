@@ -173,6 +173,37 @@ def test_a_fault_of_the_attention_backend_set_on_the_model_is_fixed_by_the_nativ
         _AttentionBackendRegistry.set_active_backend(active)
 
 
+@pytest.mark.skipif(not HAS_ATTENTION_BACKENDS, reason="this diffusers has no attention backends")
+def test_the_native_backend_replay_puts_back_a_processor_without_a_dict_and_sets_only_what_it_can():
+    """A processor with ``__slots__`` holds its backend in a slot, not in a ``__dict__``: the replay put it
+    back by deleting it (before: the slot emptied, the model's next call an AttributeError). One whose
+    backend cannot be set (a class attribute, no slot) is left alone and the replay fails as a row."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from diffusion_debug.diffusion.replay.factors import _native_attention
+
+    class Slotted:
+        __slots__ = ("_attention_backend",)
+
+    class Fixed:
+        __slots__ = ()
+        _attention_backend = AttentionBackendName.FLEX
+
+    slotted, fixed = Slotted(), Fixed()
+    slotted._attention_backend = AttentionBackendName._NATIVE_MATH
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+    model[0].processor = slotted
+    active = _AttentionBackendRegistry._active_backend
+    with _native_attention(model):
+        assert (slotted._attention_backend, _AttentionBackendRegistry._active_backend) == ("native", "native")
+    assert slotted._attention_backend == AttentionBackendName._NATIVE_MATH
+    model[1].processor = fixed
+    with pytest.raises(AttributeError), _native_attention(model):
+        pass
+    assert (slotted._attention_backend, fixed._attention_backend) == ("_native_math", "flex")
+    assert _AttentionBackendRegistry._active_backend == active
+
+
 def test_a_nan_weight_is_named_when_no_setting_fixes_it(pipe, tmp_path):
     weight = pipe.unet.get_submodule(INF_MODULE).weight
     kept = weight.detach().clone()

@@ -181,18 +181,21 @@ def other_attention_backend(module: nn.Module) -> bool:
 @contextlib.contextmanager
 def _native_attention(module: nn.Module):
     """``module``'s dispatching processors and the active backend set to the native one, each put back
-    as it was (an instance attribute ``set_attention_backend`` added, or none: the class's)."""
+    as it was (an instance attribute ``set_attention_backend`` added, or none: the class's; a slot's
+    value for a processor without ``__dict__``); only the processors it set are put back."""
     from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend
 
-    processors = _dispatching_processors(module)
-    kept = [getattr(p, "__dict__", {}).get("_attention_backend", _ABSENT) for p in processors]
+    kept: list[tuple[Any, Any]] = []
     try:
-        for processor in processors:
+        for processor in _dispatching_processors(module):
+            own = getattr(processor, "__dict__", None)
+            was = own.get("_attention_backend", _ABSENT) if own is not None else processor._attention_backend
             processor._attention_backend = AttentionBackendName.NATIVE
+            kept.append((processor, was))
         with attention_backend(AttentionBackendName.NATIVE):
             yield
     finally:
-        for processor, was in zip(processors, kept):
+        for processor, was in kept:
             if was is _ABSENT:
                 del processor._attention_backend
             else:
