@@ -33,6 +33,8 @@ def vae_advice(component: str = "vae", sd_vae: bool = False, dtype: str | None =
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
     >>> vae_advice("vae", dtype="bfloat16")
     'run the VAE in float32: pipe.vae.to(torch.float32)'
+    >>> vae_advice("movq", dtype="float16")
+    'keep movq in float32 (pipe.movq.to(torch.float32))'
     >>> vae_advice("movq", dtype="float32")
     'it ran in float32, so this is no half-precision overflow: check its weights and inputs'
     """
