@@ -442,6 +442,43 @@ def test_an_fp16_vae_overflow_is_fixed_by_the_vae_upcast(pipe, tmp_path):
     )
 
 
+def test_an_fp16_vae_decode_the_pipeline_ran_upcast_is_replayed_in_float32_and_put_back(pipe, tmp_path):
+    """SDXL's force_upcast casts the fp16 VAE to float32 for the decode, then back: the kept call's latents
+    are float32, the VAE fp16 when why() runs. It is replayed as it ran, in float32 (before: "nothing can
+    be concluded: the replay of vae as it was failed (RuntimeError: Input type (float) and bias type
+    (c10::Half) ...)"), then put back as it was (its float32 buffers too)."""
+    name = "decoder.up_blocks.0.resnets.0.conv2"
+    vae = copy.deepcopy(pipe.vae).to(torch.float16)
+    vae.register_buffer("kept_in_float32", torch.ones(1))
+    with torch.no_grad():
+        vae.get_submodule(name).weight[0, 0, 0, 0] = float("nan")
+    before = {n: (t, t.dtype) for n, t in [*vae.named_parameters(), *vae.named_buffers()]}
+    latents = torch.randn(1, vae.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(0))
+    bundle = save_bundle(
+        tmp_path / "bundle",
+        component="vae",
+        component_module=vae,
+        call_prefix="decoder",
+        args=(latents,),
+        kwargs={},
+        step=None,
+        timestep=None,
+        module=name,
+        anomaly_kind="nonfinite",
+    )
+    result = explain_bundle(bundle, vae)
+    assert result.baseline.finite is False  # no "vae upcast (float32)" row: it ran in float32
+    assert [(r.factor, r.finite) for r in result.replays] == [
+        ("SDPA math kernel", False),
+        ("bfloat16", False),
+        ("finite inputs", False),
+    ]
+    assert result.verdict == f"no setting fixes it: the weights of vae {name} hold NaN/Inf"
+    after = {n: (t, t.dtype) for n, t in [*vae.named_parameters(), *vae.named_buffers()]}
+    assert all(after[n][0] is t and after[n][1] == dtype for n, (t, dtype) in before.items())
+    assert vae.kept_in_float32.dtype == torch.float32 and vae.dtype == torch.float16
+
+
 def test_weights_stored_in_float8_e4m3fn_are_named():
     # torch has no isfinite for float8_e4m3fn, diffusers' usual storage dtype for layerwise casting
     from diffusion_debug.diffusion.replay.why import module_with_nonfinite_weights
