@@ -158,15 +158,17 @@ def nonfinite(
     origin: str | None = None,
     role: str = "",
     sd_vae: bool = False,
+    dtype: str | None = None,
 ) -> list[Anomaly]:
     """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
     ``origin``: where the run's first NaN/Inf was (a consequence points at it); ``role``: the
     component's role (its checks' advice comes from it, not from the attribute name); ``sd_vae``:
-    it is Stable Diffusion's VAE (:func:`~.components.inventory.stable_diffusion_vae`)."""
+    it is Stable Diffusion's VAE (:func:`~.components.inventory.stable_diffusion_vae`); ``dtype``:
+    the dtype the component computes in, when known (a float32 VAE is not told to keep to float32)."""
     if consequence:
         details = {**(details or {}), "passed_on": True, **({"origin": origin} if origin else {})}
     else:
-        details = {**(details or {}), **_vae_details(role, sd_vae)}
+        details = {**(details or {}), **_vae_details(role, sd_vae, dtype)}
     return [
         make_anomaly(
             kind="nonfinite",
@@ -180,11 +182,14 @@ def nonfinite(
     ]
 
 
-def _vae_details(role: str, sd_vae: bool) -> dict[str, bool]:
-    """What the advice of a VAE-role component's anomaly needs: whether it is one, and whether it
-    is Stable Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there)."""
+def _vae_details(role: str, sd_vae: bool, dtype: str | None = None) -> dict[str, Any]:
+    """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is
+    Stable Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there) and the dtype it
+    computes in (``vae_dtype``, when known)."""
     vae_role = has_check(role, "vae")
-    return {"vae_role": vae_role, **({"sd_vae": sd_vae} if vae_role else {})}
+    if not vae_role:
+        return {"vae_role": False}
+    return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {})}
 
 
 # -- fp16 / bf16 overflow -------------------------------------------------------------------

@@ -31,12 +31,13 @@ from torch import nn
 from ..config import DebugConfig
 from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
-from ..stats import dtype_max
+from ..stats import dtype_max, dtype_name
 from . import checks, origins
 from . import step_values as rows
 from .components.call_sites import CallSiteHooks, kept_arguments
-from .components.inventory import role_of, stable_diffusion_vae
+from .components.inventory import module_dtype, role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
+from .replay.copies import layerwise_casting
 from .replay.decide import (
     NOTHING,
     UNLOCALISED,
@@ -329,8 +330,32 @@ class Localizer:
             origin=self.origin.where() if self.origin is not None else None,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
+            dtype=self._dtype(component, module),
         )
         return [(self.settle(anomaly), ("nonfinite", component, consequence)) for anomaly in made]
+
+    def _dtype(self, component: str, module: str) -> str | None:
+        """The dtype ``component.module`` computes in now, read at the module, else at the nearest module
+        above it that holds floating weights (a component's dtypes may differ: diffusers < 0.36's
+        ``upcast_vae`` keeps the VAE's mid block in float16), fp8-stored weights' layerwise-casting compute
+        dtype; read on a NaN/Inf only, during the call (``force_upcast`` casts the VAE to float32 for the
+        decode alone)."""
+        root = self.modules.get(component)
+        name = module or ""
+        while root is not None:
+            try:
+                sub = root.get_submodule(name) if name else root
+            except AttributeError:  # a name no module has
+                sub = None
+            dtype = module_dtype(sub) if sub is not None else None
+            if dtype is not None and dtype.itemsize == 1:  # fp8 storage: layerwise casting computes in another
+                return (layerwise_casting(sub) or {}).get("compute_dtype") or dtype_name(dtype)
+            if dtype is not None:
+                return dtype_name(dtype)
+            if not name:
+                return None
+            name = name.rpartition(".")[0]
+        return None
 
     def _replayed_source(self, component: str, block: str, probed: bool, step: int | None):
         """``(source, replay reading count)``: where the replay with full probes of the kept call holding

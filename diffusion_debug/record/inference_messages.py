@@ -21,17 +21,29 @@ if TYPE_CHECKING:
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 
 
-def vae_advice(component: str = "vae", sd_vae: bool = False) -> str:
+def vae_advice(component: str = "vae", sd_vae: bool = False, dtype: str | None = None) -> str:
     """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
     ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
     ``details["sd_vae"]``); another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept
-    in float32 or bfloat16, and one not called ``vae`` (Kandinsky's ``movq``) is named as it is.
+    in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``), and one not
+    called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE
+    under ``force_upcast`` too) is told so: no dtype advice fits it.
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
+    >>> vae_advice("vae", dtype="bfloat16")
+    'run the VAE in float32: pipe.vae.to(torch.float32)'
+    >>> vae_advice("movq", dtype="float16")
+    'keep movq in float32 (pipe.movq.to(torch.float32))'
+    >>> vae_advice("movq", dtype="float32")
+    'it ran in float32, so this is no half-precision overflow: check its weights and inputs'
     """
+    if dtype == "float32":
+        return "it ran in float32, so this is no half-precision overflow: check its weights and inputs"
     if component != "vae":
         return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
+    if dtype == "bfloat16":
+        return "run the VAE in float32: pipe.vae.to(torch.float32)"
     if not sd_vae:
         return "keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)"
     return (
@@ -158,7 +170,7 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"clipped value, not the one computed ({advice})."
         )
     if d.get("vae_role"):
-        advice = vae_advice(component, d.get("sd_vae", False))
+        advice = vae_advice(component, d.get("sd_vae", False), d.get("vae_dtype"))
     own = "its own forward" if not anomaly.module else "its forward"
     if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)
         return (

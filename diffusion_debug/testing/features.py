@@ -54,6 +54,9 @@ HAS_GROUP_OFFLOAD = hasattr(diffusers.ModelMixin, "enable_group_offload")
 #: ``ModelMixin.enable_layerwise_casting`` (weights stored in fp8, computed in another dtype; diffusers 0.33).
 HAS_LAYERWISE_CASTING = hasattr(diffusers.ModelMixin, "enable_layerwise_casting")
 
+#: ``ModelMixin.set_attention_backend`` (diffusers' attention dispatch: native, flex, flash, sage...; diffusers 0.35).
+HAS_ATTENTION_BACKENDS = hasattr(diffusers.ModelMixin, "set_attention_backend")
+
 #: Modular pipelines, ``diffusers.modular_pipelines`` (diffusers 0.35).
 HAS_MODULAR = _has_module("diffusers.modular_pipelines")
 

@@ -91,11 +91,13 @@ def test_an_inf_made_in_a_decoder_module_is_the_headline_at_that_module(pipes, t
     # the decode runs after the last step: no step, as for the Stable Diffusion VAE
     assert (headline.kind, headline.component, headline.module, headline.step) == ("nonfinite", "vae", MODULE, None)
     assert headline.details["localized_by"] == "output check -> replay with full probes"
-    # the advice follows the VAE's class: force_upcast and the fp16-fixed SDXL VAE are Stable Diffusion's only
+    # the advice follows the VAE's dtype: a float32 VAE is not told to keep to float32 (before: "keep the
+    # VAE in float32 or bfloat16: pipe.vae.to(torch.float32)"), nor to force_upcast, Stable Diffusion's only
     assert headline.message == (
-        f"vae.{MODULE} produced NaN/Inf from finite inputs (keep the VAE in float32 or bfloat16: "
-        "pipe.vae.to(torch.float32))."
+        f"vae.{MODULE} produced NaN/Inf from finite inputs (it ran in float32, so this is no half-precision "
+        "overflow: check its weights and inputs)."
     )
+    assert headline.details["vae_dtype"] == "float32"
     assert [a for a in report.anomalies if a.severity == "error"] == [headline]
     assert not [a for a in report.anomalies if a.component == "pipeline"]
 

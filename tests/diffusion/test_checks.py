@@ -175,6 +175,49 @@ def test_dtype_mismatch_fp16_sdxl_vae_without_upcast():
     assert "force_upcast" in found[0].message
 
 
+def test_an_sdxl_fp16_vae_nan_is_advised_by_the_dtype_of_the_module_that_made_it_not_the_vaes_most(tmp_path):
+    """diffusers < 0.36's ``upcast_vae`` (force_upcast) casts the VAE to float32 but puts its
+    ``decoder.mid_block`` back in float16: a NaN made there is an fp16 one, given the upcast and
+    fp16-fixed-VAE advice (before: read as the float32 VAE's, the generic advice); one made in an
+    up block ran in float32 and is told so, not to try float32."""
+    pipe = tiny_pipeline("sdxl", dtype=torch.float16)
+
+    def upcast_vae():  # diffusers 0.32-0.35's, with torch 2's attention processor
+        pipe.vae.to(dtype=torch.float32)
+        for part in (pipe.vae.post_quant_conv, pipe.vae.decoder.conv_in, pipe.vae.decoder.mid_block):
+            part.to(torch.float16)
+
+    pipe.upcast_vae = upcast_vae
+    up = pipe.vae.decoder.up_blocks[0]  # and its Decoder cast the mid block's output to the up blocks' dtype
+    cast = up.register_forward_pre_hook(lambda block, args: (args[0].to(torch.float32), *args[1:]))
+    found = {}
+    for name in ("decoder.mid_block.resnets.0.conv1", "decoder.up_blocks.0.resnets.0.conv2"):
+        with plant(pipe.vae.get_submodule(name), 0, lambda out: out * float("nan")):
+            dbg = DiffusionModelDebugger(pipe, cfg(tmp_path / name, level="basic", log_level="error"))
+            with dbg:
+                run(pipe, steps=1)
+        (found[name],) = [a for a in kinds(dbg.report(), "nonfinite") if a.severity == "error"]
+    cast.remove()
+    mid, up = found.values()
+    assert (mid.module, mid.details["vae_dtype"], up.module, up.details["vae_dtype"]) == (
+        "decoder.mid_block.resnets.0.conv1",
+        "float16",
+        "decoder.up_blocks.0.resnets.0.conv2",
+        "float32",
+    )
+    assert mid.message == (
+        "vae.decoder.mid_block.resnets.0.conv1 produced NaN/Inf from finite inputs (keep the VAE in float32 "
+        "(pipe.vae.to(torch.float32) or vae.config.force_upcast=True) or use an fp16-fixed VAE such as "
+        "madebyollin/sdxl-vae-fp16-fix)."
+    )
+    # the up block ran in float32 (before: "try float32 or bfloat16", to a VAE that ran in float32)
+    assert up.message == (
+        "vae.decoder.up_blocks.0.resnets.0.conv2 produced NaN/Inf from finite inputs (it ran in float32, so this "
+        "is no half-precision overflow: check its weights and inputs)."
+    )
+    assert pipe.vae.dtype == torch.float16  # the pipeline cast it back after the decode
+
+
 def test_vae_saturation_and_flat_images(pipes, tmp_path):
     pipe = pipes["sd"]
     with plant(pipe.vae.decoder, 0, lambda out: out * 0 + 3.0):

@@ -543,6 +543,11 @@ def test_a_nan_weight_in_a_bf16_vae_decoder_module_on_a_later_call_is_named_at_i
     (error,) = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
     assert (error.component, error.module, error.step) == ("vae", name, None)
     assert error.details["localized_by"] == "output check -> replay with full probes"
+    # a bf16 VAE is told float32, not "float32 or bfloat16" nor the fp16-fixed VAE (before: fp16's advice)
+    assert (
+        error.message
+        == f"vae.{name} produced NaN/Inf from finite inputs (run the VAE in float32: pipe.vae.to(torch.float32))."
+    )
     dbg.close()
 
 
@@ -577,6 +582,11 @@ def test_fp8_stored_weights_computing_in_bf16_take_the_bf16_path_and_a_later_nan
     (error,) = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
     assert (error.component, error.module) == ("vae", name)
     assert error.details["localized_by"] == "output check -> replay with full probes"
+    # it computes in bf16, advised as a bf16 VAE (before: vae_dtype float8_e4m3fn, its storage, and fp16's advice)
+    assert (error.details["vae_dtype"], error.message) == (
+        "bfloat16",
+        f"vae.{name} produced NaN/Inf from finite inputs (run the VAE in float32: pipe.vae.to(torch.float32)).",
+    )
     dbg.close()
 
 

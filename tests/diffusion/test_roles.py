@@ -32,10 +32,12 @@ def test_movq_nonfinite_gets_the_vae_advice(kandinsky, tmp_path):
         report = watched(kandinsky, tmp_path, level="basic")
     (origin,) = [a for a in report.anomalies if a.kind == "nonfinite" and a.severity == "error"]
     assert origin.component == "movq"
-    # the VAE's advice, found from the role and spoken to movq (the SD fp16-fixed VAE is no VQModel)
+    # the VAE's role, found for movq; its advice is for a half-precision VAE: a float32 movq is not told to
+    # keep to float32 (before: "keep movq in float32 (pipe.movq.to(torch.float32))")
+    assert (origin.details["vae_role"], origin.details["vae_dtype"]) == (True, "float32")
     assert origin.message == (
-        "movq.decoder.conv_in produced NaN/Inf from finite inputs (keep movq in float32 "
-        "(pipe.movq.to(torch.float32)))."
+        "movq.decoder.conv_in produced NaN/Inf from finite inputs (it ran in float32, so this is no half-precision "
+        "overflow: check its weights and inputs)."
     )
 
 

@@ -13,7 +13,13 @@ from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebu
 from diffusion_debug.diffusion.replay.bundle import save_bundle
 from diffusion_debug.diffusion.replay.why import explain_bundle
 from diffusion_debug.testing import tiny_pipeline
-from diffusion_debug.testing.features import HAS_CACHE_HOOKS, HAS_LAYERWISE_CASTING, SDPA_KEEPS_NAN, clip_name
+from diffusion_debug.testing.features import (
+    HAS_ATTENTION_BACKENDS,
+    HAS_CACHE_HOOKS,
+    HAS_LAYERWISE_CASTING,
+    SDPA_KEEPS_NAN,
+    clip_name,
+)
 
 INF_MODULE = "up_blocks.1.resnets.0.conv2"
 
@@ -126,6 +132,76 @@ def test_a_faulty_attention_processor_is_fixed_by_the_default_one(pipe, tmp_path
         result.verdict
         == "smallest fix: use diffusers' AttnProcessor2_0 (default attention processor) makes unet finite"
     )
+
+
+@pytest.mark.skipif(not HAS_ATTENTION_BACKENDS, reason="this diffusers has no attention backends")
+def test_a_fault_of_the_attention_backend_set_on_the_model_is_fixed_by_the_native_one(tmp_path):
+    """``transformer.set_attention_backend(...)`` (flash, sage, flex on a GPU; ``_native_math`` here) whose
+    kernel makes NaN: the native backend is the fix (before: "no setting fixes it", the SDPA math kernel
+    changes nothing under diffusers' dispatch), and the model's processors and the active backend are as
+    the user left them."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    active = _AttentionBackendRegistry._active_backend
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.set_attention_backend("_native_math")  # also makes it the active backend
+    attention = pipe.transformer.get_submodule("transformer_blocks.0.attn")
+
+    def made_by_the_backend(module, args, output):  # what the dispatch of a non-native kernel would make
+        backend = module.processor._attention_backend or _AttentionBackendRegistry._active_backend
+        if backend == AttentionBackendName.NATIVE:
+            return None
+        return (torch.full_like(output[0], float("nan")), *output[1:])
+
+    attention.register_forward_hook(made_by_the_backend)
+    try:
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(level="advanced", output_dir=tmp_path, log_level="error"))
+        with dbg:
+            pipe(**FLUX_CALL[0](), num_inference_steps=1, generator=torch.Generator().manual_seed(0))
+        dbg.close()
+        result = dbg.report().why()
+        assert (result.baseline.finite, result.fix) == (False, "native attention backend")
+        assert result.verdict == (
+            "smallest fix: use diffusers' native attention backend (pipe.transformer.set_attention_backend('native')) "
+            "(native attention backend) makes transformer finite"
+        )
+        assert attention.processor._attention_backend == AttentionBackendName._NATIVE_MATH
+        assert _AttentionBackendRegistry._active_backend == AttentionBackendName._NATIVE_MATH
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)
+
+
+@pytest.mark.skipif(not HAS_ATTENTION_BACKENDS, reason="this diffusers has no attention backends")
+def test_the_native_backend_replay_puts_back_a_processor_without_a_dict_and_sets_only_what_it_can():
+    """A processor with ``__slots__`` holds its backend in a slot, not in a ``__dict__``: the replay put it
+    back by deleting it (before: the slot emptied, the model's next call an AttributeError). One whose
+    backend cannot be set (a class attribute, no slot) is left alone and the replay fails as a row."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from diffusion_debug.diffusion.replay.factors import _native_attention
+
+    class Slotted:
+        __slots__ = ("_attention_backend",)
+
+    class Fixed:
+        __slots__ = ()
+        _attention_backend = AttentionBackendName.FLEX
+
+    slotted, fixed = Slotted(), Fixed()
+    slotted._attention_backend = AttentionBackendName._NATIVE_MATH
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+    model[0].processor = slotted
+    active = _AttentionBackendRegistry._active_backend
+    with _native_attention(model):
+        assert (slotted._attention_backend, _AttentionBackendRegistry._active_backend) == ("native", "native")
+    assert slotted._attention_backend == AttentionBackendName._NATIVE_MATH
+    model[1].processor = fixed
+    with pytest.raises(AttributeError), _native_attention(model):
+        pass
+    assert (slotted._attention_backend, fixed._attention_backend) == ("_native_math", "flex")
+    assert _AttentionBackendRegistry._active_backend == active
 
 
 def test_a_nan_weight_is_named_when_no_setting_fixes_it(pipe, tmp_path):
@@ -364,6 +440,43 @@ def test_an_fp16_vae_overflow_is_fixed_by_the_vae_upcast(pipe, tmp_path):
         "smallest fix: upcast the VAE to float32 (force_upcast) (vae upcast (float32)) makes vae finite "
         "(also finite: bfloat16)"
     )
+
+
+def test_an_fp16_vae_decode_the_pipeline_ran_upcast_is_replayed_in_float32_and_put_back(pipe, tmp_path):
+    """SDXL's force_upcast casts the fp16 VAE to float32 for the decode, then back: the kept call's latents
+    are float32, the VAE fp16 when why() runs. It is replayed as it ran, in float32 (before: "nothing can
+    be concluded: the replay of vae as it was failed (RuntimeError: Input type (float) and bias type
+    (c10::Half) ...)"), then put back as it was (its float32 buffers too)."""
+    name = "decoder.up_blocks.0.resnets.0.conv2"
+    vae = copy.deepcopy(pipe.vae).to(torch.float16)
+    vae.register_buffer("kept_in_float32", torch.ones(1))
+    with torch.no_grad():
+        vae.get_submodule(name).weight[0, 0, 0, 0] = float("nan")
+    before = {n: (t, t.dtype) for n, t in [*vae.named_parameters(), *vae.named_buffers()]}
+    latents = torch.randn(1, vae.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(0))
+    bundle = save_bundle(
+        tmp_path / "bundle",
+        component="vae",
+        component_module=vae,
+        call_prefix="decoder",
+        args=(latents,),
+        kwargs={},
+        step=None,
+        timestep=None,
+        module=name,
+        anomaly_kind="nonfinite",
+    )
+    result = explain_bundle(bundle, vae)
+    assert result.baseline.finite is False  # no "vae upcast (float32)" row: it ran in float32
+    assert [(r.factor, r.finite) for r in result.replays] == [
+        ("SDPA math kernel", False),
+        ("bfloat16", False),
+        ("finite inputs", False),
+    ]
+    assert result.verdict == f"no setting fixes it: the weights of vae {name} hold NaN/Inf"
+    after = {n: (t, t.dtype) for n, t in [*vae.named_parameters(), *vae.named_buffers()]}
+    assert all(after[n][0] is t and after[n][1] == dtype for n, (t, dtype) in before.items())
+    assert vae.kept_in_float32.dtype == torch.float32 and vae.dtype == torch.float16
 
 
 def test_weights_stored_in_float8_e4m3fn_are_named():

@@ -12,7 +12,11 @@ dtype for the whole component, every adapter off); the inputs are a diagnosis, n
 
 Limits: VAE tiling and slicing live in ``vae.decode``, not in the decoder call a bundle holds, so
 they are not replayed; the default attention processor replaces only processors that are not
-diffusers' own (an extension's); the adapters are peft's (diffusers' LoRA backend).
+diffusers' own (an extension's); a model attending through a diffusers attention backend other than
+the native one (``set_attention_backend``, or the active one) is replayed with the native backend in
+place of the SDPA math kernel, which that dispatch does not use; a backend entered with diffusers'
+``attention_backend`` context is gone when ``why()`` runs after the call; the adapters are peft's
+(diffusers' LoRA backend).
 """
 
 from __future__ import annotations
@@ -141,6 +145,71 @@ def processor_factor() -> Factor:
     return Factor("default attention processor", "use diffusers' AttnProcessor2_0", 10, build)
 
 
+_ABSENT = object()
+"""An attribute a processor did not hold itself (its class's was read)."""
+
+
+def _dispatching_processors(module: nn.Module) -> list[Any]:
+    """The attention processors of ``module`` that call diffusers' attention dispatch (they carry an
+    ``_attention_backend``: None for the active backend, else the one ``set_attention_backend`` gave
+    them), each once (a processor may be shared)."""
+    found: dict[int, Any] = {}
+    for sub in eager_module(module).modules():
+        processor = getattr(sub, "processor", None)
+        if processor is not None and hasattr(processor, "_attention_backend"):
+            found.setdefault(id(processor), processor)
+    return list(found.values())
+
+
+def other_attention_backend(module: nn.Module) -> bool:
+    """Whether ``module`` attends through a diffusers attention backend other than the native one
+    (``set_attention_backend("flash" | "sage" | "flex" | ...)`` on it, or the active backend of the
+    process) that diffusers' dispatch would use."""
+    processors = _dispatching_processors(module)
+    if not processors:
+        return False
+    try:  # a diffusers whose dispatch is laid out otherwise: no such factor, rather than no why()
+        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+        native = AttentionBackendName.NATIVE
+        active = getattr(_AttentionBackendRegistry, "_active_backend", native)
+    except ImportError:
+        return False
+    return any((p._attention_backend or active) != native for p in processors)
+
+
+@contextlib.contextmanager
+def _native_attention(module: nn.Module):
+    """``module``'s dispatching processors and the active backend set to the native one, each put back
+    as it was (an instance attribute ``set_attention_backend`` added, or none: the class's; a slot's
+    value for a processor without ``__dict__``); only the processors it set are put back."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend
+
+    kept: list[tuple[Any, Any]] = []
+    try:
+        for processor in _dispatching_processors(module):
+            own = getattr(processor, "__dict__", None)
+            was = own.get("_attention_backend", _ABSENT) if own is not None else processor._attention_backend
+            processor._attention_backend = AttentionBackendName.NATIVE
+            kept.append((processor, was))
+        with attention_backend(AttentionBackendName.NATIVE):
+            yield
+    finally:
+        for processor, was in kept:
+            if was is _ABSENT:
+                del processor._attention_backend
+            else:
+                processor._attention_backend = was
+
+
+def native_backend_factor(component: str) -> Factor:
+    def build(call: OriginCall) -> Variant:
+        return Variant(call.module, call.args, call.kwargs, [lambda: _native_attention(call.module)])
+
+    change = f"use diffusers' native attention backend (pipe.{component}.set_attention_backend('native'))"
+    return Factor("native attention backend", change, 20, build)
+
+
 # -- compiled, hooks, adapters --------------------------------------------------------------------
 
 
@@ -245,7 +314,9 @@ def factors_for(call: OriginCall) -> list[Factor]:
         found += [adapters_off_factor(name, rank=0) for name in adapters]
     if custom_processors(call.module):
         found.append(processor_factor())
-    if any("Attention" in type(m).__name__ for m in target(call.module, call.prefix).modules()):
+    if other_attention_backend(target(call.module, call.prefix)):
+        found.append(native_backend_factor(call.component))
+    elif any("Attention" in type(m).__name__ for m in target(call.module, call.prefix).modules()):
         found.append(sdpa_math_factor())
     groups = hook_groups(eager_module(call.module))
     found += [hooks_off_factor(group) for group in groups + [g for g in call.unhooked if g not in groups]]

@@ -19,6 +19,7 @@ counts the replays too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,7 +37,17 @@ from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
 from ..components.compiled import eager_module, replay_readings
 from .copies import context_from_fields
-from .factors import Factor, OriginCall, Variant, entered, factors_for, nonfinite_inputs, target, variant_note
+from .factors import (
+    Factor,
+    OriginCall,
+    Variant,
+    entered,
+    factors_for,
+    nonfinite_inputs,
+    parameter_dtype,
+    target,
+    variant_note,
+)
 
 
 @dataclass
@@ -266,8 +277,32 @@ def explain(
     registries held as the call began (a guider's layer hooks), held again through every replay (a
     copy is made with them); ``guider_hooks``: those the call had, by name, for the verdict of a
     replay without them (from a bundle alone)."""
-    with placement_kept(placement):
+    with placement_kept(placement), _as_it_ran(call):
         return _explain(call, step, reference_s, None if placement else guider_hooks)
+
+
+@contextlib.contextmanager
+def _as_it_ran(call: OriginCall):
+    """A VAE call the pipeline ran upcast (SDXL's ``force_upcast``: the fp16 VAE cast to float32 for
+    the decode, then back) is replayed as it ran: the live VAE's half-precision weights and buffers
+    in float32 while ``why`` runs (its latents are float32, the VAE half again), each put back in its
+    dtype after (the same tensors). Limit: diffusers < 0.36's ``upcast_vae`` kept the mid block in
+    float16, which this replays in float32."""
+    module = eager_module(call.module)
+    given = next((t.dtype for t in tensors_in((call.args, call.kwargs)) if t.is_floating_point()), None)
+    half = (torch.float16, torch.bfloat16)
+    if not call.vae or given != torch.float32 or parameter_dtype(module) not in half:
+        yield
+        return
+    tensors = [*module.parameters(), *module.buffers()]
+    kept = [(t, t.dtype) for t in tensors if t.dtype in half and not is_quantized(t)]
+    try:
+        for t, _ in kept:
+            t.data = t.data.to(torch.float32)
+        yield
+    finally:
+        for t, dtype in kept:
+            t.data = t.data.to(dtype)
 
 
 def _explain(
