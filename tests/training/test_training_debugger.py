@@ -1261,6 +1261,36 @@ def test_the_update_ratio_of_a_clipped_step_uses_the_clipped_gradients(tmp_path)
     tdbg.close()
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_lr_x_gradient_over_weight_foretells_only_a_gradient_steps_update(tmp_path, adaptive):
+    # AdamW (and Prodigy at lr 1.0, 8-bit Adam, Adafactor) divides the gradient out: under a loss
+    # 2000x larger its update is the same ~lr a weight, but lr x |g| / |w| read thousands (an lr_spike
+    # "would move 2 by 4.4e+03 times its weights" at every Prodigy step whose gradient outgrew the weights)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    make = torch.optim.AdamW if adaptive else torch.optim.SGD
+    optimizer = make(model.parameters(), lr=1e-3)
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False, grad_explosion_threshold=1e9)
+    tdbg = TrainingDebugger(model, config=config)
+    x = torch.randn(64, 8)
+    seen = []
+    for step in range(3):
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean() * 2000
+        loss.backward()
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        seen.append(max(info["update_to_weight_ratio"].values()))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert seen[0] > 1  # the estimate passes the threshold either way
+    spikes = [(a.step, a.details["reason"]) for a in tdbg.report().anomalies if a.kind == "lr_spike"]
+    if adaptive:
+        assert spikes == []
+        assert all(0 < r["max_applied_update_ratio"] < 0.05 for r in tdbg.report().steps[1:])
+    else:
+        assert spikes[0] == (0, "update_ratio")
+    tdbg.close()
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_monitoring_before_backward_says_to_call_it_after_backward(tmp_path, _tiny_unet, set_to_none):
     # the monitor called between the forward and loss.backward(): no watched gradient exists yet

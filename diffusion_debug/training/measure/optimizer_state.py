@@ -45,6 +45,15 @@ def raw_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def steps_by_its_gradient(optimizer: Any) -> bool:
+    """True where ``optimizer.step()`` moves a weight by lr x its gradient (SGD with or without
+    momentum, ASGD, schedule-free SGD): there lr x gradient norm / weight norm foretells the update.
+    An adaptive optimizer (Adam, AdamW fused or 8-bit, Prodigy, whose lr is 1.0 and whose step is
+    d x lr, Adafactor, Lion) divides the gradient out: its update is about lr a weight whatever the
+    gradient's size, and only the update measured from the weights says how far it moved them."""
+    return "SGD" in type(raw_optimizer(optimizer)).__name__
+
+
 def scaler_already_unscaled(scaler: Any, optimizer: Any) -> bool:
     """True when the user called ``scaler.unscale_(optimizer)`` (or Accelerate's
     ``clip_grad_norm_``) before monitoring: the gradients are then already true values."""
