@@ -1291,6 +1291,31 @@ def test_lr_x_gradient_over_weight_foretells_only_a_gradient_steps_update(tmp_pa
     tdbg.close()
 
 
+def test_prodigy_on_a_lora_adapter_is_quiet(tmp_path):
+    # diffusers' --optimizer prodigy: lr 1.0 (its step is d x lr); lora_B grows from zero, so its gradient
+    # outgrows its weights: lr x |g| / |w| read above 1 at steps 10 and 11 (two false lr_spikes)
+    prodigyopt = pytest.importorskip("prodigyopt")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4, bias=False))
+    lora_b = torch.nn.Linear(4, 16, bias=False)
+    torch.nn.init.zeros_(lora_b.weight)
+    model.append(lora_b)
+    model[0].requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = prodigyopt.Prodigy(trained, lr=1.0, weight_decay=1e-2, safeguard_warmup=True, use_bias_correction=True)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    data = torch.Generator().manual_seed(1)
+    for step in range(16):
+        x = torch.randn(32, 16, generator=data)
+        loss = torch.nn.functional.mse_loss(model(x) + x, torch.tanh(x * 2))
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [(a.kind, a.step) for a in tdbg.report().anomalies if a.severity != "info"] == []
+    tdbg.close()
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_monitoring_before_backward_says_to_call_it_after_backward(tmp_path, _tiny_unet, set_to_none):
     # the monitor called between the forward and loss.backward(): no watched gradient exists yet
