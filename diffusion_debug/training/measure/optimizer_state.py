@@ -50,8 +50,10 @@ def steps_by_its_gradient(optimizer: Any) -> bool:
     momentum, ASGD, schedule-free SGD): there lr x gradient norm / weight norm foretells the update.
     An adaptive optimizer (Adam, AdamW fused or 8-bit, Prodigy, whose lr is 1.0 and whose step is
     d x lr, Adafactor, Lion) divides the gradient out: its update is about lr a weight whatever the
-    gradient's size, and only the update measured from the weights says how far it moved them."""
-    return "SGD" in type(raw_optimizer(optimizer)).__name__
+    gradient's size, and only the update measured from the weights says how far it moved them. Inside
+    a ``ZeroRedundancyOptimizer``: its ``optim``, the local optimizer that steps this rank's shard."""
+    raw = raw_optimizer(optimizer)
+    return "SGD" in type(getattr(raw, "optim", raw)).__name__
 
 
 def scaler_already_unscaled(scaler: Any, optimizer: Any) -> bool:
