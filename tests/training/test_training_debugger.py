@@ -1261,15 +1261,33 @@ def test_the_update_ratio_of_a_clipped_step_uses_the_clipped_gradients(tmp_path)
     tdbg.close()
 
 
-@pytest.mark.parametrize("adaptive", [True, False])
-def test_lr_x_gradient_over_weight_foretells_only_a_gradient_steps_update(tmp_path, adaptive):
+class _Momentum(torch.optim.SGD):  # a user's SGD under another name: still a gradient step
+    pass
+
+
+class DAdaptSGD(torch.optim.SGD):  # D-Adaptation's: SGD in its name, but lr 1.0 x its estimate d (in its groups)
+    def __init__(self, params):
+        super().__init__(params, lr=1.0)
+        for group in self.param_groups:
+            group["d"] = 1e-6
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * group["d"])
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, DAdaptSGD, torch.optim.SGD, _Momentum])
+def test_lr_x_gradient_over_weight_foretells_only_a_gradient_steps_update(tmp_path, make):
     # AdamW (and Prodigy at lr 1.0, 8-bit Adam, Adafactor) divides the gradient out: under a loss
     # 2000x larger its update is the same ~lr a weight, but lr x |g| / |w| read thousands (an lr_spike
-    # "would move 2 by 4.4e+03 times its weights" at every Prodigy step whose gradient outgrew the weights)
+    # "would move 2 by 4.4e+03 times its weights" at every Prodigy step whose gradient outgrew the weights).
+    # DAdaptSGD (lr 1.0 x d) read 1.3e3 on a LoRA adapter where its step moved 0.6 when judged by its name
+    adaptive = make in (torch.optim.AdamW, DAdaptSGD)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    make = torch.optim.AdamW if adaptive else torch.optim.SGD
-    optimizer = make(model.parameters(), lr=1e-3)
+    optimizer = make(model.parameters()) if make is DAdaptSGD else make(model.parameters(), lr=1e-3)
     config = DebugConfig(output_dir=str(tmp_path), stream_events=False, grad_explosion_threshold=1e9)
     tdbg = TrainingDebugger(model, config=config)
     x = torch.randn(64, 8)
