@@ -285,7 +285,8 @@ register_kind(
     meaning=(
         "The learning rate rose by more than lr_jump_factor between two optimizer steps, above any earlier value; "
         "or an optimizer step moved a module by more than update_ratio_threshold times its own norm (measured from "
-        "the weights, whatever the optimizer; with per-module norms also lr x gradient norm / weight norm)."
+        "the weights, whatever the optimizer; with per-module norms and an SGD optimizer also lr x gradient norm / "
+        "weight norm)."
     ),
     action="Check the learning-rate scheduler (its step count and warmup) and any code that sets param_groups' lr.",
     stage=4,

@@ -248,7 +248,7 @@ def test_under_ddp_the_nan_weights_on_a_rank_that_received_the_nan_follow_the_ra
 
 
 def test_what_follows_a_lasting_lr_jump_is_linked_to_it_and_folded_under_it(tmp_path, unet_loop):
-    # the lr x1e4 from step 10 on: a loss spike, gradient explosions, oversized updates and modules
+    # the lr x1e4 from step 10 on: a loss spike, gradient explosions and modules
     # whose gradients die all follow; the jump is the headline, the rest under it
     tdbg, losses = unet_loop(_config(tmp_path), 18, plant=_lr_times(1e4, at=10))
     anomalies = tdbg.report().anomalies
@@ -256,8 +256,10 @@ def test_what_follows_a_lasting_lr_jump_is_linked_to_it_and_folded_under_it(tmp_
     assert (jump.kind, jump.step, jump.details["reason"]) == ("lr_spike", 10, "lr_jump")
     later = [a for a in anomalies if a is not jump]
     kinds = {a.kind for a in later}
-    # on the floor stack (torch 2.5) the run goes on to NaN too: that follows the jump like the rest
-    expected = {"loss_spike", "gradient_explosion", "lr_spike", "gradient_vanishing"}
+    # on the floor stack (torch 2.5) the run goes on to NaN too: that follows the jump like the rest.
+    # No later lr_spike: AdamW's oversized updates are the jump's (its step's own measured update), and lr x
+    # gradient / weight, which read them as more at every step, foretells only a gradient step's (SGD's)
+    expected = {"loss_spike", "gradient_explosion", "gradient_vanishing"}
     assert expected <= kinds <= expected | {"nonfinite", "nonfinite_loss"}
     assert all(a.details["cause"]["where"] == "optimizer, step 10" or "follows" in a.details for a in later)
     (shown,) = folded(anomalies)  # one headline, everything else under it

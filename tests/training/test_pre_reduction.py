@@ -901,3 +901,27 @@ def test_the_weights_a_nan_update_made_non_finite_are_named_alike_on_every_engin
         "parameter(s) hold NaN/Inf, first conv.weight); it follows the nonfinite at model out.weight, step 3: fix "
         "that first."
     )
+
+
+@pytest.mark.parametrize("inner", ["SGD", "AdamW"])
+def test_the_update_ratio_is_judged_by_the_optimizer_a_zero_redundancy_one_holds(one_rank_group, tmp_path, inner):
+    # ZeroRedundancyOptimizer(optimizer_class=SGD) steps by lr x gradient: its lr x |g| / |w| above 1 is an
+    # lr_spike, as a bare SGD's; with AdamW inside it is not (the update measured from the weights judges it)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=getattr(torch.optim, inner), lr=1e-3)
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", grad_explosion_threshold=1e9)
+    tdbg = TrainingDebugger(model, config=config)
+    x = torch.randn(64, 8)
+    for step in range(2):
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean() * 2000
+        loss.backward()
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        assert step or max(info["update_to_weight_ratio"].values()) > 1
+        optimizer.step()
+        optimizer.zero_grad()
+    spikes = [(a.step, a.details["reason"]) for a in tdbg.report().anomalies if a.kind == "lr_spike"]
+    assert spikes[:1] == ([(0, "update_ratio")] if inner == "SGD" else [])
+    tdbg.close()

@@ -1261,6 +1261,79 @@ def test_the_update_ratio_of_a_clipped_step_uses_the_clipped_gradients(tmp_path)
     tdbg.close()
 
 
+class _Momentum(torch.optim.SGD):  # a user's SGD under another name: still a gradient step
+    pass
+
+
+class DAdaptSGD(torch.optim.SGD):  # D-Adaptation's: SGD in its name, but lr 1.0 x its estimate d (in its groups)
+    def __init__(self, params):
+        super().__init__(params, lr=1.0)
+        for group in self.param_groups:
+            group["d"] = 1e-6
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * group["d"])
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, DAdaptSGD, torch.optim.SGD, _Momentum])
+def test_lr_x_gradient_over_weight_foretells_only_a_gradient_steps_update(tmp_path, make):
+    # AdamW (and Prodigy at lr 1.0, 8-bit Adam, Adafactor) divides the gradient out: under a loss
+    # 2000x larger its update is the same ~lr a weight, but lr x |g| / |w| read thousands (an lr_spike
+    # "would move 2 by 4.4e+03 times its weights" at every Prodigy step whose gradient outgrew the weights).
+    # DAdaptSGD (lr 1.0 x d) read 1.3e3 on a LoRA adapter where its step moved 0.6 when judged by its name
+    adaptive = make in (torch.optim.AdamW, DAdaptSGD)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = make(model.parameters()) if make is DAdaptSGD else make(model.parameters(), lr=1e-3)
+    config = DebugConfig(output_dir=str(tmp_path), stream_events=False, grad_explosion_threshold=1e9)
+    tdbg = TrainingDebugger(model, config=config)
+    x = torch.randn(64, 8)
+    seen = []
+    for step in range(3):
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean() * 2000
+        loss.backward()
+        info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        seen.append(max(info["update_to_weight_ratio"].values()))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert seen[0] > 1  # the estimate passes the threshold either way
+    spikes = [(a.step, a.details["reason"]) for a in tdbg.report().anomalies if a.kind == "lr_spike"]
+    if adaptive:
+        assert spikes == []
+        assert all(0 < r["max_applied_update_ratio"] < 0.05 for r in tdbg.report().steps[1:])
+    else:
+        assert spikes[0] == (0, "update_ratio")
+    tdbg.close()
+
+
+def test_prodigy_on_a_lora_adapter_is_quiet(tmp_path):
+    # diffusers' --optimizer prodigy: lr 1.0 (its step is d x lr); lora_B grows from zero, so its gradient
+    # outgrows its weights: lr x |g| / |w| read above 1 at steps 10 and 11 (two false lr_spikes)
+    prodigyopt = pytest.importorskip("prodigyopt")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4, bias=False))
+    lora_b = torch.nn.Linear(4, 16, bias=False)
+    torch.nn.init.zeros_(lora_b.weight)
+    model.append(lora_b)
+    model[0].requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = prodigyopt.Prodigy(trained, lr=1.0, weight_decay=1e-2, safeguard_warmup=True, use_bias_correction=True)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    data = torch.Generator().manual_seed(1)
+    for step in range(16):
+        x = torch.randn(32, 16, generator=data)
+        loss = torch.nn.functional.mse_loss(model(x) + x, torch.tanh(x * 2))
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [(a.kind, a.step) for a in tdbg.report().anomalies if a.severity != "info"] == []
+    tdbg.close()
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_monitoring_before_backward_says_to_call_it_after_backward(tmp_path, _tiny_unet, set_to_none):
     # the monitor called between the forward and loss.backward(): no watched gradient exists yet

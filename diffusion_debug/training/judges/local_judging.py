@@ -26,7 +26,7 @@ from .. import failures
 from ..measure import gradients, updates, wrappers
 from ..measure.flat_parameters import named_in_flat, weights_named_in_flat
 from ..measure.gradients import ModuleNormBook, TrainableParameters
-from ..measure.optimizer_state import param_groups
+from ..measure.optimizer_state import param_groups, steps_by_its_gradient
 from ..measure.step_row import LocalReadings
 from ..measure.updates import UpdateSketch, judge_applied_update
 from . import step_checks
@@ -126,11 +126,14 @@ class LocalJudge:
             if read is not None:  # a module of another optimizer's: no figure at this step
                 judged.module_norms = _only_read(judged.module_norms, read)
                 judged.update_ratio = _only_read(judged.update_ratio, read)
-            # one lr_spike per step (a clean step has none: no generator run)
+            # one lr_spike per step (a clean step has none: no generator run); lr x gradient / weight
+            # foretells only a gradient step's update, not an adaptive optimizer's (Adam's, Prodigy's at
+            # lr 1.0): the update measured from the weights judges those a step later
             if not judged.anomalies or not any(a.kind == "lr_spike" for a in judged.anomalies):
-                judged.anomalies += step_checks.judge_update_ratio(
+                found = step_checks.judge_update_ratio(
                     self.rank, index, judged.update_ratio, config.update_ratio_threshold
                 )
+                judged.anomalies += found if found and steps_by_its_gradient(optimizer) else []
         out = []
         for a in judged.anomalies:
             if a.rank == self.rank and a.kind == "nonfinite":

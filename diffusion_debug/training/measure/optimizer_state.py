@@ -45,6 +45,23 @@ def raw_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def steps_by_its_gradient(optimizer: Any) -> bool:
+    """True where ``optimizer.step()`` moves a weight by lr x its gradient (SGD with or without
+    momentum, ASGD, a subclass of either whatever its name, schedule-free SGD, bitsandbytes' SGD8bit):
+    there lr x gradient norm / weight norm foretells the update. An adaptive optimizer (Adam, AdamW
+    fused or 8-bit, Prodigy, whose lr is 1.0 and whose step is d x lr, Adafactor, Lion, Muon) divides
+    the gradient out: its update is about lr a weight whatever the gradient's size, and only the update
+    measured from the weights says how far it moved them. So does D-Adaptation's ``DAdaptSGD``: SGD in
+    its name, but lr 1.0 times its estimate d (kept in its param groups, as Prodigy's). Inside a
+    ``ZeroRedundancyOptimizer``: its ``optim``, the local optimizer that steps this rank's shard."""
+    raw = raw_optimizer(optimizer)
+    raw = getattr(raw, "optim", raw)
+    groups = getattr(raw, "param_groups", None)
+    if groups and "d" in groups[0]:
+        return False
+    return isinstance(raw, (torch.optim.SGD, torch.optim.ASGD)) or "SGD" in type(raw).__name__
+
+
 def scaler_already_unscaled(scaler: Any, optimizer: Any) -> bool:
     """True when the user called ``scaler.unscale_(optimizer)`` (or Accelerate's
     ``clip_grad_norm_``) before monitoring: the gradients are then already true values."""
