@@ -417,23 +417,28 @@ def test_why_on_a_training_run_says_it_is_one_not_that_it_had_no_nan(tmp_path, c
     )
 
 
+def _vae_decode_bundle(tmp_path, vae, latents, module):
+    """The bundle kept of ``vae``'s decode of ``latents`` with a NaN made at ``module``."""
+    return save_bundle(
+        tmp_path / "bundle",
+        component="vae",
+        component_module=vae,
+        call_prefix="decoder",
+        args=(latents,),
+        kwargs={},
+        step=None,
+        timestep=None,
+        module=module,
+        anomaly_kind="nonfinite",
+    )
+
+
 def test_an_fp16_vae_overflow_is_fixed_by_the_vae_upcast(pipe, tmp_path):
     vae = copy.deepcopy(pipe.vae).to(torch.float16)
     with torch.no_grad():
         vae.decoder.conv_in.weight.mul_(1e5)  # the decoder's first conv overflows fp16
     latents = torch.randn(1, vae.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(0))
-    bundle = save_bundle(
-        tmp_path / "bundle",
-        component="vae",
-        component_module=vae,
-        call_prefix="decoder",
-        args=(latents.half(),),
-        kwargs={},
-        step=None,
-        timestep=None,
-        module="decoder.conv_in",
-        anomaly_kind="nonfinite",
-    )
+    bundle = _vae_decode_bundle(tmp_path, vae, latents.half(), "decoder.conv_in")
     result = explain_bundle(bundle, vae)
     assert result.module == "decoder.conv_in" and result.fix == "vae upcast (float32)"
     assert result.verdict == (
@@ -454,18 +459,7 @@ def test_an_fp16_vae_decode_the_pipeline_ran_upcast_is_replayed_in_float32_and_p
         vae.get_submodule(name).weight[0, 0, 0, 0] = float("nan")
     before = {n: (t, t.dtype) for n, t in [*vae.named_parameters(), *vae.named_buffers()]}
     latents = torch.randn(1, vae.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(0))
-    bundle = save_bundle(
-        tmp_path / "bundle",
-        component="vae",
-        component_module=vae,
-        call_prefix="decoder",
-        args=(latents,),
-        kwargs={},
-        step=None,
-        timestep=None,
-        module=name,
-        anomaly_kind="nonfinite",
-    )
+    bundle = _vae_decode_bundle(tmp_path, vae, latents, name)
     result = explain_bundle(bundle, vae)
     assert result.baseline.finite is False  # no "vae upcast (float32)" row: it ran in float32
     assert [(r.factor, r.finite) for r in result.replays] == [
