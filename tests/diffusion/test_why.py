@@ -451,13 +451,15 @@ def test_an_fp16_vae_decode_the_pipeline_ran_upcast_is_replayed_in_float32_and_p
     """SDXL's force_upcast casts the fp16 VAE to float32 for the decode, then back: the kept call's latents
     are float32, the VAE fp16 when why() runs. It is replayed as it ran, in float32 (before: "nothing can
     be concluded: the replay of vae as it was failed (RuntimeError: Input type (float) and bias type
-    (c10::Half) ...)"), then put back as it was (its float32 buffers too)."""
+    (c10::Half) ...)"), then put back as it was (its float32 buffers too), on its own storage (before: a
+    new one, cast back, so a tensor sharing the weights' storage no longer did)."""
     name = "decoder.up_blocks.0.resnets.0.conv2"
     vae = copy.deepcopy(pipe.vae).to(torch.float16)
     vae.register_buffer("kept_in_float32", torch.ones(1))
     with torch.no_grad():
         vae.get_submodule(name).weight[0, 0, 0, 0] = float("nan")
-    before = {n: (t, t.dtype) for n, t in [*vae.named_parameters(), *vae.named_buffers()]}
+    before = {n: (t, t.dtype, t.data_ptr()) for n, t in [*vae.named_parameters(), *vae.named_buffers()]}
+    shared = vae.decoder.conv_in.weight.detach()  # a state_dict() taken before why() holds such views
     latents = torch.randn(1, vae.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(0))
     bundle = _vae_decode_bundle(tmp_path, vae, latents, name)
     result = explain_bundle(bundle, vae)
@@ -468,8 +470,11 @@ def test_an_fp16_vae_decode_the_pipeline_ran_upcast_is_replayed_in_float32_and_p
         ("finite inputs", False),
     ]
     assert result.verdict == f"no setting fixes it: the weights of vae {name} hold NaN/Inf"
-    after = {n: (t, t.dtype) for n, t in [*vae.named_parameters(), *vae.named_buffers()]}
-    assert all(after[n][0] is t and after[n][1] == dtype for n, (t, dtype) in before.items())
+    after = {n: (t, t.dtype, t.data_ptr()) for n, t in [*vae.named_parameters(), *vae.named_buffers()]}
+    assert after == before
+    with torch.no_grad():
+        vae.decoder.conv_in.weight[0, 0, 0, 0] = 7.0
+    assert shared[0, 0, 0, 0].item() == 7.0
     assert vae.kept_in_float32.dtype == torch.float32 and vae.dtype == torch.float16
 
 

@@ -285,9 +285,13 @@ def explain(
 def _as_it_ran(call: OriginCall):
     """A VAE call the pipeline ran upcast (SDXL's ``force_upcast``: the fp16 VAE cast to float32 for
     the decode, then back) is replayed as it ran: the live VAE's half-precision weights and buffers
-    in float32 while ``why`` runs (its latents are float32, the VAE half again), each put back in its
-    dtype after (the same tensors). Limit: diffusers < 0.36's ``upcast_vae`` kept the mid block in
-    float16, which this replays in float32."""
+    in float32 while ``why`` runs (its latents are float32, the VAE half again), each then given back its
+    own half-precision storage (the same tensors, data pointers and aliases as before; no cast that could
+    fail in the ``finally``). The cost: that storage is held while ``why`` runs (the half-precision
+    VAE's size; a float32 copy would peak as high). Limits: diffusers < 0.36's ``upcast_vae`` kept
+    ``post_quant_conv``, ``conv_in`` and the mid block in float16, so the latents the decode was given are
+    float16 and this does not apply: the decode is replayed all in float16 (its up blocks ran in
+    float32); the live VAE is float32 meanwhile (a call from another thread sees it so)."""
     module = eager_module(call.module)
     given = next((t.dtype for t in tensors_in((call.args, call.kwargs)) if t.is_floating_point()), None)
     half = (torch.float16, torch.bfloat16)
@@ -295,14 +299,14 @@ def _as_it_ran(call: OriginCall):
         yield
         return
     tensors = [*module.parameters(), *module.buffers()]
-    kept = [(t, t.dtype) for t in tensors if t.dtype in half and not is_quantized(t)]
+    kept = [(t, t.data) for t in tensors if t.dtype in half and not is_quantized(t)]
     try:
-        for t, _ in kept:
-            t.data = t.data.to(torch.float32)
+        for t, data in kept:
+            t.data = data.to(torch.float32)
         yield
     finally:
-        for t, dtype in kept:
-            t.data = t.data.to(dtype)
+        for t, data in kept:
+            t.data = data
 
 
 def _explain(
