@@ -74,7 +74,11 @@ TRAINING_STEP_COLUMNS: list[Column] = [
     ("NaN/Inf grads", path("nonfinite_parameters")),
     ("lr", first_lr),
     ("grad scale", path("grad_scale")),
-    ("update/weight", path("max_update_to_weight_ratio")),
+    # lr x gradient / weight: recorded only for an optimizer that steps by its gradient (SGD), where it
+    # foretells the step's update; an adaptive one's (AdamW's, Muon's) would mislead, and has none
+    ("lr x grad/weight", path("max_update_to_weight_ratio")),
+    # every optimizer's update as it moved the weights: the previous step's, measured from them
+    ("update/weight (measured, prev. step)", path("max_applied_update_ratio")),
     ("skipped", path("skipped")),
     ("step time s", path("step_time_s")),
     ("samples/s", path("samples_per_s")),

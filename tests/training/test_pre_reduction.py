@@ -919,7 +919,10 @@ def test_the_update_ratio_is_judged_by_the_optimizer_a_zero_redundancy_one_holds
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean() * 2000
         loss.backward()
         info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
-        assert step or max(info["update_to_weight_ratio"].values()) > 1
+        if inner == "SGD":  # lr x |g| / |w|, recorded for a gradient step alone (AdamW's moved < 0.05)
+            assert step or max(info["update_to_weight_ratio"].values()) > 1
+        else:
+            assert "update_to_weight_ratio" not in info
         optimizer.step()
         optimizer.zero_grad()
     spikes = [(a.step, a.details["reason"]) for a in tdbg.report().anomalies if a.kind == "lr_spike"]

@@ -12,6 +12,7 @@ from torch import nn
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.errors import ConfigError
 from diffusion_debug.record import KINDS, load_json, load_run, read_jsonl
+from diffusion_debug.report.columns import TRAINING_STEP_COLUMNS
 
 
 def _batch(generator, n=16):
@@ -1291,20 +1292,45 @@ def test_lr_x_gradient_over_weight_foretells_only_a_gradient_steps_update(tmp_pa
     config = DebugConfig(output_dir=str(tmp_path), stream_events=False, grad_explosion_threshold=1e9)
     tdbg = TrainingDebugger(model, config=config)
     x = torch.randn(64, 8)
-    seen = []
+    seen, weights, naive = [], [], []
     for step in range(3):
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean() * 2000
         loss.backward()
         info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
-        seen.append(max(info["update_to_weight_ratio"].values()))
+        seen.append(info.get("update_to_weight_ratio"))
+        weights.append({n: [p.detach().double().clone() for p in model[int(n)].parameters()] for n in "02"})
+        naive.append(  # lr x |g| / |w| per module, with step 0's weights (weight norms up to 10 steps old)
+            {
+                n: 1e-3
+                * math.sqrt(sum(float(p.grad.double().square().sum()) for p in model[int(n)].parameters()))
+                / math.sqrt(sum(float(w.square().sum()) for w in weights[0][n]))
+                for n in "02"
+            }
+        )
         optimizer.step()
         optimizer.zero_grad()
-    assert seen[0] > 1  # the estimate passes the threshold either way
+    rows = tdbg.report().steps
+    columns = dict(TRAINING_STEP_COLUMNS)
+    measured = [  # naive: max over modules of ||w(k) - w(k - 1)|| / ||w(k - 1)||
+        max(
+            math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(weights[k][n], weights[k - 1][n])))
+            / math.sqrt(sum(float(b.square().sum()) for b in weights[k - 1][n]))
+            for n in "02"
+        )
+        for k in (1, 2)
+    ]
+    assert [columns["update/weight (measured, prev. step)"](r) for r in rows[1:]] == pytest.approx(measured, rel=1e-4)
     spikes = [(a.step, a.details["reason"]) for a in tdbg.report().anomalies if a.kind == "lr_spike"]
     if adaptive:
-        assert spikes == []
-        assert all(0 < r["max_applied_update_ratio"] < 0.05 for r in tdbg.report().steps[1:])
+        # lr x |g| / |w| is neither computed nor recorded (it read above 1 here where the step moved < 0.05):
+        # the report shows the update measured from the weights alone
+        assert seen == [None] * 3 and all("max_update_to_weight_ratio" not in r for r in rows)
+        assert [columns["lr x grad/weight"](r) for r in rows] == [None] * 3
+        assert spikes == [] and all(0 < m < 0.05 for m in measured)
     else:
+        assert seen == [pytest.approx(n, rel=1e-5) for n in naive]
+        assert max(seen[0].values()) > 1  # the estimate passes the threshold: an lr_spike
+        assert [columns["lr x grad/weight"](r) for r in rows] == pytest.approx([max(n.values()) for n in naive])
         assert spikes[0] == (0, "update_ratio")
     tdbg.close()
 

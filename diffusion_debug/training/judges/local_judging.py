@@ -11,6 +11,7 @@ NaN/Inf somewhere): the exact non-finite gradients and weights, the per-input co
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,6 +36,17 @@ from .causes import CauseTracker, at_trained_arguments
 from .module_health import judge_modules
 from .not_learning import StallWatch, judge_stall, judge_unscaled_loss
 from .step_checks import StepFlags
+
+
+def _gradient_step(optimizer: Any) -> tuple[Any, bool]:
+    """``History.gradient_steps``' entry for ``optimizer``: a weak reference to it (itself where it
+    takes none) and whether its step moves a weight by lr x its gradient."""
+    try:
+        ref: Any = weakref.ref(optimizer)
+    except TypeError:  # None, or an object without weak references: held (a reused id is then never it)
+        ref = lambda held=optimizer: held  # noqa: E731
+    return ref, steps_by_its_gradient(optimizer)
+
 
 _REPLAYED = ("nonfinite", "nonfinite_loss")
 """The kinds a ``closure=`` replay names the backward op of (errors only: a GradScaler's overflow is none)."""
@@ -119,21 +131,25 @@ class LocalJudge:
                 local.module_norms if read is None else np.where(read, local.module_norms, modules.last_norms).tolist()
             )
             judged.module_norms = modules.update(norms)
-        if judged.module_norms:
+        # lr x gradient / weight foretells only a gradient step's update (SGD's), not an adaptive
+        # optimizer's (Adam's, Prodigy's at lr 1.0, Muon's): for those it is neither computed nor
+        # recorded, and the update measured from the weights (``applied_update``) judges them a step later
+        kind = self.history.gradient_steps.get(id(optimizer)) if judged.module_norms else None
+        if judged.module_norms and (kind is None or kind[0]() is not optimizer):  # once per optimizer object
+            kind = self.history.gradient_steps[id(optimizer)] = _gradient_step(optimizer)
+        if kind is not None and kind[1]:
             judged.update_ratio = modules.update_ratios(
                 judged.module_norms, param_groups(optimizer), self.params.params, clip_scale, norms=modules.last_norms
             )
             if read is not None:  # a module of another optimizer's: no figure at this step
-                judged.module_norms = _only_read(judged.module_norms, read)
                 judged.update_ratio = _only_read(judged.update_ratio, read)
-            # one lr_spike per step (a clean step has none: no generator run); lr x gradient / weight
-            # foretells only a gradient step's update, not an adaptive optimizer's (Adam's, Prodigy's at
-            # lr 1.0): the update measured from the weights judges those a step later
+            # one lr_spike per step (a clean step has none: no generator run)
             if not judged.anomalies or not any(a.kind == "lr_spike" for a in judged.anomalies):
-                found = step_checks.judge_update_ratio(
+                judged.anomalies += step_checks.judge_update_ratio(
                     self.rank, index, judged.update_ratio, config.update_ratio_threshold
                 )
-                judged.anomalies += found if found and steps_by_its_gradient(optimizer) else []
+        if judged.module_norms and read is not None:  # a module of another optimizer's: no figure at this step
+            judged.module_norms = _only_read(judged.module_norms, read)
         out = []
         for a in judged.anomalies:
             if a.rank == self.rank and a.kind == "nonfinite":

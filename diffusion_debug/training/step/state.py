@@ -55,6 +55,10 @@ class History:
     """The optimizers were compared with the watched parameters (once, at the first step that has one)."""
     detail: DetailSchedule = field(default_factory=DetailSchedule)
     """Which monitored steps read the per-module gradient figures (the first ones, every few, near trouble)."""
+    gradient_steps: dict[int, tuple[Any, bool]] = field(default_factory=dict)
+    """Per optimizer object (by ``id``, with a weak reference that tells a new one at a reused id):
+    whether its step moves a weight by lr x its gradient (``optimizer_state.steps_by_its_gradient``),
+    decided once; only such a step gets the lr x gradient / weight estimate."""
 
     @classmethod
     def new(cls, config: Any, params: Any, buckets: TimestepBuckets) -> "History":
