@@ -14,6 +14,7 @@ checks, the report) cancels out.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -105,14 +106,21 @@ def hook_calls(run: Callable[[], Any]) -> Counter[str]:
     armed for a call), by qualified name; and under :data:`READINGS` the probes' readings of a
     module call (``Probe._read``, or the fused sentinel's ``Probe._read_output``, which hands what
     it does not read itself to ``_read``: counted once; or an armed probe's process-wide hook,
-    ``Probe._reader``'s, for a watched module, which also hands some calls to ``_read``)."""
+    ``Probe._reader``'s, for a watched module, which also hands some calls to ``_read``). Nothing run
+    by a garbage collection is counted: one the interpreter starts inside a module's call runs the
+    package's finalizers (a closed debugger's weakref callbacks, ``__del__``) with that call's frame as
+    their caller (a CI run counted 4 of a pipeline collected in a later pipeline's call as its hooks)."""
     package, module_call = os.path.dirname(diffusion_debug.__file__), torch.nn.modules.module.__file__
     counts: Counter[str] = Counter()
     reads, handing = ("Probe._read", "Probe._read_output"), ("Probe._read_output", "Probe._reader.<locals>.hook")
     armed = "Probe._reader.<locals>.hook"
+    collecting = [False]
+
+    def collection(phase: str, info: dict[str, int]) -> None:
+        collecting[0] = phase == "start"
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(package):
+        if event == "call" and not collecting[0] and frame.f_code.co_filename.startswith(package):
             caller, name = frame.f_back, frame.f_code.co_qualname
             if caller is not None and caller.f_code.co_filename == module_call:
                 counts[name] += 1
@@ -122,11 +130,13 @@ def hook_calls(run: Callable[[], Any]) -> Counter[str]:
                 counts[READINGS] += 1  # a watched module's call (the hook passes others on)
 
     previous = sys.getprofile()
+    gc.callbacks.append(collection)
     sys.setprofile(profile)
     try:
         run()
     finally:
         sys.setprofile(previous)
+        gc.callbacks.remove(collection)
     return counts
 
 
@@ -163,6 +173,7 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
         "measures_per_call": measures[0],
         "measures_per_step": (measures[1] - measures[0]) / (long - short),
         "by_hook": dict(one.most_common()),
+        "first_by_hook": dict(first.most_common()),
     }
 
 
