@@ -46,15 +46,15 @@ def _module_norms(model: torch.nn.Module, prefix: str = "") -> dict[str, float]:
     }
 
 
-def _gan(tdbg_of=None, nan_in_dropped_at=None, steps=4):
+def _gan(tdbg_of=None, nan_in_dropped_at=None, steps=4, optimizer=torch.optim.Adam):
     """``opt_d.zero_grad(); loss_d.backward(); [monitor]; opt_d.step(); opt_g.zero_grad();
     loss_g.backward(); [monitor]; opt_g.step()``. ``nan_in_dropped_at``: at that iteration a NaN
     in the discriminator's gradient after ``loss_g.backward()`` (its share of the generator's loss,
     which the next ``opt_d.zero_grad()`` drops: the run never applies it). Returns each monitored
     step's measured norm and its own optimizer's (``clip_grad_norm_``'s), and the final weights."""
     generator, discriminator = _models()
-    opt_g = torch.optim.Adam(generator.parameters(), lr=1e-3)
-    opt_d = torch.optim.Adam(discriminator.parameters(), lr=1e-4)
+    opt_g = optimizer(generator.parameters(), lr=1e-3)
+    opt_d = optimizer(discriminator.parameters(), lr=1e-4)
     tdbg = tdbg_of({"generator": generator, "discriminator": discriminator}) if tdbg_of else None
     data = torch.Generator().manual_seed(1)
     measured, reference = [], []
@@ -267,7 +267,9 @@ def test_each_optimizers_mask_of_judged_parameters_is_made_once(tmp_path, monkey
 def test_each_optimizers_modules_groups_are_worked_out_once(tmp_path, monkeypatch):
     """The param group of each module (the update ratios' learning rates) is worked out once per
     optimizer, not at every step of a GAN (a loop over every parameter): four iterations, each step
-    with module norms, work out two. Before, the one kept was the last step's optimizer's (7)."""
+    with module norms, work out two. Before, the one kept was the last step's optimizer's (7). SGD's: the
+    learning rates serve the lr x gradient / weight estimate, made only for a gradient step (an Adam's has
+    none, and works out no group)."""
     from diffusion_debug.training.measure.gradients import ModuleNormBook
 
     made = []
@@ -279,6 +281,6 @@ def test_each_optimizers_modules_groups_are_worked_out_once(tmp_path, monkeypatc
 
     monkeypatch.setattr(ModuleNormBook, "_group_of_modules", counted)
     config = DebugConfig(output_dir=str(tmp_path))
-    measured, reference, *_ = _gan(lambda models: TrainingDebugger(models, config=config))
+    measured, reference, *_ = _gan(lambda models: TrainingDebugger(models, config=config), optimizer=torch.optim.SGD)
     assert measured == pytest.approx(reference, rel=1e-6)
     assert len(made) == 2 and len(set(made)) == 2
