@@ -65,14 +65,22 @@ class Loader:
         yield from self.batches
 
 
-def _train(text_encoder, unet, tmp_path, *, steps=4, nan_pixel_at=None, nan_token_at=None, counted=True):
+def _watched(unet, tmp_path, **frozen):
+    """An InputWatch of the trained ``unet`` and the ``frozen`` models (by name), an SGD of the UNet and its
+    TrainingDebugger: what launch readies for a script training one model."""
     watch = InputWatch()
     watch.watch_trained(unet, "unet")
-    watch.watch_frozen(text_encoder, "text_encoder")
-    loader = Loader(_batches(steps, nan_pixel_at))
-    watch.watch_loader(loader)
+    for name, model in frozen.items():
+        watch.watch_frozen(model, name)
     optimizer = torch.optim.SGD(unet.parameters(), lr=0.01)
     tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    return watch, optimizer, tdbg
+
+
+def _train(text_encoder, unet, tmp_path, *, steps=4, nan_pixel_at=None, nan_token_at=None, counted=True):
+    watch, optimizer, tdbg = _watched(unet, tmp_path, text_encoder=text_encoder)
+    loader = Loader(_batches(steps, nan_pixel_at))
+    watch.watch_loader(loader)
     predictions = []
     try:
         for step, batch in enumerate(loader):
@@ -516,12 +524,7 @@ def test_a_nan_made_in_validation_is_not_the_next_step_s_input(models, tmp_path)
     decoder = torch.nn.Linear(8, 8).requires_grad_(False)
     with torch.no_grad():
         decoder.weight[0, 0] = float("inf")
-    watch = InputWatch()
-    watch.watch_trained(unet, "unet")
-    watch.watch_frozen(text_encoder, "text_encoder")
-    watch.watch_frozen(decoder, "vae")
-    optimizer = torch.optim.SGD(unet.parameters(), lr=0.01)
-    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    watch, optimizer, tdbg = _watched(unet, tmp_path, text_encoder=text_encoder, vae=decoder)
     for step, batch in enumerate(_batches(3)):
         loss = unet(batch["pixel_values"], text_encoder(batch["input_ids"], return_dict=False)[0]).pow(2).mean()
         loss.backward()
@@ -631,12 +634,7 @@ def test_a_nan_seen_first_at_a_frozen_models_argument_is_the_input_though_the_tr
     vae = _TinyVAE()
     vae.encoder = torch.nn.Linear(8, 8)
     vae.requires_grad_(False)
-    watch = InputWatch()
-    watch.watch_trained(unet, "unet")
-    watch.watch_frozen(text_encoder, "text_encoder")
-    watch.watch_frozen(vae, "vae")
-    optimizer = torch.optim.SGD(unet.parameters(), lr=0.01)
-    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    watch, optimizer, tdbg = _watched(unet, tmp_path, text_encoder=text_encoder, vae=vae)
     for step, batch in enumerate(_batches(3, nan_pixel_at=2)):
         if step == 1:
             handle = unet.out.weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("nan")))
