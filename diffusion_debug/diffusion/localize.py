@@ -341,8 +341,10 @@ class Localizer:
         dtype; read on a NaN/Inf only, during the call (``force_upcast`` casts the VAE to float32 for the
         decode alone)."""
         root = self.modules.get(component)
+        if root is None:
+            return None
         name = module or ""
-        while root is not None:
+        while True:
             try:
                 sub = root.get_submodule(name) if name else root
             except AttributeError:  # a name no module has
@@ -355,7 +357,6 @@ class Localizer:
             if not name:
                 return None
             name = name.rpartition(".")[0]
-        return None
 
     def _replayed_source(self, component: str, block: str, probed: bool, step: int | None):
         """``(source, replay reading count)``: where the replay with full probes of the kept call holding

@@ -134,10 +134,7 @@ class LocalJudge:
         # lr x gradient / weight foretells only a gradient step's update (SGD's), not an adaptive
         # optimizer's (Adam's, Prodigy's at lr 1.0, Muon's): for those it is neither computed nor
         # recorded, and the update measured from the weights (``applied_update``) judges them a step later
-        kind = self.history.gradient_steps.get(id(optimizer)) if judged.module_norms else None
-        if judged.module_norms and (kind is None or kind[0]() is not optimizer):  # once per optimizer object
-            kind = self.history.gradient_steps[id(optimizer)] = _gradient_step(optimizer)
-        if kind is not None and kind[1]:
+        if judged.module_norms and self._steps_by_its_gradient(optimizer):
             judged.update_ratio = modules.update_ratios(
                 judged.module_norms, param_groups(optimizer), self.params.params, clip_scale, norms=modules.last_norms
             )
@@ -184,6 +181,14 @@ class LocalJudge:
             found = judge_modules(self.rank, index, self.history.health.update(index, modules.last_norms, read))
             judged.anomalies += found
         self._check_weights(judged, index)
+
+    def _steps_by_its_gradient(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` moves a weight by lr x its gradient, decided once per optimizer object
+        (``History.gradient_steps``: its weak reference tells a new optimizer at a reused id)."""
+        kind = self.history.gradient_steps.get(id(optimizer))
+        if kind is None or kind[0]() is not optimizer:
+            kind = self.history.gradient_steps[id(optimizer)] = _gradient_step(optimizer)
+        return kind[1]
 
     def _modules_read(self, judged: list[float]) -> np.ndarray:
         """The modules that hold a parameter whose gradient the step judged (its optimizer's)."""
