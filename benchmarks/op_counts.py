@@ -179,7 +179,11 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
 
 def python_calls(run: Callable[[], Any], sites: Counter[str] | None = None) -> int:
     """Python function calls (frames: the package's, torch's, the pipeline's) made during ``run()``;
-    each counted in ``sites`` too when given, by ``file:line:qualified name`` of its code."""
+    each counted in ``sites`` too when given, by ``file:line:qualified name`` of its code. The cyclic
+    collector is run before and kept off during ``run()``: a collection the interpreter starts at a
+    moment set by allocations elsewhere runs finalizers (a closed debugger's weakref callbacks,
+    ``__del__``) whose calls would be counted as the run's (what :func:`hook_calls` guards against by
+    counting nothing a collection runs; here, where every call counts, no collection runs at all)."""
     calls = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -192,12 +196,16 @@ def python_calls(run: Callable[[], Any], sites: Counter[str] | None = None) -> i
             code = frame.f_code
             sites[f"{code.co_filename}:{code.co_firstlineno}:{getattr(code, 'co_qualname', code.co_name)}"] += 1
 
-    previous = sys.getprofile()
+    previous, collecting = sys.getprofile(), gc.isenabled()
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile if sites is None else profile_sites)
     try:
         run()
     finally:
         sys.setprofile(previous)
+        if collecting:
+            gc.enable()
     return calls[0]
 
 

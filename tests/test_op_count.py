@@ -321,6 +321,38 @@ def test_hook_calls_counts_no_finalizer_the_garbage_collector_runs_inside_a_modu
     assert ref() is None and dict(counts) == {}, counts
 
 
+def test_python_calls_counts_no_finalizer_a_collection_would_run_during_the_counted_call():
+    """The cyclic collector starts when allocations say, wherever that is: inside a counted call it
+    runs the finalizers of garbage (a closed debugger's weakref callbacks, ``__del__``), whose calls
+    were counted as the call's (the Python-call pins read a difference of two such counts).
+    ``python_calls`` collects first and keeps the collector off while it counts: a run that leaves a
+    cycle and then allocates counts what it counts with the collector off."""
+    import gc
+
+    class Cycle:
+        def __del__(self) -> None:
+            sum(abs(i) for i in range(3))  # a finalizer's calls: the generator expression's frames
+
+    def run() -> None:
+        garbage = Cycle()
+        garbage.self = garbage
+        del garbage
+        for _ in range(50):
+            torch.nn.Linear(1, 1)  # a module's allocations pass any collection threshold
+
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    gc.disable()
+    try:
+        quiet = op_counts.python_calls(run)
+        gc.enable()
+        gc.set_threshold(1)  # a collection at the first allocation after the cycle
+        assert op_counts.python_calls(run) == quiet
+    finally:
+        gc.set_threshold(*threshold)
+        gc.enable() if enabled else gc.disable()
+        gc.collect()
+
+
 @pytest.mark.parametrize("kind", ["flux", "pixart"])
 def test_an_fp16_dit_runs_one_sentinel_hook_a_block_list_a_step(kind):
     """A transformer denoiser's repeated block lists are residual streams, each read at its last
