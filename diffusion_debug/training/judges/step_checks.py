@@ -42,7 +42,6 @@ from .trends import LossTrend, judge_trend
 TOP_MODULES = 5
 _MEMORY_JUDGED_EVERY = 8
 
-
 FREQUENT_SKIPS = 3
 """Skipped steps within :data:`SKIP_WINDOW` measured steps (after the scale settled) that make a
 skip a warning."""
@@ -93,6 +92,7 @@ class StepFlags:
     explosion: bool = False
     vanishing: bool = False
     nonfinite: bool = False
+    weights_moved: bool = False  # the update read moved the weights: a stall is judged across ranks
 
 
 # -- one rank's row ------------------------------------------------------------------------------
