@@ -399,7 +399,9 @@ class StepMonitor:
                 # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
                 judged.anomalies = history.causes.link(judged.anomalies, rank=rank, joined=history.joined)
                 history.causes.renamed(self.watched.name_judged(judged))  # several models: each names its own
-            if history.detail.then(history.joined, found=bool(judged.anomalies)):  # the next step is detailed:
+            found = bool(judged.anomalies)  # several processes: a stall alone waits for the reduce to stand
+            found = found and not (ctx.distributed and self.local.stall_alone(judged))
+            if history.detail.then(history.joined, found=found):  # the next step is detailed:
                 self.local.sketch.keep(history.joined)  # the update it reads is this step's
         except Exception as error:
             step.deferred = error

@@ -38,9 +38,11 @@ the sampled blocks stay still), since the ratios come from one sampled block per
 
 Limits: a step skipped by the GradScaler (or by policy ``skip``) restarts the count, and a
 warmup that starts at lr 0 moves nothing for one step (five are needed). Across ranks an update
-counts where both ranks read it: every rank reads the steps the schedule details on every rank
+counts where every rank reads it: every rank reads the steps the schedule details on every rank
 (``step.detail``: the first ten, then one in five), so each run of five still updates holds one of
-them; a shard that moves only in updates another rank alone read is not seen moving. Weight decay
+them; a shard that moves only in updates another rank alone read is not seen moving. A rank that
+reads every step after a finding of its own may count five still updates before the next such step,
+and its stall is withdrawn there: its details travel in that step's exchange. Weight decay
 alone still moves the weights (AdamW with ``zero_grad(set_to_none=False)`` before ``step()``): such
 a run is not reported. The diagnosis is an elimination from what the optimizer shows, not a proof.
 """
