@@ -85,14 +85,15 @@ class RankHistory:
 
 @dataclass
 class StepFlags:
-    """What a step showed, on any rank (for the summary's step counts)."""
+    """What a step showed, on any rank: the summary's step counts, and ``weights_moved`` (the update the
+    step read moved this rank's weights; False where it read none) for a stall judged across ranks."""
 
     loss: bool = False
     nonfinite_loss: bool = False
     explosion: bool = False
     vanishing: bool = False
     nonfinite: bool = False
-    weights_moved: bool = False  # the update read moved the weights: a stall is judged across ranks
+    weights_moved: bool = False
 
 
 # -- one rank's row ------------------------------------------------------------------------------
