@@ -305,7 +305,7 @@ class StepMonitor:
     ) -> list[StepRow]:
         """The step's one fixed-size ``all_reduce``, and every rank's details where it says so
         (``ranks.exchange``); the rows of every rank on a detail step, else this rank's own. The
-        ``closure=`` replay runs between the two, so the details carry what it found."""
+        ``closure=`` replay and the stall across ranks run between the two, so the details carry what they found."""
         summary, step.details = self.exchange.step(
             own,
             judged,
@@ -315,10 +315,22 @@ class StepMonitor:
             check_ranks=step.check_ranks,
             checksums=lambda: measured.checksums_or_nan(len(self.params), self.measurer.device),
             params=self.params,
-            before_details=lambda: self._localize(step, own, judged, call),
+            before_details=lambda: self._after_reduce(step, own, judged, call),
         )
         info.update(across_ranks([], summary.aggregates))
         return step.details.rows if step.details is not None else [own]
+
+    def _after_reduce(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call) -> None:
+        """What every rank does once the reduce has OR-ed the flags, before the details: the stall
+        judged across ranks (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay. Never raises:
+        every rank goes on to the details' gather."""
+        try:
+            self.local.judge_across_ranks(judged)
+        except Exception as error:  # recorded, and raised after the policy with strict=True
+            step.deferred = step.deferred or error
+            failure = failures.judging_failed(self.ctx.rank, step.index, error, raised=self.config.strict)
+            judged.anomalies.append(failure)
+        self._localize(step, own, judged, call)
 
     def _localize(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call) -> None:
         """The ``closure=`` replay under anomaly mode, for a NaN loss or input, or NaN gradients not
@@ -387,7 +399,9 @@ class StepMonitor:
                 # an earlier step's cause (a learning-rate jump, weights gone non-finite) for this step's consequences
                 judged.anomalies = history.causes.link(judged.anomalies, rank=rank, joined=history.joined)
                 history.causes.renamed(self.watched.name_judged(judged))  # several models: each names its own
-            if history.detail.then(history.joined, found=bool(judged.anomalies)):  # the next step is detailed:
+            found = bool(judged.anomalies)  # several processes: a stall alone waits for the reduce to stand
+            found = found and not (ctx.distributed and self.local.stall_alone(judged))
+            if history.detail.then(history.joined, found=found):  # the next step is detailed:
                 self.local.sketch.keep(history.joined)  # the update it reads is this step's
         except Exception as error:
             step.deferred = error

@@ -26,7 +26,9 @@ each clean step, and the engine a stall in backward names) | fsdp1_flat_nan_grad
 same FSDP1 units with ``use_orig_params=False``, FSDP1's default: the model's parameters are each
 unit's ``FlatParameter``; rank 1's gradient of ``down_blocks.1``'s flat parameter holds a NaN at
 step 4 in the last element of its shard's piece of ``resnets.0.conv2.weight``; prints that piece's
-end in each rank's shard and FSDP1's own ``clip_grad_norm_`` beside the reported norm at each clean step).
+end in each rank's shard and FSDP1's own ``clip_grad_norm_`` beside the reported norm at each clean step) |
+embedding_new_row (16 steps; not the UNet: textual inversion's embedding table, its new row in rank 1's
+shard trained alone, then from step 5 on no row, :func:`embedding_new_row`).
 """
 
 import json
@@ -59,7 +61,10 @@ STEPS = {
     "stall_rank1": 8,
     "fsdp1_nan_grad_rank1": 8,
     "fsdp1_flat_nan_grad_rank1": 6,
+    "embedding_new_row": 16,
 }
+NEW_ROW_UNTIL = 5
+"""embedding_new_row: the steps before it train the table's last row alone; from it on no row."""
 
 
 def say(scenario: str, line: str) -> None:
@@ -105,7 +110,43 @@ def fsdp1_unet(use_orig_params: bool = True):
     return unit(unet)
 
 
+def embedding_new_row(output_dir: str, scenario: str) -> None:
+    """Textual inversion under FSDP2: an ``nn.Embedding(8, 4)`` sharded along its rows (rank 0 holds rows
+    0-3, rank 1 rows 4-7), SGD on all of it; after each optimizer step every row but the new token's (the
+    last, in rank 1's shard) is put back where it started, as the diffusers script does; from step
+    :data:`NEW_ROW_UNTIL` on the new row too (a mask that misses the placeholder token: the run learns
+    nothing from then on)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(8, 4)
+    fully_shard(table)
+    optimizer = torch.optim.SGD(table.parameters(), lr=0.05)
+    tdbg = TrainingDebugger(table, config=DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT))
+    kept = table.weight.to_local().detach().clone()  # this rank's rows as they started
+    generator = torch.Generator().manual_seed(100 + rank)
+    try:
+        for step in range(STEPS[scenario]):
+            tokens = torch.randint(0, 8, (4, 3), generator=generator)
+            loss = (table(tokens).sum(-1) - 1.0).square().mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                rows = table.weight.to_local()
+                trained = 1 if rank == dist.get_world_size() - 1 and step < NEW_ROW_UNTIL else 0
+                rows[: len(rows) - trained] = kept[: len(rows) - trained]
+        if rank == 0:
+            say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
+        dist.barrier()
+        say(scenario, f"RANK {rank} DONE")
+    finally:
+        tdbg.close()
+
+
 def run_scenario(output_dir: str, scenario: str) -> None:
+    if scenario == "embedding_new_row":
+        return embedding_new_row(output_dir, scenario)
     rank = dist.get_rank()
     fsdp1 = scenario == "fsdp1_nan_grad_rank1"
     flat = scenario == "fsdp1_flat_nan_grad_rank1"

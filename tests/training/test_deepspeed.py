@@ -69,7 +69,7 @@ def _collectives(out: str) -> dict[tuple[int, int], str]:
 @pytest.mark.parametrize("scenario", ["nan_grad_rank1_before_reduction", "zero3_nan_grad_rank1_before_reduction"])
 def test_zero_with_the_check_on_a_clean_step_makes_two_fixed_size_all_reduces(launched, scenario):
     """Each rank's own gradients were checked before ZeRO's reduction (issue 46): the flag rode in the
-    step's one exchange of 17 values; the only other collective sums the shards' squares (one value
+    step's one exchange of 18 values; the only other collective sums the shards' squares (one value
     per parameter, the weights' too on the steps that read them), as under FSDP2. Steps 0-11 of
     both scenarios are clean (the NaN comes at step 12)."""
     output_dir, stdout, stderr = launched
@@ -80,7 +80,7 @@ def test_zero_with_the_check_on_a_clean_step_makes_two_fixed_size_all_reduces(la
     assert {key: names for key, names in called.items() if key[1] < 12} == {
         (r, s): expected[s] for r in (0, 1) for s in range(12)
     }
-    assert WIDTH == 17
+    assert WIDTH == 18
     assert _summary(output_dir, scenario)["training"]["pre_reduction_check"] == {"checked": True, "off": []}
 
 

@@ -3,7 +3,7 @@ sharded per block, its planted faults named at their origin, stalls named and en
 and FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True and False) in the same launch.
 One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction,
 mixed_bf16_nan_grad_rank0_before_reduction, nan_loss_rank0, lr_jump_and_wait, fsdp1_nan_grad_rank1,
-fsdp1_flat_nan_grad_rank1, stall_rank1], the last ending the job (see fsdp_job.py). The clean check
+fsdp1_flat_nan_grad_rank1, embedding_new_row, stall_rank1], the last ending the job (see fsdp_job.py). The clean check
 is the steps before each planted fault: no anomaly there."""
 
 import json
@@ -36,6 +36,7 @@ SCENARIOS = (
     "lr_jump_and_wait",
     "fsdp1_nan_grad_rank1",
     "fsdp1_flat_nan_grad_rank1",
+    "embedding_new_row",
     "stall_rank1",
 )
 STALL_TIMEOUT = 4.0  # fsdp_job.STALL_TIMEOUT
@@ -288,6 +289,24 @@ def test_fsdp1_with_flat_parameters_names_a_nan_gradient_at_the_users_parameter_
     # rank 1's NaN loss at step 5: its weights went NaN at that parameter (its shard holds the NaN)
     (loss,) = [a for a in summary["anomalies"] if (a["kind"], a["step"], a["rank"]) == ("nonfinite_loss", 5, 1)]
     assert f"(1 parameter(s) hold NaN/Inf, first {parameter})" in loss["message"], loss["message"]
+
+
+def test_a_shard_that_never_moves_while_another_ranks_does_is_no_stall_and_a_run_that_stops_learning_is(launched):
+    """Textual inversion under FSDP2: the table's new row, in rank 1's shard, is the only one trained and
+    every other row put back after each step, so rank 0's shard never moves; until step 5 the run learns,
+    and no rank says ``not_learning`` (rank 0 did at step 5, from its own shard: the updates of steps 0-4).
+    From step 5 on the new row is put back too: the updates of steps 6-14 (read at steps 7-10 and 15; the
+    sketch's schedule) move nothing on any rank, and both ranks say so at step 15, rank 0's the head."""
+    output_dir, stdout, stderr = launched
+    _finished(stdout, "embedding_new_row")
+    summary = _summary(output_dir, "embedding_new_row")
+    found = [(a["kind"], a["step"], a["rank"]) for a in summary["anomalies"]]
+    assert found == [("not_learning", 15, 0), ("not_learning", 15, 1)], summary["anomalies"]
+    for a in summary["anomalies"]:
+        details = a["details"]
+        assert (details["first_step"], details["last_step"], details["updates"]) == (6, 14, 5), a
+    assert summary["anomalies"][0]["details"]["also_on_ranks"] == [1]
+    assert summary["headline"]["where"] == "optimizer, step 15, rank 0"
 
 
 def test_rank1_stalled_before_step6_is_named_and_the_job_ended(launched):

@@ -315,13 +315,13 @@ def test_each_step_makes_one_fixed_size_all_reduce_whatever_the_world_size(reque
     done = runs["nan_rank1" if world == 2 else "nan_rank5"]
     called = _collectives(done.stdout)
     assert set(called) == {(r, s) for r in range(world) for s in range(6)}, done.stdout[-3000:]
-    # steps 0-2 are clean: the all_reduce of the same 17 int64 values on 2 and on 8 ranks, nothing
+    # steps 0-2 are clean: the all_reduce of the same 18 int64 values on 2 and on 8 ranks, nothing
     # else; from the NaN step on (the NaN spreads to every rank's weights) every rank's details too
     one = f"all_reduce[{WIDTH}]"
     expected = {s: one if s < 3 else f"{one},all_gather_object" for s in range(6)}
     assert {key: names for key, names in called.items()} == {(r, s): expected[s] for r, s in called}
-    assert WIDTH == 17
-    # every rank's gradients were checked before DDP's all-reduce: its flag rode in those 17 values
+    assert WIDTH == 18
+    # every rank's gradients were checked before DDP's all-reduce: its flag rode in those 18 values
     assert {r: s["pre_reduction_check"] for r, s in _summaries(done.stdout).items()} == {
         r: {"checked": True, "off": []} for r in range(world)
     }
@@ -431,7 +431,7 @@ def test_fsdp2_sharded_gradients_give_the_whole_parameters_norms(scenario):
         f"all_reduce[8],all_reduce[{WIDTH}]",
     }
     assert len(called) == 12
-    # each rank's unsharded gradients were checked before the reduce-scatter: its flag rode in the 17
+    # each rank's unsharded gradients were checked before the reduce-scatter: its flag rode in the 18
     assert {r: s["pre_reduction_check"] for r, s in _summaries(done.stdout).items()} == {
         r: {"checked": True, "off": []} for r in (0, 1)
     }

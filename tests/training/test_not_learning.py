@@ -233,3 +233,63 @@ def test_a_converged_float32_run_whose_updates_round_away_is_not_reported_as_not
     read = [r["max_applied_update_ratio"] for r in tdbg.report().steps[-10:] if "max_applied_update_ratio" in r]
     assert len(read) == 2 and all(ratio <= STILL_RATIO for ratio in read)  # still (one step in five read)
     assert not [a for a in tdbg.report().anomalies if a.kind == "not_learning"]
+
+
+def _beside_a_rank_that_learns(tdbg, monkeypatch, until: int) -> list[int]:
+    """Makes ``tdbg`` rank 0 of two; rank 1 stands for the shard that learns (FSDP2's textual inversion):
+    its weights move in every update it reads up to monitored step ``until``, on the steps every rank
+    reads (``step.detail``: the first ten, then one in five) and on no other, and it finds nothing of its
+    own. Returns the monitored steps (from 1) whose details every rank exchanged."""
+    from diffusion_debug.training.ranks.summary import ReduceLayout
+
+    ctx, exchanged, reduced = tdbg._steps.ctx, [], []
+
+    def all_reduce_max(values):
+        reduced.append(values)
+        monitored = len(reduced)
+        reads = 1 < monitored <= 10 or (monitored - 1) % 5 == 0
+        other = ReduceLayout(2).pack({}, {"weights_moved": reads and monitored <= until}, rank=1)
+        return [max(a, b) for a, b in zip(values, other)]
+
+    def gather_objects(payload):
+        exchanged.append(len(reduced))
+        return [payload, {"row": payload["row"], "anomalies": [], "records": [], "buckets": None}]
+
+    for name, value in dict(distributed=True, world_size=2, all_reduce_max=all_reduce_max).items():
+        monkeypatch.setattr(ctx, name, value)
+    monkeypatch.setattr(ctx, "gather_objects", gather_objects)
+    return exchanged
+
+
+def test_a_shard_still_beside_a_learning_rank_reads_on_the_schedule_again_after_a_finding(tmp_path, monkeypatch):
+    # rank 0's shard of the table never moves (every row put back) while rank 1's learns until step 35. A
+    # loss spike of rank 0's own at step 12 reads every step for ten steps: rank 0 counts five still updates
+    # by step 20 (rank 1 reads only the steps of the schedule), a stall withdrawn once the reduce says rank
+    # 1's weights moved. It marked the schedule again before it was withdrawn: rank 0 read every step, and
+    # every rank exchanged its details every fifth step, for the rest of the run. Once rank 1 stops learning
+    # the stall stands (the updates of steps 39-59, read on the schedule) and the steps after it read in full
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(8, 4)
+    kept = table.weight.detach().clone()
+    optimizer = torch.optim.SGD(table.parameters(), lr=0.05)
+    tdbg = TrainingDebugger(table, config=_config(tmp_path))
+    exchanged = _beside_a_rank_that_learns(tdbg, monkeypatch, until=36)
+    generator = torch.Generator().manual_seed(100)
+    for step in range(63):
+        loss = (table(torch.randint(0, 8, (4, 3), generator=generator)).sum(-1) - 1.0).square().mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss * 100 if step == 12 else loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            table.weight.copy_(kept)
+    found = tdbg.report().anomalies
+    assert [(a.kind, a.step, a.rank) for a in found] == [("loss_spike", 12, 0), ("not_learning", 60, 0)]
+    assert [found[1].details[k] for k in ("first_step", "last_step", "updates")] == [39, 59, 5]
+    read = [r["step"] for r in tdbg.report().steps if "max_applied_update_ratio" in r]
+    assert read == [*range(1, 11), *range(13, 23), 25, 30, 35, 40, 45, 50, 55, 60, 61, 62]
+    # the spike's step (monitored 13), the stall withdrawn at step 20 (the updates of steps 15-19) and the
+    # one that stands (step 60)
+    assert exchanged == [13, 21, 61]

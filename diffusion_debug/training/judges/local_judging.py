@@ -231,9 +231,40 @@ class LocalJudge:
             skipped=bool(judged.skipped),
             weights=lambda: gradients.weight_fingerprint(self.params),
         )
+        judged.flags.weights_moved = watch.moved  # several processes: OR-ed by the step's reduce
         if clear:
             found = judge_stall(self.rank, watch, index, optimizer, self.params)
             judged.anomalies += found
+
+    def judge_across_ranks(self, judged: Judgement) -> None:
+        """After the step's reduce (several processes; ``judged.flags`` OR-ed over the ranks): where some
+        rank's weights moved in the update the step read, this rank's run of still updates ends and a
+        ``not_learning`` it found at this step is withdrawn, before the details carry it; where none did,
+        the stall stands and the steps after it read in full (:meth:`stall_alone`). A stall is the
+        whole model's: under FSDP2 or ZeRO a rank's shard may never move while the run learns (textual
+        inversion trains an embedding table's new rows, all in the last rank's shard, and puts the others
+        back). A reading at a step is the update of the step before on every rank (``not_learning``'s limits)."""
+        if not judged.flags.weights_moved:
+            if judged.anomalies and any(_stall_of(a, self.rank) for a in judged.anomalies):
+                self._read_near()  # the stall stands: the steps after it read in full, as after any finding
+            return
+        self.history.stall.some_rank_moved()
+        if judged.anomalies:
+            judged.anomalies = [a for a in judged.anomalies if not _stall_of(a, self.rank)]
+
+    def stall_alone(self, judged: Judgement) -> bool:
+        """``judged``'s anomalies are this rank's stall alone: under several processes it stands only after
+        the reduce (:meth:`judge_across_ranks`), which then marks the per-module schedule. Marked before, a
+        stall withdrawn there kept a still shard beside a learning one reading every step: five still
+        updates came within the ten steps after each withdrawn one, each withdrawn in turn."""
+        return all(_stall_of(a, self.rank) for a in judged.anomalies)
+
+    def _read_near(self) -> None:
+        """This step found something: the next steps read the per-module figures in full (``step.detail``),
+        the first of them the update this step applies."""
+        history = self.history
+        if history.detail.then(history.joined, found=True):
+            self.sketch.keep(history.joined)
 
     def _check_weights(self, judged: Judgement, index: Any) -> None:
         """On a step whose own loss or gradients are NaN (and not from its input batch): which
@@ -317,6 +348,11 @@ def _sharding(params: TrainableParameters, model: Any) -> str:
         return "fsdp2"
     modules = model.modules() if hasattr(model, "modules") else ()
     return "fsdp1" if any(map(wrappers.is_fsdp1, modules)) else ""
+
+
+def _stall_of(anomaly: Anomaly, rank: int) -> bool:
+    """``anomaly`` is this rank's stall (``not_learning`` from its still updates, not DeepSpeed's unscaled loss)."""
+    return anomaly.kind == "not_learning" and anomaly.rank == rank and "updates" in anomaly.details
 
 
 def _host(counts: dict[str, torch.Tensor]) -> list[float]:

@@ -19,14 +19,32 @@ then usually has no state for them either).
 >>> watch.first_step, watch.updates, watch.largest
 (0, 5, 0.0)
 
+Under several processes a stall is the whole model's, not one rank's: each rank says whether the
+update it read moved its weights (:attr:`StallWatch.moved`, a flag of the step's one reduce), and
+where any rank's did, every rank's run of still updates ends and a ``not_learning`` found at that
+step is withdrawn before the ranks exchange their anomalies (``LocalJudge.judge_across_ranks``). Under
+FSDP2 or ZeRO a rank's shard may never move while the run learns: textual inversion trains an
+embedding table's new rows, all in the last rank's shard, and puts every other row back.
+
+>>> watch.moved, watch.flagged
+(False, True)
+>>> watch.some_rank_moved()  # another rank's shard moved in the update read at this step
+>>> watch.updates, watch.flagged
+(0, False)
+
 Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
 still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
 the sampled blocks stay still), since the ratios come from one sampled block per parameter.
 
 Limits: a step skipped by the GradScaler (or by policy ``skip``) restarts the count, and a
-warmup that starts at lr 0 moves nothing for one step (five are needed). Weight decay alone still
-moves the weights (AdamW with ``zero_grad(set_to_none=False)`` before ``step()``): such a run is
-not reported. The diagnosis is an elimination from what the optimizer shows, not a proof.
+warmup that starts at lr 0 moves nothing for one step (five are needed). Across ranks an update
+counts where every rank reads it: every rank reads the steps the schedule details on every rank
+(``step.detail``: the first ten, then one in five), so each run of five still updates holds one of
+them; a shard that moves only in updates another rank alone read is not seen moving. A rank that
+reads every step after a finding of its own may count five still updates before the next such step,
+and its stall is withdrawn there: its details travel in that step's exchange. Weight decay
+alone still moves the weights (AdamW with ``zero_grad(set_to_none=False)`` before ``step()``): such
+a run is not reported. The diagnosis is an elimination from what the optimizer shows, not a proof.
 """
 
 from __future__ import annotations
@@ -73,6 +91,10 @@ class StallWatch:
     """Policy ``skip`` zeroed the last step's gradients: its update is not judged."""
     fingerprint: list[float] | None = None
     """The whole weights' float64 norms when this run of still updates began (see :meth:`update`)."""
+    moved: bool = False
+    """The last update taken moved this rank's weights (its sampled blocks, or the whole weights checked
+    before a report): under several processes every rank learns whether any rank's did
+    (:meth:`some_rank_moved`)."""
 
     def update(
         self,
@@ -93,6 +115,7 @@ class StallWatch:
         finite = values[np.isfinite(values)]  # one numpy pass where a per-module loop ran every step
         largest = float(finite.max()) if len(finite) else math.nan
         still = bool(len(finite)) and largest <= STILL_RATIO
+        self.moved = largest > STILL_RATIO  # NaN (no finite ratio): not known to have moved
         if skipped or not still or not (math.isfinite(grad_norm) and grad_norm > 0):
             self.updates, self.flagged = 0, self.flagged and still
             return False
@@ -105,11 +128,18 @@ class StallWatch:
         self.grad_norm = min(self.grad_norm, grad_norm)
         if self.updates >= STALL_UPDATES and not self.flagged:
             if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks
-                self.updates = 0
+                self.updates, self.moved = 0, True
                 return False
             self.flagged = True
             return True
         return False
+
+    def some_rank_moved(self) -> None:
+        """Some rank's weights moved in the update this step read (this rank's or another's: a rank's
+        shard of a parameter, FSDP2's or ZeRO's, may never move while another rank's does): the run
+        learns, so its run of still updates ends, and a stall reported before may be reported again
+        once one is clear."""
+        self.updates, self.flagged = 0, False
 
 
 def diagnose(optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan) -> dict[str, Any]:

@@ -42,7 +42,6 @@ from .trends import LossTrend, judge_trend
 TOP_MODULES = 5
 _MEMORY_JUDGED_EVERY = 8
 
-
 FREQUENT_SKIPS = 3
 """Skipped steps within :data:`SKIP_WINDOW` measured steps (after the scale settled) that make a
 skip a warning."""
@@ -86,13 +85,15 @@ class RankHistory:
 
 @dataclass
 class StepFlags:
-    """What a step showed, on any rank (for the summary's step counts)."""
+    """What a step showed, on any rank: the summary's step counts, and ``weights_moved`` (the update the
+    step read moved this rank's weights; False where it read none) for a stall judged across ranks."""
 
     loss: bool = False
     nonfinite_loss: bool = False
     explosion: bool = False
     vanishing: bool = False
     nonfinite: bool = False
+    weights_moved: bool = False
 
 
 # -- one rank's row ------------------------------------------------------------------------------

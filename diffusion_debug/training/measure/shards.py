@@ -12,10 +12,11 @@ Every rank joins it in every monitored step, also one whose measurement failed b
 rank waits in it.
 
 Limits: construct the debugger after ``fully_shard`` (it watches the parameters it finds); the
-update sketch samples each rank's own shard; the replica checksum is not run (the shards differ
-by design), nor a ``closure=`` replay (the sharded forward would run on one rank only); a NaN/Inf
-gradient is counted on the rank whose shard holds it, and named by registration order (FSDP2 sets
-the gradients group by group after each reduce-scatter, not in backward's order).
+update sketch samples each rank's own shard (a stall is judged across the ranks:
+``judges.not_learning``); the replica checksum is not run (the shards differ by design), nor a
+``closure=`` replay (the sharded forward would run on one rank only); a NaN/Inf gradient is counted
+on the rank whose shard holds it, and named by registration order (FSDP2 sets the gradients group
+by group after each reduce-scatter, not in backward's order).
 """
 
 from __future__ import annotations

@@ -34,9 +34,11 @@ from typing import Any, Mapping, Sequence
 AGGREGATED = ("loss", "grad_norm", "rss_mb", "cuda_allocated_mb", "local_nonfinite")
 """Row slots whose extremes (and the rank of each) every rank learns at every step; ``local_nonfinite``
 (1.0: a rank's own gradients held NaN/Inf before the all-reduce): the largest names a rank that made a NaN."""
-FLAGS = ("anomalies", "failed", "loss", "nonfinite_loss", "explosion", "vanishing", "nonfinite")
+FLAGS = ("anomalies", "failed", "loss", "nonfinite_loss", "explosion", "vanishing", "nonfinite", "weights_moved")
 """``anomalies``: the rank judged anything in its own row (then every rank exchanges its details);
-``failed``: it could not measure or judge; the rest are ``checks.StepFlags``, OR-ed over ranks."""
+``failed``: it could not measure or judge; the rest are ``checks.StepFlags``, OR-ed over ranks
+(``weights_moved``: some rank's weights moved in the update the step read: a stall is the whole
+model's, not one rank's shards')."""
 WIDTH = 2 * len(AGGREGATED) + len(FLAGS)
 
 _SIGN_FREE = 0x7FFFFFFFFFFFFFFF
