@@ -85,8 +85,7 @@ class RankHistory:
 
 @dataclass
 class StepFlags:
-    """What a step showed, on any rank: the summary's step counts, and ``weights_moved`` (the update the
-    step read moved this rank's weights; False where it read none) for a stall judged across ranks."""
+    """A step's findings on any rank; ``weights_moved``: its update moved this rank's weights (False: none read)."""
 
     loss: bool = False
     nonfinite_loss: bool = False
