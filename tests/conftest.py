@@ -232,7 +232,8 @@ def _global_state() -> dict[str, object]:
     """What a test could leave behind for every later test of its worker: torch's global module and
     optimizer hooks (a leaked LaunchWatch's module-registration hook fired in every later test and
     raised test_op_count's hook counts by one), the functions the debugger's watches wrap, the
-    torch-function modes pushed, the process-wide autograd modes and the signal handlers."""
+    torch-function and dispatch modes pushed, the process-wide autograd modes, the profiler and
+    tracer, the cyclic collector's switch, diffusers' attention backend and the signal handlers."""
     import signal
 
     import accelerate
@@ -256,8 +257,17 @@ def _global_state() -> dict[str, object]:
         "anomaly mode": torch.is_anomaly_enabled(),
         "default dtype": torch.get_default_dtype(),
         "sys.excepthook": sys.excepthook,
+        "sys.setprofile": sys.getprofile(),
+        "sys.settrace": sys.gettrace(),
+        "gc enabled": gc.isenabled(),
+        "torch-dispatch modes": torch._C._len_torch_dispatch_stack(),
     }
     state |= {f"signal {s.name}": signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:  # diffusers >= 0.35: the process-wide attention backend
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    except ImportError:
+        return state
+    state["diffusers attention backend"] = _AttentionBackendRegistry._active_backend
     return state
 
 

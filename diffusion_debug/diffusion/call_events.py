@@ -592,7 +592,8 @@ class CallEvents:
                 threshold = self.config.vae_saturation_fraction
                 try:
                     sd_vae = site.component in self.localizer.sd_vaes
-                    kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae)
+                    dtype = None if tensor is None else tensor.dtype  # what it decoded in (read on a flat image)
+                    kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae, dtype=dtype)
                     self.emit(rows.decoded_image_anomalies(values, **kw))
                 except Exception as error:
                     self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)

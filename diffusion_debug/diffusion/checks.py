@@ -15,7 +15,7 @@ import torch
 
 from ..probes import ModuleReading
 from ..record import Anomaly, make_anomaly
-from ..stats import TensorStats
+from ..stats import TensorStats, dtype_name
 from .components.roles import has_check
 
 HALF_DTYPES = ("float16", "bfloat16")
@@ -387,10 +387,12 @@ def vae_saturation(
     step: int | None,
     component: str = "vae",
     sd_vae: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> list[Anomaly]:
     """Decoded pixels outside [-1, 1] (``vae_saturation``), or images that are one flat colour
     although finite (``constant_image``: a black image that is not a NaN); ``component``: the
-    VAE-role component that decoded them (``sd_vae``: Stable Diffusion's VAE)."""
+    VAE-role component that decoded them (``sd_vae``: Stable Diffusion's VAE; ``dtype``: the dtype
+    it decoded in, when known: a flat image from a float32 decode is no fp16 overflow)."""
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
@@ -400,7 +402,12 @@ def vae_saturation(
                 severity="warning",
                 component=component,
                 step=step,
-                details={"flat_images": flat, "image_ranges": image_ranges, "sd_vae": sd_vae},
+                details={
+                    "flat_images": flat,
+                    "image_ranges": image_ranges,
+                    "sd_vae": sd_vae,
+                    **({"vae_dtype": dtype_name(dtype)} if dtype is not None else {}),
+                },
             )
         )
     if outside_fraction == outside_fraction and outside_fraction > threshold:

@@ -385,7 +385,13 @@ def build_row(step: int, values: StepValues, *, time_s: float, denoiser_calls: i
 
 
 def decoded_image_anomalies(
-    values: CallValues, *, threshold: float, step: int | None, component: str = "vae", sd_vae: bool = False
+    values: CallValues,
+    *,
+    threshold: float,
+    step: int | None,
+    component: str = "vae",
+    sd_vae: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> list[tuple[Anomaly, tuple]]:
     """``vae_saturation`` and ``constant_image`` (with their fold keys) for decoded images (none for other calls)."""
     if values.outside_fraction is None:
@@ -397,6 +403,7 @@ def decoded_image_anomalies(
         step=step,
         component=component,
         sd_vae=sd_vae,
+        dtype=dtype,
     )
     return [(a, (a.kind,)) for a in found]
 

@@ -195,7 +195,7 @@ def _nonfinite(anomaly: Anomaly) -> str:
 def overflow_risk(anomaly: Anomaly) -> str:
     d = anomaly.details
     advice = (
-        vae_advice(anomaly.component, d.get("sd_vae", False))
+        vae_advice(anomaly.component, d.get("sd_vae", False), d.get("dtype"))
         if d.get("vae_role")
         else "run this component in bfloat16 or float32, or upcast this module"
     )
@@ -273,10 +273,15 @@ def prompt_truncated(anomaly: Anomaly) -> str:
 
 
 def constant_image(anomaly: Anomaly) -> str:
-    return (
-        f"{len(anomaly.details['flat_images'])} decoded image(s) are a single flat colour (often a black image from "
-        f"an fp16 VAE: {vae_advice(anomaly.component, anomaly.details.get('sd_vae', False))})."
-    )
+    d = anomaly.details
+    flat = f"{len(d['flat_images'])} decoded image(s) are a single flat colour"
+    if d.get("vae_dtype") == "float32":  # no fp16 overflow: the decode ran in float32
+        return (
+            f"{flat}; {anomaly.component} decoded in float32, so this is no half-precision overflow: check the "
+            "latents reaching it (the step table), the latents' scaling factor and its weights."
+        )
+    advice = vae_advice(anomaly.component, d.get("sd_vae", False), d.get("vae_dtype"))
+    return f"{flat} (often a black image from an fp16 VAE: {advice})."
 
 
 def safety_blackout(anomaly: Anomaly) -> str:

@@ -106,7 +106,7 @@ def lr_spike(anomaly: Anomaly) -> str:
         found = (
             f"The optimizer step of step {anomaly.step} moved {d['modules_over']} of {d['modules_measured']} modules "
             f"by more than {d['threshold']:g} times their own norm (the most: {anomaly.module or '(root)'}"
-            + ("'s last rows, where added tokens train" if d.get("last_rows") else "")
+            + ("'s last rows, where added tokens go" if d.get("last_rows") else "")
             + f", {d['update_to_weight_ratio']:.3g}x; measured from the weights)"
         )
         advice = ": lower the learning rate or warm it up."

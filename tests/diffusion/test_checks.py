@@ -54,6 +54,21 @@ def test_planted_fp16_vae_overflow_is_named_with_vae_advice(fp16_sd, tmp_path):
     assert "float32" in risks[0].message and "sdxl-vae-fp16-fix" in risks[0].message
 
 
+def test_a_bf16_vae_near_overflow_is_told_float32_not_the_fp16_advice():
+    """The overflow advice reads the dtype the module ran in: Stable Diffusion's VAE near bfloat16's
+    maximum was told fp16's (force_upcast, the fp16-fixed VAE), which do not apply to a bf16 VAE."""
+    from diffusion_debug.probes import ModuleReading
+
+    reading = ModuleReading("decoder.conv_out", 0, "bfloat16", 1.0, 3.2e38, "bfloat16", "absmax")
+    (risk,) = checks.overflow_risk(
+        "vae", reading, step=None, timestep=None, fraction=0.5, localized_by="probe", role="vae", sd_vae=True
+    )
+    assert risk.message == (
+        f"vae.decoder.conv_out output reached {risk.details['dtype_max_fraction']:.0%} of the bfloat16 maximum "
+        "(|x|=3.2e+38); run the VAE in float32: pipe.vae.to(torch.float32)."
+    )
+
+
 # -- prompts, scheduler, dtype, VAE saturation ----------------------------------------------------
 
 
@@ -228,6 +243,12 @@ def test_vae_saturation_and_flat_images(pipes, tmp_path):
     assert saturated.details["outside_fraction"] == 1.0
     (constant,) = kinds(dbg.report(), "constant_image")  # a flat image that is not NaN has its own kind
     assert constant.details["flat_images"] == [0] and constant.severity == "warning"
+    # a float32 decode: no fp16 advice (before: "often a black image from an fp16 VAE: keep the VAE in float32...")
+    assert constant.details["vae_dtype"] == "float32"
+    assert constant.message == (
+        "1 decoded image(s) are a single flat colour; vae decoded in float32, so this is no half-precision "
+        "overflow: check the latents reaching it (the step table), the latents' scaling factor and its weights."
+    )
 
 
 def test_a_nan_image_is_not_called_saturated_it_points_at_the_nan_origin(pipes, tmp_path):

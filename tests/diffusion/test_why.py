@@ -1,6 +1,9 @@
 """``DebugReport.why()`` / ``diffusion-debug why``: one fault planted per factor on the tiny SD
 pipeline; the verdict names that factor as the fix (or the weights / inputs at fault), and the
-live pipeline is exactly as before the replays."""
+live pipeline is exactly as before the replays.
+
+Long because every factor ``why()`` can name has its planted fault here, each reusing the module's
+pipelines and bundles (split by factor, they would build the same pipelines in several files)."""
 
 from __future__ import annotations
 

@@ -188,7 +188,7 @@ def test_a_run_that_trains_only_an_embeddings_new_row_reads_that_rows_update(tmp
     # the figure is the last rows' (the whole table moved far less): the message says whose it is
     assert serious[0].message == (
         "The optimizer step of step 0 moved 1 of 1 modules by more than 1 times their own norm (the most: "
-        f"text_encoder.0's last rows, where added tokens train, {naive[0]:.3g}x; measured from the weights): lower "
+        f"text_encoder.0's last rows, where added tokens go, {naive[0]:.3g}x; measured from the weights): lower "
         "the learning rate or warm it up."
     )
 
