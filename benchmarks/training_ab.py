@@ -114,7 +114,11 @@ def _timed(call: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.training_ab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(  # the whole docstring: its first line stops mid-sentence
+        prog="python -m benchmarks.training_ab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("base", help="the other checkout (a worktree at the base commit)")
     parser.add_argument("--precision", choices=("fp16", "bf16"), default="fp16")
     parser.add_argument("--clip", type=float, default=None, help="max_grad_norm (default: no clip)")
