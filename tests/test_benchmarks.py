@@ -656,3 +656,15 @@ def test_call_instructions_reads_each_dump_by_its_dtype_and_kind(tmp_path):
         "fp16": {"plain": [961_400_000, 961_380_000], "unread": [967_200_000]},
         "fp32": {"unread": [133_500_000]},
     }
+
+
+def test_the_training_ab_help_says_what_it_compares_in_a_whole_sentence(capsys):
+    from benchmarks import training_ab
+
+    with pytest.raises(SystemExit):
+        training_ab.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "An A/B of the SD1.5-shaped Accelerate training step (``benchmarks.user_path``'s training rows) between "
+        "this checkout's debugger and another checkout's, in one process:" in text
+    )

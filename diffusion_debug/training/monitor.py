@@ -383,7 +383,7 @@ class StepMonitor:
                     clip_scale=own.clip_scale(call.max_grad_norm),
                     input_producers=measured.input_producers,
                     grad_norm=own.grad_norm,
-                    squares=measured.squares,
+                    norms=measured.norms,
                 )
             if local.samples is not None:
                 found = judge_samples(

@@ -87,15 +87,22 @@ def test_a_nan_gradient_planted_off_the_schedule_is_named_at_its_step_and_module
 
 def test_an_explosion_planted_off_the_schedule_names_its_module_at_its_step(tmp_path):
     quiet = next(s for s in range(DETAIL_FIRST, STEPS) if not _scheduled(s))
+    planted = {}
 
     def plant(step, model):
         if step == quiet:
             model[0].weight.grad.mul_(1e6)
+            planted.update({name: [p.grad.double().clone() for p in m.parameters()] for name, m in _modules(model)})
 
     model = _model()
     tdbg = TrainingDebugger(model, config=_config(tmp_path, grad_explosion_threshold=1e3))
-    _train(model, tdbg, quiet + 1, plant=plant)
+    infos = _train(model, tdbg, quiet + 1, plant=plant)
     (a,) = [a for a in tdbg.report().anomalies if a.kind == "gradient_explosion"]
     assert (a.step, a.module) == (quiet, "0")
     assert list(a.details["top_module_grad_norms"])[0] == "0"
+    # the module norms this light step made once it found something (of the kept per-gradient norms,
+    # squared there), and the global norm: naive references, the root of the summed squares
+    naive = {name: math.sqrt(sum(float(g.square().sum()) for g in grads)) for name, grads in planted.items()}
+    assert a.details["top_module_grad_norms"] == pytest.approx(naive, rel=1e-6)
+    assert infos[quiet]["grad_norm"] == pytest.approx(math.sqrt(sum(n * n for n in naive.values())), rel=1e-6)
     tdbg.close()

@@ -104,7 +104,7 @@ class LocalJudge:
         clip_scale: float = 1.0,
         input_producers: dict | None = None,
         grad_norm: float | None = None,
-        squares: torch.Tensor | None = None,
+        norms: torch.Tensor | None = None,
     ) -> None:
         """Per-module norms and update ratios (``lr_spike`` beyond the threshold, from the gradients
         as the optimizer will see them: ``clip_scale`` of the measured ones); the exact
@@ -112,14 +112,14 @@ class LocalJudge:
         modules with the largest gradients in this rank's anomalies (``input_producers``: the inputs a
         frozen model made, ``loss.CountedInputs``); the weights on a NaN step. ``grad_norm``: the
         row's global norm of the same per-parameter norms (else summed here: 684 floats on an SD UNet).
-        ``squares``: the per-parameter squared norms on the device: a step that read no module norms
+        ``norms``: the per-parameter norms on the device (float64): a step that read no module norms
         (``step.detail``) and found something reads them now (a second transfer)."""
         modules: ModuleNormBook = self.history.modules
         if self.scaling is not None:  # once: DeepSpeed#8393's unscaled loss (measure.deepspeed_fp16_scale)
             judged.anomalies += judge_unscaled_loss(self.rank, index, self.scaling)
             self.scaling = self.scaling.waiting()  # None once found, or not found in two steps
-        if squares is not None and judged.anomalies and local.module_norms is None and config.per_module_grad_norms:
-            local.module_norms = read_now(self.params.module_norms_of_squares(squares))
+        if norms is not None and judged.anomalies and local.module_norms is None and config.per_module_grad_norms:
+            local.module_norms = read_now(self.params.module_norms_of_squares(norms.square()))
         if local.module_weight_norms is not None:
             modules.weight_norms = local.module_weight_norms
         read = None  # the modules of the parameters the step's optimizer steps (None: all)

@@ -121,16 +121,16 @@ class StepMeasurer:
         checksums = gradients.parameter_checksums(params, dev) if check_ranks else None
         memory = memory_sample(dev) if memory_tracking else {}
         skipped = self.skipped(optimizer) if read_skipped else math.nan
-        # float64 norms and their squares made once: the global norm, the module norms and the
-        # transfer share them (each op is a kernel launch on a GPU: host time at real size)
-        norms64 = norms.double()
-        squares = judged_squares = norms64.square()
+        # float64 norms made once: the global norm, the module norms and the transfer share them (each op
+        # is a kernel launch on a GPU: host time at real size); the global norm is one ``vector_norm`` of
+        # them, and their squares are taken only where module norms are made (a detailed step, a finding)
+        norms64 = judged_norms = norms.double()
         if judged is not None:  # another optimizer's gradients: read (module norms) but not judged here
             nonfinite = nonfinite & judged
-            judged_squares = torch.where(judged, squares, zero)
+            judged_norms = torch.where(judged, norms64, zero)
         device_values = {
             "loss": self.accumulated.mean() if self.accumulated.count else nan,  # NO_LOSS alone
-            "grad_norm": judged_squares.sum().sqrt(),
+            "grad_norm": torch.linalg.vector_norm(judged_norms),
             "nonfinite_parameters": nonfinite.sum(dtype=torch.float64),
             # the first registered non-finite one: the row's name, which the rank's own judging
             # replaces by where backward made the NaN (judges.step_checks.locate_nonfinite)
@@ -160,7 +160,7 @@ class StepMeasurer:
         if per_module:  # a detailed step (``step.detail``): the per-parameter and per-module norms
             local["param_norms"] = norms64
             # another optimizer's gradients are no module's figure at this step (``LocalJudge``: its modules unread)
-            local["module_norms"] = params.module_norms_of_squares(judged_squares)
+            local["module_norms"] = params.module_norms_of_squares(judged_norms.square())
             if weights is not None:
                 local["module_weight_norms"] = params.module_norms(weights)
         update = self.updates.measure(dev, updates_at)
@@ -176,7 +176,7 @@ class StepMeasurer:
             memory,
             dict(accumulated.input_counts),
             dict(accumulated.input_producers),
-            judged_squares,
+            judged_norms,
         )
 
     def skipped(self, optimizer: Any, last: bool = False) -> float:

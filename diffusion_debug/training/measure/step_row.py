@@ -207,8 +207,8 @@ class Measurement:
     """Non-finite values per named input (device tensors; read only on a special step)."""
     input_producers: dict[str, tuple] = dataclasses.field(default_factory=dict)
     """The inputs a frozen model made, ``{path: (component, module[, weights])}`` (``loss.CountedInputs``)."""
-    squares: torch.Tensor | None = None
-    """The per-parameter squared gradient norms (float64, on the device; 0.0 for another optimizer's
+    norms: torch.Tensor | None = None
+    """The per-parameter gradient norms (float64, on the device; 0.0 for another optimizer's
     parameters, :attr:`StepMeasurer.not_judged`): a step that read no module norms makes them of
     these when its judging finds something (``StepMonitor._judge``)."""
 
