@@ -6,7 +6,8 @@ engine.step()``; launch_zero_script.py). One run of 14 steps each (ZeRO-2's of 2
 each), clean but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of
 ``conv_in`` at step 12, before the engine's reduction gives it to rank 0: the headline names rank 1
 in the four places (summary.json, report.html, the terminal, the export), rank 0 is told it
-received it. FSDP2's step 0 (the debugger made after its backward) has a run of its own.
+received it. FSDP2's step 0 has a run of its own, and so has an out-of-memory error in step 0's
+forward on FSDP2 and on ZeRO-3 (the debugger made as that forward begins, on both engines).
 
 The scripts run as the processes of ``diffusion-debug launch --cpu --num_processes 2`` run them
 (``diffusion_debug.jobs.launched.main``: the seams installed, the script as ``__main__``, the run saved
@@ -195,10 +196,12 @@ def test_installing_the_seams_loads_no_deepspeed_and_uninstalling_removes_the_im
 
 
 def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(launched_in_job):
-    """With no Accelerator the debugger is made at the first optimizer step, after step 0's backward
-    (here ``torch.autograd.backward([loss])``, not ``loss.backward()``); each rank's check of its own
-    gradients attaches before that backward (on FSDP2's groups, no parameter read), and the debugger
-    takes its count: the NaN planted on rank 1 only is named there."""
+    """With no Accelerator the debugger is made as step 0's forward begins (before FSDP2's unshard),
+    before step 0's backward (here ``torch.autograd.backward([loss])``, not ``loss.backward()``); each
+    rank's check of its own gradients attaches with it (on FSDP2's groups, no parameter read): the NaN
+    planted on rank 1 only is named there. (Before, the debugger was made at the first optimizer step
+    and took the count of the check launch attached before that backward, ``EarlyCheck``: still the
+    way where no forward made it, tested in-process by test_launch_early_check.py.)"""
     # --steps 1 --nan-grad-at 0 --autograd-backward, DIFFUSION_DEBUG_NO_HTML=1 (no page read)
     run_dir, stdout, _ = _launch(launched_in_job, "launched_fsdp2_nan0")
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
