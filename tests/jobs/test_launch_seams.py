@@ -521,6 +521,61 @@ def test_a_plain_scripts_out_of_memory_error_in_its_first_training_forward_is_re
     assert _hooks(model) == 1  # plant_oom's own: none of launch's is left
 
 
+def test_a_plain_scripts_model_compiled_in_place_makes_the_debugger_at_its_first_forward_with_the_plain_graphs(
+    tmp_path, torch_own
+):
+    """``model.compile()`` before its optimizer is made: launch's first-forward pre-hook is called as a
+    frame of its own (torch compiles ``_call_impl``, a frame dynamo skips); it runs eagerly there, so the
+    debugger is made as step 0's forward begins, with the plain run's graphs and graph breaks, bitwise."""
+    from torch._dynamo.utils import counters
+
+    from diffusion_debug.probes.tracing import compile_callback
+
+    if compile_callback is None:
+        pytest.skip("no dynamo frame callback to ask on this torch (2.5): the first step makes the debugger")
+    made = []
+
+    def loop(watch=None):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _Net()
+        model.compile(backend="aot_eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x = X.clone()
+            if step == 1:
+                x[0, 1] = float("nan")
+            loss = model(x).pow(2).mean()
+            if watch is not None and step == 0:
+                made.append(watch.debugger is not None)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        graphs = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        return losses, [p.detach().clone() for p in model.parameters()], graphs
+
+    plain_losses, plain, plain_graphs = loop()
+    watch = _installed_watch(tmp_path, "train.py")
+    try:
+        losses, watched, graphs = loop(watch)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert made == [True] and graphs == plain_graphs == (1, 0)
+    same = functools.partial(torch.allclose, rtol=0, atol=0, equal_nan=True)
+    assert same(torch.tensor(losses), torch.tensor(plain_losses)) and all(map(same, watched, plain))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    first = by_cause(load_run(run_dir).anomalies)[0]
+    assert (first.kind, first.component, first.step, first.details["inputs"]) == (
+        "nonfinite_input",
+        "input",
+        1,
+        ["model(x)"],
+    )
+
+
 # -- after the end ---------------------------------------------------------------------------------
 
 
