@@ -89,6 +89,7 @@ from ..probes.tracing import compile_callback, compile_wrapper, eager_frame, eag
 from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
+from .launch_first_forward import FirstForwardHooks
 from .launch_inputs import InputWatch, frozen_models, script_modules
 from .launch_plain import (
     GIVEN_GRADIENTS,
@@ -193,9 +194,9 @@ class LaunchWatch:
         self._stepping: list[int] = []
         """The threads running :meth:`_plain_step` (its hook cannot be removed while one is: torch
         iterates over its dict of them), by ident, once each time they entered it."""
-        self._first_forward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        """No Accelerator: by model holding a torch optimizer's parameters, the handle of its pre-hook
-        that makes the debugger at its first forward under grad (:meth:`_first_forward_call`)."""
+        self._first_forward = FirstForwardHooks()
+        """No Accelerator: on each model holding a torch optimizer's parameters, the pre-hook that makes
+        the debugger at its first forward under grad (:meth:`_first_forward_call`), out of dynamo's traces."""
         self._searched_at_clip = False
         """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
         update is no torch optimizer's would look through the live optimizers at every clip)."""
@@ -708,6 +709,9 @@ class LaunchWatch:
                 self.debugger = self._make_debugger()
             except Exception as error:  # an unwritable or full disk, a port in use: the script runs on
                 self.give_up(f"the debugger could not be made ({_reason(error)})")
+            # made (at the first step where no first forward made it): no hook of the first forward is
+            # left to change a module's hooks later, which a compile since then would be guarded on
+            self._unhook_first_forward()
         return self.debugger is not None
 
     def _first_training_call(self) -> None:
@@ -740,13 +744,13 @@ class LaunchWatch:
 
     def _hook_first_forward(self, model: nn.Module, optimizer: Any) -> None:
         if model not in self._first_forward:
-            first = functools.partial(eager_frame(LaunchWatch._first_forward_call), self, optimizer)
             # before every hook of its own: FSDP2's unshard, DeepSpeed ZeRO-3's fetch, its casts
-            self._first_forward[model] = model.register_forward_pre_hook(first, prepend=True)
+            self._first_forward.add(
+                model, functools.partial(eager_frame(LaunchWatch._first_forward_call), self, optimizer)
+            )
 
     def _unhook_first_forward(self) -> None:
-        while self._first_forward:
-            self._first_forward.popitem()[1].remove()
+        self._first_forward.remove()
 
     def _first_forward_call(self, optimizer: Any, module: nn.Module, args: Any, eager: bool = False) -> None:
         """No Accelerator: a model of a plain script's optimizer (``optimizer``, a weak reference), or a
@@ -754,8 +758,9 @@ class LaunchWatch:
         models are found as at the first step (:meth:`_plain_step`; the engine as at its first
         ``backward``) and the debugger is made, its hooks on them before their own run, so that an
         out-of-memory error of step 0's forward is step 0's, as under Accelerate, on every engine a plain
-        script runs (DDP, FSDP2, DeepSpeed). Its hook goes then; one a compiled model's code traced stays
-        till the end (a removal would recompile it), and the first step makes the debugger, as before.
+        script runs (DDP, FSDP2, DeepSpeed). Its hook goes then; a model whose call dynamo traces (a script's
+        compiled step) has none in its trace (:mod:`.launch_first_forward`): the first step makes the
+        debugger, as before.
         Where the optimizer's parameters are held by no trainable model (ZeRO replaced them with its own
         partitions), nothing is found here."""
         # compiling(), inline: a Python call here is a frame dynamo traces under module.compile()
@@ -767,9 +772,7 @@ class LaunchWatch:
             return  # else run eagerly inside another's compiled call: as compiled code
         if not torch.is_grad_enabled():
             return
-        handle = self._first_forward.pop(module, None)
-        if handle is not None:
-            handle.remove()
+        self._first_forward.pop(module)
         if self.accelerator is not None or self.debugger is not None or self.failed or self.optimizers:
             return
         try:
