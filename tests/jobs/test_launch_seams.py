@@ -521,6 +521,37 @@ def test_a_plain_scripts_out_of_memory_error_in_its_first_training_forward_is_re
     assert _hooks(model) == 1  # plant_oom's own: none of launch's is left
 
 
+def test_a_copy_or_a_save_of_a_plain_scripts_model_made_after_its_optimizer_works_and_carries_no_hook(
+    tmp_path, torch_own
+):
+    """``ema = copy.deepcopy(model)`` and ``torch.save(model)`` once the optimizer is made (an EMA copy,
+    a whole-model checkpoint): launch's first-forward pre-hook, on the model then, was copied with it,
+    and the watch inside it could not be (``TypeError: cannot pickle 'ThisThread' object``: the script
+    broke). The copy and the saved model now hold no hook of launch's; the model's own first forward
+    under grad still makes the debugger; the copy is the model, bitwise."""
+    import copy
+    import io
+
+    watch = _installed_watch(tmp_path, "train.py")
+    try:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ema = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert (_hooks(model), _hooks(ema), _hooks(loaded)) == (1, 0, 0)
+        assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), model.parameters()))
+        model(X).pow(2).mean().backward()
+        assert watch.debugger is not None
+        optimizer.step()
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert _hooks(model) == 0
+
+
 @pytest.mark.parametrize("how", ["in_place", "step_function"])
 def test_a_plain_scripts_model_compiled_in_place_makes_the_debugger_at_its_first_forward_with_the_plain_graphs(
     how, tmp_path, torch_own
