@@ -133,6 +133,18 @@ def _say(text: str, main: bool | None = None) -> None:
         print(f"diffusion-debug launch: {text}", file=sys.stderr, flush=True)
 
 
+def _live_optimizer_of(model: nn.Module) -> Any:
+    """A live torch optimizer that steps only ``model``'s parameters, or None."""
+    from ..training.judges.optimizer_coverage import live_objects
+
+    held = {id(p) for p in model.parameters()}
+    for optimizer in live_objects(torch.optim.Optimizer):
+        stepped = [id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+        if stepped and all(i in held for i in stepped):
+            return optimizer
+    return None
+
+
 def _trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
@@ -782,7 +794,7 @@ class LaunchWatch:
                 self.models, self.optimizers = [module], [module.optimizer]
                 self._inner_optimizers.update(inner_optimizers(module))
             else:
-                optimizer = optimizer()
+                optimizer = optimizer() or _live_optimizer_of(module)  # (made again: the first one dropped)
                 if optimizer is None or optimizer in self._inner_optimizers:
                     return
                 models, optimizers = plain_models(optimizer)

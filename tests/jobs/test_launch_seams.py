@@ -521,6 +521,31 @@ def test_a_plain_scripts_out_of_memory_error_in_its_first_training_forward_is_re
     assert _hooks(model) == 1  # plant_oom's own: none of launch's is left
 
 
+def test_a_plain_scripts_optimizer_made_again_before_its_first_forward_still_makes_the_debugger_there(
+    tmp_path, torch_own
+):
+    """The optimizer is made twice before step 0 (``optimizer = make_optimizer()`` again after a
+    checkpoint is loaded: the first one dropped). The model's pre-hook, given with the first, found it
+    gone at the first forward and made nothing (an OOM there went unrecorded); it now takes the live
+    optimizer of that model: the debugger is made as step 0's forward begins."""
+    import gc
+
+    watch = _installed_watch(tmp_path, "train.py")
+    try:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        gc.collect()
+        loss = model(X).pow(2).mean()
+        assert watch.debugger is not None and watch.optimizers == [optimizer]
+        loss.backward()
+        optimizer.step()
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert _hooks(model) == 0
+
+
 def test_a_copy_or_a_save_of_a_plain_scripts_model_made_after_its_optimizer_works_and_carries_no_hook(
     tmp_path, torch_own
 ):
