@@ -16,9 +16,11 @@ is the launcher's seam (patched on the class, as ``Accelerator.prepare`` is; put
 A raw engine (``deepspeed.initialize``, no ``Accelerator.prepare``; ``engine.backward(loss);
 engine.step()``): ``DeepSpeedEngine.backward`` and ``step`` are the seams, patched on the class as
 soon as ``deepspeed.runtime.engine`` is imported (an import hook: a script that never imports
-DeepSpeed never loads it). At the first ``backward``, before it runs, the engine is the model and
-its ZeRO optimizer the optimizer, as ``TrainingDebugger(engine)`` in a script has them, and the
-debugger is made (its checks of each rank's own gradients attach then); the loss is the one given
+DeepSpeed never loads it); so is its ``__init__``, which gives the engine a forward pre-hook
+(``LaunchWatch.engine_made``). At its first forward under grad (else at the first ``backward``, before
+it runs), the engine is the model and its ZeRO optimizer the optimizer, as ``TrainingDebugger(engine)``
+in a script has them, and the debugger is made (its checks of each rank's own gradients attach then:
+an out-of-memory error of step 0's forward is step 0's); the loss is the one given
 to ``engine.backward`` (not the one scaled inside it); ``step``, at a gradient accumulation
 boundary, monitors the step before the engine runs it, when the gradients are complete; a
 micro-step's loss joins the step's mean.
@@ -148,9 +150,9 @@ def _patch_engine_class(watch: Any, engine_class: type) -> Callable[[], None]:
     """Watch ``engine_class``'s ``backward`` and ``step`` (and its subclasses', through it); returns
     what puts it back as it was: its own method where it had one, else nothing of ours in its dict
     (the inherited one shows again; a copy of it left there would hide a later change of the base's)."""
-    backward, step = engine_class.backward, engine_class.step
+    init, backward, step = engine_class.__init__, engine_class.backward, engine_class.step
     own = vars(engine_class)
-    own_backward, own_step = own.get("backward", MISSING), own.get("step", MISSING)
+    own_init, own_backward, own_step = (own.get(name, MISSING) for name in ("__init__", "backward", "step"))
 
     def raw(engine: Any) -> bool:
         """Whether this engine is the script's own (not under Accelerate's plugin), and watched."""
@@ -161,6 +163,10 @@ def _patch_engine_class(watch: Any, engine_class: type) -> Callable[[], None]:
             watch._inner_optimizers.update(inner_optimizers(engine))
         watch.thread.loss_from_accelerator = True  # the loss is engine.backward's, not the one scaled inside it
         return any(engine is m for m in watch.models) and watch._debugger_ready()
+
+    def watched_init(engine: Any, *args: Any, **kwargs: Any) -> None:
+        init(engine, *args, **kwargs)
+        watch.engine_made(engine)  # its first forward under grad makes the debugger
 
     def watched_backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
         watched = raw(engine)
@@ -176,9 +182,10 @@ def _patch_engine_class(watch: Any, engine_class: type) -> Callable[[], None]:
             watch._optimizer_step(engine.optimizer)
         return step(engine, *args, **kwargs)
 
-    engine_class.backward, engine_class.step = watched_backward, watched_step
+    engine_class.__init__, engine_class.backward, engine_class.step = watched_init, watched_backward, watched_step
 
     def undo() -> None:
+        put_back(engine_class, "__init__", watched_init, own_init)
         put_back(engine_class, "backward", watched_backward, own_backward)
         put_back(engine_class, "step", watched_step, own_step)
 

@@ -33,7 +33,8 @@ returned, when the script holds it in a variable (its hooks run before the compi
 the script holds only the model it compiled. Under ``model.compile()`` (no wrapper: torch compiles the
 model's ``_call_impl``, a frame dynamo skips, and traces each hook it calls as a frame of its own) the
 trained model's hook runs eagerly (:func:`~diffusion_debug.probes.tracing.eager_frame`), its arguments
-counted; a frozen model's hooks count nothing there. A model compiled after it
+counted, and so do a frozen model's (a text encoder or VAE compiled where it is), its call counted as
+its uncompiled twin's. A model compiled after it
 was watched (after ``accelerator.prepare``) is seen as ``torch.compile`` makes the wrapper
 (:meth:`InputWatch.compiled`): its hooks move to the wrapper before its first call, and launch's
 debugger watches the wrapper (:meth:`InputWatch.compiled_as`), so nothing is hooked after dynamo traced
@@ -294,19 +295,30 @@ class InputWatch:
         self._weights[name] = functools.partial(first_nonfinite_weight, weakref.ref(inner))
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not compiling():
-                self._inside.add(root)
-
-        def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if compiling():
+            # compiling(), inline: a Python call here is a frame dynamo traces under module.compile()
+            if torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag:
                 return
+            if module.__dict__.get("_compiled_call_impl") is None and compile_callback is not None:
+                if compile_callback() is not None:
+                    return  # run eagerly inside another's compiled call: as compiled code
+            self._inside.add(root)  # (module.compile(): eager_frame, no Python call made)
+
+        def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any, eager: bool = False) -> None:
+            if torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag:
+                return
+            if module.__dict__.get("_compiled_call_impl") is not None:  # module.compile(): eager_frame
+                if not eager:
+                    run_eagerly(lambda: leave(module, args, kwargs, output, True))
+                    return
+            elif compile_callback is not None and compile_callback() is not None:
+                return  # run eagerly inside another's compiled call: as compiled code
             self._inside.discard(root)
             if self.open and self.error is None:
                 self._guarded(lambda: self._frozen_call(name, "", inner, args, kwargs, output))
 
         handles = (
-            model.register_forward_pre_hook(enter, with_kwargs=True),
-            model.register_forward_hook(leave, with_kwargs=True, always_call=True),
+            model.register_forward_pre_hook(eager_frame(enter), with_kwargs=True),
+            model.register_forward_hook(eager_frame(leave), with_kwargs=True, always_call=True),
         )
         self._handles.extend(handles)
         self._frozen[model] = (enter, leave, *handles)

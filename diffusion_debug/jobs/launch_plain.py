@@ -8,8 +8,9 @@ first of them; its models, found through its optimizers (:func:`plain_models`); 
 optimizer or a module (:func:`patch_zero_grad`: a backward whose gradients are dropped before the
 step is no loss of it).
 
-The debugger is made at the first optimizer step, after step 0's backward and its gradient
-reduction, which gives every rank the NaN that one made. So the check
+The debugger is made as the first forward under grad of an optimizer's model begins
+(:meth:`~.launched.LaunchWatch._optimizer_made`), else at the first optimizer step, after step 0's
+backward and its gradient reduction, which gives every rank the NaN that one made. So the check
 (:func:`~diffusion_debug.training.measure.pre_reduction.attach_before_backward`) attaches before
 the first ``backward``, on every DDP model and FSDP2 group alive, without the debugger
 (no parameter read: FSDP2's root holds its unsharded ones until backward ends), and the debugger
@@ -545,6 +546,13 @@ def _outer(module: nn.Module, best: nn.Module) -> bool:
 def _container(module: nn.Module) -> bool:
     """A module with no ``forward`` (ModuleDict, ModuleList): never called (torch.compile's sets its own)."""
     return getattr(module.forward, "__func__", None) is nn.Module.forward
+
+
+def model_of(optimizer: torch.optim.Optimizer) -> nn.Module | None:
+    """The live model that holds every parameter ``optimizer`` steps (:func:`plain_models`' choice), or None."""
+    from ..training.judges.optimizer_coverage import live_objects
+
+    return _model_of(optimizer, live_objects(nn.Module))
 
 
 def plain_models(first: torch.optim.Optimizer) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:

@@ -41,9 +41,12 @@ optimizer made, once the debugger is made is not watched, and one line says so.
 The debugger is made as a prepared model's first forward under grad begins (so that an error of
 step 0's forward, out of memory, is step 0's and the run is saved with it), else before the first
 ``Accelerator.backward`` (so that each rank's check of its own gradients attaches before step 0's
-reduction; DeepSpeed: ``launch_deepspeed``), else at the first optimizer step, taking the count of
-the check ``launch_plain`` attached before the first ``backward``: a NaN made in step 0's backward
-names its rank.
+reduction; DeepSpeed: ``launch_deepspeed``). With no Accelerator, as the first forward under grad
+begins of the model that holds a torch optimizer's parameters (made before it: DDP, FSDP2) or of a
+DeepSpeed engine (``deepspeed.initialize``), through a pre-hook that runs before the model's own (FSDP2's
+unshard, ZeRO-3's fetch), given as the optimizer or the engine is made (:meth:`LaunchWatch._optimizer_made`);
+else at the first optimizer step, taking the count of the check ``launch_plain`` attached before the
+first ``backward``: a NaN made in step 0's backward names its rank.
 
 When the script ends, raises or is interrupted (:mod:`.launch_end`), the run is saved with how it
 ended (``end`` in summary.json) and the main process prints its summary; when it cannot watch (bad
@@ -67,6 +70,7 @@ loss, the debugger, the give-up and the end): the seams of its own modules call 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -81,10 +85,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..probes.tracing import compile_wrapper, eager_module
+from ..probes.tracing import compile_callback, compile_wrapper, eager_frame, eager_module, run_eagerly
 from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
 from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
+from .launch_first_forward import FirstForwardHooks
 from .launch_inputs import InputWatch, frozen_models, script_modules
 from .launch_plain import (
     GIVEN_GRADIENTS,
@@ -92,6 +97,7 @@ from .launch_plain import (
     ThisThread,
     holds_unwatched,
     keep,
+    model_of,
     patch_backward,
     patch_clip,
     patch_scaler,
@@ -125,6 +131,18 @@ def _say(text: str, main: bool | None = None) -> None:
     """One line of ours on the main process (``main``: whether this one is, where the debugger knows)."""
     if _is_main_process() if main is None else main:
         print(f"diffusion-debug launch: {text}", file=sys.stderr, flush=True)
+
+
+def _live_optimizer_of(model: nn.Module) -> Any:
+    """A live torch optimizer that steps only ``model``'s parameters, or None."""
+    from ..training.judges.optimizer_coverage import live_objects
+
+    held = {id(p) for p in model.parameters()}
+    for optimizer in live_objects(torch.optim.Optimizer):
+        stepped = [id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+        if stepped and all(i in held for i in stepped):
+            return optimizer
+    return None
 
 
 def _trainable(module: nn.Module) -> bool:
@@ -188,6 +206,9 @@ class LaunchWatch:
         self._stepping: list[int] = []
         """The threads running :meth:`_plain_step` (its hook cannot be removed while one is: torch
         iterates over its dict of them), by ident, once each time they entered it."""
+        self._first_forward = FirstForwardHooks()
+        """No Accelerator: on each model holding a torch optimizer's parameters, the pre-hook that makes
+        the debugger at its first forward under grad (:meth:`_first_forward_call`), out of dynamo's traces."""
         self._searched_at_clip = False
         """Whether a clip before any optimizer step looked for its optimizer (once: a script whose
         update is no torch optimizer's would look through the live optimizers at every clip)."""
@@ -418,7 +439,7 @@ class LaunchWatch:
         from ..training.judges.live_objects import LiveObjects
 
         # the script's models and optimizers, noted as it makes them: looked up with no walk of its heap
-        self._undo.append(LiveObjects().install().remove)
+        self._undo.append(LiveObjects(on_optimizer=self._optimizer_made).install().remove)
         self._undo.append(patch_backward(self))
         self._undo.append(patch_scaler(self))
         self._undo.append(patch_clip(self))
@@ -472,6 +493,7 @@ class LaunchWatch:
         in the script's ``step``); then :meth:`finish` removes it, and till then it returns at once."""
         self.inputs.remove()
         self.early.release()
+        self._unhook_first_forward()
         self.loss = None
         self.thread = ThisThread()  # every thread's scaled loss and scaler let go
         while self._undo:
@@ -485,6 +507,7 @@ class LaunchWatch:
 
         if self.accelerator is None:
             self.accelerator = accelerator
+            self._unhook_first_forward()  # the optimizers made before it: Accelerate's seams watch them
             self._wrap_accelerator(accelerator)
             if getattr(getattr(accelerator, "distributed_type", None), "value", None) not in ("DEEPSPEED", "FSDP"):
                 self.inputs.first_training_call = self._first_training_call
@@ -698,6 +721,9 @@ class LaunchWatch:
                 self.debugger = self._make_debugger()
             except Exception as error:  # an unwritable or full disk, a port in use: the script runs on
                 self.give_up(f"the debugger could not be made ({_reason(error)})")
+            # made (at the first step where no first forward made it): no hook of the first forward is
+            # left to change a module's hooks later, which a compile since then would be guarded on
+            self._unhook_first_forward()
         return self.debugger is not None
 
     def _first_training_call(self) -> None:
@@ -707,6 +733,79 @@ class LaunchWatch:
         FSDP (whose forward pre-hooks, before this one, unshard the parameters)."""
         if self.debugger is None and self.optimizers and not self.failed:
             self._debugger_ready()
+
+    def _optimizer_made(self, optimizer: Any) -> None:
+        """No Accelerator (yet): a torch optimizer made before the debugger. The model that holds its
+        parameters (:func:`~.launch_plain.model_of`) gets a pre-hook that makes the debugger as its
+        first forward under grad begins (:meth:`_first_forward_call`)."""
+        if self.accelerator is None and self.debugger is None and not self.failed and not self.optimizers:
+            try:
+                model = model_of(optimizer)
+            except Exception as error:  # the script's optimizer is never broken by ours
+                self.give_up(f"the debugger could not find the model of an optimizer ({_reason(error)})")
+                return
+            if model is not None:
+                self._hook_first_forward(model, weakref.ref(optimizer))
+
+    def engine_made(self, engine: Any) -> None:
+        """A DeepSpeed engine was made (``deepspeed.initialize``): its first forward under grad makes
+        the debugger, the engine the model (:meth:`_first_forward_call`)."""
+        if self.accelerator is None and self.debugger is None and not self.failed and not self.optimizers:
+            if isinstance(engine, nn.Module):  # (a DeepSpeed unlike the one we know: its first backward)
+                self._hook_first_forward(engine, None)
+
+    def _hook_first_forward(self, model: nn.Module, optimizer: Any) -> None:
+        if model not in self._first_forward:
+            # before every hook of its own: FSDP2's unshard, DeepSpeed ZeRO-3's fetch, its casts
+            self._first_forward.add(
+                model, functools.partial(eager_frame(LaunchWatch._first_forward_call), self, optimizer)
+            )
+
+    def _unhook_first_forward(self) -> None:
+        self._first_forward.remove()
+
+    def _first_forward_call(self, optimizer: Any, module: nn.Module, args: Any, eager: bool = False) -> None:
+        """No Accelerator: a model of a plain script's optimizer (``optimizer``, a weak reference), or a
+        DeepSpeed engine (``optimizer`` None), begins a forward under grad, eagerly, before any step: the
+        models are found as at the first step (:meth:`_plain_step`; the engine as at its first
+        ``backward``) and the debugger is made, its hooks on them before their own run, so that an
+        out-of-memory error of step 0's forward is step 0's, as under Accelerate, on every engine a plain
+        script runs (DDP, FSDP2, DeepSpeed). Its hook goes then; a model whose call dynamo traces (a script's
+        compiled step) has none in its trace (:mod:`.launch_first_forward`): the first step makes the
+        debugger, as before.
+        Where the optimizer's parameters are held by no trainable model (ZeRO replaced them with its own
+        partitions), nothing is found here."""
+        # compiling(), inline: a Python call here is a frame dynamo traces under module.compile()
+        if torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag:
+            return  # traced inside a compiled model's code: nothing there (no break, no recompile)
+        if not eager and compile_callback is not None and compile_callback() is not None:
+            if module.__dict__.get("_compiled_call_impl") is not None:  # module.compile(): eager_frame
+                run_eagerly(lambda: self._first_forward_call(optimizer, module, args, True))
+            return  # else run eagerly inside another's compiled call: as compiled code
+        if not torch.is_grad_enabled():
+            return
+        self._first_forward.pop(module)
+        if self.accelerator is not None or self.debugger is not None or self.failed or self.optimizers:
+            return
+        try:
+            if optimizer is None:  # a DeepSpeed engine, its ZeRO optimizer the optimizer
+                if module.optimizer is None:
+                    return
+                self.models, self.optimizers = [module], [module.optimizer]
+                self._inner_optimizers.update(inner_optimizers(module))
+            else:
+                optimizer = optimizer() or _live_optimizer_of(module)  # (made again: the first one dropped)
+                if optimizer is None or optimizer in self._inner_optimizers:
+                    return
+                models, optimizers = plain_models(optimizer)
+                if not models or not all(_trainable(m) for m in models):
+                    return  # found at the first step (or not), as before
+                self.models, self.optimizers = models, optimizers
+                self._mark()
+        except Exception as error:  # the script's forward is never broken by ours
+            self.give_up(f"the debugger could not find the models of the script's optimizers ({_reason(error)})")
+            return
+        self._debugger_ready()
 
     def _make_debugger(self) -> Any:
         from ..training import TrainingDebugger

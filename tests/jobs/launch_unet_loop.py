@@ -3,7 +3,8 @@ rank 1 and the data loop of a tiny UNet fine-tune (imported from the script's fo
 entry of ``sys.path`` under ``python SCRIPT``, ``accelerate launch`` and ``diffusion-debug launch``).
 --nan-grad-at M: at micro-step M (the step itself with no accumulation) a backward pre-hook on
 ``conv_in`` makes rank 1's own gradient NaN during backward, before the engine reduces it (a tensor
-hook on a sharded parameter never fires)."""
+hook on a sharded parameter never fires). --oom-at M: at micro-step M ``conv_in`` raises
+``torch.OutOfMemoryError`` on every rank as its forward begins (``plant_oom``), which the script lets go up."""
 
 import argparse
 
@@ -13,6 +14,7 @@ import torch
 def arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nan-grad-at", type=int)
+    parser.add_argument("--oom-at", type=int)
     return parser.parse_args()
 
 
@@ -24,6 +26,10 @@ def train(model, conv_in, rank, args, backward_and_step, accumulation=1):
         conv_in.register_full_backward_pre_hook(
             lambda module, grad_output: (grad_output[0] * float("nan"),) if micro[0] == args.nan_grad_at else None
         )
+    if args.oom_at is not None:
+        from diffusion_debug.testing import plant_oom
+
+        plant_oom(conv_in, from_call=args.oom_at)
     generator = torch.Generator().manual_seed(100 + rank)
     losses = []
     for index in range(args.steps * accumulation):

@@ -6,7 +6,8 @@ engine.step()``; launch_zero_script.py). One run of 14 steps each (ZeRO-2's of 2
 each), clean but for a NaN that a module's backward pre-hook makes in rank 1's own gradient of
 ``conv_in`` at step 12, before the engine's reduction gives it to rank 0: the headline names rank 1
 in the four places (summary.json, report.html, the terminal, the export), rank 0 is told it
-received it. FSDP2's step 0 (the debugger made after its backward) has a run of its own.
+received it. FSDP2's step 0 has a run of its own, and so has an out-of-memory error in step 0's
+forward on FSDP2 and on ZeRO-3 (the debugger made as that forward begins, on both engines).
 
 The scripts run as the processes of ``diffusion-debug launch --cpu --num_processes 2`` run them
 (``diffusion_debug.jobs.launched.main``: the seams installed, the script as ``__main__``, the run saved
@@ -195,10 +196,12 @@ def test_installing_the_seams_loads_no_deepspeed_and_uninstalling_removes_the_im
 
 
 def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(launched_in_job):
-    """With no Accelerator the debugger is made at the first optimizer step, after step 0's backward
-    (here ``torch.autograd.backward([loss])``, not ``loss.backward()``); each rank's check of its own
-    gradients attaches before that backward (on FSDP2's groups, no parameter read), and the debugger
-    takes its count: the NaN planted on rank 1 only is named there."""
+    """With no Accelerator the debugger is made as step 0's forward begins (before FSDP2's unshard),
+    before step 0's backward (here ``torch.autograd.backward([loss])``, not ``loss.backward()``); each
+    rank's check of its own gradients attaches with it (on FSDP2's groups, no parameter read): the NaN
+    planted on rank 1 only is named there. (Before, the debugger was made at the first optimizer step
+    and took the count of the check launch attached before that backward, ``EarlyCheck``: still the
+    way where no forward made it, tested in-process by test_launch_early_check.py.)"""
     # --steps 1 --nan-grad-at 0 --autograd-backward, DIFFUSION_DEBUG_NO_HTML=1 (no page read)
     run_dir, stdout, _ = _launch(launched_in_job, "launched_fsdp2_nan0")
     assert sorted(re.findall(r"RANK \d DONE", stdout)) == ["RANK 0 DONE", "RANK 1 DONE"]
@@ -213,11 +216,50 @@ def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(launche
     assert run.summary["headline"]["where"] == f"model {PARAMETER}, step 0, rank 1"
 
 
+PLANTED_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)"
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_an_out_of_memory_error_in_step_0s_forward_is_recorded_on_each_rank_and_goes_up_unchanged(
+    engine, launched_in_job
+):
+    """With no Accelerator the debugger was made at the first optimizer step (FSDP2) or the engine's
+    first ``backward`` (DeepSpeed), after step 0's forward: an OOM there (the usual first failure of a
+    fine-tune) left no record, only "nothing was watched". It is now made as the model's first forward
+    under grad begins, by a pre-hook run before the engine's own (FSDP2's unshard, ZeRO-3's fetch),
+    given when the optimizer (FSDP2) or the engine (``deepspeed.initialize``) is made: each rank's OOM,
+    planted in ``conv_in`` at step 0 on both ranks, is recorded at its module, step and rank, the run
+    saved with how the script ended, and the script's own error reaches it unchanged."""
+    if engine == "zero3" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
+    done = launched_in_job(f"launched_{engine}_oom0")  # --steps 1 --oom-at 0, DIFFUSION_DEBUG_NO_HTML=1
+    assert done.returncode == 1  # both ranks raised
+    (run_dir,) = (done.args / "runs").iterdir()
+    run = load_run(run_dir)
+    found = sorted((a.kind, a.component, a.module, a.step, a.rank) for a in run.anomalies)
+    assert found[0] == ("out_of_memory", "model", "conv_in", 0, 0)
+    assert set(found) <= {("out_of_memory", "model", "conv_in", 0, rank) for rank in (0, 1)}
+    assert run.summary["end"]["status"] == "raised" and run.summary["end"]["exception"] == "OutOfMemoryError"
+    assert run.summary["end"]["message"] == PLANTED_OOM
+    # each rank said it, and each rank's script raised the planted error itself, from the planted hook
+    assert "out_of_memory at model conv_in, step 0: " in done.stderr
+    assert "out_of_memory at model conv_in, step 0, rank 1: " in done.stderr
+    assert "nothing was watched" not in done.stderr and "not watching" not in done.stderr
+    lines = done.stderr.splitlines()
+    raised = [i for i, line in enumerate(lines) if line == f"torch.OutOfMemoryError: {PLANTED_OOM}"]
+    assert len(raised) == 2  # one traceback a rank, its last frame plant_oom's hook
+    for i in raised:
+        frame = next(line for line in reversed(lines[:i]) if line.startswith("  File "))
+        assert frame.endswith(", in hook") and "diffusion_debug/testing/faults.py" in frame
+
+
 MULTIPROCESS_JOB_SCENARIOS = (
     "launched_ddp_nan12",
     "launched_fsdp2_nan0",
     "launched_zero2_nan24",
     "launched_zero3_nan12",
     "plain_zero3_script",
+    "launched_fsdp2_oom0",
+    "launched_zero3_oom0",
 )
 """What the session's 2-process launch runs for this module (multiprocess_job.py's ``LAUNCHED``)."""

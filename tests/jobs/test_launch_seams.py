@@ -484,6 +484,170 @@ def test_an_out_of_memory_error_in_the_first_training_forward_is_recorded_at_ste
     assert "nothing was watched" not in capsys.readouterr().err
 
 
+def test_a_plain_scripts_out_of_memory_error_in_its_first_training_forward_is_recorded_at_step_0(
+    tmp_path, capsys, torch_own
+):
+    """With no Accelerator the models were found, and the debugger made, at the first optimizer step:
+    an OOM in step 0's forward left only "nothing was watched ... it raised OutOfMemoryError". The
+    model holding the optimizer's parameters now gets a pre-hook as the optimizer is made, and its
+    first forward under grad makes the debugger (a call under no_grad first does not): the OOM is
+    step 0's, at its module, and the script's own error goes up as it was raised."""
+    from diffusion_debug.jobs.launch_end import describe_end
+    from diffusion_debug.testing import plant_oom
+
+    watch = _installed_watch(tmp_path, "train.py")
+    try:
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # noqa: F841 (alive: its model is found)
+        with torch.no_grad():
+            model(X)  # a validation-like call first: no training step, no debugger
+        assert watch.debugger is None and _hooks(model) == 1  # the optimizer's model's pre-hook, waiting
+        plant_oom(model[2])
+        with pytest.raises(torch.OutOfMemoryError) as raised:
+            model(X)
+        assert str(raised.value).endswith("(planted by diffusion_debug.testing)")
+        assert raised.traceback[-1].name == "hook"  # plant_oom's, where it was raised
+        watch.end = describe_end(raised.value, None)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [(a.kind, a.component, a.module, a.step, a.rank) for a in run.anomalies] == [
+        ("out_of_memory", "model", "2", 0, 0)
+    ]
+    assert run.summary["end"]["status"] == "raised" and run.summary["end"]["exception"] == "OutOfMemoryError"
+    assert "nothing was watched" not in capsys.readouterr().err
+    assert _hooks(model) == 1  # plant_oom's own: none of launch's is left
+
+
+def test_a_plain_scripts_optimizer_made_again_before_its_first_forward_still_makes_the_debugger_there(
+    tmp_path, torch_own
+):
+    """The optimizer is made twice before step 0 (``optimizer = make_optimizer()`` again after a
+    checkpoint is loaded: the first one dropped). The model's pre-hook, given with the first, found it
+    gone at the first forward and made nothing (an OOM there went unrecorded); it now takes the live
+    optimizer of that model: the debugger is made as step 0's forward begins."""
+    import gc
+
+    watch = _installed_watch(tmp_path, "train.py")
+    try:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        gc.collect()
+        loss = model(X).pow(2).mean()
+        assert watch.debugger is not None and watch.optimizers == [optimizer]
+        loss.backward()
+        optimizer.step()
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert _hooks(model) == 0
+
+
+def test_a_copy_or_a_save_of_a_plain_scripts_model_made_after_its_optimizer_works_and_carries_no_hook(
+    tmp_path, torch_own
+):
+    """``ema = copy.deepcopy(model)`` and ``torch.save(model)`` once the optimizer is made (an EMA copy,
+    a whole-model checkpoint): launch's first-forward pre-hook, on the model then, was copied with it,
+    and the watch inside it could not be (``TypeError: cannot pickle 'ThisThread' object``: the script
+    broke). The copy and the saved model now hold no hook of launch's; the model's own first forward
+    under grad still makes the debugger; the copy is the model, bitwise."""
+    import copy
+    import io
+
+    watch = _installed_watch(tmp_path, "train.py")
+    try:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ema = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert (_hooks(model), _hooks(ema), _hooks(loaded)) == (1, 0, 0)
+        assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), model.parameters()))
+        model(X).pow(2).mean().backward()
+        assert watch.debugger is not None
+        optimizer.step()
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert _hooks(model) == 0
+
+
+@pytest.mark.parametrize("how", ["in_place", "step_function"])
+def test_a_plain_scripts_model_compiled_in_place_makes_the_debugger_at_its_first_forward_with_the_plain_graphs(
+    how, tmp_path, torch_own
+):
+    """``model.compile()`` before its optimizer is made: launch's first-forward pre-hook is called as a
+    frame of its own (torch compiles ``_call_impl``, a frame dynamo skips); it runs eagerly there, so the
+    debugger is made as step 0's forward begins, with the plain run's graphs and graph breaks, bitwise.
+    ``step_function``: the model, its optimizer made, is called inside a compiled function of the script's
+    (``@torch.compile def loss_of(x)``); dynamo traces the model's call there, and the pre-hook was traced
+    with it, guarded (``len(model._forward_pre_hooks) == 1``): the debugger's hooks added at the first step
+    recompiled it (2 graphs). It is lifted while dynamo compiles, so the trace is the plain run's and the
+    first step makes the debugger, as before."""
+    from torch._dynamo.utils import counters
+
+    from diffusion_debug.probes.tracing import compile_callback
+
+    if compile_callback is None:  # (2.5: a step_function's empty hook dicts are guarded: the debugger recompiles it)
+        pytest.skip("no dynamo frame callback to ask on this torch (2.5): the first step makes the debugger")
+    made = []
+
+    def loop(watch=None):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _Net()
+        if how == "in_place":
+            model.compile(backend="aot_eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss_of = lambda x: model(x).pow(2).mean()  # noqa: E731
+        if how == "step_function":
+            loss_of = torch.compile(loss_of, backend="aot_eager")
+        losses = []
+        for step in range(3):
+            x = X.clone()
+            if step == 1:
+                x[0, 1] = float("nan")
+            loss = loss_of(x)
+            if watch is not None and step == 0:
+                made.append(watch.debugger is not None)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        graphs = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        watched_model[:] = [model]
+        return losses, [p.detach().clone() for p in model.parameters()], graphs
+
+    watched_model = []
+    plain_losses, plain, plain_graphs = loop()
+    watch = _installed_watch(tmp_path, "train.py")
+    try:
+        losses, watched, graphs = loop(watch)
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert made == [how == "in_place"] and graphs == plain_graphs == (1, 0)
+    same = functools.partial(torch.allclose, rtol=0, atol=0, equal_nan=True)
+    assert same(torch.tensor(losses), torch.tensor(plain_losses)) and all(map(same, watched, plain))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    first = by_cause(load_run(run_dir).anomalies)[0]
+    if how == "in_place":
+        assert (first.kind, first.component, first.step, first.details["inputs"]) == (
+            "nonfinite_input",
+            "input",
+            1,
+            ["model(x)"],
+        )
+    else:  # the model's call is compiled code: no hook of ours runs there, its input is not counted
+        assert (first.kind, first.step) == ("nonfinite_loss", 1)
+    assert _hooks(watched_model[0]) == 0
+
+
 # -- after the end ---------------------------------------------------------------------------------
 
 
@@ -1206,7 +1370,8 @@ def test_a_gan_steps_gradients_are_its_own_optimizers_and_a_nan_generator_loss_i
     errors = [(a.kind, a.step, a.component, a.details.get("follows")) for a in by_cause(run.anomalies)]
     assert errors == [
         ("nonfinite_loss", 5, "model", None),
-        ("nonfinite", 5, "sequential_2", {"kind": "nonfinite_loss", "rank": 0}),  # the generator's
+        # the generator's: named first since its forward came first (before: the discriminator, stepped first)
+        ("nonfinite", 5, "sequential", {"kind": "nonfinite_loss", "rank": 0}),
     ]
 
 
@@ -1437,11 +1602,11 @@ def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_cli
     clip), the gradients named conv_out, the first backward reached, not the convolution whose
     backward made the NaN. Launch reads the gradients at torch's clip, as at Accelerate's (which a
     prepared script may skip for torch's); the run is the plain one, loss for loss. At step 0 too,
-    before any optimizer stepped (a plain script's is found at the clip; before, step 0 was read at
-    the step, after the clip), and through a script's own name for the clip, bound at its top (as
-    ``launched`` runs a script: after launch installed). And through torch's two-part clip,
-    ``get_total_norm`` then ``clip_grads_with_norm_``: before, read after it (no seam), the NaN norm
-    had made every gradient NaN and conv_out was named."""
+    before any optimizer stepped (a plain script's is found at its model's first forward, else at the
+    clip; before, step 0 was read at the step, after the clip), and through a script's own name for
+    the clip, bound at its top (as ``launched`` runs a script: after launch installed). And through
+    torch's two-part clip, ``get_total_norm`` then ``clip_grads_with_norm_``: before, read after it (no
+    seam), the NaN norm had made every gradient NaN and conv_out was named."""
     import runpy
 
     middle = "down_blocks.1.resnets.0.conv2"
@@ -1464,9 +1629,8 @@ def test_a_nan_made_in_backward_is_named_where_it_was_made_though_the_script_cli
     assert [repr(v) for v in losses] == [repr(v) for v in plain]  # bitwise the plain run's, NaN after the step
     assert all(v == v for v in losses[: nan_at + 1])  # the planted step's loss is finite
     (made,) = [a for a in saved.anomalies if a.kind == "nonfinite" and a.step == nan_at]
-    # step 0 ran its forward before the debugger was made: no order recorded, the last registered is named
-    order = "last_in_forward" if nan_at else "last_registered"
-    assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", order)
+    # step 0 too: the debugger is made as its forward begins (before, after it: the last registered was named)
+    assert (made.module, made.parameter, made.details["order"]) == (middle, f"{middle}.weight", "last_in_forward")
     assert made.severity == ("info" if mode == "grad_scaler" else "error")
 
 
@@ -1474,15 +1638,17 @@ def test_a_failure_finding_the_optimizer_at_step_0s_clip_gives_up_and_the_clip_r
     torch_own, monkeypatch, capsys
 ):
     """The search for the optimizer of step 0's clipped parameters fails (planted): launch gives up
-    with one line, and the script's clip returns torch's norm and clips as torch's does."""
+    with one line, and the script's clip returns torch's norm and clips as torch's does. (The
+    optimizer is made after the forward: one made before it is found at the model's first forward.)"""
     from diffusion_debug.jobs import launched
 
     def fail(optimizer):
         raise RuntimeError("planted")
 
     def step0(model):
+        loss = model(X).pow(2).mean()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model(X).pow(2).mean().backward()
+        loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
         optimizer.step()
         return norm, [p.detach().clone() for p in model.parameters()]

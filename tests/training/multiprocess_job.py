@@ -31,7 +31,8 @@ accumulate_unused (DDP with ``find_unused_parameters=True`` under ``accelerator.
 micro-steps a step, 8 calls; a branch ``unused`` joins the forward at call 3 only; at each optimizer
 step each rank prints the norm measured, the learning rate times it (SGD: the update it applies),
 the update applied to the weights and the steps counted: ``RANK r UPDATE call c: <json>``)
-launched_ddp_nan12 / launched_fsdp2_nan0 / launched_zero2_nan24 / launched_zero3_nan12 (test_launch_engines.py's
+launched_ddp_nan12 / launched_fsdp2_nan0 / launched_zero2_nan24 / launched_zero3_nan12 / launched_fsdp2_oom0 /
+launched_zero3_oom0 (test_launch_engines.py's
 launches of launch_torch_script.py and launch_zero_script.py, :data:`LAUNCHED`: each script run as a process of
 ``diffusion-debug launch`` runs it, by ``diffusion_debug.jobs.launched.main``, in this launch's processes,
 :func:`run_launched`: four launches less, ~18 CPU-s each) | plain_zero3_script (no debugger: the ZeRO-3 one's
@@ -171,6 +172,7 @@ def run_plain_script(output_dir: str, scenario: str) -> None:
 
 NAN_AT_12 = ("--steps", "14", "--nan-grad-at", "12")
 ZERO, ZERO2 = {"DS_ACCELERATOR": "cpu"}, ("--nan-grad-at", "24", "--stage", "2")
+OOM_AT_0 = ("--steps", "1", "--oom-at", "0")
 LAUNCHED = {
     "launched_ddp_nan12": ("launch_torch_script.py", ("--ddp", *NAN_AT_12), {}),
     "launched_fsdp2_nan0": (
@@ -181,6 +183,9 @@ LAUNCHED = {
     "launched_zero2_nan24": ("launch_zero_script.py", ("--steps", "14", "--accumulation", "2", *ZERO2), ZERO),
     "launched_zero3_nan12": ("launch_zero_script.py", (*NAN_AT_12, "--stage", "3"), ZERO),
     "plain_zero3_script": ("launch_zero_script.py", (*NAN_AT_12, "--stage", "3"), ZERO),  # no debugger
+    # out of memory in step 0's forward, on both ranks (the scripts raise it): last of the engines' runs
+    "launched_fsdp2_oom0": ("launch_torch_script.py", OOM_AT_0, {"DIFFUSION_DEBUG_NO_HTML": "1"}),
+    "launched_zero3_oom0": ("launch_zero_script.py", OOM_AT_0, {**ZERO, "DIFFUSION_DEBUG_NO_HTML": "1"}),
     # test_launch.py's: an Accelerate script, as `launch --cpu` runs it; its end_training keeps the group
     "launched_accelerate_nan0": (
         "launch_script.py",

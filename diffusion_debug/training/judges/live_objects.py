@@ -58,7 +58,9 @@ class LiveObjects:
     :meth:`remove` is idempotent and it works as a context manager; a wrapper of ours that someone
     wrapped over since stays inside theirs, and passes through once removed."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_optimizer: Callable[[Any], None] | None = None) -> None:
+        self.on_optimizer = on_optimizer
+        """Called with each optimizer noted as its ``__init__`` returns (launch hooks its model's first forward)."""
         self._refs: dict[int, weakref.ref] = {}
         self._handles: list[Any] = []
         self._patched: list[tuple[type, str, Any, Any]] = []
@@ -78,7 +80,7 @@ class LiveObjects:
             self._handles.append(register_module_parameter_registration_hook(self._registered))
             self._handles.append(register_module_buffer_registration_hook(self._registered))
             self._handles.append(register_module_module_registration_hook(self._child_registered))
-            self._wrap(torch.optim.Optimizer, "__init__")
+            self._wrap(torch.optim.Optimizer, "__init__", made=True)
             self._wrap(torch.optim.Optimizer, "__setstate__")
             self._wrap(nn.Module, "__setstate__")
         except BaseException:
@@ -134,8 +136,9 @@ class LiveObjects:
             if child is not None:
                 self._note(child)
 
-    def _wrap(self, owner: type, name: str) -> None:
-        """``owner.name`` notes its object once it returned (not one whose ``__init__`` raised)."""
+    def _wrap(self, owner: type, name: str, made: bool = False) -> None:
+        """``owner.name`` notes its object once it returned (not one whose ``__init__`` raised); ``made``:
+        an optimizer's ``__init__``, then told to :attr:`on_optimizer`."""
         original: Callable[..., Any] = vars(owner)[name]
         registry = self
 
@@ -144,6 +147,8 @@ class LiveObjects:
             result = original(obj, *args, **kwargs)
             if registry._installed:
                 registry._note(obj)
+                if made and registry.on_optimizer is not None:
+                    registry.on_optimizer(obj)
             return result
 
         setattr(owner, name, noted)
