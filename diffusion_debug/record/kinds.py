@@ -279,6 +279,22 @@ register_kind(
     message=training_messages.nonfinite_input,
 )
 register_kind(
+    "nonfinite_forward",
+    severity="error",
+    colour="#e377c2",
+    meaning=(
+        "A module of a trained model made NaN or Inf from finite inputs in its forward (found by replaying that "
+        "step's forward with every module probed, on a step whose loss was NaN/Inf and whose weights were finite): "
+        "the loss and the gradients after it follow."
+    ),
+    action=(
+        "Check that module's forward and dtype (an fp16 overflow: train in bf16 or fp32, or keep that module in "
+        "fp32), and what it divides by or takes the log or square root of."
+    ),
+    stage=1,
+    message=training_messages.nonfinite_forward,
+)
+register_kind(
     "lr_spike",
     severity="warning",
     colour="#aec7e8",

@@ -22,6 +22,27 @@ if TYPE_CHECKING:
     from .anomaly import Anomaly
 
 
+def nonfinite_forward(anomaly: Anomaly) -> str:
+    """A trained model's module made NaN/Inf in its forward (launch's replay of the step's forward).
+
+    >>> from diffusion_debug.record import make_anomaly
+    >>> print(make_anomaly("nonfinite_forward", component="text_encoder", module="encoder.layers.0.mlp",
+    ...                    step=3, rank=0, details={"micro_step": 0}).message)
+    text_encoder.encoder.layers.0.mlp made NaN/Inf from finite inputs in the forward of step 3 on rank 0 (found by
+    replaying that forward with every module probed): the loss and the gradients of this step follow from it; check
+    that module's forward and dtype (fp16 overflow: bf16 or fp32), and any division, log or square root in it.
+    """
+    made = anomaly.component + (f".{anomaly.module}" if anomaly.module else " (its own code between its modules)")
+    micro = anomaly.details.get("micro_step") or 0
+    call = f" (micro-step {micro} of the step)" if micro else ""
+    return (
+        f"{made} made NaN/Inf from finite inputs in the forward of step {anomaly.step}{call} on rank {anomaly.rank} "
+        "(found by replaying that forward with every module probed): the loss and the gradients of this step follow "
+        "from it; check that module's forward and dtype (fp16 overflow: bf16 or fp32), and any division, log or "
+        "square root in it."
+    )
+
+
 def nonfinite_input(anomaly: Anomaly) -> str:
     """The batch held NaN/Inf, or (``component`` other than ``input``) a frozen model made them from
     finite inputs: the text encoder whose output the trained model takes."""
@@ -51,6 +72,12 @@ def nonfinite_input(anomaly: Anomaly) -> str:
             f"{made}, which is not trained, made {count} NaN/Inf value(s) from finite inputs at step {anomaly.step} "
             f"on rank {anomaly.rank},{where}{follows}; {check}."
         )
+    if d.get("follows", {}).get("kind") == "nonfinite_forward":  # a trained model's forward made it
+        return (
+            f"The input {seen[0]} of the trained model holds {count} NaN/Inf value(s) at step {anomaly.step} on rank "
+            f"{anomaly.rank}, from the NaN/Inf made in the forward of {_forward_of(d['follows'])}"
+            " of this step."
+        )
     if "weights" in d:  # seen first at a trained model's argument, made by a trained model's non-finite weights
         return (
             f"The input {seen[0]} of the trained model holds {count} NaN/Inf value(s) at step {anomaly.step} on rank "
@@ -68,7 +95,10 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
         loss = f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}"
         return loss + _earlier(d, anomaly.rank) + "."
     if "follows" in d:
-        what = "non-finite loss weight" if d["follows"]["kind"] == "nonfinite_loss_weight" else _input(d["follows"])
+        kind = d["follows"]["kind"]
+        what = "non-finite loss weight" if kind == "nonfinite_loss_weight" else _input(d["follows"])
+        if kind == "nonfinite_forward":
+            what = f"NaN/Inf made in the forward of {_forward_of(d['follows'])}"
         return (
             f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}, from the {what} of this "
             "step" + _samples(d) + "."
@@ -620,6 +650,11 @@ def _fmt(value: float | str | None) -> str:
     if isinstance(value, str):
         return value
     return "n/a" if value is None else f"{value:.4g}"
+
+
+def _forward_of(follows: dict[str, Any]) -> str:
+    """The module a ``follows`` on a ``nonfinite_forward`` names: ``text_encoder.encoder.layers.0``."""
+    return follows["component"] + (f".{follows['module']}" if follows.get("module") else "")
 
 
 def _input(follows: dict[str, Any]) -> str:

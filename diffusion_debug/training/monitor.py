@@ -372,6 +372,7 @@ class StepMonitor:
                     input_producers=measured.input_producers,
                     grad_norm=own.grad_norm,
                     squares=measured.squares,
+                    forwards=measured.forwards,
                 )
             if local.samples is not None:
                 found = judge_samples(

@@ -673,3 +673,93 @@ def test_a_model_compiled_before_step_0_stays_at_its_wrapper_when_another_traine
         watch.remove()
     assert given is compiled
     assert {path: int(count) for path, count in watch.take().items()} == {"text_encoder(input)": 0}
+
+
+def _train_text_encoder(tmp_path, *, nan_at=None, watched=True, steps=4):
+    """Textual inversion's loop: the text encoder's token embeddings trained (its attention dropout on), the
+    denoiser frozen and called after it; a forward hook on ``encoder.layers.0.mlp.fc1`` makes its output NaN
+    at step ``nan_at``. The report (None unwatched), the trained weights and the CPU generator's state after."""
+    torch.manual_seed(0)
+    config = CLIPTextConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        attention_dropout=0.5,
+    )
+    text_encoder = CLIPTextModel(config).train().requires_grad_(False)
+    text_encoder.get_input_embeddings().weight.requires_grad_(True)
+    unet = Denoiser().requires_grad_(False)
+    fc1 = text_encoder.get_submodule(clip_name("encoder.layers.0.mlp.fc1"))
+    at = [None]
+    fc1.register_forward_hook(lambda module, args, output: output * float("nan") if at[0] == nan_at else None)
+    optimizer = torch.optim.SGD([text_encoder.get_input_embeddings().weight], lr=0.1)
+    watch, tdbg = InputWatch(), None
+    if watched:
+        watch.watch_trained(text_encoder, "text_encoder")
+        watch.watch_frozen(unet, "unet")
+        tdbg = TrainingDebugger(text_encoder, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    loader = Loader(_batches(steps))
+    if watched:
+        watch.watch_loader(loader)
+    try:
+        for step, batch in enumerate(loader):
+            at[0] = step
+            embedding = text_encoder(batch["input_ids"], return_dict=False)[0]
+            loss = unet(batch["pixel_values"], embedding).pow(2).mean()
+            loss.backward()
+            if watched:
+                tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, inputs=watch.take())
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        watch.remove()
+    report = tdbg.report() if watched else None
+    if watched:
+        tdbg.close()
+    return report, text_encoder.state_dict(), torch.get_rng_state()
+
+
+def _same_bytes(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_nan_made_in_a_trained_text_encoder_s_forward_is_named_at_its_module_and_step(tmp_path):
+    """Launch has no closure=: the trained model's kept forward of a NaN-loss step is replayed with every module
+    probed (its dropout drawing the same masks), and the module that made the NaN is the headline; the replay
+    changes nothing: the trained weights (NaN from the next step on) and the generator are the unwatched run's."""
+    report, weights, rng = _train_text_encoder(tmp_path / "a", nan_at=2)
+    first = by_cause(report.anomalies)[0]
+    assert (first.kind, first.component, first.module, first.step, first.rank) == (
+        "nonfinite_forward",
+        "text_encoder",
+        clip_name("encoder.layers.0.mlp.fc1"),
+        2,
+        0,
+    )
+    assert first.message == (
+        f"text_encoder.{clip_name('encoder.layers.0.mlp.fc1')} made NaN/Inf from finite inputs in the forward of "
+        "step 2 on rank 0 (found by replaying that forward with every module probed): the loss and the gradients "
+        "of this step follow from it; check that module's forward and dtype (fp16 overflow: bf16 or fp32), and any "
+        "division, log or square root in it."
+    )
+    loss = next(a for a in report.anomalies if a.kind == "nonfinite_loss")
+    assert loss.details["follows"]["kind"] == "nonfinite_forward"
+    assert loss.message == (
+        f"The loss is nan at step 2 on rank 0, from the NaN/Inf made in the forward of text_encoder."
+        f"{clip_name('encoder.layers.0.mlp.fc1')} of this step."
+    )
+    assert [a.kind for a in report.anomalies if a.kind == "nonfinite_forward"] == ["nonfinite_forward"]
+    _, plain_weights, plain_rng = _train_text_encoder(tmp_path / "b", nan_at=2, watched=False)
+    assert all(_same_bytes(weights[k], plain_weights[k]) for k in plain_weights)
+    assert torch.equal(rng, plain_rng)
+
+
+def test_a_clean_trained_text_encoder_run_is_quiet_and_its_weights_are_the_unwatched_run_s(tmp_path):
+    report, weights, rng = _train_text_encoder(tmp_path / "a")
+    _, plain_weights, plain_rng = _train_text_encoder(tmp_path / "b", watched=False)
+    assert [a.kind for a in report.anomalies] == []
+    assert all(_same_bytes(weights[k], plain_weights[k]) for k in plain_weights)
+    assert torch.equal(rng, plain_rng)

@@ -57,7 +57,8 @@ CAUSE_WINDOW = 10
 NaN loss, loss spike or gradient explosion."""
 
 _CAUSED_BY = {
-    "nonfinite_loss": ("nonfinite_input", "nonfinite_loss_weight"),
+    "nonfinite_loss": ("nonfinite_forward", "nonfinite_input", "nonfinite_loss_weight"),
+    "nonfinite_input": ("nonfinite_forward",),  # at a trained model's argument: another trained model's output
     "nonfinite": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
     "gradient_explosion": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
     "loss_spike": ("sample_loss_outlier",),
@@ -91,6 +92,8 @@ def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
             follows = {"kind": cause.kind, "rank": cause.rank}
             if cause.kind == "nonfinite_input" and cause.component != "input":  # a frozen model made it
                 follows["component"] = cause.component
+            elif cause.kind == "nonfinite_forward":  # a module of a trained model's forward made it
+                follows.update(component=cause.component, module=cause.module)
             a = rebuilt(a, details={**a.details, "follows": follows})
         if cause is not None and a.kind == "nonfinite":
             a = named_by_registration(a)

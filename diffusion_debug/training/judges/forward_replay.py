@@ -1,0 +1,118 @@
+"""The module of a trained model that made a NaN/Inf in its own forward, found by replaying that
+forward with every module probed, on a step whose loss is non-finite and whose weights and inputs
+are finite (a NaN input or weight explains the step itself).
+
+``diffusion-debug launch`` keeps each trained model's first forward under grad of each micro-step
+(:class:`KeptForward`: references to its arguments, no copy, and what the replay needs to compute
+the same values) until the step's monitor; a healthy step reads none of it. :func:`replay_forwards`
+runs the kept calls in order, on the model itself (inside DDP's or ``torch.compile``'s wrapper: no
+collective, no compiled code), under ``no_grad``, with the random number generators set to their
+state at the original call (dropout draws the same masks) and the autocast the call ran under, and
+names the first module in execution order whose output is non-finite while its inputs were finite.
+The run does not change: the generators, the buffers a module in training mode updates (BatchNorm's
+running statistics) and the gradients are as before (``probes.probe_call``), and no weight is written.
+
+>>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+>>> with torch.no_grad():
+...     model[1].weight[0, 0] = float("inf")
+>>> kept = KeptForward.of("net", model, (torch.ones(1, 2),), {}, [])
+>>> replay_forwards([kept])["module"]
+'1'
+
+Limits: a kept argument changed in place after the call (its ``_version`` moved) is not replayed
+(its values are not the call's); the weights are those at the monitor, the call's own unless an
+optimizer stepped between (a GAN's other optimizer); random numbers drawn on a CUDA device other than
+the current one at the call are not set back; under FSDP and ZeRO no replay runs (a sharded forward
+on one rank would hang); the arguments of each micro-step are held until the step's monitor (with
+gradient accumulation, each micro-batch's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...probes import probe_call
+from ...stats import cuda_devices
+
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+@dataclass
+class KeptForward:
+    """One forward call of a trained model, kept for a replay: the model (not a wrapper), its
+    arguments, the generators' states and autocast at the call, and the versions of its
+    floating-point arguments (an in-place change after the call shows there)."""
+
+    name: str
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    tensors: list
+    versions: list
+    cpu_rng: torch.Tensor
+    cuda_rng: tuple[int, torch.Tensor] | None
+    autocast: tuple[tuple[str, torch.dtype], ...]
+
+    @classmethod
+    def of(cls, name: str, model: nn.Module, args: tuple, kwargs: dict, tensors: list) -> KeptForward:
+        """The call ``model(*args, **kwargs)`` now beginning (``tensors``: its floating-point
+        arguments, whose versions are read now)."""
+        cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.cuda.current_device()
+            cuda = (device, torch.cuda.get_rng_state(device))
+        autocast: tuple = ()
+        if torch._C._is_any_autocast_enabled():  # the user's own autocast (Accelerate's is in the model's forward)
+            autocast = tuple(
+                (device, torch.get_autocast_dtype(device))
+                for device in _AUTOCAST_DEVICES
+                if torch.is_autocast_enabled(device)
+            )
+        return cls(
+            name,
+            model,
+            args,
+            kwargs,
+            tensors,
+            [t._version for t in tensors],
+            torch.get_rng_state(),
+            cuda,
+            autocast,
+        )
+
+    def changed(self) -> bool:
+        """Whether an argument was changed in place since the call."""
+        return any(t._version != v for t, v in zip(self.tensors, self.versions))
+
+
+def replay_forwards(kept: list[KeptForward]) -> dict[str, Any] | None:
+    """Replay ``kept`` in order until one names the module that made a NaN/Inf from finite inputs:
+    ``{"component": its model's name, "module": the module's qualified name ("" for the model's own
+    code between its modules), "micro_step": which call of the step}``; None when none did (each
+    replay stayed finite, or no module made it from finite inputs). A call whose
+    arguments changed in place since is skipped (``skipped`` counts them)."""
+    skipped = 0
+    for index, call in enumerate(kept):
+        if call.changed():
+            skipped += 1
+            continue
+        made = next((r for r in _replay(call) if r.input_finite and not r.output_finite), None)
+        if made is not None:  # the first call to finish with finite inputs and a non-finite output
+            return {"component": call.name, "module": made.module, "micro_step": index}
+    return {"skipped": skipped} if skipped else None
+
+
+def _replay(call: KeptForward) -> list:
+    devices = cuda_devices((call.args, call.kwargs, list(call.model.parameters())[:1]))
+    with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
+        torch.set_rng_state(call.cpu_rng)
+        if call.cuda_rng is not None:
+            torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
+        for device, dtype in call.autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        return probe_call(call.model, call.args, call.kwargs)
