@@ -78,6 +78,16 @@ def _nonfinite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t).logical_not().sum()
 
 
+_FORWARD_REPLAY = __name__.rpartition(".jobs.")[0] + ".training.judges.forward_replay"
+
+
+def _replaying() -> bool:
+    """Whether launch's replay of a NaN step's forward is running (its calls are none of the script's);
+    read where the training debugger loaded it, so that this module loads no training code itself."""
+    replay = sys.modules.get(_FORWARD_REPLAY)
+    return replay is not None and replay.replaying_forward()
+
+
 def _path(prefix: str, keys: tuple[Any, ...]) -> str:
     return prefix + "".join(f"[{key!r}]".replace("'", '"') for key in keys)
 
@@ -179,7 +189,8 @@ class InputWatch:
             elif compile_callback is not None and compile_callback() is not None:
                 return  # run eagerly inside another's compiled call (a wrapper's model): as compiled code
             if not torch.is_grad_enabled():
-                self._inference()
+                if not _replaying():  # (launch's replay of a NaN step's forward is no call of the script's)
+                    self._inference()
             elif id(module) not in self.ran and self.error is None:
                 if self._unsettled:
                     self._settle(module)
@@ -205,7 +216,7 @@ class InputWatch:
             self._handles.append(inner.register_forward_pre_hook(self._inner_before, with_kwargs=True))
 
     def _inner_before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not compiling() and not torch.is_grad_enabled():
+        if not compiling() and not torch.is_grad_enabled() and not _replaying():
             self._inference()
 
     def _registered(self, module: nn.Module, name: str, child: Any) -> None:

@@ -752,6 +752,13 @@ def test_a_nan_made_in_a_trained_text_encoder_s_forward_is_named_at_its_module_a
         f"{clip_name('encoder.layers.0.mlp.fc1')} of this step."
     )
     assert [a.kind for a in report.anomalies if a.kind == "nonfinite_forward"] == ["nonfinite_forward"]
+    # the next step's NaN loss (its weights went NaN in step 2's update) names the module as its root
+    later = next(a for a in report.anomalies if a.kind == "nonfinite_loss" and a.step == 3)
+    assert later.details["cause"]["kind"] == "nonfinite_forward"
+    assert later.message.endswith(
+        f"it follows the nonfinite_forward at text_encoder {clip_name('encoder.layers.0.mlp.fc1')}, step 2: "
+        "fix that first."
+    )
     _, plain_weights, plain_rng = _train_text_encoder(tmp_path / "b", nan_at=2, watched=False)
     assert all(_same_bytes(weights[k], plain_weights[k]) for k in plain_weights)
     assert torch.equal(rng, plain_rng)
@@ -763,3 +770,21 @@ def test_a_clean_trained_text_encoder_run_is_quiet_and_its_weights_are_the_unwat
     assert [a.kind for a in report.anomalies] == []
     assert all(_same_bytes(weights[k], plain_weights[k]) for k in plain_weights)
     assert torch.equal(rng, plain_rng)
+
+
+def test_the_replay_of_a_kept_forward_is_no_call_of_the_script_s(models):
+    """The replay runs the trained model without grad, as validation does: the watch does not take it for
+    one (the next micro-step's frozen calls are still counted) and keeps no call of it."""
+    from diffusion_debug.training.judges.forward_replay import replay_forwards
+
+    text_encoder, unet = models
+    watch = InputWatch()
+    watch.watch_trained(unet, "unet")
+    try:
+        unet(torch.randn(2, 8), torch.randn(2, 3, 16))
+        taken = watch.take()
+        assert [(kept.name, kept.model) for kept in taken.forwards] == [("unet", unet)]
+        assert replay_forwards(taken.forwards) is None  # finite
+        assert (watch.open, watch.forwards, watch.counts) == (True, [], {})
+    finally:
+        watch.remove()

@@ -186,10 +186,15 @@ class CauseTracker:
     def _followed(self, gradients: Anomaly, rank: int) -> Anomaly:
         """What the remembered NaN ``gradients`` follow in their own step when it is remembered (the
         NaN loss, input or loss weight; for a copy received through the reduction, the NaN gradients
-        of the rank that made them), else themselves."""
-        origin = gradients.details.get("follows") or {}
-        key = (origin.get("kind"), origin.get("rank", rank), gradients.step)
-        return next((a for _, a in self._recent if (a.kind, a.rank, a.step) == key), gradients)
+        of the rank that made them), and what that follows in turn (the module of a trained model's
+        forward that made the NaN loss), else themselves."""
+        found, seen = gradients, set()
+        while id(found) not in seen:  # down the chain: a NaN loss that follows a trained model's forward, its module
+            seen.add(id(found))
+            origin = found.details.get("follows") or {}
+            key = (origin.get("kind"), origin.get("rank", rank), found.step)
+            found = next((a for _, a in self._recent if (a.kind, a.rank, a.step) == key), found)
+        return found
 
     def renamed(self, pairs: list[tuple[Anomaly, Anomaly]]) -> None:
         """Anomalies named again (``watched``: several models): the cause kept for non-finite
@@ -270,7 +275,7 @@ class CauseTracker:
         received them through the reduction (the cause of what they did is its), else the rank the
         other ranks' copies follow (with none of this rank's: a shard that stayed finite), else the
         first other rank's, whatever the order of the ranks' rows."""
-        origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input")
+        origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input", "nonfinite_forward")
         heads: dict[Any, Any] = {}  # per step, the rank whose NaN gradients are kept besides this rank's own
         # (a clean step builds no set: no comprehension frame, test_op_count's training pin)
         rows = {(a.step, a.rank) for a in anomalies if a.kind == "nonfinite"} if anomalies else ()

@@ -19,17 +19,19 @@ running statistics) and the gradients are as before (``probes.probe_call``), and
 >>> replay_forwards([kept])["module"]
 '1'
 
-Limits: a kept argument changed in place after the call (its ``_version`` moved) is not replayed
-(its values are not the call's); the weights are those at the monitor, the call's own unless an
-optimizer stepped between (a GAN's other optimizer); random numbers drawn on a CUDA device other than
-the current one at the call are not set back; under FSDP and ZeRO no replay runs (a sharded forward
-on one rank would hang); the arguments of each micro-step are held until the step's monitor (with
-gradient accumulation, each micro-batch's).
+Limits: the script's own hooks on the model's modules run in the replay too (launch's take it for
+none of the script's calls: :func:`replaying_forward`); a kept argument changed in place after the
+call (its ``_version`` moved) is not replayed (its values are not the call's); the weights are those
+at the monitor, the call's own unless an optimizer stepped between (a GAN's other optimizer); random
+numbers drawn on a CUDA device other than the current one at the call are not set back; under FSDP
+and ZeRO no replay runs (a sharded forward on one rank would hang); the arguments of each micro-step
+are held until the step's monitor (with gradient accumulation, each micro-batch's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +99,7 @@ def replay_forwards(kept: list[KeptForward]) -> dict[str, Any] | None:
     replay stayed finite, or no module made it from finite inputs). A call whose
     arguments changed in place since is skipped (``skipped`` counts them)."""
     skipped = 0
-    for index, call in enumerate(kept):
+    for index, call in enumerate(list(kept)):
         if call.changed():
             skipped += 1
             continue
@@ -105,6 +107,21 @@ def replay_forwards(kept: list[KeptForward]) -> dict[str, Any] | None:
         if made is not None:  # the first call to finish with finite inputs and a non-finite output
             return {"component": call.name, "module": made.module, "micro_step": index}
     return {"skipped": skipped} if skipped else None
+
+
+class _Replays(threading.local):
+    """The replays running in this thread (a replay runs in its caller's thread)."""
+
+    running = 0
+
+
+_REPLAYS = _Replays()
+
+
+def replaying_forward() -> bool:
+    """Whether a replay of :func:`replay_forwards` is running in this thread: launch's hooks on the
+    model take its call for none of the script's (asked only of a call without grad)."""
+    return _REPLAYS.running > 0
 
 
 def _replay(call: KeptForward) -> list:
@@ -115,4 +132,8 @@ def _replay(call: KeptForward) -> list:
             torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
         for device, dtype in call.autocast:
             stack.enter_context(torch.autocast(device, dtype=dtype))
-        return probe_call(call.model, call.args, call.kwargs)
+        _REPLAYS.running += 1
+        try:
+            return probe_call(call.model, call.args, call.kwargs)
+        finally:
+            _REPLAYS.running -= 1

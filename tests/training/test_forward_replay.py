@@ -1,0 +1,76 @@
+"""forward_replay: launch's replay of a trained model's kept forward computes the call's own values (its
+dropout masks, its autocast) and leaves the run as it was (generators, BatchNorm's statistics)."""
+
+import torch
+
+from diffusion_debug.training.judges.forward_replay import KeptForward, replay_forwards
+
+
+class Flaky(torch.nn.Module):
+    """NaN where its input is exactly 0: after a dropout, only where the mask dropped the first value."""
+
+    def forward(self, x):
+        return torch.where(x[:, :1] == 0, torch.full_like(x, float("nan")), x)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), Flaky(), torch.nn.Linear(8, 2)
+    ).train()
+
+
+def _kept_call(model, x, autocast=None):
+    """``model(x)`` under grad, kept as launch's pre-hook keeps it; the call's output per module."""
+    kept, outputs = [], {}
+    model.register_forward_pre_hook(  # launch keeps a call under grad (the replay's runs without)
+        lambda m, args, kwargs: (
+            kept.append(KeptForward.of("net", m, args, kwargs, [x])) if torch.is_grad_enabled() else None
+        ),
+        with_kwargs=True,
+    )
+    for name, module in model.named_children():
+        module.register_forward_hook(
+            lambda m, a, out, name=name: outputs.setdefault(name, []).append(out.detach().clone())
+        )
+    with torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False):
+        model(x)
+    return kept, outputs
+
+
+def _first_nan_seed(model, x):
+    """A seed whose dropout drops the first value of sample 0 (the call's NaN), not the next draw's."""
+    for seed in range(100):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            first = model[2](torch.ones(2, 8))
+            second = model[2](torch.ones(2, 8))
+        if first[0, 0] == 0 and second[:, 0].all():
+            return seed
+    raise AssertionError("no seed")
+
+
+def test_the_replay_draws_the_call_s_dropout_masks_and_names_the_module_its_mask_broke():
+    model, x = _model(), torch.randn(2, 4)
+    seed = _first_nan_seed(model, x)
+    torch.manual_seed(seed)
+    kept, outputs = _kept_call(model, x)
+    assert outputs["3"][0].isnan().any()  # the call's NaN: its mask dropped the first value
+    statistics = [b.clone() for b in model[1].buffers()]
+    rng = torch.get_rng_state()
+    assert replay_forwards(kept) == {"component": "net", "module": "3", "micro_step": 0}
+    # the replay's own values are the call's (hooks above saw them again), bitwise
+    assert all(torch.equal(a, b) for a, b in zip(outputs["2"][0].flatten(), outputs["2"][1].flatten()))
+    assert torch.equal(outputs["2"][0], outputs["2"][1])
+    assert torch.equal(torch.get_rng_state(), rng)  # the user's generator as it was
+    assert all(torch.equal(a, b) for a, b in zip(model[1].buffers(), statistics))  # BatchNorm's statistics too
+
+
+def test_the_replay_runs_under_the_call_s_autocast_and_skips_an_argument_changed_in_place():
+    model, x = _model().eval(), torch.randn(2, 4)
+    kept, outputs = _kept_call(model, x, autocast=torch.bfloat16)
+    assert kept[0].autocast == (("cpu", torch.bfloat16),)
+    assert replay_forwards(kept) is None  # finite: nothing named
+    assert outputs["4"][1].dtype == torch.bfloat16 and torch.equal(outputs["4"][0], outputs["4"][1])
+    x.add_(1.0)  # the script changed the argument after the call: its values are not the call's
+    assert replay_forwards(kept) == {"skipped": 1}
