@@ -109,9 +109,16 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
         else "the input batch was not checked (pass inputs=batch to tell a bad batch from a bad forward pass)"
     )
     engine = _no_replay(d)
+    replayed = d.get("forward_replay")  # launch's replay of the trained model's forward (no closure= there)
     op = (
         ""  # a closure= was passed: it replayed
         if "localization" in d
+        else " (a replay of the trained model's forward with every module probed stayed finite: the loss "
+        "computation after it made it)"
+        if replayed == "finite"
+        else " (the trained model's forward was not replayed: the script changed its arguments in place after "
+        "the call)"
+        if replayed == "changed"
         else f" (closure= replays nothing under {engine}: to name the op, rerun this batch without it, on one "
         "process or under DDP, with closure=)"
         if engine

@@ -675,7 +675,7 @@ def test_a_model_compiled_before_step_0_stays_at_its_wrapper_when_another_traine
     assert {path: int(count) for path, count in watch.take().items()} == {"text_encoder(input)": 0}
 
 
-def _train_text_encoder(tmp_path, *, nan_at=None, watched=True, steps=4):
+def _train_text_encoder(tmp_path, *, nan_at=None, watched=True, steps=4, nan_loss_at=None):
     """Textual inversion's loop: the text encoder's token embeddings trained (its attention dropout on), the
     denoiser frozen and called after it; a forward hook on ``encoder.layers.0.mlp.fc1`` makes its output NaN
     at step ``nan_at``. The report (None unwatched), the trained weights and the CPU generator's state after."""
@@ -709,6 +709,8 @@ def _train_text_encoder(tmp_path, *, nan_at=None, watched=True, steps=4):
             at[0] = step
             embedding = text_encoder(batch["input_ids"], return_dict=False)[0]
             loss = unet(batch["pixel_values"], embedding).pow(2).mean()
+            if step == nan_loss_at:  # made by the loss, after the forward
+                loss = loss * float("nan")
             loss.backward()
             if watched:
                 tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, inputs=watch.take())
@@ -788,3 +790,15 @@ def test_the_replay_of_a_kept_forward_is_no_call_of_the_script_s(models):
         assert (watch.open, watch.forwards, watch.counts) == (True, [], {})
     finally:
         watch.remove()
+
+
+def test_a_nan_made_after_the_trained_forward_says_its_replay_stayed_finite(tmp_path):
+    """launch has no closure= to suggest: a NaN made in the loss is said to come after the forward it replayed."""
+    report, _, _ = _train_text_encoder(tmp_path, nan_loss_at=1, steps=2)
+    first = by_cause(report.anomalies)[0]
+    assert (first.kind, first.step, first.details["forward_replay"]) == ("nonfinite_loss", 1, "finite")
+    assert first.message == (
+        "The loss is nan at step 1 on rank 0; the input batch was finite, so the forward pass or the loss made it: "
+        "check the forward pass (a replay of the trained model's forward with every module probed stayed finite: "
+        "the loss computation after it made it), or lower the learning rate."
+    )

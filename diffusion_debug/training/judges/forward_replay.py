@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,8 @@ def _replay(call: KeptForward) -> list:
             torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
         for device, dtype in call.autocast:
             stack.enter_context(torch.autocast(device, dtype=dtype))
+        stack.enter_context(warnings.catch_warnings())  # the replay's own (a checkpoint's, under no_grad):
+        warnings.simplefilter("ignore")  # none of them is the run's
         _REPLAYS.running += 1
         try:
             return probe_call(call.model, call.args, call.kwargs)

@@ -270,23 +270,23 @@ class LocalJudge:
             judged.anomalies.append(update)
         if not flagged and forwards and not self.sharding:  # finite weights: a module of the forward made it?
             if any(a.kind == "nonfinite_loss" or at_trained_arguments(a) for a in own):
-                judged.anomalies += self._replay_forwards(forwards, index, config)
+                self._replay_forwards(judged, forwards, index, config)
 
-    def _replay_forwards(self, forwards: list, index: Any, config: DebugConfig) -> list[Anomaly]:
+    def _replay_forwards(self, judged: Judgement, forwards: list, index: Any, config: DebugConfig) -> None:
         """The module that made this rank's NaN loss in a trained model's forward (``forward_replay``),
-        as a ``nonfinite_forward``; a failed replay is a ``debugger_error`` at ``replay`` (raised with
-        ``strict=True``, once recorded)."""
+        added as a ``nonfinite_forward``; else this rank's NaN loss says the replay found none (its
+        advice is then not ``closure=``'s). A failed replay is a ``debugger_error`` at ``replay``; with
+        ``strict=True`` it is raised (recorded as the step's judging failure)."""
         try:
             made = replay_forwards(forwards)
         except Exception as error:
             if config.strict:
                 raise
-            return [failures.replay_failed(self.rank, index, error)]
-        if made is None or "module" not in made:
-            return []
-        details = {"micro_step": made["micro_step"], "localized_by": "forward replay"}
-        return [
-            make_anomaly(
+            judged.anomalies.append(failures.replay_failed(self.rank, index, error))
+            return
+        if made is not None and "module" in made:
+            details = {"micro_step": made["micro_step"], "localized_by": "forward replay"}
+            found = make_anomaly(
                 "nonfinite_forward",
                 component=made["component"],
                 module=made["module"],
@@ -294,6 +294,14 @@ class LocalJudge:
                 rank=self.rank,
                 details=details,
             )
+            judged.anomalies.append(found)
+            return
+        outcome = "changed" if made else "finite"  # its arguments changed in place: not replayed
+        judged.anomalies[:] = [
+            rebuilt(a, details={**a.details, "forward_replay": outcome})
+            if a.kind == "nonfinite_loss" and a.rank == self.rank
+            else a
+            for a in judged.anomalies
         ]
 
     def localize(self, anomalies: list[Anomaly], closure: Callable, config: DebugConfig, step: int | None) -> None:
