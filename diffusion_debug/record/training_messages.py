@@ -119,6 +119,9 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
         else " (the trained model's forward was not replayed: the script changed its arguments in place after "
         "the call)"
         if replayed == "changed"
+        else " (the trained model's forward was not replayed: it is compiled in place, and torch before 2.6 "
+        "cannot run it eagerly)"
+        if replayed == "compiled"
         else f" (closure= replays nothing under {engine}: to name the op, rerun this batch without it, on one "
         "process or under DDP, with closure=)"
         if engine

@@ -1,6 +1,8 @@
 """forward_replay: launch's replay of a trained model's kept forward computes the call's own values (its
 dropout masks, its autocast) and leaves the run as it was (generators, BatchNorm's statistics)."""
 
+import contextlib
+
 import torch
 
 from diffusion_debug.training.judges.forward_replay import KeptForward, replay_forwards
@@ -33,7 +35,7 @@ def _kept_call(model, x, autocast=None):
         module.register_forward_hook(
             lambda m, a, out, name=name: outputs.setdefault(name, []).append(out.detach().clone())
         )
-    with torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False):
+    with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
         model(x)
     return kept, outputs
 
@@ -73,4 +75,28 @@ def test_the_replay_runs_under_the_call_s_autocast_and_skips_an_argument_changed
     assert replay_forwards(kept) is None  # finite: nothing named
     assert outputs["4"][1].dtype == torch.bfloat16 and torch.equal(outputs["4"][0], outputs["4"][1])
     x.add_(1.0)  # the script changed the argument after the call: its values are not the call's
-    assert replay_forwards(kept) == {"skipped": 1}
+    assert replay_forwards(kept) == {"skipped": ["changed"]}
+
+
+def test_a_model_compiled_in_place_is_replayed_eagerly_without_a_recompile():
+    """``model.compile()``: the replay's probes would be hooks inside compiled code (a recompile, counting
+    nothing); it runs the model's Python under ``set_stance("force_eager")`` and names the module."""
+    from torch._dynamo.utils import counters
+
+    from diffusion_debug.installed import HAS_SET_STANCE
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("inf")
+    model.compile(backend="eager")
+    x = torch.randn(2, 4)
+    kept = [KeptForward.of("net", model, (x,), {}, [x])]  # as launch's pre-hook keeps it (none here: no guard of its)
+    model(x)
+    frames = counters["stats"]["unique_graphs"]
+    if not HAS_SET_STANCE:  # torch 2.5: not replayed (its hooks would recompile it)
+        assert replay_forwards(kept) == {"skipped": ["compiled"]}
+        return
+    assert replay_forwards(kept) == {"component": "net", "module": "1", "micro_step": 0}
+    model(x)
+    assert counters["stats"]["unique_graphs"] == frames  # no graph made by the replay, nor after it

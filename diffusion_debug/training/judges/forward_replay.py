@@ -39,7 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...installed import HAS_SET_STANCE
 from ...probes import probe_call
+from ...probes.tracing import compiled_in_place
 from ...stats import cuda_devices
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
@@ -98,11 +100,15 @@ def replay_forwards(kept: list[KeptForward]) -> dict[str, Any] | None:
     ``{"component": its model's name, "module": the module's qualified name ("" for the model's own
     code between its modules), "micro_step": which call of the step}``; None when none did (each
     replay stayed finite, or no module made it from finite inputs). A call whose
-    arguments changed in place since is skipped (``skipped`` counts them)."""
-    skipped = 0
+    arguments changed in place since (``"changed"``), or one compiled in place on a torch without
+    ``set_stance`` (``"compiled"``), is skipped: ``{"skipped": [why, ...]}`` when nothing was named."""
+    skipped = []
     for index, call in enumerate(list(kept)):
         if call.changed():
-            skipped += 1
+            skipped.append("changed")
+            continue
+        if not HAS_SET_STANCE and _compiled_inside(call.model):
+            skipped.append("compiled")
             continue
         made = next((r for r in _replay(call) if r.input_finite and not r.output_finite), None)
         if made is not None:  # the first call to finish with finite inputs and a non-finite output
@@ -125,6 +131,12 @@ def replaying_forward() -> bool:
     return _REPLAYS.running > 0
 
 
+def _compiled_inside(model: nn.Module) -> bool:
+    """Whether a module of ``model`` was compiled in place (``model.compile()``): before torch 2.6 (no
+    ``set_stance``) its replay with hooks would recompile it, so it is not replayed."""
+    return any(map(compiled_in_place, model.modules()))
+
+
 def _replay(call: KeptForward) -> list:
     devices = cuda_devices((call.args, call.kwargs, list(call.model.parameters())[:1]))
     with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
@@ -133,6 +145,8 @@ def _replay(call: KeptForward) -> list:
             torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
         for device, dtype in call.autocast:
             stack.enter_context(torch.autocast(device, dtype=dtype))
+        if HAS_SET_STANCE:  # a module compiled in place (model.compile()) runs its Python: no recompile
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(warnings.catch_warnings())  # the replay's own (a checkpoint's, under no_grad):
         warnings.simplefilter("ignore")  # none of them is the run's
         _REPLAYS.running += 1

@@ -296,7 +296,7 @@ class LocalJudge:
             )
             judged.anomalies.append(found)
             return
-        outcome = "changed" if made else "finite"  # its arguments changed in place: not replayed
+        outcome = made["skipped"][0] if made else "finite"  # not replayed: "changed" or "compiled"
         judged.anomalies[:] = [
             rebuilt(a, details={**a.details, "forward_replay": outcome})
             if a.kind == "nonfinite_loss" and a.rank == self.rank
