@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 
 
 def nonfinite_forward(anomaly: Anomaly) -> str:
-    """A trained model's module made NaN/Inf in its forward (launch's replay of the step's forward).
+    """A trained model's module made NaN/Inf in its forward: a ``nonfinite`` found by launch's replay of
+    the step's forward (``details["localized_by"] == "forward replay"``).
 
     >>> from diffusion_debug.record import make_anomaly
-    >>> print(make_anomaly("nonfinite_forward", component="text_encoder", module="encoder.layers.0.mlp",
-    ...                    step=3, rank=0, details={"micro_step": 0}).message)
+    >>> print(make_anomaly("nonfinite", component="text_encoder", module="encoder.layers.0.mlp", step=3, rank=0,
+    ...                    details={"micro_step": 0, "localized_by": "forward replay"}).message)
     text_encoder.encoder.layers.0.mlp made NaN/Inf from finite inputs in the forward of step 3 on rank 0 (found by
     replaying that forward with every module probed): the loss and the gradients of this step follow from it; check
     that module's forward and dtype (fp16 overflow: bf16 or fp32), and any division, log or square root in it.
@@ -72,7 +73,7 @@ def nonfinite_input(anomaly: Anomaly) -> str:
             f"{made}, which is not trained, made {count} NaN/Inf value(s) from finite inputs at step {anomaly.step} "
             f"on rank {anomaly.rank},{where}{follows}; {check}."
         )
-    if d.get("follows", {}).get("kind") == "nonfinite_forward":  # a trained model's forward made it
+    if made_in_forward(d.get("follows", {})):  # a trained model's forward made it
         return (
             f"The input {seen[0]} of the trained model holds {count} NaN/Inf value(s) at step {anomaly.step} on rank "
             f"{anomaly.rank}, from the NaN/Inf made in the forward of {_forward_of(d['follows'])}"
@@ -97,7 +98,7 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
     if "follows" in d:
         kind = d["follows"]["kind"]
         what = "non-finite loss weight" if kind == "nonfinite_loss_weight" else _input(d["follows"])
-        if kind == "nonfinite_forward":
+        if made_in_forward(d["follows"]):
             what = f"NaN/Inf made in the forward of {_forward_of(d['follows'])}"
         return (
             f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}, from the {what} of this "
@@ -662,8 +663,14 @@ def _fmt(value: float | str | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
 
+def made_in_forward(follows: dict[str, Any]) -> bool:
+    """Whether a ``details["follows"]`` names a ``nonfinite`` made in a trained model's forward (launch's
+    replay: it names the module), not another rank's NaN gradients (``{"kind": "nonfinite", "rank": r}``)."""
+    return follows.get("kind") == "nonfinite" and "module" in follows
+
+
 def _forward_of(follows: dict[str, Any]) -> str:
-    """The module a ``follows`` on a ``nonfinite_forward`` names: ``text_encoder.encoder.layers.0``."""
+    """The module a ``follows`` on a forward's ``nonfinite`` names: ``text_encoder.encoder.layers.0``."""
     return follows["component"] + (f".{follows['module']}" if follows.get("module") else "")
 
 

@@ -278,14 +278,14 @@ def test_a_nan_made_in_a_layer_of_the_trained_text_encoder_is_named_at_its_modul
     first = by_cause(run.anomalies)[0]
     module = clip_name("encoder.layers.0.mlp.fc1")
     assert (first.kind, first.component, first.module, first.step, first.rank) == (
-        "nonfinite_forward",
+        "nonfinite",
         "text_encoder",
         module,
         2,
         0,
     )
     assert run.summary["headline"]["where"] == f"text_encoder {module}, step 2"
-    assert "nonfinite_forward" in watched.stderr
+    assert f"nonfinite at text_encoder {module}" in watched.stderr
     a, b = torch.load(tmp_path / "watched.pt"), torch.load(tmp_path / "plain.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
 

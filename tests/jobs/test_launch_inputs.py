@@ -10,7 +10,7 @@ from transformers import CLIPTextConfig, CLIPTextModel
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.jobs.launch_inputs import InputWatch, frozen_models, script_modules
-from diffusion_debug.record import by_cause
+from diffusion_debug.record import by_cause, folded
 from diffusion_debug.stats.host import count_host_transfers
 from diffusion_debug.testing.features import clip_name
 from diffusion_debug.training.measure.loss import CountedInputs
@@ -735,12 +735,13 @@ def test_a_nan_made_in_a_trained_text_encoder_s_forward_is_named_at_its_module_a
     report, weights, rng = _train_text_encoder(tmp_path / "a", nan_at=2)
     first = by_cause(report.anomalies)[0]
     assert (first.kind, first.component, first.module, first.step, first.rank) == (
-        "nonfinite_forward",
+        "nonfinite",  # DESIGN's stable kind: the producer, first module with finite inputs and a non-finite output
         "text_encoder",
         clip_name("encoder.layers.0.mlp.fc1"),
         2,
         0,
     )
+    assert first.details["localized_by"] == "forward replay" and first.parameter is None
     assert first.message == (
         f"text_encoder.{clip_name('encoder.layers.0.mlp.fc1')} made NaN/Inf from finite inputs in the forward of "
         "step 2 on rank 0 (found by replaying that forward with every module probed): the loss and the gradients "
@@ -748,18 +749,27 @@ def test_a_nan_made_in_a_trained_text_encoder_s_forward_is_named_at_its_module_a
         "division, log or square root in it."
     )
     loss = next(a for a in report.anomalies if a.kind == "nonfinite_loss")
-    assert loss.details["follows"]["kind"] == "nonfinite_forward"
+    assert loss.details["follows"] == {
+        "kind": "nonfinite",
+        "rank": 0,
+        "component": "text_encoder",
+        "module": clip_name("encoder.layers.0.mlp.fc1"),
+    }
     assert loss.message == (
         f"The loss is nan at step 2 on rank 0, from the NaN/Inf made in the forward of text_encoder."
         f"{clip_name('encoder.layers.0.mlp.fc1')} of this step."
     )
-    assert [a.kind for a in report.anomalies if a.kind == "nonfinite_forward"] == ["nonfinite_forward"]
+    made = [a for a in report.anomalies if a.kind == "nonfinite" and "localized_by" in a.details]
+    assert [(a.step, a.module) for a in made] == [(2, first.module)]
+    # the step's NaN gradients (the same kind, rank and step) follow the loss, not the other way round
+    grads = [a for a in report.anomalies if a.kind == "nonfinite" and a.step == 2 and a.parameter]
+    assert grads and all(a.details["follows"]["kind"] == "nonfinite_loss" for a in grads)
+    assert [a for a, _ in folded(report.anomalies)][0] is first
     # the next step's NaN loss (its weights went NaN in step 2's update) names the module as its root
     later = next(a for a in report.anomalies if a.kind == "nonfinite_loss" and a.step == 3)
-    assert later.details["cause"]["kind"] == "nonfinite_forward"
+    assert (later.details["cause"]["kind"], later.details["cause"]["place"]) == ("nonfinite", first.place())
     assert later.message.endswith(
-        f"it follows the nonfinite_forward at text_encoder {clip_name('encoder.layers.0.mlp.fc1')}, step 2: "
-        "fix that first."
+        f"it follows the nonfinite at text_encoder {clip_name('encoder.layers.0.mlp.fc1')}, step 2: fix that first."
     )
     _, plain_weights, plain_rng = _train_text_encoder(tmp_path / "b", nan_at=2, watched=False)
     assert all(_same_bytes(weights[k], plain_weights[k]) for k in plain_weights)

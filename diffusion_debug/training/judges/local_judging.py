@@ -274,9 +274,10 @@ class LocalJudge:
 
     def _replay_forwards(self, judged: Judgement, forwards: list, index: Any, config: DebugConfig) -> None:
         """The module that made this rank's NaN loss in a trained model's forward (``forward_replay``),
-        added as a ``nonfinite_forward``; else this rank's NaN loss says the replay found none (its
-        advice is then not ``closure=``'s). A failed replay is a ``debugger_error`` at ``replay``; with
-        ``strict=True`` it is raised (recorded as the step's judging failure)."""
+        added as a ``nonfinite`` (``localized_by: "forward replay"``, no ``parameter``); else this rank's
+        NaN loss says the replay found none (its advice is then not ``closure=``'s). A failed replay is a
+        ``debugger_error`` at ``replay``; with ``strict=True`` it is raised (recorded as the step's judging
+        failure)."""
         try:
             made = replay_forwards(forwards)
         except Exception as error:
@@ -286,8 +287,8 @@ class LocalJudge:
             return
         if made is not None and "module" in made:
             details = {"micro_step": made["micro_step"], "localized_by": "forward replay"}
-            found = make_anomaly(
-                "nonfinite_forward",
+            found = make_anomaly(  # DESIGN's nonfinite: the producer (its step's NaN gradients name a parameter)
+                "nonfinite",
                 component=made["component"],
                 module=made["module"],
                 step=index,
