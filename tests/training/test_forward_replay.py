@@ -100,3 +100,41 @@ def test_a_model_compiled_in_place_is_replayed_eagerly_without_a_recompile():
     assert replay_forwards(kept) == {"component": "net", "module": "1", "micro_step": 0}
     model(x)
     assert counters["stats"]["unique_graphs"] == frames  # no graph made by the replay, nor after it
+
+
+class _NeedsGrad(torch.nn.Module):
+    """A model whose forward asserts grad mode (a gradient penalty's): its replay under no_grad raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            raise RuntimeError("needs grad")
+        return self.linear(x)
+
+
+def test_a_replay_that_raises_is_recorded_as_the_forward_replay_s_and_the_step_goes_on(tmp_path):
+    from diffusion_debug import DebugConfig, TrainingDebugger
+    from diffusion_debug.training.measure.loss import CountedInputs
+
+    torch.manual_seed(0)
+    model, x = _NeedsGrad(), torch.randn(2, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = KeptForward.of("model", model, (x,), {}, [x])
+    loss = model(x).sum() * float("nan")  # made by the loss: the replay is asked, and raises
+    loss.backward()
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    tdbg.monitor_training_step(
+        loss, optimizer=optimizer, step=0, inputs=CountedInputs({"x": torch.tensor(0)}, {}, [kept])
+    )
+    errors = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
+    tdbg.close()
+    assert [(a.details["where"], a.message) for a in errors] == [
+        (
+            "forward replay",
+            "Rank 0 failed to replay the trained model's forward of step 0 (RuntimeError: needs grad) and training "
+            "went on; set strict=True to see the traceback.",
+        )
+    ]

@@ -276,14 +276,14 @@ class LocalJudge:
         """The module that made this rank's NaN loss in a trained model's forward (``forward_replay``),
         added as a ``nonfinite`` (``localized_by: "forward replay"``, no ``parameter``); else this rank's
         NaN loss says the replay found none (its advice is then not ``closure=``'s). A failed replay is a
-        ``debugger_error`` at ``replay``; with ``strict=True`` it is raised (recorded as the step's judging
+        ``debugger_error`` at ``forward replay``; with ``strict=True`` it is raised (recorded as the step's judging
         failure)."""
         try:
             made = replay_forwards(forwards)
         except Exception as error:
             if config.strict:
                 raise
-            judged.anomalies.append(failures.replay_failed(self.rank, index, error))
+            judged.anomalies.append(failures.forward_replay_failed(self.rank, index, error))
             return
         if made is not None and "module" in made:
             details = {"micro_step": made["micro_step"], "localized_by": "forward replay"}
