@@ -138,3 +138,23 @@ def test_a_replay_that_raises_is_recorded_as_the_forward_replay_s_and_the_step_g
             "went on; set strict=True to see the traceback.",
         )
     ]
+
+
+def test_the_call_s_cuda_generator_is_set_only_on_a_device_the_replay_puts_back(monkeypatch):
+    """The replay sets the generator of the device current at the call to its state then: that device is
+    among those ``fork_rng`` restores, also when the current device moved since (torch.cuda's calls recorded:
+    no GPU needed), so the run's CUDA random stream is as before."""
+    forked, set_on = [], []
+
+    @contextlib.contextmanager
+    def fork_rng(devices=(), **kwargs):
+        forked.append(sorted(devices))
+        yield
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: set_on.append(device))
+    model, x = torch.nn.Linear(2, 2), torch.ones(1, 2)
+    kept = KeptForward.of("net", model, (x,), {}, [x])
+    kept.cuda_rng = (1, torch.zeros(16, dtype=torch.uint8))  # the call ran with cuda:1 current, the judge on another
+    assert replay_forwards([kept]) is None
+    assert set_on == [1] and 1 in forked[0]

@@ -139,6 +139,8 @@ def _compiled_inside(model: nn.Module) -> bool:
 
 def _replay(call: KeptForward) -> list:
     devices = cuda_devices((call.args, call.kwargs, list(call.model.parameters())[:1]))
+    if call.cuda_rng is not None and call.cuda_rng[0] not in devices:  # set below: put back after, whatever
+        devices.append(call.cuda_rng[0])  # the current device is now
     with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
         torch.set_rng_state(call.cpu_rng)
         if call.cuda_rng is not None:
