@@ -123,6 +123,9 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
         else " (the trained model's forward was not replayed: it is compiled in place, and torch before 2.6 "
         "cannot run it eagerly)"
         if replayed == "compiled"
+        else " (the trained model's forward was not replayed: its SyncBatchNorm gathers every rank's statistics in "
+        "training mode, and a replay on this rank alone would wait for the others)"
+        if replayed == "collective"
         else f" (closure= replays nothing under {engine}: to name the op, rerun this batch without it, on one "
         "process or under DDP, with closure=)"
         if engine

@@ -158,3 +158,29 @@ def test_the_call_s_cuda_generator_is_set_only_on_a_device_the_replay_puts_back(
     kept.cuda_rng = (1, torch.zeros(16, dtype=torch.uint8))  # the call ran with cuda:1 current, the judge on another
     assert replay_forwards([kept]) is None
     assert set_on == [1] and 1 in forked[0]
+
+
+def test_a_model_with_a_training_sync_batch_norm_is_not_replayed_under_a_process_group(monkeypatch):
+    """SyncBatchNorm in training mode gathers the batch statistics of every rank in its forward: replayed on
+    the one rank whose loss is NaN, it would wait for ranks that never join (a hang). Under an initialised
+    process group such a model is not replayed, and the NaN loss says why."""
+    from diffusion_debug.record import make_anomaly
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.SyncBatchNorm(8)).train()
+    x = torch.randn(2, 4)
+    kept = [KeptForward.of("net", model, (x,), {}, [x])]
+    assert replay_forwards(kept) == {"skipped": ["collective"]}
+    assert make_anomaly(
+        "nonfinite_loss",
+        component="model",
+        step=3,
+        rank=1,
+        details={"loss": float("nan"), "forward_replay": "collective"},
+    ).message.endswith(
+        "check the forward pass (the trained model's forward was not replayed: its SyncBatchNorm gathers every "
+        "rank's statistics in training mode, and a replay on this rank alone would wait for the others), or lower "
+        "the learning rate."
+    )
+    model.eval()  # no exchange in eval mode: replayed
+    assert replay_forwards(kept) is None

@@ -24,8 +24,11 @@ none of the script's calls: :func:`replaying_forward`); a kept argument changed 
 call (its ``_version`` moved) is not replayed (its values are not the call's); the weights are those
 at the monitor, the call's own unless an optimizer stepped between (a GAN's other optimizer); random
 numbers drawn on a CUDA device other than the current one at the call are not set back; under FSDP
-and ZeRO no replay runs (a sharded forward on one rank would hang); the arguments of each micro-step
-are held until the step's monitor (with gradient accumulation, each micro-batch's).
+and ZeRO no replay runs (a sharded forward on one rank would hang), nor for a model with a
+``SyncBatchNorm`` in training mode under a process group (it gathers from every rank); other
+collectives a forward makes itself (tensor parallelism, a mixture of experts' all-to-all) are not
+known here; the arguments of each micro-step are held until the step's monitor (with gradient
+accumulation, each micro-batch's).
 """
 
 from __future__ import annotations
@@ -100,8 +103,10 @@ def replay_forwards(kept: list[KeptForward]) -> dict[str, Any] | None:
     ``{"component": its model's name, "module": the module's qualified name ("" for the model's own
     code between its modules), "micro_step": which call of the step}``; None when none did (each
     replay stayed finite, or no module made it from finite inputs). A call whose
-    arguments changed in place since (``"changed"``), or one compiled in place on a torch without
-    ``set_stance`` (``"compiled"``), is skipped: ``{"skipped": [why, ...]}`` when nothing was named."""
+    arguments changed in place since (``"changed"``), one compiled in place on a torch without
+    ``set_stance`` (``"compiled"``), or one whose forward gathers from the other ranks (a training
+    ``SyncBatchNorm`` under a process group: ``"collective"``), is skipped: ``{"skipped": [why, ...]}``
+    when nothing was named."""
     skipped = []
     for index, call in enumerate(list(kept)):
         if call.changed():
@@ -109,6 +114,9 @@ def replay_forwards(kept: list[KeptForward]) -> dict[str, Any] | None:
             continue
         if not HAS_SET_STANCE and _compiled_inside(call.model):
             skipped.append("compiled")
+            continue
+        if _gathers_in_forward(call.model):
+            skipped.append("collective")
             continue
         made = next((r for r in _replay(call) if r.input_finite and not r.output_finite), None)
         if made is not None:  # the first call to finish with finite inputs and a non-finite output
@@ -135,6 +143,15 @@ def _compiled_inside(model: nn.Module) -> bool:
     """Whether a module of ``model`` was compiled in place (``model.compile()``): before torch 2.6 (no
     ``set_stance``) its replay with hooks would recompile it, so it is not replayed."""
     return any(map(compiled_in_place, model.modules()))
+
+
+def _gathers_in_forward(model: nn.Module) -> bool:
+    """Whether ``model``'s forward holds a collective: a ``SyncBatchNorm`` in training mode under a
+    process group gathers every rank's statistics, and a replay on the one rank whose loss is NaN would
+    wait there for ranks that never join."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    return any(isinstance(m, nn.SyncBatchNorm) and m.training for m in model.modules())
 
 
 def _replay(call: KeptForward) -> list:

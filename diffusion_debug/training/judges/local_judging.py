@@ -297,7 +297,7 @@ class LocalJudge:
             )
             judged.anomalies.append(found)
             return
-        outcome = made["skipped"][0] if made else "finite"  # not replayed: "changed" or "compiled"
+        outcome = made["skipped"][0] if made else "finite"  # not replayed: "changed", "compiled", "collective"
         judged.anomalies[:] = [
             rebuilt(a, details={**a.details, "forward_replay": outcome})
             if a.kind == "nonfinite_loss" and a.rank == self.rank
