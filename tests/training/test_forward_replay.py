@@ -184,3 +184,24 @@ def test_a_model_with_a_training_sync_batch_norm_is_not_replayed_under_a_process
     )
     model.eval()  # no exchange in eval mode: replayed
     assert replay_forwards(kept) is None
+
+
+class _NanAbove(torch.nn.Module):
+    """NaN where its input exceeds 1: a micro-batch of large values breaks it, a small one does not."""
+
+    def forward(self, x):
+        return torch.where(x > 1, torch.full_like(x, float("nan")), x)
+
+
+def test_the_micro_step_named_is_the_model_s_own_call_count_not_the_place_among_every_model_s_calls():
+    """DreamBooth with ``--train_text_encoder`` and accumulation: each micro-step keeps the text encoder's
+    call, then the UNet's. A NaN made in the UNet's second call is micro-step 1, not the fourth call's 3."""
+    encoder, unet = torch.nn.Identity(), torch.nn.Sequential(torch.nn.Identity(), _NanAbove())
+    small, large = torch.full((1, 2), 0.5), torch.full((1, 2), 2.0)
+    calls = [
+        KeptForward.of(name, model, (x,), {}, [x])
+        for name, model, x in [("text_encoder", encoder, small), ("unet", unet, small)]
+        + [("text_encoder", encoder, small), ("unet", unet, large)]
+    ]
+    assert replay_forwards(calls) == {"component": "unet", "module": "1", "micro_step": 1}
+    assert replay_forwards(calls[1:2] + calls[3:])["micro_step"] == 1  # the UNet's calls alone: the same

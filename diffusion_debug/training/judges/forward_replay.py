@@ -101,14 +101,15 @@ class KeptForward:
 def replay_forwards(kept: list[KeptForward]) -> dict[str, Any] | None:
     """Replay ``kept`` in order until one names the module that made a NaN/Inf from finite inputs:
     ``{"component": its model's name, "module": the module's qualified name ("" for the model's own
-    code between its modules), "micro_step": which call of the step}``; None when none did (each
-    replay stayed finite, or no module made it from finite inputs). A call whose
+    code between its modules), "micro_step": which of the model's calls of the step, from 0}``; None
+    when none did (each replay stayed finite, or no module made it from finite inputs). A call whose
     arguments changed in place since (``"changed"``), one compiled in place on a torch without
     ``set_stance`` (``"compiled"``), or one whose forward gathers from the other ranks (a training
     ``SyncBatchNorm`` under a process group: ``"collective"``), is skipped: ``{"skipped": [why, ...]}``
     when nothing was named."""
     skipped = []
-    for index, call in enumerate(list(kept)):
+    kept = list(kept)
+    for index, call in enumerate(kept):
         if call.changed():
             skipped.append("changed")
             continue
@@ -120,7 +121,10 @@ def replay_forwards(kept: list[KeptForward]) -> dict[str, Any] | None:
             continue
         made = next((r for r in _replay(call) if r.input_finite and not r.output_finite), None)
         if made is not None:  # the first call to finish with finite inputs and a non-finite output
-            return {"component": call.name, "module": made.module, "micro_step": index}
+            micro_step = sum(
+                1 for earlier in kept[:index] if earlier.name == call.name
+            )  # one kept a model's micro-step
+            return {"component": call.name, "module": made.module, "micro_step": micro_step}
     return {"skipped": skipped} if skipped else None
 
 
