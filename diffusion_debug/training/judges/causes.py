@@ -120,6 +120,12 @@ def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
 
 def _same_step_cause(anomaly: Anomaly, anomalies: list[Anomaly]) -> Anomaly | None:
     causes = _CAUSED_BY.get(_role(anomaly), ())
+    if anomaly.kind == "nonfinite_input":  # only its own rank's trained forward feeds a trained model's argument
+        if not at_trained_arguments(anomaly):
+            return None
+        return next(
+            (c for c in anomalies if _role(c) in causes and (c.step, c.rank) == (anomaly.step, anomaly.rank)), None
+        )
     return next((c for c in anomalies if _role(c) in causes and c.step == anomaly.step and c is not anomaly), None)
 
 
