@@ -67,12 +67,26 @@ if TYPE_CHECKING:
     from ..training.measure.loss import CountedInputs
 
 
+KEPT_FORWARDS = 64
+"""The most trained-model calls a step keeps for a replay (its micro-steps'; bounded as the record is)."""
+
+
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:
     """NaN/Inf count of ``t``, a device scalar (fp8 has no reduction kernels: read as float32)."""
     t = t.detach()
     if t.element_size() == 1:
         t = t.float()
     return torch.isfinite(t).logical_not().sum()
+
+
+_FORWARD_REPLAY = __name__.rpartition(".jobs.")[0] + ".training.judges.forward_replay"
+
+
+def _replaying() -> bool:
+    """Whether launch's replay of a NaN step's forward is running (its calls are none of the script's);
+    read where the training debugger loaded it, so that this module loads no training code itself."""
+    replay = sys.modules.get(_FORWARD_REPLAY)
+    return replay is not None and replay.replaying_forward()
 
 
 def _path(prefix: str, keys: tuple[Any, ...]) -> str:
@@ -104,6 +118,9 @@ class InputWatch:
         """The counts (and producers) of each ``backward`` since the step's last take, oldest first,
         closed at its end (:meth:`end_backward`): a backward whose gradients the script drops takes
         its own counts with it (:meth:`take_earlier`), the others join the step's (:meth:`take`)."""
+        self.forwards: list = []
+        """The trained models' calls counted since the step's last take (:class:`KeptForward`), held for a
+        replay that names the module that made a NaN loss; the step takes them with its counts."""
         self.error: BaseException | None = None
         """The first error of a hook: the watch stops there, and the run goes on."""
         self.fresh = True
@@ -173,7 +190,8 @@ class InputWatch:
             elif compile_callback is not None and compile_callback() is not None:
                 return  # run eagerly inside another's compiled call (a wrapper's model): as compiled code
             if not torch.is_grad_enabled():
-                self._inference()
+                if not _replaying():  # (launch's replay of a NaN step's forward is no call of the script's)
+                    self._inference()
             elif id(module) not in self.ran and self.error is None:
                 if self._unsettled:
                     self._settle(module)
@@ -199,7 +217,7 @@ class InputWatch:
             self._handles.append(inner.register_forward_pre_hook(self._inner_before, with_kwargs=True))
 
     def _inner_before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not compiling() and not torch.is_grad_enabled():
+        if not compiling() and not torch.is_grad_enabled() and not _replaying():
             self._inference()
 
     def _registered(self, module: nn.Module, name: str, child: Any) -> None:
@@ -387,6 +405,7 @@ class InputWatch:
         from ..training.measure.loss import CountedInputs  # the training debugger loads with the first step
 
         segments = [*earlier, *self.closed, (self.counts, self.producers)] if own else list(earlier)
+        forwards = self.forwards if own else []
         if own:
             self._begin()
         counts: dict[str, torch.Tensor] = {}
@@ -396,10 +415,10 @@ class InputWatch:
                 previous = counts.get(path)
                 counts[path] = count if previous is None or previous.device != count.device else previous + count
             producers.update(made)
-        return CountedInputs(counts, producers) if counts and self.error is None else None
+        return CountedInputs(counts, producers, forwards) if (counts or forwards) and self.error is None else None
 
     def _begin(self) -> None:
-        self.counts, self.producers, self.open = {}, {}, True
+        self.counts, self.producers, self.open, self.forwards = {}, {}, True, []
         self.closed = []
         self.ran.clear()
 
@@ -423,8 +442,9 @@ class InputWatch:
         """Count the floating-point arguments of a call, ``name(argument)``; their counts. A trained
         model's (``trained``) are marked so in :attr:`producers` (``TRAINED_ARGUMENT``)."""
         if trained:  # as take(): the training debugger loads with the first step
+            from ..training.judges.forward_replay import KeptForward
             from ..training.measure.loss import TRAINED_ARGUMENT
-        found = []
+        found, tensors = [], []
         for argument, value in self._named(module, args, kwargs):
             for keys, t in walk_tensors(value):
                 if _countable(t):
@@ -432,8 +452,11 @@ class InputWatch:
                     path = _path(f"{name}({argument})", keys)
                     self._add(path, count)
                     found.append(count)
+                    tensors.append(t)
                     if trained:
                         self.producers[path] = TRAINED_ARGUMENT
+        if trained and len(self.forwards) < KEPT_FORWARDS:  # replayed only on a step whose loss is NaN/Inf
+            self.forwards.append(KeptForward.of(name, module, args, kwargs, tensors))
         return found
 
     def _frozen_call(self, name: str, child: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

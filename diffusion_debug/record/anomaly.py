@@ -381,15 +381,31 @@ def _follows_links(anomalies: list[Anomaly]) -> list[tuple[int, int]]:
     (``details["follows"]``: the first of that kind and rank in ``anomalies``)."""
     first: dict[tuple, int] = {}
     for i, a in enumerate(anomalies):
-        first.setdefault((a.kind, a.rank, a.step), i)
+        first.setdefault(follows_key(a), i)
     links = []
     for i, a in enumerate(anomalies):
         follows = a.details.get("follows") if isinstance(a.details, dict) else None
         if isinstance(follows, Mapping):
-            j = first.get((follows.get("kind"), follows.get("rank"), a.step))
+            j = first.get((follows.get("kind"), follows.get("rank"), a.step, follows.get("module")))
             if j is not None and j != i:
                 links.append((i, j))
     return links
+
+
+def follows_key(anomaly: Anomaly) -> tuple:
+    """What a ``details["follows"]`` of ``anomaly``'s step names it by: (kind, rank, step, module), the
+    module only for a producer found by a replay of a trained model's forward (``localized_by``), which
+    shares kind, rank and step with that step's NaN gradients (``{"kind": "nonfinite", "rank": r}``
+    names those).
+
+    >>> made = Anomaly("nonfinite", "error", "x", "model", "fc1", step=2, details={"localized_by": "forward replay"})
+    >>> grads = Anomaly("nonfinite", "error", "x", "model", "fc1", step=2, parameter="fc1.weight")
+    >>> follows_key(made), follows_key(grads)
+    (('nonfinite', 0, 2, 'fc1'), ('nonfinite', 0, 2, None))
+    """
+    details = anomaly.details if isinstance(anomaly.details, dict) else {}
+    named = anomaly.module if details.get("localized_by") == "forward replay" else None
+    return (anomaly.kind, anomaly.rank, anomaly.step, named)
 
 
 def _cause_links(anomalies: list[Anomaly]) -> list[tuple[int, int]]:

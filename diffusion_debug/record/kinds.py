@@ -16,6 +16,8 @@ from .anomaly import KINDS, Anomaly, register_kind
 
 # -- the kinds both debuggers emit, each with its two families of sentences -------------------
 def _nonfinite(anomaly: Anomaly) -> str:
+    if anomaly.details.get("localized_by") == "forward replay":  # training: launch's replay of the forward
+        return training_messages.nonfinite_forward(anomaly)
     if "localized_by" in anomaly.details:  # inference: how the producer (or the origin) was found
         return inference_messages.nonfinite(anomaly)
     return training_messages.nonfinite_gradients(anomaly)
@@ -35,7 +37,8 @@ register_kind(
     colour="#d62728",
     meaning=(
         "NaN or Inf appeared: in inference, the module named first produced it from finite inputs; in "
-        "training, a gradient holds it."
+        "training, a gradient holds it, or (launch's replay of a NaN-loss step's forward) the module named made it "
+        "from finite inputs."
     ),
     action=(
         "Check that module's dtype and weights (fp16 overflow is the usual cause: try float32 or "

@@ -38,6 +38,7 @@ _TRAINING_VERBS = {
     "judging": "judge",
     "recording": "record",
     "replay": "replay closure= for",
+    "forward replay": "replay the trained model's forward of",  # launch's (judges.forward_replay)
 }
 
 

@@ -22,6 +22,28 @@ if TYPE_CHECKING:
     from .anomaly import Anomaly
 
 
+def nonfinite_forward(anomaly: Anomaly) -> str:
+    """A trained model's module made NaN/Inf in its forward: a ``nonfinite`` found by launch's replay of
+    the step's forward (``details["localized_by"] == "forward replay"``).
+
+    >>> from diffusion_debug.record import make_anomaly
+    >>> print(make_anomaly("nonfinite", component="text_encoder", module="encoder.layers.0.mlp", step=3, rank=0,
+    ...                    details={"micro_step": 0, "localized_by": "forward replay"}).message)
+    text_encoder.encoder.layers.0.mlp made NaN/Inf from finite inputs in the forward of step 3 on rank 0 (found by
+    replaying that forward with every module probed): the loss and the gradients of this step follow from it; check
+    that module's forward and dtype (fp16 overflow: bf16 or fp32), and any division, log or square root in it.
+    """
+    made = anomaly.component + (f".{anomaly.module}" if anomaly.module else " (its own code between its modules)")
+    micro = anomaly.details.get("micro_step") or 0
+    call = f" (micro-step {micro} of the step)" if micro else ""
+    return (
+        f"{made} made NaN/Inf from finite inputs in the forward of step {anomaly.step}{call} on rank {anomaly.rank} "
+        "(found by replaying that forward with every module probed): the loss and the gradients of this step follow "
+        "from it; check that module's forward and dtype (fp16 overflow: bf16 or fp32), and any division, log or "
+        "square root in it."
+    )
+
+
 def nonfinite_input(anomaly: Anomaly) -> str:
     """The batch held NaN/Inf, or (``component`` other than ``input``) a frozen model made them from
     finite inputs: the text encoder whose output the trained model takes."""
@@ -51,6 +73,12 @@ def nonfinite_input(anomaly: Anomaly) -> str:
             f"{made}, which is not trained, made {count} NaN/Inf value(s) from finite inputs at step {anomaly.step} "
             f"on rank {anomaly.rank},{where}{follows}; {check}."
         )
+    if made_in_forward(d.get("follows", {})):  # a trained model's forward made it
+        return (
+            f"The input {seen[0]} of the trained model holds {count} NaN/Inf value(s) at step {anomaly.step} on rank "
+            f"{anomaly.rank}, from the NaN/Inf made in the forward of {_forward_of(d['follows'])}"
+            " of this step."
+        )
     if "weights" in d:  # seen first at a trained model's argument, made by a trained model's non-finite weights
         return (
             f"The input {seen[0]} of the trained model holds {count} NaN/Inf value(s) at step {anomaly.step} on rank "
@@ -68,7 +96,10 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
         loss = f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}"
         return loss + _earlier(d, anomaly.rank) + "."
     if "follows" in d:
-        what = "non-finite loss weight" if d["follows"]["kind"] == "nonfinite_loss_weight" else _input(d["follows"])
+        kind = d["follows"]["kind"]
+        what = "non-finite loss weight" if kind == "nonfinite_loss_weight" else _input(d["follows"])
+        if made_in_forward(d["follows"]):
+            what = f"NaN/Inf made in the forward of {_forward_of(d['follows'])}"
         return (
             f"The loss is {_fmt(d['loss'])} at step {anomaly.step} on rank {anomaly.rank}, from the {what} of this "
             "step" + _samples(d) + "."
@@ -79,9 +110,22 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
         else "the input batch was not checked (pass inputs=batch to tell a bad batch from a bad forward pass)"
     )
     engine = _no_replay(d)
+    replayed = d.get("forward_replay")  # launch's replay of the trained model's forward (no closure= there)
     op = (
         ""  # a closure= was passed: it replayed
         if "localization" in d
+        else " (a replay of the trained model's forward with every module probed stayed finite: the loss "
+        "computation after it made it)"
+        if replayed == "finite"
+        else " (the trained model's forward was not replayed: the script changed its arguments in place after "
+        "the call)"
+        if replayed == "changed"
+        else " (the trained model's forward was not replayed: it is compiled in place, and torch before 2.6 "
+        "cannot run it eagerly)"
+        if replayed == "compiled"
+        else " (the trained model's forward was not replayed: its SyncBatchNorm gathers every rank's statistics in "
+        "training mode, and a replay on this rank alone would wait for the others)"
+        if replayed == "collective"
         else f" (closure= replays nothing under {engine}: to name the op, rerun this batch without it, on one "
         "process or under DDP, with closure=)"
         if engine
@@ -620,6 +664,17 @@ def _fmt(value: float | str | None) -> str:
     if isinstance(value, str):
         return value
     return "n/a" if value is None else f"{value:.4g}"
+
+
+def made_in_forward(follows: dict[str, Any]) -> bool:
+    """Whether a ``details["follows"]`` names a ``nonfinite`` made in a trained model's forward (launch's
+    replay: it names the module), not another rank's NaN gradients (``{"kind": "nonfinite", "rank": r}``)."""
+    return follows.get("kind") == "nonfinite" and "module" in follows
+
+
+def _forward_of(follows: dict[str, Any]) -> str:
+    """The module a ``follows`` on a forward's ``nonfinite`` names: ``text_encoder.encoder.layers.0``."""
+    return follows["component"] + (f".{follows['module']}" if follows.get("module") else "")
 
 
 def _input(follows: dict[str, Any]) -> str:

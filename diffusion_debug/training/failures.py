@@ -36,6 +36,11 @@ def replay_failed(rank: int, step: Any, error: BaseException, *, raised: bool = 
     return _debugger_error("replay", rank, step, error, raised)
 
 
+def forward_replay_failed(rank: int, step: Any, error: BaseException) -> Anomaly:
+    """Launch's replay of a NaN step's kept forward failed (an OOM in it, a forward that needs grad)."""
+    return _debugger_error("forward replay", rank, step, error, False)
+
+
 def monitoring_failed(rank: int, step: Any, error: Exception) -> Anomaly:
     return _debugger_error("monitoring", rank, step, error, False)
 

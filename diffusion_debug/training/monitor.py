@@ -384,6 +384,7 @@ class StepMonitor:
                     input_producers=measured.input_producers,
                     grad_norm=own.grad_norm,
                     norms=measured.norms,
+                    forwards=measured.forwards,
                 )
             if local.samples is not None:
                 found = judge_samples(

@@ -6,7 +6,10 @@ test_launch.py under `diffusion-debug launch` (one CPU process), and plainly for
 
 Its flags plant a user's bug: --nan-pixels-at S (one pixel of the batch of optimizer step S is NaN:
 a broken image), --nan-token-embedding-at S (before step S the text encoder's embedding of one of
-that batch's tokens becomes NaN: a broken checkpoint). --weights FILE: the final UNet weights.
+that batch's tokens becomes NaN: a broken checkpoint). --weights FILE: the final trained weights.
+--textual-inversion: textual_inversion.py's shape instead: the text encoder's token embeddings are
+trained (the text encoder prepared with the optimizer), the UNet frozen; --nan-forward-at S then
+makes the output of its first layer's ``mlp.fc1`` NaN in step S's forward (a layer's own fault).
 """
 
 import argparse
@@ -17,6 +20,7 @@ from accelerate import Accelerator
 from diffusers import AutoencoderKL, DDPMScheduler
 from transformers import CLIPTextConfig, CLIPTextModel
 
+from diffusion_debug.testing.features import clip_name
 from diffusion_debug.testing.training_unets import launch_unet
 
 parser = argparse.ArgumentParser()
@@ -24,6 +28,8 @@ parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--nan-pixels-at", type=int)
 parser.add_argument("--nan-token-embedding-at", type=int)
 parser.add_argument("--weights")
+parser.add_argument("--textual-inversion", action="store_true")
+parser.add_argument("--nan-forward-at", type=int)
 args = parser.parse_args()
 
 
@@ -53,6 +59,14 @@ def main():
     noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
     vae.requires_grad_(False)
     text_encoder.requires_grad_(False)
+    step_now = [None]
+    if args.textual_inversion:
+        unet.requires_grad_(False)
+        text_encoder.get_input_embeddings().requires_grad_(True)
+        fc1 = text_encoder.get_submodule(clip_name("encoder.layers.0.mlp.fc1"))
+        fc1.register_forward_hook(
+            lambda module, inputs, output: output * float("nan") if step_now[0] == args.nan_forward_at else None
+        )
 
     data = torch.Generator().manual_seed(2)
     examples = [
@@ -65,17 +79,24 @@ def main():
     if args.nan_pixels_at is not None:
         examples[2 * args.nan_pixels_at + 1]["pixel_values"][1, 4, 5] = float("nan")
     train_dataloader = torch.utils.data.DataLoader(examples, batch_size=2, shuffle=False)
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
-    unet, optimizer, train_dataloader = accelerator.prepare(unet, optimizer, train_dataloader)
-    text_encoder.to(accelerator.device)
+    if args.textual_inversion:
+        optimizer = torch.optim.AdamW(text_encoder.get_input_embeddings().parameters(), lr=1e-4)
+        text_encoder, optimizer, train_dataloader = accelerator.prepare(text_encoder, optimizer, train_dataloader)
+        unet.to(accelerator.device)
+    else:
+        optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+        unet, optimizer, train_dataloader = accelerator.prepare(unet, optimizer, train_dataloader)
+        text_encoder.to(accelerator.device)
     vae.to(accelerator.device)
+    trained = text_encoder if args.textual_inversion else unet
 
     generator = torch.Generator().manual_seed(1)
     for step, batch in enumerate(train_dataloader):
+        step_now[0] = step
         if step == args.nan_token_embedding_at:
             with torch.no_grad():
                 text_encoder.get_input_embeddings().weight[batch["input_ids"][0, 3]] = float("nan")
-        with accelerator.accumulate(unet):
+        with accelerator.accumulate(trained):
             latents = vae.encode(batch["pixel_values"]).latent_dist.sample(generator) * vae.config.scaling_factor
             noise = torch.randn(latents.shape, generator=generator)
             timesteps = torch.randint(0, 1000, (latents.shape[0],), generator=generator)
@@ -85,13 +106,13 @@ def main():
             loss = F.mse_loss(model_pred.float(), noise.float(), reduction="mean")
             accelerator.backward(loss)
             if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(unet.parameters(), 1.0)
+                accelerator.clip_grad_norm_(trained.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
 
     accelerator.wait_for_everyone()
     if args.weights and accelerator.is_main_process:
-        torch.save(accelerator.unwrap_model(unet).state_dict(), args.weights)
+        torch.save(accelerator.unwrap_model(trained).state_dict(), args.weights)
     accelerator.end_training()
     print("done")
 

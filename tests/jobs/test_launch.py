@@ -266,6 +266,31 @@ def test_a_clean_t2i_launch_is_quiet_and_trains_bitwise_as_a_plain_run(tmp_path,
 
 
 @T2I_FORKS
+def test_a_nan_made_in_a_layer_of_the_trained_text_encoder_is_named_at_its_module_and_step(tmp_path, t2i_forks):
+    """textual_inversion's shape (the text encoder's embeddings trained, prepared; the UNet frozen): a NaN
+    made in its first layer's mlp.fc1 at step 2 is the headline there (launch replays the kept forward,
+    having no closure=), and the saved embeddings are the unwatched run's, bitwise (NaN from step 2 on)."""
+    planted = ("--steps", "4", "--textual-inversion", "--nan-forward-at", "2")
+    watched = t2i_forks(tmp_path, *planted, "--weights", str(tmp_path / "watched.pt"))
+    plain = t2i_forks(tmp_path, *planted, "--weights", str(tmp_path / "plain.pt"), plain=True)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    run = load_run(_run_dir(tmp_path))
+    first = by_cause(run.anomalies)[0]
+    module = clip_name("encoder.layers.0.mlp.fc1")
+    assert (first.kind, first.component, first.module, first.step, first.rank) == (
+        "nonfinite",
+        "text_encoder",
+        module,
+        2,
+        0,
+    )
+    assert run.summary["headline"]["where"] == f"text_encoder {module}, step 2"
+    assert f"nonfinite at text_encoder {module}" in watched.stderr
+    a, b = torch.load(tmp_path / "watched.pt"), torch.load(tmp_path / "plain.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+@T2I_FORKS
 def test_a_plain_torch_optim_script_is_watched_through_the_optimizer_step_hook(tmp_path, t2i_forks):
     """The one process that a one-process launch starts, run as a child of the t2i tests' server: the
     launcher's own part, the same for any script, is what the t2i launch and the script it cannot

@@ -10,7 +10,7 @@ from transformers import CLIPTextConfig, CLIPTextModel
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.jobs.launch_inputs import InputWatch, frozen_models, script_modules
-from diffusion_debug.record import by_cause
+from diffusion_debug.record import by_cause, folded
 from diffusion_debug.stats.host import count_host_transfers
 from diffusion_debug.testing.features import clip_name
 from diffusion_debug.training.measure.loss import CountedInputs
@@ -688,3 +688,142 @@ def test_a_model_compiled_before_step_0_stays_at_its_wrapper_when_another_traine
         watch.remove()
     assert given is compiled
     assert {path: int(count) for path, count in watch.take().items()} == {"text_encoder(input)": 0}
+
+
+def _train_text_encoder(tmp_path, *, nan_at=None, watched=True, steps=4, nan_loss_at=None):
+    """Textual inversion's loop: the text encoder's token embeddings trained (its attention dropout on), the
+    denoiser frozen and called after it; a forward hook on ``encoder.layers.0.mlp.fc1`` makes its output NaN
+    at step ``nan_at``. The report (None unwatched), the trained weights and the CPU generator's state after."""
+    torch.manual_seed(0)
+    config = CLIPTextConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        attention_dropout=0.5,
+    )
+    text_encoder = CLIPTextModel(config).train().requires_grad_(False)
+    text_encoder.get_input_embeddings().weight.requires_grad_(True)
+    unet = Denoiser().requires_grad_(False)
+    fc1 = text_encoder.get_submodule(clip_name("encoder.layers.0.mlp.fc1"))
+    at = [None]
+    fc1.register_forward_hook(lambda module, args, output: output * float("nan") if at[0] == nan_at else None)
+    optimizer = torch.optim.SGD([text_encoder.get_input_embeddings().weight], lr=0.1)
+    watch, tdbg = InputWatch(), None
+    if watched:
+        watch.watch_trained(text_encoder, "text_encoder")
+        watch.watch_frozen(unet, "unet")
+        tdbg = TrainingDebugger(text_encoder, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    loader = Loader(_batches(steps))
+    if watched:
+        watch.watch_loader(loader)
+    try:
+        for step, batch in enumerate(loader):
+            at[0] = step
+            embedding = text_encoder(batch["input_ids"], return_dict=False)[0]
+            loss = unet(batch["pixel_values"], embedding).pow(2).mean()
+            if step == nan_loss_at:  # made by the loss, after the forward
+                loss = loss * float("nan")
+            loss.backward()
+            if watched:
+                tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, inputs=watch.take())
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        watch.remove()
+    report = tdbg.report() if watched else None
+    if watched:
+        tdbg.close()
+    return report, text_encoder.state_dict(), torch.get_rng_state()
+
+
+def _same_bytes(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_nan_made_in_a_trained_text_encoder_s_forward_is_named_at_its_module_and_step(tmp_path):
+    """Launch has no closure=: the trained model's kept forward of a NaN-loss step is replayed with every module
+    probed (its dropout drawing the same masks), and the module that made the NaN is the headline; the replay
+    changes nothing: the trained weights (NaN from the next step on) and the generator are the unwatched run's."""
+    report, weights, rng = _train_text_encoder(tmp_path / "a", nan_at=2)
+    first = by_cause(report.anomalies)[0]
+    assert (first.kind, first.component, first.module, first.step, first.rank) == (
+        "nonfinite",  # DESIGN's stable kind: the producer, first module with finite inputs and a non-finite output
+        "text_encoder",
+        clip_name("encoder.layers.0.mlp.fc1"),
+        2,
+        0,
+    )
+    assert first.details["localized_by"] == "forward replay" and first.parameter is None
+    assert first.message == (
+        f"text_encoder.{clip_name('encoder.layers.0.mlp.fc1')} made NaN/Inf from finite inputs in the forward of "
+        "step 2 on rank 0 (found by replaying that forward with every module probed): the loss and the gradients "
+        "of this step follow from it; check that module's forward and dtype (fp16 overflow: bf16 or fp32), and any "
+        "division, log or square root in it."
+    )
+    loss = next(a for a in report.anomalies if a.kind == "nonfinite_loss")
+    assert loss.details["follows"] == {
+        "kind": "nonfinite",
+        "rank": 0,
+        "component": "text_encoder",
+        "module": clip_name("encoder.layers.0.mlp.fc1"),
+    }
+    assert loss.message == (
+        f"The loss is nan at step 2 on rank 0, from the NaN/Inf made in the forward of text_encoder."
+        f"{clip_name('encoder.layers.0.mlp.fc1')} of this step."
+    )
+    made = [a for a in report.anomalies if a.kind == "nonfinite" and "localized_by" in a.details]
+    assert [(a.step, a.module) for a in made] == [(2, first.module)]
+    # the step's NaN gradients (the same kind, rank and step) follow the loss, not the other way round
+    grads = [a for a in report.anomalies if a.kind == "nonfinite" and a.step == 2 and a.parameter]
+    assert grads and all(a.details["follows"]["kind"] == "nonfinite_loss" for a in grads)
+    assert [a for a, _ in folded(report.anomalies)][0] is first
+    # the next step's NaN loss (its weights went NaN in step 2's update) names the module as its root
+    later = next(a for a in report.anomalies if a.kind == "nonfinite_loss" and a.step == 3)
+    assert (later.details["cause"]["kind"], later.details["cause"]["place"]) == ("nonfinite", first.place())
+    assert later.message.endswith(
+        f"it follows the nonfinite at text_encoder {clip_name('encoder.layers.0.mlp.fc1')}, step 2: fix that first."
+    )
+    _, plain_weights, plain_rng = _train_text_encoder(tmp_path / "b", nan_at=2, watched=False)
+    assert all(_same_bytes(weights[k], plain_weights[k]) for k in plain_weights)
+    assert torch.equal(rng, plain_rng)
+
+
+def test_a_clean_trained_text_encoder_run_is_quiet_and_its_weights_are_the_unwatched_run_s(tmp_path):
+    report, weights, rng = _train_text_encoder(tmp_path / "a")
+    _, plain_weights, plain_rng = _train_text_encoder(tmp_path / "b", watched=False)
+    assert [a.kind for a in report.anomalies] == []
+    assert all(_same_bytes(weights[k], plain_weights[k]) for k in plain_weights)
+    assert torch.equal(rng, plain_rng)
+
+
+def test_the_replay_of_a_kept_forward_is_no_call_of_the_script_s(models):
+    """The replay runs the trained model without grad, as validation does: the watch does not take it for
+    one (the next micro-step's frozen calls are still counted) and keeps no call of it."""
+    from diffusion_debug.training.judges.forward_replay import replay_forwards
+
+    text_encoder, unet = models
+    watch = InputWatch()
+    watch.watch_trained(unet, "unet")
+    try:
+        unet(torch.randn(2, 8), torch.randn(2, 3, 16))
+        taken = watch.take()
+        assert [(kept.name, kept.model) for kept in taken.forwards] == [("unet", unet)]
+        assert replay_forwards(taken.forwards) is None  # finite
+        assert (watch.open, watch.forwards, watch.counts) == (True, [], {})
+    finally:
+        watch.remove()
+
+
+def test_a_nan_made_after_the_trained_forward_says_its_replay_stayed_finite(tmp_path):
+    """launch has no closure= to suggest: a NaN made in the loss is said to come after the forward it replayed."""
+    report, _, _ = _train_text_encoder(tmp_path, nan_loss_at=1, steps=2)
+    first = by_cause(report.anomalies)[0]
+    assert (first.kind, first.step, first.details["forward_replay"]) == ("nonfinite_loss", 1, "finite")
+    assert first.message == (
+        "The loss is nan at step 1 on rank 0; the input batch was finite, so the forward pass or the loss made it: "
+        "check the forward pass (a replay of the trained model's forward with every module probed stayed finite: "
+        "the loss computation after it made it), or lower the learning rate."
+    )

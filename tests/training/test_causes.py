@@ -469,3 +469,35 @@ def test_sharded_a_nan_made_on_rank_2_is_the_cause_on_every_rank_whatever_the_or
         [make_anomaly("nonfinite_loss", component="model", step=13, rank=1, details=nan)], rank=1, joined=14
     )
     assert linked.details["cause"]["rank"] == 0
+
+
+def test_a_forward_s_nan_explains_only_its_own_rank_s_nan_at_a_trained_model_s_argument():
+    """A trained text encoder's forward made NaN on rank 0 (launch's replay): rank 0's UNet argument follows
+    it; rank 1's NaN batch in the same step, and a NaN at rank 1's UNet argument, do not."""
+    from diffusion_debug.record import make_anomaly
+    from diffusion_debug.training.judges.causes import trace_causes
+
+    made = make_anomaly(
+        "nonfinite", component="text_encoder", module="fc1", step=2, rank=0, details={"localized_by": "forward replay"}
+    )
+    argument = {"inputs": ["unet(encoder_hidden_states)"], "nonfinite_values": 3, "trained_argument": True}
+    own = make_anomaly("nonfinite_input", component="input", step=2, rank=0, details=dict(argument))
+    other = make_anomaly("nonfinite_input", component="input", step=2, rank=1, details=dict(argument))
+    batch = make_anomaly(
+        "nonfinite_input", component="input", step=2, rank=1, details={"inputs": ['batch["x"]'], "nonfinite_values": 1}
+    )
+    follows = {
+        (a.rank, a.details["inputs"][0]): a.details.get("follows")
+        for a in trace_causes([batch, other, own, made])
+        if a.kind == "nonfinite_input"
+    }
+    assert follows == {
+        (0, "unet(encoder_hidden_states)"): {
+            "kind": "nonfinite",
+            "rank": 0,
+            "component": "text_encoder",
+            "module": "fc1",
+        },
+        (1, "unet(encoder_hidden_states)"): None,
+        (1, 'batch["x"]'): None,
+    }

@@ -49,25 +49,41 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ...record import Anomaly, by_cause, cause_reference, make_anomaly, rebuilt
+from ...record import Anomaly, by_cause, cause_reference, follows_key, make_anomaly, rebuilt
 from .step_checks import named_by_registration
 
+_FORWARD = "nonfinite made in a forward"
+"""The role of a forward's ``nonfinite`` (:func:`made_in_forward`) among the step's causes; no kind."""
 CAUSE_WINDOW = 10
 """Monitored steps during which a learning-rate jump (or an oversized update) explains a later
 NaN loss, loss spike or gradient explosion."""
 
 _CAUSED_BY = {
-    "nonfinite_loss": ("nonfinite_input", "nonfinite_loss_weight"),
+    "nonfinite_loss": (_FORWARD, "nonfinite_input", "nonfinite_loss_weight"),
+    "nonfinite_input": (_FORWARD,),  # at a trained model's argument: another trained model's output
     "nonfinite": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
     "gradient_explosion": ("nonfinite_input", "nonfinite_loss_weight", "nonfinite_loss"),
     "loss_spike": ("sample_loss_outlier",),
 }
-"""Same step: what each kind follows from."""
+"""Same step: what each kind (:func:`_role`) follows from."""
 _CONSEQUENCES = ("nonfinite_loss", "nonfinite", "gradient_explosion", "loss_spike", "gradient_vanishing", "lr_spike")
 """Kinds an earlier step can explain (an ``lr_spike`` only by its update: a jump of the lr is a cause)."""
 _PARAMETERS_KEPT = 20
 _WEIGHTS_EXPLAIN = ("nonfinite_loss", "nonfinite", "nonfinite_input")
 """Kinds this rank's non-finite weights explain (a ``nonfinite_input`` only at a trained model's argument)."""
+
+
+def made_in_forward(anomaly: Anomaly) -> bool:
+    """Whether ``anomaly`` is a ``nonfinite`` that launch's replay of a trained model's forward found at
+    its producer (``details["localized_by"] == "forward replay"``): a cause of its step's NaN loss, where
+    the step's NaN gradients (the same kind, a ``parameter`` named) follow that loss."""
+    return anomaly.kind == "nonfinite" and anomaly.details.get("localized_by") == "forward replay"
+
+
+def _role(anomaly: Anomaly) -> str:
+    """The kind as cause and consequence see it: a forward's ``nonfinite`` (:func:`made_in_forward`) is
+    not its step's NaN gradients."""
+    return _FORWARD if made_in_forward(anomaly) else anomaly.kind
 
 
 def at_trained_arguments(anomaly: Anomaly) -> bool:
@@ -91,8 +107,10 @@ def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
             follows = {"kind": cause.kind, "rank": cause.rank}
             if cause.kind == "nonfinite_input" and cause.component != "input":  # a frozen model made it
                 follows["component"] = cause.component
+            elif made_in_forward(cause):  # a module of a trained model's forward made it
+                follows.update(component=cause.component, module=cause.module)
             a = rebuilt(a, details={**a.details, "follows": follows})
-        if cause is not None and a.kind == "nonfinite":
+        if cause is not None and a.kind == "nonfinite" and not made_in_forward(a):
             a = named_by_registration(a)
         if cause is not None and "cause" in cause.details and "cause" not in a.details:
             a = rebuilt(a, details={**a.details, "cause": cause.details["cause"]})  # one root for the whole chain
@@ -101,8 +119,14 @@ def trace_causes(anomalies: list[Anomaly]) -> list[Anomaly]:
 
 
 def _same_step_cause(anomaly: Anomaly, anomalies: list[Anomaly]) -> Anomaly | None:
-    causes = _CAUSED_BY.get(anomaly.kind, ())
-    return next((c for c in anomalies if c.kind in causes and c.step == anomaly.step and c is not anomaly), None)
+    causes = _CAUSED_BY.get(_role(anomaly), ())
+    if anomaly.kind == "nonfinite_input":  # only its own rank's trained forward feeds a trained model's argument
+        if not at_trained_arguments(anomaly):
+            return None
+        return next(
+            (c for c in anomalies if _role(c) in causes and (c.step, c.rank) == (anomaly.step, anomaly.rank)), None
+        )
+    return next((c for c in anomalies if _role(c) in causes and c.step == anomaly.step and c is not anomaly), None)
 
 
 @dataclass
@@ -173,7 +197,7 @@ class CauseTracker:
         first), or what they follow when it is remembered: the NaN loss, input or loss weight of
         that step (this rank's or another's, which DDP averaged into every rank's gradients), else
         the latest learning-rate jump at or before it."""
-        nan_gradients = [a for _, a in self._recent if a.kind == "nonfinite" and a.step == update_step]
+        nan_gradients = [a for _, a in self._recent if _role(a) == "nonfinite" and a.step == update_step]
         if nan_gradients:
             return self._followed(min(nan_gradients, key=lambda a: (a.rank != rank, a.rank)), rank)
         return next(
@@ -183,10 +207,15 @@ class CauseTracker:
     def _followed(self, gradients: Anomaly, rank: int) -> Anomaly:
         """What the remembered NaN ``gradients`` follow in their own step when it is remembered (the
         NaN loss, input or loss weight; for a copy received through the reduction, the NaN gradients
-        of the rank that made them), else themselves."""
-        origin = gradients.details.get("follows") or {}
-        key = (origin.get("kind"), origin.get("rank", rank), gradients.step)
-        return next((a for _, a in self._recent if (a.kind, a.rank, a.step) == key), gradients)
+        of the rank that made them), and what that follows in turn (the module of a trained model's
+        forward that made the NaN loss), else themselves."""
+        found, seen = gradients, set()
+        while id(found) not in seen:  # down the chain: a NaN loss that follows a trained model's forward, its module
+            seen.add(id(found))
+            origin = found.details.get("follows") or {}
+            key = (origin.get("kind"), origin.get("rank", rank), found.step, origin.get("module"))
+            found = next((a for _, a in self._recent if follows_key(a) == key), found)
+        return found
 
     def renamed(self, pairs: list[tuple[Anomaly, Anomaly]]) -> None:
         """Anomalies named again (``watched``: several models): the cause kept for non-finite
@@ -270,14 +299,14 @@ class CauseTracker:
         origins = ("nonfinite", "nonfinite_update", "nonfinite_loss", "nonfinite_input")
         heads: dict[Any, Any] = {}  # per step, the rank whose NaN gradients are kept besides this rank's own
         # (a clean step builds no set: no comprehension frame, test_op_count's training pin)
-        rows = {(a.step, a.rank) for a in anomalies if a.kind == "nonfinite"} if anomalies else ()
+        rows = {(a.step, a.rank) for a in anomalies if _role(a) == "nonfinite"} if anomalies else ()
         for a in anomalies if rank is not None else ():
-            if a.kind == "nonfinite" and (a.rank == rank or a.step not in heads):  # this rank's own decides
+            if _role(a) == "nonfinite" and (a.rank == rank or a.step not in heads):  # this rank's own decides
                 follows = a.details.get("follows") or {}
                 made = follows.get("rank") if follows.get("kind") == "nonfinite" else a.rank
                 heads[a.step] = made if (a.step, made) in rows else a.rank  # the maker's row not here: the copy
         for a in anomalies:
-            if a.kind == "nonfinite" and rank is not None and a.rank != rank:
+            if _role(a) == "nonfinite" and rank is not None and a.rank != rank:
                 if heads[a.step] != a.rank:  # the one other rank's kept stands for them all
                     continue
             if a.kind == "lr_spike" or (a.kind in origins and a.severity == "error"):

@@ -21,7 +21,7 @@ from torch import nn
 
 from ...config import DebugConfig
 from ...probes import BackwardOrder
-from ...record import Anomaly, rebuilt
+from ...record import Anomaly, make_anomaly, rebuilt
 from ...stats import read_now
 from .. import failures
 from ..measure import gradients, updates, wrappers
@@ -33,6 +33,7 @@ from ..measure.updates import UpdateSketch, judge_applied_update
 from . import step_checks
 from .anomaly_mode import localize_backward
 from .causes import CauseTracker, at_trained_arguments
+from .forward_replay import replay_forwards
 from .module_health import judge_modules
 from .not_learning import StallWatch, judge_stall, judge_unscaled_loss
 from .step_checks import StepFlags
@@ -105,6 +106,7 @@ class LocalJudge:
         input_producers: dict | None = None,
         grad_norm: float | None = None,
         norms: torch.Tensor | None = None,
+        forwards: list = (),
     ) -> None:
         """Per-module norms and update ratios (``lr_spike`` beyond the threshold, from the gradients
         as the optimizer will see them: ``clip_scale`` of the measured ones); the exact
@@ -180,7 +182,7 @@ class LocalJudge:
             # the book's array of the same norms: not made again from the list
             found = judge_modules(self.rank, index, self.history.health.update(index, modules.last_norms, read))
             judged.anomalies += found
-        self._check_weights(judged, index)
+        self._check_weights(judged, index, forwards, config)
 
     def _steps_by_its_gradient(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` moves a weight by lr x its gradient, decided once per optimizer object
@@ -266,12 +268,14 @@ class LocalJudge:
         if history.detail.then(history.joined, found=True):
             self.sketch.keep(history.joined)
 
-    def _check_weights(self, judged: Judgement, index: Any) -> None:
+    def _check_weights(self, judged: Judgement, index: Any, forwards: list, config: DebugConfig) -> None:
         """On a step whose own loss or gradients are NaN (and not from its input batch): which
         weights are non-finite, in registration order, and, the first time, the update that made
-        them so. Registration order on every engine: a NaN update reaches its weights together, so
-        no order of backward says which came first, and FSDP2 and ZeRO record none (DDP's recorded
-        one named another first weight, the first in forward order)."""
+        them so; with finite weights and a NaN loss, the module of a trained model's forward that
+        made it, by a replay of ``forwards`` (launch's kept calls: ``forward_replay``). Registration
+        order on every engine: a NaN update reaches its weights together, so no order of backward says
+        which came first, and FSDP2 and ZeRO record none (DDP's recorded one named another first
+        weight, the first in forward order)."""
         if not judged.anomalies:  # a clean step: nothing suspect (two Python calls fewer)
             return
         own = [a for a in judged.anomalies if a.rank == self.rank]
@@ -295,6 +299,42 @@ class LocalJudge:
         update = self.history.causes.weights_found(names, module, self.history.previous_step, index, self.rank)
         if update is not None:
             judged.anomalies.append(update)
+        if not flagged and forwards and not self.sharding:  # finite weights: a module of the forward made it?
+            if any(a.kind == "nonfinite_loss" or at_trained_arguments(a) for a in own):
+                self._replay_forwards(judged, forwards, index, config)
+
+    def _replay_forwards(self, judged: Judgement, forwards: list, index: Any, config: DebugConfig) -> None:
+        """The module that made this rank's NaN loss in a trained model's forward (``forward_replay``),
+        added as a ``nonfinite`` (``localized_by: "forward replay"``, no ``parameter``); else this rank's
+        NaN loss says the replay found none (its advice is then not ``closure=``'s). A failed replay is a
+        ``debugger_error`` at ``forward replay``; with ``strict=True`` it is raised (recorded as the step's judging
+        failure)."""
+        try:
+            made = replay_forwards(forwards)
+        except Exception as error:
+            if config.strict:
+                raise
+            judged.anomalies.append(failures.forward_replay_failed(self.rank, index, error))
+            return
+        if made is not None and "module" in made:
+            details = {"micro_step": made["micro_step"], "localized_by": "forward replay"}
+            found = make_anomaly(  # DESIGN's nonfinite: the producer (its step's NaN gradients name a parameter)
+                "nonfinite",
+                component=made["component"],
+                module=made["module"],
+                step=index,
+                rank=self.rank,
+                details=details,
+            )
+            judged.anomalies.append(found)
+            return
+        outcome = made["skipped"][0] if made else "finite"  # not replayed: "changed", "compiled", "collective"
+        judged.anomalies[:] = [
+            rebuilt(a, details={**a.details, "forward_replay": outcome})
+            if a.kind == "nonfinite_loss" and a.rank == self.rank
+            else a
+            for a in judged.anomalies
+        ]
 
     def localize(self, anomalies: list[Anomaly], closure: Callable, config: DebugConfig, step: int | None) -> None:
         """Replay ``closure`` under anomaly mode and name what it found in this rank's NaN/Inf

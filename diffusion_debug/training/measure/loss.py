@@ -138,6 +138,8 @@ class LossAccumulator:
         self.input_counts: dict[str, torch.Tensor] = {}
         self.input_producers: dict[str, tuple] = {}
         """Inputs that a model outside the trained ones made (``CountedInputs.producers``)."""
+        self.input_forwards: list = []
+        """The trained models' calls of the step, kept for a replay (``CountedInputs.forwards``)."""
 
     def add(
         self,
@@ -184,6 +186,7 @@ class LossAccumulator:
                 self.input_counts[name] = count if previous is None else previous + count
             if isinstance(inputs, CountedInputs):
                 self.input_producers.update(inputs.producers)
+                self.input_forwards += inputs.forwards
 
     def mean(self) -> torch.Tensor:
         """The step's mean loss (float64, on the device; one micro-step's own loss as it is)."""
@@ -204,11 +207,15 @@ class CountedInputs(dict):
     frozen model's output from finite inputs, ``{path: (component, module[, weights])}``: when the
     first non-finite path is one of them, that model made the NaN (``nonfinite_input`` names it,
     and the weight that ``weights()`` reads, ``(name, count)``, when one holds NaN/Inf); a trained
-    model's argument is :data:`TRAINED_ARGUMENT` there."""
+    model's argument is :data:`TRAINED_ARGUMENT` there. ``forwards``: the trained models' calls
+    that fed on them (``judges.forward_replay.KeptForward``), replayed when the loss is NaN/Inf."""
 
-    def __init__(self, counts: dict[str, torch.Tensor], producers: dict[str, tuple] | None = None):
+    def __init__(
+        self, counts: dict[str, torch.Tensor], producers: dict[str, tuple] | None = None, forwards: list = ()
+    ):
         super().__init__(counts)
         self.producers = dict(producers or {})
+        self.forwards = list(forwards)
 
 
 def nonfinite_counts(inputs: Any, device: torch.device, name: str = "inputs") -> dict[str, torch.Tensor]:

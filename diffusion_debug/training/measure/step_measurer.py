@@ -177,6 +177,7 @@ class StepMeasurer:
             dict(accumulated.input_counts),
             dict(accumulated.input_producers),
             judged_norms,
+            accumulated.input_forwards,  # reset() makes a new list: the step keeps this one
         )
 
     def skipped(self, optimizer: Any, last: bool = False) -> float:

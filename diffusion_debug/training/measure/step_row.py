@@ -211,6 +211,8 @@ class Measurement:
     """The per-parameter gradient norms (float64, on the device; 0.0 for another optimizer's
     parameters, :attr:`StepMeasurer.not_judged`): a step that read no module norms makes them of
     these when its judging finds something (``StepMonitor._judge``)."""
+    forwards: list = dataclasses.field(default_factory=list)
+    """The trained models' calls of the step, kept for a replay on a NaN step (``loss.CountedInputs.forwards``)."""
 
     def checksums_or_nan(self, count: int, device: torch.device) -> torch.Tensor:
         """This rank's ``count`` per-parameter checksums (float64; NaN where it could not measure them)."""
