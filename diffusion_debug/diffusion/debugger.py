@@ -55,6 +55,7 @@ from ..report.server import start_live_server
 from . import origins
 from . import pipeline_patches as patches
 from . import step_values as rows
+from .components.cache_hooks import reset_as_a_call_ends
 from .components.call_memory import oom_targets
 from .components.detached import Parked, dropped_parts, park, revive
 from .components.held import HeldComponents
@@ -524,6 +525,8 @@ class DiffusionModelDebugger(Lifecycle):
             try:
                 apply_policy(self.config, _PipelinePolicy(self), errors)
             except DiffusionDebugError as error:  # raised out of the call: what it held let go at the raise
+                if self._steps.frames is not None and self._steps.frames.frame is not None:
+                    reset_as_a_call_ends([c.module for c in self.components])  # as the call's end would
                 self._steps.end_raising_call(error)
                 raise
 

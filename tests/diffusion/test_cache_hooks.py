@@ -187,6 +187,31 @@ def test_a_faster_cache_replay_without_the_older_attention_its_call_dropped_comp
     torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
 
 
+def test_a_call_policy_raise_ends_leaves_no_cache_state_to_the_next_call(tmp_path):
+    """Policy ``raise`` ends the call at the step of its NaN, before the pipeline's end resets its
+    caching hooks (``maybe_free_model_hooks``): the call's TaylorSeer factors (NaN) fed the next call,
+    made after detach, a NaN image. The raise resets them as the call's end would: the next call is the
+    clean one, as after the same faulty call unwatched."""
+    from diffusion_debug import DiffusionDebugError
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(_taylor_seer())
+    kwargs = dict(num_inference_steps=4, output_type="pt", height=32, width=32)
+    clean = pipe("a cat", generator=generator(), **kwargs).images
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    module = "transformer_blocks.0.attn.to_out.0"
+    with pytest.raises(DiffusionDebugError) as raised:
+        with dbg, plant_nonfinite(pipe.transformer.get_submodule(module), from_call=1, value=float("nan")):
+            pipe("a cat", generator=generator(), **kwargs)
+    assert (raised.value.anomaly.component, raised.value.anomaly.module, raised.value.anomaly.step) == (
+        "transformer",
+        module,
+        2,  # TaylorSeer computes steps 0 and 2 (1 predicted): the planted module's second call
+    )
+    torch.testing.assert_close(pipe("a cat", generator=generator(), **kwargs).images, clean, rtol=0, atol=0)
+    dbg.close()
+
+
 def test_a_cache_disabled_between_two_attaches_no_longer_counts_as_stateful(tmp_path):
     """The components running stateful hooks are found at each attach, not only added to: once the
     cache is disabled, steps are read a step late again (``defer``), as on a pipeline never cached."""

@@ -143,6 +143,19 @@ def found_hooks(module: nn.Module, found: FoundHooks | None = None) -> FoundHook
     return found if found is not None and found.still(module) else FoundHooks(module)
 
 
+def reset_as_a_call_ends(modules: list[nn.Module]) -> None:
+    """Reset the stateful hooks of ``modules`` as a pipeline's call does as it ends (its
+    ``maybe_free_model_hooks``: ``_reset_stateful_cache`` on every component): for a call that our
+    policy ``raise`` ends before its end, so that its next call starts from fresh caches, as it does
+    after the unwatched call (a TaylorSeer's factors or a FirstBlockCache's residuals of the raised call
+    would otherwise feed the next call its NaN)."""
+    for module in modules:
+        if FoundHooks(module).hooks:  # (diffusers' reset: every registry's stateful hooks, the module's and below)
+            for sub in module.modules():
+                if (registry := _registry(sub)) is not None:
+                    registry.reset_stateful_hooks(recurse=False)
+
+
 def hook_state(
     module: nn.Module, found: FoundHooks | None = None, budget: list[int] | None = None
 ) -> tuple[Any, HookState | None]:
