@@ -196,7 +196,7 @@ def test_a_call_policy_raise_ends_leaves_no_cache_state_to_the_next_call(tmp_pat
 
     pipe = tiny_pipeline("flux")
     pipe.transformer.enable_cache(_taylor_seer())
-    kwargs = dict(num_inference_steps=4, output_type="pt", height=32, width=32)
+    kwargs = dict(num_inference_steps=3, output_type="pt", height=16, width=16)
     clean = pipe("a cat", generator=generator(), **kwargs).images
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
     module = "transformer_blocks.0.attn.to_out.0"
