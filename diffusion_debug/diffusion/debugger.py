@@ -31,6 +31,7 @@ one it does not hold), call by call: no per-step row, and every call of one atta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import numbers
@@ -526,7 +527,11 @@ class DiffusionModelDebugger(Lifecycle):
                 apply_policy(self.config, _PipelinePolicy(self), errors)
             except DiffusionDebugError as error:  # raised out of the call: what it held let go at the raise
                 if self._steps.frames is not None and self._steps.frames.frame is not None:
-                    reset_as_a_call_ends([c.module for c in self.components])  # as the call's end would
+                    try:  # a reset that fails (a user's hook) never takes the policy's error's place
+                        reset_as_a_call_ends([c.module for c in self.components])  # as the call's end would
+                    except Exception as failure:
+                        with contextlib.suppress(Exception):  # (strict would raise it: the raise goes first)
+                            self._steps.guards.failed("cache_reset", failure, None)
                 self._steps.end_raising_call(error)
                 raise
 

@@ -212,6 +212,28 @@ def test_a_call_policy_raise_ends_leaves_no_cache_state_to_the_next_call(tmp_pat
     dbg.close()
 
 
+def test_a_reset_that_fails_as_policy_raise_ends_a_call_still_raises_the_policys_error(tmp_path, monkeypatch):
+    """A stateful hook whose ``reset_state`` fails (a user's own) as the raise resets the caches: the
+    policy's DiffusionDebugError is still what the call raises, and the failure is a debugger_error."""
+    from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
+
+    from diffusion_debug import DiffusionDebugError
+
+    def failing(self, module):
+        raise RuntimeError("a reset that fails")
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(_taylor_seer())
+    monkeypatch.setattr(TaylorSeerCacheHook, "reset_state", failing)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    module = pipe.transformer.get_submodule("transformer_blocks.0.attn.to_out.0")
+    with pytest.raises(DiffusionDebugError):
+        with dbg, plant_nonfinite(module, from_call=0, value=float("nan")):
+            pipe("a cat", generator=generator(), num_inference_steps=2, output_type="latent", height=16, width=16)
+    assert [e.details.get("where") for e in dbg.report().anomalies if e.kind == "debugger_error"] == ["cache_reset"]
+    dbg.close()
+
+
 def test_a_cache_disabled_between_two_attaches_no_longer_counts_as_stateful(tmp_path):
     """The components running stateful hooks are found at each attach, not only added to: once the
     cache is disabled, steps are read a step late again (``defer``), as on a pipeline never cached."""
