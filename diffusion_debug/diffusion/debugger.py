@@ -528,7 +528,7 @@ class DiffusionModelDebugger(Lifecycle):
             except DiffusionDebugError as error:  # raised out of the call: what it held let go at the raise
                 if self._steps.frames is not None and self._steps.frames.frame is not None:
                     try:  # a reset that fails (a user's hook) never takes the policy's error's place
-                        reset_as_a_call_ends([c.module for c in self.components])  # as the call's end would
+                        reset_as_a_call_ends(self.pipe, [c.module for c in self.components])  # as the call's end would
                     except Exception as failure:
                         with contextlib.suppress(Exception):  # (strict would raise it: the raise goes first)
                             self._steps.guards.failed("cache_reset", failure, None)

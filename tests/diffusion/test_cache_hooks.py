@@ -234,6 +234,29 @@ def test_a_reset_that_fails_as_policy_raise_ends_a_call_still_raises_the_policys
     dbg.close()
 
 
+def test_policy_raise_leaves_the_caches_a_pipelines_end_never_resets_as_they_are(tmp_path):
+    """A pipeline's end resets only the caches of components that have ``_reset_stateful_cache``
+    (diffusers' CacheMixin: a UNet has none): a UNet's PyramidAttentionBroadcast keeps its state from
+    call to call, unwatched, so the raise leaves it as the call left it (the 2 calls it counted)."""
+    from diffusers import PyramidAttentionBroadcastConfig, apply_pyramid_attention_broadcast
+
+    from diffusion_debug import DiffusionDebugError
+
+    pipe = tiny_pipeline("sd")
+    config = PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 1001),
+        current_timestep_callback=lambda: 500,
+    )
+    apply_pyramid_attention_broadcast(pipe.unet, config)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    with pytest.raises(DiffusionDebugError):
+        with dbg, plant_nonfinite(pipe.unet.get_submodule("up_blocks.1"), from_call=1, value=float("nan")):
+            pipe("a cat", generator=generator(), num_inference_steps=3, output_type="latent")
+    counts = {hook.state.iteration for hook in stateful_hooks(pipe.unet)}
+    assert counts == {2}
+
+
 def test_a_cache_disabled_between_two_attaches_no_longer_counts_as_stateful(tmp_path):
     """The components running stateful hooks are found at each attach, not only added to: once the
     cache is disabled, steps are read a step late again (``defer``), as on a pipeline never cached."""
