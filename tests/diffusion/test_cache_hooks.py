@@ -257,6 +257,34 @@ def test_policy_raise_leaves_the_caches_a_pipelines_end_never_resets_as_they_are
     assert counts == {2}
 
 
+def test_compare_pipelines_replays_leave_each_pipelines_cache_as_its_last_call_left_it():
+    """compare_pipelines replays the diverging transformer call on both pipelines after their calls
+    ended: under PyramidAttentionBroadcast the replay counted one more call and cached its attention,
+    so each pipeline's next call (after the end's reset, a fresh cache) started from the replay's."""
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    from diffusion_debug import compare_pipelines
+
+    def make():
+        pipe = tiny_pipeline("flux")
+        config = PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: 500,
+        )
+        pipe.transformer.enable_cache(config)
+        return pipe
+
+    kwargs = dict(num_inference_steps=2, output_type="pt", height=16, width=16)
+    a, b, twin = make(), make(), make()
+    with torch.no_grad():
+        b.transformer.transformer_blocks[0].attn.to_out[0].weight.mul_(1.5)
+    found = compare_pipelines(a, b, seed=0, prompt="a cat", **kwargs).first_divergence
+    assert (found.component, found.module, found.step) == ("transformer", "transformer_blocks.0.attn.to_out.0", 0)
+    later = a("a cat", generator=generator(), **kwargs).images
+    torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
+
+
 def test_a_cache_disabled_between_two_attaches_no_longer_counts_as_stateful(tmp_path):
     """The components running stateful hooks are found at each attach, not only added to: once the
     cache is disabled, steps are read a step late again (``defer``), as on a pipeline never cached."""
