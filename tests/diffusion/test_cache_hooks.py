@@ -285,6 +285,38 @@ def test_compare_pipelines_replays_leave_each_pipelines_cache_as_its_last_call_l
     torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
 
 
+def test_a_bundle_replayed_on_the_live_component_leaves_its_cache_as_the_call_left_it(tmp_path):
+    """``replay(bundle, pipe.transformer)`` after the call: under PyramidAttentionBroadcast the replay
+    counted one more call and cached its attention, which the next call (its cache reset at the last
+    call's end) started from: its image changed."""
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    from diffusion_debug.diffusion import replay
+
+    def make():
+        pipe = tiny_pipeline("flux")
+        config = PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: 500,
+        )
+        pipe.transformer.enable_cache(config)
+        return pipe
+
+    pipe, twin = make(), make()
+    kwargs = dict(num_inference_steps=2, output_type="pt", height=16, width=16)
+    module = "transformer_blocks.0.attn.to_out.0"
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg, plant_nonfinite(pipe.transformer.get_submodule(module), from_call=0, value=float("nan")):
+        pipe("a cat", generator=generator(), **kwargs)
+    (anomaly,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
+    run_dir = dbg.report().save()
+    assert replay(run_dir / anomaly.details["bundle"], pipe.transformer)["output_finite"] is True  # no fault now
+    later = pipe("a cat", generator=generator(), **kwargs).images
+    torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
+    dbg.close()
+
+
 def test_a_cache_disabled_between_two_attaches_no_longer_counts_as_stateful(tmp_path):
     """The components running stateful hooks are found at each attach, not only added to: once the
     cache is disabled, steps are read a step late again (``defer``), as on a pipeline never cached."""
