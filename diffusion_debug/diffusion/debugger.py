@@ -31,6 +31,7 @@ one it does not hold), call by call: no per-step row, and every call of one atta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import numbers
@@ -55,6 +56,7 @@ from ..report.server import start_live_server
 from . import origins
 from . import pipeline_patches as patches
 from . import step_values as rows
+from .components.cache_hooks import reset_as_a_call_ends
 from .components.call_memory import oom_targets
 from .components.detached import Parked, dropped_parts, park, revive
 from .components.held import HeldComponents
@@ -524,6 +526,12 @@ class DiffusionModelDebugger(Lifecycle):
             try:
                 apply_policy(self.config, _PipelinePolicy(self), errors)
             except DiffusionDebugError as error:  # raised out of the call: what it held let go at the raise
+                if self._steps.frames is not None and self._steps.frames.frame is not None:
+                    try:  # a reset that fails (a user's hook) never takes the policy's error's place
+                        reset_as_a_call_ends(self.pipe, [c.module for c in self.components])  # as the call's end would
+                    except Exception as failure:
+                        with contextlib.suppress(Exception):  # (strict would raise it: the raise goes first)
+                            self._steps.guards.failed("cache_reset", failure, None)
                 self._steps.end_raising_call(error)
                 raise
 

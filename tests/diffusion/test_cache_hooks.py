@@ -187,6 +187,136 @@ def test_a_faster_cache_replay_without_the_older_attention_its_call_dropped_comp
     torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
 
 
+def test_a_call_policy_raise_ends_leaves_no_cache_state_to_the_next_call(tmp_path):
+    """Policy ``raise`` ends the call at the step of its NaN, before the pipeline's end resets its
+    caching hooks (``maybe_free_model_hooks``): the call's TaylorSeer factors (NaN) fed the next call,
+    made after detach, a NaN image. The raise resets them as the call's end would: the next call is the
+    clean one, as after the same faulty call unwatched."""
+    from diffusion_debug import DiffusionDebugError
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(_taylor_seer())
+    kwargs = dict(num_inference_steps=3, output_type="pt", height=16, width=16)
+    clean = pipe("a cat", generator=generator(), **kwargs).images
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    module = "transformer_blocks.0.attn.to_out.0"
+    with pytest.raises(DiffusionDebugError) as raised:
+        with dbg, plant_nonfinite(pipe.transformer.get_submodule(module), from_call=1, value=float("nan")):
+            pipe("a cat", generator=generator(), **kwargs)
+    assert (raised.value.anomaly.component, raised.value.anomaly.module, raised.value.anomaly.step) == (
+        "transformer",
+        module,
+        2,  # TaylorSeer computes steps 0 and 2 (1 predicted): the planted module's second call
+    )
+    torch.testing.assert_close(pipe("a cat", generator=generator(), **kwargs).images, clean, rtol=0, atol=0)
+    dbg.close()
+
+
+def test_a_reset_that_fails_as_policy_raise_ends_a_call_still_raises_the_policys_error(tmp_path, monkeypatch):
+    """A stateful hook whose ``reset_state`` fails (a user's own) as the raise resets the caches: the
+    policy's DiffusionDebugError is still what the call raises, and the failure is a debugger_error."""
+    from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook
+
+    from diffusion_debug import DiffusionDebugError
+
+    def failing(self, module):
+        raise RuntimeError("a reset that fails")
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(_taylor_seer())
+    monkeypatch.setattr(TaylorSeerCacheHook, "reset_state", failing)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    module = pipe.transformer.get_submodule("transformer_blocks.0.attn.to_out.0")
+    with pytest.raises(DiffusionDebugError):
+        with dbg, plant_nonfinite(module, from_call=0, value=float("nan")):
+            pipe("a cat", generator=generator(), num_inference_steps=2, output_type="latent", height=16, width=16)
+    assert [e.details.get("where") for e in dbg.report().anomalies if e.kind == "debugger_error"] == ["cache_reset"]
+    dbg.close()
+
+
+def test_policy_raise_leaves_the_caches_a_pipelines_end_never_resets_as_they_are(tmp_path):
+    """A pipeline's end resets only the caches of components that have ``_reset_stateful_cache``
+    (diffusers' CacheMixin: a UNet has none): a UNet's PyramidAttentionBroadcast keeps its state from
+    call to call, unwatched, so the raise leaves it as the call left it (the 2 calls it counted)."""
+    from diffusers import PyramidAttentionBroadcastConfig, apply_pyramid_attention_broadcast
+
+    from diffusion_debug import DiffusionDebugError
+
+    pipe = tiny_pipeline("sd")
+    config = PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 1001),
+        current_timestep_callback=lambda: 500,
+    )
+    apply_pyramid_attention_broadcast(pipe.unet, config)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    with pytest.raises(DiffusionDebugError):
+        with dbg, plant_nonfinite(pipe.unet.get_submodule("up_blocks.1"), from_call=1, value=float("nan")):
+            pipe("a cat", generator=generator(), num_inference_steps=3, output_type="latent")
+    counts = {hook.state.iteration for hook in stateful_hooks(pipe.unet)}
+    assert counts == {2}
+
+
+def test_compare_pipelines_replays_leave_each_pipelines_cache_as_its_last_call_left_it():
+    """compare_pipelines replays the diverging transformer call on both pipelines after their calls
+    ended: under PyramidAttentionBroadcast the replay counted one more call and cached its attention,
+    so each pipeline's next call (after the end's reset, a fresh cache) started from the replay's."""
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    from diffusion_debug import compare_pipelines
+
+    def make():
+        pipe = tiny_pipeline("flux")
+        config = PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: 500,
+        )
+        pipe.transformer.enable_cache(config)
+        return pipe
+
+    kwargs = dict(num_inference_steps=2, output_type="pt", height=16, width=16)
+    a, b, twin = make(), make(), make()
+    with torch.no_grad():
+        b.transformer.transformer_blocks[0].attn.to_out[0].weight.mul_(1.5)
+    found = compare_pipelines(a, b, seed=0, prompt="a cat", **kwargs).first_divergence
+    assert (found.component, found.module, found.step) == ("transformer", "transformer_blocks.0.attn.to_out.0", 0)
+    later = a("a cat", generator=generator(), **kwargs).images
+    torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
+
+
+def test_a_bundle_replayed_on_the_live_component_leaves_its_cache_as_the_call_left_it(tmp_path):
+    """``replay(bundle, pipe.transformer)`` after the call: under PyramidAttentionBroadcast the replay
+    counted one more call and cached its attention, which the next call (its cache reset at the last
+    call's end) started from: its image changed."""
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    from diffusion_debug.diffusion import replay
+
+    def make():
+        pipe = tiny_pipeline("flux")
+        config = PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: 500,
+        )
+        pipe.transformer.enable_cache(config)
+        return pipe
+
+    pipe, twin = make(), make()
+    kwargs = dict(num_inference_steps=2, output_type="pt", height=16, width=16)
+    module = "transformer_blocks.0.attn.to_out.0"
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg, plant_nonfinite(pipe.transformer.get_submodule(module), from_call=0, value=float("nan")):
+        pipe("a cat", generator=generator(), **kwargs)
+    (anomaly,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
+    run_dir = dbg.report().save()
+    assert replay(run_dir / anomaly.details["bundle"], pipe.transformer)["output_finite"] is True  # no fault now
+    later = pipe("a cat", generator=generator(), **kwargs).images
+    torch.testing.assert_close(later, twin("a cat", generator=generator(), **kwargs).images, rtol=0, atol=0)
+    dbg.close()
+
+
 def test_a_cache_disabled_between_two_attaches_no_longer_counts_as_stateful(tmp_path):
     """The components running stateful hooks are found at each attach, not only added to: once the
     cache is disabled, steps are read a step late again (``defer``), as on a pipeline never cached."""

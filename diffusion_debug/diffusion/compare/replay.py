@@ -3,16 +3,20 @@ in the component (it persists on equal inputs) and, if so, the first module that
 
 Each module's input and output fingerprints are read by forward hooks on the component's eager
 modules (a compiled component is replayed as it runs, then eagerly for the modules); the hooks
-come off when the replay returns.
+come off when the replay returns. A replay leaves the component's stateful hooks (diffusers' caches)
+as it found them: it runs after the pipelines' calls ended, and a cache it advanced would be the next
+call's (``hook_state_kept``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
 
 from ...stats import tensors_in
+from ..components.cache_hooks import hook_state_kept
 from ..components.compiled import compile_state, eager_module
 from ..components.inventory import call_sites, find_components
 from .fingerprints import Fingerprint, errors_of
@@ -70,8 +74,9 @@ def replay(
     """The output fingerprints of one call site of ``pipe`` (``change`` applied) on ``kept`` inputs,
     and, when ``modules``, each module's readings in the order their calls returned."""
     readings: list[ModuleReading] = []
-    with applied(pipe, change):
+    with applied(pipe, change), contextlib.ExitStack() as kept_state:
         site = _site_module(pipe, component, prefix)
+        kept_state.enter_context(hook_state_kept(eager_module(site)))  # its caches as the calls left them
         compiled = compile_state(site) is not None
         output = fingerprints_of(_call(site, kept, dtypes)) if compiled or not modules else None
         if not modules:

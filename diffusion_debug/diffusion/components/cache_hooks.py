@@ -143,6 +143,24 @@ def found_hooks(module: nn.Module, found: FoundHooks | None = None) -> FoundHook
     return found if found is not None and found.still(module) else FoundHooks(module)
 
 
+def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> None:
+    """Reset the stateful hooks of ``modules`` as a pipeline's call does as it ends (its
+    ``maybe_free_model_hooks``: ``_reset_stateful_cache`` on every component that has it): for a call that
+    our policy ``raise`` ends before its end, so that its next call starts from fresh caches, as it does
+    after the unwatched call (a TaylorSeer's factors or a FirstBlockCache's residuals of the raised call
+    would otherwise feed the next call its NaN). Nothing more: a pipeline without that end (a
+    ``ModularPipeline``) and a component without ``_reset_stateful_cache`` (a UNet: diffusers' CacheMixin
+    is on transformers) keep their hooks' state from call to call unwatched, and so here too; the model
+    offload that end also redoes is left to the next call's own offload hooks, as after any exception."""
+    if not hasattr(pipe, "maybe_free_model_hooks"):
+        return
+    for module in modules:
+        if hasattr(module, "_reset_stateful_cache") and FoundHooks(module).hooks:  # (never made a registry)
+            for sub in module.modules():  # (diffusers' reset: every registry's stateful hooks, the module's and below)
+                if (registry := _registry(sub)) is not None:
+                    registry.reset_stateful_hooks(recurse=False)
+
+
 def hook_state(
     module: nn.Module, found: FoundHooks | None = None, budget: list[int] | None = None
 ) -> tuple[Any, HookState | None]:

@@ -22,6 +22,7 @@ from ...errors import DiffusionDebugError
 from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
 from ..checks import find_producer, first_nonfinite
+from ..components.cache_hooks import hook_state_kept
 from ..components.compiled import eager_module, replay_readings
 from .copies import context_fields, layerwise_casting
 
@@ -285,7 +286,8 @@ def replay(
     Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
     "meta": meta.json}``; ``module`` is the first module whose output is non-finite while its
     inputs were finite, named inside the component as in the anomaly. A damaged bundle is one
-    DiffusionDebugError (see :func:`read_bundle`).
+    DiffusionDebugError (see :func:`read_bundle`). ``model``'s stateful diffusers hooks (caches) are
+    left as the replay found them: the next pipeline call does not start from the replay's.
     """
     meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
@@ -295,7 +297,8 @@ def replay(
         raise DiffusionDebugError(
             f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(model).__name__} does not have."
         ) from None
-    readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
+    with hook_state_kept(eager_module(model)):  # a live component's caches as its last call left them
+        readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
     producer = find_producer(readings)
     first = first_nonfinite(readings)
     top = [r for r in readings if r.module == prefix]
