@@ -257,24 +257,27 @@ def test_policy_raise_leaves_the_caches_a_pipelines_end_never_resets_as_they_are
     assert counts == {2}
 
 
+def _flux_with_pyramid_attention_broadcast():
+    """A tiny Flux whose transformer reuses its attention every other call (a counted, cached state)."""
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    pipe = tiny_pipeline("flux")
+    config = PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 1001),
+        current_timestep_callback=lambda: 500,
+    )
+    pipe.transformer.enable_cache(config)
+    return pipe
+
+
 def test_compare_pipelines_replays_leave_each_pipelines_cache_as_its_last_call_left_it():
     """compare_pipelines replays the diverging transformer call on both pipelines after their calls
     ended: under PyramidAttentionBroadcast the replay counted one more call and cached its attention,
     so each pipeline's next call (after the end's reset, a fresh cache) started from the replay's."""
-    from diffusers import PyramidAttentionBroadcastConfig
-
     from diffusion_debug import compare_pipelines
 
-    def make():
-        pipe = tiny_pipeline("flux")
-        config = PyramidAttentionBroadcastConfig(
-            spatial_attention_block_skip_range=2,
-            spatial_attention_timestep_skip_range=(-1, 1001),
-            current_timestep_callback=lambda: 500,
-        )
-        pipe.transformer.enable_cache(config)
-        return pipe
-
+    make = _flux_with_pyramid_attention_broadcast
     kwargs = dict(num_inference_steps=2, output_type="pt", height=16, width=16)
     a, b, twin = make(), make(), make()
     with torch.no_grad():
@@ -289,21 +292,9 @@ def test_a_bundle_replayed_on_the_live_component_leaves_its_cache_as_the_call_le
     """``replay(bundle, pipe.transformer)`` after the call: under PyramidAttentionBroadcast the replay
     counted one more call and cached its attention, which the next call (its cache reset at the last
     call's end) started from: its image changed."""
-    from diffusers import PyramidAttentionBroadcastConfig
-
     from diffusion_debug.diffusion import replay
 
-    def make():
-        pipe = tiny_pipeline("flux")
-        config = PyramidAttentionBroadcastConfig(
-            spatial_attention_block_skip_range=2,
-            spatial_attention_timestep_skip_range=(-1, 1001),
-            current_timestep_callback=lambda: 500,
-        )
-        pipe.transformer.enable_cache(config)
-        return pipe
-
-    pipe, twin = make(), make()
+    pipe, twin = _flux_with_pyramid_attention_broadcast(), _flux_with_pyramid_attention_broadcast()
     kwargs = dict(num_inference_steps=2, output_type="pt", height=16, width=16)
     module = "transformer_blocks.0.attn.to_out.0"
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
