@@ -45,6 +45,8 @@ hooks layer counts in place, with no call a hook attach."""
 MARKED: set[int] = set()
 """The ids (torch's hook-dict keys, unique across every dict) of hooks of ours that are not
 :class:`~.handles.OwnHook` s."""
+OWN_HOOKS: list[type] = []
+"""The types of hook :mod:`.handles` leaves in torch's dicts (its ``OwnHook``; set there: it imports this)."""
 _PATCH: list[Any] = []
 """``[torch's __getstate__, ours]`` while the patch is in."""
 
@@ -99,14 +101,13 @@ def _without_ours(state: Any) -> Any:
     module's own dicts are never changed."""
     if not isinstance(state, dict):
         return state
-    from .handles import OwnHook
-
+    own = tuple(OWN_HOOKS)
     ours: set[Any] = set()
     for name in _HOOK_DICTS:
         hooks = state.get(name)
         if not hooks:
             continue
-        found = [key for key, hook in hooks.items() if key in MARKED or isinstance(hook, OwnHook)]
+        found = [key for key, hook in hooks.items() if key in MARKED or isinstance(hook, own)]
         if found:
             ours.update(found)
             state[name] = type(hooks)((key, hook) for key, hook in hooks.items() if key not in ours)

@@ -321,6 +321,9 @@ class OwnHook(functools.partial):
         return CopiedHook, ()
 
 
+copies.OWN_HOOKS.append(OwnHook)
+
+
 class CopiedHook:
     """What a copy of a watched module holds in place of a hook: it returns None (the call goes on
     as without it) and takes itself off the module (or tensor) it is called on."""

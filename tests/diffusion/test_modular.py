@@ -247,8 +247,8 @@ def test_one_attach_around_fp16_calls_of_a_manager_with_auto_offload_names_a_nan
 def test_a_managers_scheduler_copied_or_pickled_while_attached_and_after_is_the_unwatched_one(parts, tmp_path):
     """A debugger of a ``ComponentsManager`` patches the schedulers it holds: a deep copy of the manager or of the
     scheduler and a pickled scheduler, made while attached or after detach, step as copies of the unwatched one
-    (nothing of ours in their dicts, no row recorded for them), the modules' copies without our hooks; detach leaves the
-    scheduler, its class and the manager exactly as they were."""
+    (nothing of ours in their dicts, no row recorded for them), the modules' copies without our hooks; detach leaves
+    the scheduler, its class and the manager exactly as they were."""
     import copy
     import pickle
 
