@@ -585,7 +585,8 @@ def _scripts_hook(module, args, output):
 def test_a_copy_or_a_save_of_a_plain_scripts_model_once_the_debugger_is_made_is_a_plain_model(tmp_path, torch_own):
     """After step 0 made the debugger: ``torch.save(model)`` raised (``Can't pickle local object
     'InputWatch.watch_trained.<locals>.before'``) and ``copy.deepcopy`` carried launch's and the debugger's
-    hooks onto the EMA copy. Now the copy, the saved and the pickled model hold only the script's own hook,
+    hooks onto the EMA copy (a frozen encoder's watch alike). Now the copy, the saved and the pickled model
+    hold only the script's own hook,
     their pickle names nothing of ours (it loads where diffusion-debug is not installed), the copy's output is
     the model's, bitwise; the copy's own training calls are no step of the model's, whose later NaN loss is
     still named at its step."""
@@ -595,6 +596,7 @@ def test_a_copy_or_a_save_of_a_plain_scripts_model_once_the_debugger_is_made_is_
 
     watch = _installed_watch(tmp_path, "train.py")
     try:
+        encoder = torch.nn.Sequential(torch.nn.Linear(4, 4)).requires_grad_(False)  # frozen: its calls watched
         model = _model()
         model[0].register_forward_hook(_scripts_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -610,8 +612,10 @@ def test_a_copy_or_a_save_of_a_plain_scripts_model_once_the_debugger_is_made_is_
                     assert _hooks(twin) == 1 and list(twin[0]._forward_hooks.values()) == [_scripts_hook]
                     assert torch.equal(twin(X), model(X))
                 assert b"diffusion_debug" not in data and b"diffusion_debug" not in buffer.getvalue()
+                assert _hooks(encoder) == 3 and _hooks(copy.deepcopy(encoder)) == 0
+                assert b"diffusion_debug" not in pickle.dumps(encoder)  # (before: its local hooks did not pickle)
                 ema(X).pow(2).mean().backward()  # the EMA's own training call: not the model's
-            loss = model(X).pow(2).mean() * (float("nan") if step == 3 else 1.0)
+            loss = model(encoder(X)).pow(2).mean() * (float("nan") if step == 3 else 1.0)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
