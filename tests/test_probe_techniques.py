@@ -290,3 +290,20 @@ def test_a_copy_or_pickle_leaves_out_our_hooks_and_their_flags_and_keeps_the_scr
         ours.remove()
     assert copies.HELD[0] == held and bool(copies._PATCH) == bool(held)
     assert not copies.MARKED & {marked.id}
+
+
+def test_a_forward_hooks_that_fails_half_way_leaves_the_copies_count_as_it_found_it():
+    """Its undo (before the error goes on) lets go of no hold it never took: another holder's patch stays in."""
+    from diffusion_debug.probes import copies
+    from diffusion_debug.probes.handles import ForwardHooks
+
+    bare = nn.Linear(2, 2)
+    del bare.__dict__["_forward_hooks_with_kwargs"]  # the planted fault: its second hook cannot go in
+    copies.hold()
+    held = copies.HELD[0]
+    try:
+        with pytest.raises(KeyError, match="_forward_hooks_with_kwargs"):
+            ForwardHooks([(nn.Linear(2, 2), print), (bare, print)], with_kwargs=True)
+        assert copies.HELD[0] == held and copies._PATCH
+    finally:
+        copies.release()

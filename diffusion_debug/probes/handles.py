@@ -147,6 +147,7 @@ class ForwardHooks:
         always_call: bool = False,
     ):
         self._added: list[tuple[weakref.ref, int, tuple[str, ...]]] = []
+        self._holds = False  # whether it holds the copies patch: taken once every hook is in
         pre_tables = ("_forward_pre_hooks",) + ("_forward_pre_hooks_with_kwargs",) * with_kwargs
         tables = ("_forward_hooks",) + ("_forward_hooks_with_kwargs",) * with_kwargs
         tables += ("_forward_hooks_always_called",) * always_call
@@ -167,13 +168,15 @@ class ForwardHooks:
             self.remove()
             raise
         if self._added:  # counted in place: no call at an attach while a debugger holds the patch in
+            self._holds = True
             HELD[0] += 1
             if HELD[0] == 1:
                 copies.install()
 
     def remove(self) -> None:
         added, self._added = self._added, []
-        if added:
+        if self._holds:  # (not on a failed __init__'s undo: it took no hold)
+            self._holds = False
             HELD[0] -= 1
             if not HELD[0]:
                 copies.uninstall()
