@@ -27,7 +27,9 @@ seen
 Limits: a module class whose own ``__getstate__`` does not call ``nn.Module``'s copies our
 :class:`~.handles.OwnHook` s as inert hooks that take themselves off at the copy's first call
 (:class:`~.handles.CopiedHook`, which names this package in a pickle); a marked hook of such a class
-is copied as it is.
+is copied as it is. The hooks layer holds the patch only where nothing else does (a debugger's hold
+covers the hooks it puts in, so one dropped unclosed takes the patch out with its finalizer): a hook
+of ours that outlives the holder it went in under is copied as a ``CopiedHook``.
 """
 
 from __future__ import annotations

@@ -109,9 +109,10 @@ def register_all(
     except BaseException:
         ProbeHandle(added).remove()
         raise
-    if kept:
+    holds = kept and not HELD[0]  # (as ForwardHooks': another's hold covers these hooks)
+    if holds:
         copies.hold()
-    return ProbeHandle(added, on_remove=on_remove, state=state, holds=kept)
+    return ProbeHandle(added, on_remove=on_remove, state=state, holds=holds)
 
 
 class ForwardHooks:
@@ -167,11 +168,12 @@ class ForwardHooks:
         except BaseException:  # what was added goes before the error does
             self.remove()
             raise
-        if self._added:  # counted in place: no call at an attach while a debugger holds the patch in
+        # only where nothing else holds the patch in (a debugger's hold covers its hooks: one dropped
+        # unclosed, hooks left in, lets go with its finalizer); counted in place, no call at an attach
+        if self._added and not HELD[0]:
             self._holds = True
-            HELD[0] += 1
-            if HELD[0] == 1:
-                copies.install()
+            HELD[0] = 1
+            copies.install()
 
     def remove(self) -> None:
         added, self._added = self._added, []

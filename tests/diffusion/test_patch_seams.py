@@ -195,6 +195,7 @@ def test_a_debugger_dropped_while_attached_lets_its_pipeline_go(tmp_path):
     pipe = tiny_pipeline("sd")
     classes = type(pipe), type(pipe.scheduler)
     before = [dict(vars(cls)) for cls in classes]
+    getstate = vars(torch.nn.Module)["__getstate__"]
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     dbg.attach()
     run_sd(pipe)
@@ -204,6 +205,7 @@ def test_a_debugger_dropped_while_attached_lets_its_pipeline_go(tmp_path):
     assert [ref() is None for ref in alive] == [True, True]  # nothing of ours keeps them (no global registry)
     # and the classes hold their own methods again, as after a detach (no dispatcher left on them)
     assert [dict(vars(cls)) for cls in classes] == before
+    assert vars(torch.nn.Module)["__getstate__"] is getstate  # the copies patch out with its last holder
 
 
 # -- LTX-2: the pipeline that deep-copies its scheduler ----------------------------------------------
