@@ -230,3 +230,80 @@ def test_probe_config_names_what_it_accepts():
         ProbeConfig("full", signal="sum")
     with pytest.raises(ValueError, match="granularity must be one of"):
         Probe(nn.Linear(1, 1), "blocks")
+
+
+class _Watcher:
+    """What a debugger's hook holds (a bound method's ``__self__``): a deep copy of it would copy this."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def seen(self, module, args, kwargs):
+        self.calls += 1
+
+
+def _scripts_kwargs_hook(module, args, kwargs, output):
+    """The script's own hook, ``with_kwargs`` (module-level: it pickles by name)."""
+    return output + kwargs.get("shift", 0)
+
+
+class _Shifted(nn.Linear):
+    def forward(self, x, shift=0):
+        return super().forward(x)
+
+
+def test_a_copy_or_pickle_leaves_out_our_hooks_and_their_flags_and_keeps_the_scripts_own_with_its_flags():
+    """Ours put in by ``ForwardHooks`` (``always_call``) and by torch's ``register_*`` with the handle marked
+    (a bound method: its watcher must not be copied) are left out of a deep copy and a pickle, their flag
+    entries too; the script's own ``with_kwargs`` hook stays with its flag, and runs in the copy as torch copies
+    it; the original runs all of them. The patch is in while held, out when the last holder lets go."""
+    import copy
+    import pickle
+
+    from diffusion_debug.probes import copies
+    from diffusion_debug.probes.handles import ForwardHooks
+
+    torch.manual_seed(0)
+    layer = _Shifted(2, 2)
+    x = torch.ones(1, 2)
+    own = layer.register_forward_hook(_scripts_kwargs_hook, with_kwargs=True)
+    held, watcher = copies.HELD[0], _Watcher()
+    ours = ForwardHooks([(layer, lambda *args: None)], always_call=True)
+    copies.hold()
+    marked = copies.mark(layer.register_forward_pre_hook(watcher.seen, with_kwargs=True))
+    try:
+        memo: dict = {}
+        twin = copy.deepcopy(layer, memo)
+        thawed = pickle.loads(pickle.dumps(layer))
+        assert id(watcher) not in memo
+        for made in (twin, thawed):
+            assert list(made._forward_hooks.values()) == [_scripts_kwargs_hook] and not made._forward_pre_hooks
+            assert set(made._forward_hooks_with_kwargs) == {own.id} and not made._forward_hooks_always_called
+            assert not made._forward_pre_hooks_with_kwargs
+            assert torch.equal(made(x, shift=1.5), layer(x, shift=1.5))
+        assert watcher.calls == 2  # the original's two calls alone
+        assert len(layer._forward_hooks) == 2 and len(layer._forward_pre_hooks) == 1  # the original keeps ours
+    finally:
+        marked.remove()
+        copies.unmark(marked)
+        copies.release()
+        ours.remove()
+    assert copies.HELD[0] == held and bool(copies._PATCH) == bool(held)
+    assert not copies.MARKED & {marked.id}
+
+
+def test_a_forward_hooks_that_fails_half_way_leaves_the_copies_count_as_it_found_it():
+    """Its undo (before the error goes on) lets go of no hold it never took: another holder's patch stays in."""
+    from diffusion_debug.probes import copies
+    from diffusion_debug.probes.handles import ForwardHooks
+
+    bare = nn.Linear(2, 2)
+    del bare.__dict__["_forward_hooks_with_kwargs"]  # the planted fault: its second hook cannot go in
+    copies.hold()
+    held = copies.HELD[0]
+    try:
+        with pytest.raises(KeyError, match="_forward_hooks_with_kwargs"):
+            ForwardHooks([(nn.Linear(2, 2), print), (bare, print)], with_kwargs=True)
+        assert copies.HELD[0] == held and copies._PATCH
+    finally:
+        copies.release()

@@ -50,7 +50,7 @@ from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, DebugReport, Lifecycle, apply_policy, check_policy, open_run, release
 from ..core.out_of_memory import OutOfMemoryWatch, Watched
 from ..errors import DiffusionDebugError
-from ..probes import ProbeHandle
+from ..probes import ProbeHandle, copies
 from ..record import Anomaly
 from ..report.server import start_live_server
 from . import origins
@@ -140,7 +140,12 @@ class DiffusionModelDebugger(Lifecycle):
             self.record = open_run(cfg, kind="diffusion")  # creates the run directory: after validation
             made = RUNS_MADE.setdefault(self.record.run_dir.parent, [0, None])
             made[0], made[1] = made[0] + 1, self.record.run_dir
-            self._finalizer = weakref.finalize(self, release, self.record.close, self._server and self._server.stop)
+            # copies of the components leave our hooks out from now to close (probes.copies): held for the
+            # debugger's life, not an attach's, so a reused debugger's call puts no patch in or out
+            copies.hold()
+            self._finalizer = weakref.finalize(
+                self, release, self.record.close, self._server and self._server.stop, copies.release
+            )
             self.sink = AnomalySink(self.record, cfg, logger)
             self._steps = StepPipeline(pipe, self._components, cfg, self.record, self.sink)
             self._steps.follow_scheduler = self._follow_scheduler  # a pipe.scheduler replaced while attached

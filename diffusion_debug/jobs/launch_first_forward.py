@@ -6,8 +6,8 @@ its removal, or a hook the debugger adds beside it, recompiles that code (a scri
 step that calls its model). So these hooks are lifted while dynamo compiles a frame and put back after
 (torch's compile callbacks; registered once dynamo is imported): a traced call runs none of them, as
 with no launch, and the model's first step makes the debugger, as before them. A copy of the model
-(``copy.deepcopy``: an EMA copy; ``torch.save(model)``) holds none of them: ``nn.Module.__getstate__``
-leaves them out while any is held (the hook holds launch's watch, which cannot be copied). Under
+(``copy.deepcopy``: an EMA copy; ``torch.save(model)``) holds none of them: each is marked ours
+(:mod:`~diffusion_debug.probes.copies`; the hook holds launch's watch, which cannot be copied). Under
 ``model.compile()`` they run eagerly (:func:`~diffusion_debug.probes.tracing.eager_frame`), before
 dynamo compiles the model's ``forward``. Limits: on a torch without those callbacks (private API) a
 traced hook stays in its trace (a recompile at the first step); a call on another thread while dynamo
@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..probes import copies
 from .launch_deepspeed import _AfterImport
-from .launch_plain import put_back
 
 DYNAMO = "torch._dynamo"
 
@@ -43,21 +43,24 @@ class FirstForwardHooks:
         """``hook`` on ``model``, before every hook of its own (FSDP2's unshard, ZeRO-3's fetch); once a model."""
         if model in self._hooks:
             return
-        self._hooks[model] = [hook, model.register_forward_pre_hook(hook, prepend=True)]
+        self._hooks[model] = [hook, copies.mark(model.register_forward_pre_hook(hook, prepend=True))]
         if not self._undo:
             self._follow_compiles()
-            self._leave_out_of_copies()
+            copies.hold()  # left out of every copy of the model
+            self._undo.append(copies.release)
 
     def pop(self, model: nn.Module) -> None:
         entry = self._hooks.pop(model, None)
         if entry is not None and entry[1] is not None:
             entry[1].remove()
+            copies.unmark(entry[1])
 
     def remove(self) -> None:
         while self._hooks:
             handle = self._hooks.popitem()[1][1]
             if handle is not None:
                 handle.remove()
+                copies.unmark(handle)
         while self._undo:
             self._undo.pop()()
 
@@ -66,6 +69,7 @@ class FirstForwardHooks:
             for entry in list(self._hooks.values()):
                 if entry[1] is not None:
                     entry[1].remove()
+                    copies.unmark(entry[1])
                     entry[1] = None
         except Exception:  # never dynamo's compile: a hook left is traced, as where no callback is
             pass
@@ -74,24 +78,9 @@ class FirstForwardHooks:
         try:
             for model, entry in list(self._hooks.items()):
                 if entry[1] is None:
-                    entry[1] = model.register_forward_pre_hook(entry[0], prepend=True)
+                    entry[1] = copies.mark(model.register_forward_pre_hook(entry[0], prepend=True))
         except Exception:  # never dynamo's compile: that model's first step makes the debugger
             pass
-
-    def _leave_out_of_copies(self) -> None:
-        """``nn.Module.__getstate__`` (a deepcopy's, a pickle's) without the hook of the module copied."""
-        original, hooks = nn.Module.__getstate__, self._hooks
-
-        def getstate(module: nn.Module) -> Any:
-            state = original(module)
-            entry = hooks.get(module)
-            if entry is not None and entry[1] is not None and entry[1].id in state.get("_forward_pre_hooks", ()):
-                state["_forward_pre_hooks"] = state["_forward_pre_hooks"].copy()  # the model's own stays
-                del state["_forward_pre_hooks"][entry[1].id]
-            return state
-
-        nn.Module.__getstate__ = getstate
-        self._undo.append(lambda: put_back(nn.Module, "__getstate__", getstate, original))
 
     def _follow_compiles(self) -> None:
         """Lift the hooks while dynamo compiles: now if it is imported, else once it is (no import of ours)."""

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..probes import copies
 from ..probes.tracing import compile_callback, compile_wrapper, compiling, eager_frame, eager_module, run_eagerly
 from ..stats import read_now, walk_tensors
 from ..stats.quantized import parameter_values
@@ -131,6 +132,8 @@ class InputWatch:
         there: an out-of-memory error in step 0's forward is then step 0's); None once called."""
         self._inside: set[int] = set()
         self._handles: list[Any] = []
+        self._holding = False
+        """Whether it holds :mod:`~diffusion_debug.probes.copies`' patch (its hooks left out of copies)."""
         self._watched: weakref.WeakSet = weakref.WeakSet()
         self._trained: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         """By trained model watched: its name and the handle of its pre-hook (moved to a wrapper made later)."""
@@ -203,7 +206,7 @@ class InputWatch:
                 self.open = self.fresh = False
 
         handle = model.register_forward_pre_hook(eager_frame(before), with_kwargs=True)
-        self._handles.append(handle)
+        self._keep(handle)
         self._trained[model] = (name, handle)
         # once (a wrapper's DDP is watched too, or the model inside it itself); not torch's own module class
         # inside a wrapper: a hook makes dynamo compile its forward when DDP calls it (trace_rules), not the script
@@ -214,7 +217,17 @@ class InputWatch:
             and inner not in self._watched
         ):
             self._inner.add(inner)
-            self._handles.append(inner.register_forward_pre_hook(self._inner_before, with_kwargs=True))
+            self._keep(inner.register_forward_pre_hook(self._inner_before, with_kwargs=True))
+
+    def _keep(self, *handles: Any) -> None:
+        """Hooks of ours on the script's modules, removed by :meth:`remove` and left out of every copy
+        of them (an EMA copy; ``torch.save(model)``: a hook here is a local function, which cannot be
+        pickled, and its ``self`` is this watch, which counts the trained model's calls)."""
+        for handle in handles:
+            self._handles.append(copies.mark(handle))
+        if not self._holding:
+            self._holding = True
+            copies.hold()
 
     def _inner_before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not compiling() and not torch.is_grad_enabled() and not _replaying():
@@ -251,8 +264,8 @@ class InputWatch:
                 for handle in handles:
                     handle.remove()
                 self._watched.add(wrapper)
-                self._handles.append(wrapper.register_forward_pre_hook(enter, with_kwargs=True))
-                self._handles.append(wrapper.register_forward_hook(leave, with_kwargs=True, always_call=True))
+                self._keep(wrapper.register_forward_pre_hook(enter, with_kwargs=True))
+                self._keep(wrapper.register_forward_hook(leave, with_kwargs=True, always_call=True))
             return
         name, handle = found
         self._wrappers[model] = weakref.ref(wrapper)
@@ -270,7 +283,7 @@ class InputWatch:
         """``model``, inside a watched wrapper, keeps the hook that tells inference (unless it is torch's own)."""
         if not _torch_own(model) and model not in self._inner:
             self._inner.add(model)
-            self._handles.append(model.register_forward_pre_hook(self._inner_before, with_kwargs=True))
+            self._keep(model.register_forward_pre_hook(self._inner_before, with_kwargs=True))
 
     def _settle(self, module: nn.Module) -> None:
         """The first training call of ``module``, a trained model compiled before it (:meth:`compiled`)
@@ -338,7 +351,7 @@ class InputWatch:
             model.register_forward_pre_hook(eager_frame(enter), with_kwargs=True),
             model.register_forward_hook(eager_frame(leave), with_kwargs=True, always_call=True),
         )
-        self._handles.extend(handles)
+        self._keep(*handles)
         self._frozen[model] = (enter, leave, *handles)
         for child_name, child in inner.named_children():
 
@@ -346,7 +359,7 @@ class InputWatch:
                 if not compiling() and root not in self._inside and self.open and self.error is None:
                     self._guarded(lambda: self._frozen_call(name, child_name, module, args, kwargs, output))
 
-            self._handles.append(child.register_forward_hook(child_call, with_kwargs=True))
+            self._keep(child.register_forward_hook(child_call, with_kwargs=True))
 
     def watch_loader(self, loader: Any) -> None:
         """Each batch a prepared DataLoader yields starts a micro-step's inputs."""
@@ -375,7 +388,12 @@ class InputWatch:
         """Every hook and ``__iter__`` put back (an inherited one: ours deleted; one the script set over
         ours stays, ours inside it passing through); an iteration already running counts nothing more."""
         while self._handles:
-            self._handles.pop().remove()
+            handle = self._handles.pop()
+            handle.remove()
+            copies.unmark(handle)
+        if self._holding:
+            self._holding = False
+            copies.release()
         self._compile_seam = None
         self._loaders.clear()
         for kind, (own, ours) in self._classes.items():

@@ -15,7 +15,8 @@ One technique a file, in the manner of diffusers' ``hooks/``; each ``apply_x(...
   (:func:`apply_output_stats`);
 * :mod:`.call_errors`: an error (out of memory) raised inside a module's call, on its way out
   (:func:`apply_call_errors`);
-* :mod:`.kept_buffers`: a one-off call leaves the buffers as they were (:func:`buffers_kept`).
+* :mod:`.kept_buffers`: a one-off call leaves the buffers as they were (:func:`buffers_kept`);
+* :mod:`.copies`: a deep copy or a pickle of a watched module holds none of our hooks (:func:`copies.hold`).
 
 Only torch's own hooks are used; ``.forward`` is never replaced. What runs inside a hook is tensor
 code a compiler can trace (:mod:`.tracing`); values reach the host through :func:`stats.to_host`.

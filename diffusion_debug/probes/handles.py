@@ -10,9 +10,9 @@
 (0, False)
 
 A torch hook that :func:`register_all` adds stays on the object it was registered on: a deep copy
-or a pickle of a watched module (an EMA copy, ``torch.save(module)``) holds an inert
-:class:`CopiedHook` in its place, which takes itself off at the copy's first call, so the copy
-runs as a copy of the unwatched module would, and the debugger's detach is not needed to clean it.
+or a pickle of a watched module (an EMA copy, ``torch.save(module)``) holds none of them
+(:mod:`.copies`), so the copy runs as a copy of the unwatched module would, and the debugger's
+detach is not needed to clean it.
 
 >>> import copy, pickle
 >>> with register_all(lambda: [layer.register_forward_hook(lambda *args: print("seen"))]):
@@ -23,8 +23,9 @@ seen
 (0, 0)
 
 Limits: a handle removes what it was given; hooks a technique adds later (a profiler range opened
-at its first call) are the technique's to hand over through ``on_remove``. A pickle of a watched
-module names :class:`CopiedHook`: it loads where diffusion_debug is installed.
+at its first call) are the technique's to hand over through ``on_remove``. A module class whose own
+``__getstate__`` skips ``nn.Module``'s copies each hook as an inert :class:`CopiedHook`, which takes
+itself off at the copy's first call (a pickle of it names this package).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from typing import Any, Callable, Iterable
 
 from torch.utils.hooks import RemovableHandle
 
+from . import copies
+from .copies import HELD
+
 
 class ProbeHandle:
     """Removes the hooks one ``apply_*`` or ``attach`` added (torch's ``RemovableHandle``, other
@@ -48,10 +52,19 @@ class ProbeHandle:
     :class:`~diffusion_debug.probes.Probe`, a :class:`~diffusion_debug.probes.BackwardOrder`),
     ``None`` when they write nowhere."""
 
-    def __init__(self, handles: Iterable[Any] = (), on_remove: Callable[[], None] | None = None, state: Any = None):
+    def __init__(
+        self,
+        handles: Iterable[Any] = (),
+        on_remove: Callable[[], None] | None = None,
+        state: Any = None,
+        *,
+        holds: bool = False,
+    ):
         self._handles = list(handles)
         self._on_remove = on_remove
         self.state = state
+        self._holds = holds
+        """Whether it holds :mod:`.copies`' patch (:func:`register_all`'s hooks: left out of copies)."""
 
     @property
     def attached(self) -> bool:
@@ -66,6 +79,9 @@ class ProbeHandle:
                 handle.remove()
             except BaseException as error:  # undo the rest first, even on an interrupt
                 failure = failure or error
+        if self._holds:
+            self._holds = False
+            copies.release()
         if on_remove is not None:
             on_remove()
         if failure is not None:
@@ -84,15 +100,19 @@ def register_all(
     """A :class:`ProbeHandle` over the handles ``register()`` yields; if it fails half-way, what
     it had already added is removed before the error goes on."""
     added: list[Any] = []
+    kept = False
     try:
         for handle in register():
             added.append(handle)
             if isinstance(handle, RemovableHandle):  # (not ours: ForwardHooks, ProbeHandle)
-                _keep_to_owner(handle)
+                kept = _keep_to_owner(handle) or kept
     except BaseException:
         ProbeHandle(added).remove()
         raise
-    return ProbeHandle(added, on_remove=on_remove, state=state)
+    holds = kept and not HELD[0]  # (as ForwardHooks': another's hold covers these hooks)
+    if holds:
+        copies.hold()
+    return ProbeHandle(added, on_remove=on_remove, state=state, holds=holds)
 
 
 class ForwardHooks:
@@ -128,6 +148,7 @@ class ForwardHooks:
         always_call: bool = False,
     ):
         self._added: list[tuple[weakref.ref, int, tuple[str, ...]]] = []
+        self._holds = False  # whether it holds the copies patch: taken once every hook is in
         pre_tables = ("_forward_pre_hooks",) + ("_forward_pre_hooks_with_kwargs",) * with_kwargs
         tables = ("_forward_hooks",) + ("_forward_hooks_with_kwargs",) * with_kwargs
         tables += ("_forward_hooks_always_called",) * always_call
@@ -147,9 +168,20 @@ class ForwardHooks:
         except BaseException:  # what was added goes before the error does
             self.remove()
             raise
+        # only where nothing else holds the patch in (a debugger's hold covers its hooks: one dropped
+        # unclosed, hooks left in, lets go with its finalizer); counted in place, no call at an attach
+        if self._added and not HELD[0]:
+            self._holds = True
+            HELD[0] = 1
+            copies.install()
 
     def remove(self) -> None:
         added, self._added = self._added, []
+        if self._holds:  # (not on a failed __init__'s undo: it took no hold)
+            self._holds = False
+            HELD[0] -= 1
+            if not HELD[0]:
+                copies.uninstall()
         for ref, key, tables in added:
             module = ref()
             if module is None:
@@ -294,6 +326,9 @@ class OwnHook(functools.partial):
         return CopiedHook, ()
 
 
+copies.OWN_HOOKS.append(OwnHook)
+
+
 class CopiedHook:
     """What a copy of a watched module holds in place of a hook: it returns None (the call goes on
     as without it) and takes itself off the module (or tensor) it is called on."""
@@ -325,12 +360,14 @@ _HOOK_DICTS = (
 _HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-def _keep_to_owner(handle: Any) -> None:
-    """Put the hook ``handle`` added in an :class:`OwnHook` (same place in its dict)."""
+def _keep_to_owner(handle: Any) -> bool:
+    """Put the hook ``handle`` added in an :class:`OwnHook` (same place in its dict); whether it is one."""
     if not isinstance(handle, RemovableHandle):
-        return
+        return False
     hooks = handle.hooks_dict_ref()
     if isinstance(hooks, dict):
         hook = hooks.get(handle.id)
         if hook is not None and not isinstance(hook, OwnHook):
             hooks[handle.id] = OwnHook(hook)
+        return hook is not None
+    return False

@@ -247,15 +247,13 @@ def test_one_attach_around_fp16_calls_of_a_manager_with_auto_offload_names_a_nan
 def test_a_managers_scheduler_copied_or_pickled_while_attached_and_after_is_the_unwatched_one(parts, tmp_path):
     """A debugger of a ``ComponentsManager`` patches the schedulers it holds: a deep copy of the manager or of the
     scheduler and a pickled scheduler, made while attached or after detach, step as copies of the unwatched one
-    (nothing of ours in their dicts, no row recorded for them), the modules' hooks copied inert; detach leaves the
-    scheduler, its class and the manager exactly as they were."""
+    (nothing of ours in their dicts, no row recorded for them), the modules' copies without our hooks; detach leaves
+    the scheduler, its class and the manager exactly as they were."""
     import copy
     import pickle
 
     from diffusers import EulerDiscreteScheduler
     from diffusers.modular_pipelines import ComponentsManager
-
-    from diffusion_debug.probes.handles import CopiedHook
 
     def trajectory(scheduler):
         scheduler.set_timesteps(2)
@@ -282,7 +280,7 @@ def test_a_managers_scheduler_copied_or_pickled_while_attached_and_after_is_the_
         assert [set(names) & set(vars(c)) for c in copies] == [set()] * 3
         assert all(torch.equal(trajectory(c), expected) for c in copies)
         unet_hooks = [h for m in copied.components[ids[1]].modules() for h in m._forward_hooks.values()]
-        assert all(isinstance(h, CopiedHook) for h in unet_hooks) and bool(unet_hooks) == attached
+        assert unet_hooks == []  # the copied unet is a plain one (before: an inert CopiedHook a hook)
         if attached:
             assert dbg.report().steps == []  # no copy watched ...
             assert torch.equal(trajectory(scheduler), expected) and len(dbg.report().steps) == 2  # ... the original is

@@ -45,10 +45,10 @@ def torch_own():
     Accelerate's own ``Accelerator.prepare``, which a watch's install wraps)."""
     import accelerate
 
-    own = torch.Tensor.backward, torch.autograd.backward
+    own = torch.Tensor.backward, torch.autograd.backward, torch.nn.Module.__getstate__
     prepare = accelerate.Accelerator.prepare
     yield own
-    torch.Tensor.backward, torch.autograd.backward = own
+    torch.Tensor.backward, torch.autograd.backward, torch.nn.Module.__getstate__ = own
     accelerate.Accelerator.prepare = prepare
 
 
@@ -163,7 +163,7 @@ def test_a_backward_on_another_thread_while_one_runs_is_a_loss_of_its_own(torch_
         b_done.set()
         thread.join(WAIT_S)
         watch.uninstall()
-    assert (torch.Tensor.backward, torch.autograd.backward) == torch_own
+    assert (torch.Tensor.backward, torch.autograd.backward) == torch_own[:2]
 
 
 def test_a_give_up_in_one_threads_optimizer_step_while_another_thread_stepped_leaves_the_hook_till_the_end(
@@ -575,6 +575,59 @@ def test_a_copy_or_a_save_of_a_plain_scripts_model_made_after_its_optimizer_work
     finally:
         watch.uninstall()
     assert _hooks(model) == 0
+
+
+def _scripts_hook(module, args, output):
+    """A hook of the script's own (a module-level function: it pickles by name)."""
+    return output * 1.0
+
+
+def test_a_copy_or_a_save_of_a_plain_scripts_model_once_the_debugger_is_made_is_a_plain_model(tmp_path, torch_own):
+    """After step 0 made the debugger: ``torch.save(model)`` raised (``Can't pickle local object
+    'InputWatch.watch_trained.<locals>.before'``) and ``copy.deepcopy`` carried launch's and the debugger's
+    hooks onto the EMA copy (a frozen encoder's watch alike). Now the copy, the saved and the pickled model
+    hold only the script's own hook,
+    their pickle names nothing of ours (it loads where diffusion-debug is not installed), the copy's output is
+    the model's, bitwise; the copy's own training calls are no step of the model's, whose later NaN loss is
+    still named at its step."""
+    import copy
+    import io
+    import pickle
+
+    watch = _installed_watch(tmp_path, "train.py")
+    try:
+        encoder = torch.nn.Sequential(torch.nn.Linear(4, 4)).requires_grad_(False)  # frozen: its calls watched
+        model = _model()
+        model[0].register_forward_hook(_scripts_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            if step == 2:
+                assert watch.debugger is not None and _hooks(model) > 1
+                ema = copy.deepcopy(model)
+                buffer = io.BytesIO()
+                torch.save(model, buffer)
+                data = pickle.dumps(model)
+                loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+                for twin in (ema, loaded, pickle.loads(data)):
+                    assert _hooks(twin) == 1 and list(twin[0]._forward_hooks.values()) == [_scripts_hook]
+                    assert torch.equal(twin(X), model(X))
+                assert b"diffusion_debug" not in data and b"diffusion_debug" not in buffer.getvalue()
+                assert _hooks(encoder) == 3 and _hooks(copy.deepcopy(encoder)) == 0
+                assert b"diffusion_debug" not in pickle.dumps(encoder)  # (before: its local hooks did not pickle)
+                ema(X).pow(2).mean().backward()  # the EMA's own training call: not the model's
+            loss = model(encoder(X)).pow(2).mean() * (float("nan") if step == 3 else 1.0)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        watch.finish()
+    finally:
+        watch.uninstall()
+    assert _hooks(model) == 1 and torch.nn.Module.__getstate__ is torch_own[2]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = load_run(run_dir)
+    assert [row["step"] for row in run.steps] == [0, 1, 2, 3]
+    first = by_cause(run.anomalies)[0]
+    assert (first.kind, first.step, first.component) == ("nonfinite_loss", 3, "model")
 
 
 @pytest.mark.parametrize("how", ["in_place", "step_function"])

@@ -1400,3 +1400,50 @@ def test_a_zero_gradient_norm_with_gradients_present_keeps_its_own_advice(tmp_pa
         "The global gradient norm is 0, below 1e-07: check that the loss depends on the trained parameters and "
         "that zero_grad() runs after the step."
     )
+
+
+def _scripts_hook(module, args, output):
+    """A hook of the script's own (module-level: it pickles by name)."""
+    return output * 1.0
+
+
+def test_a_copy_or_a_pickle_of_a_watched_model_mid_run_is_a_plain_model_and_the_original_stays_watched(mlp, tmp_path):
+    """``ema = copy.deepcopy(model)`` and ``torch.save(model)`` between monitored steps: the copy held the
+    debugger's call hooks (inert ``CopiedHook`` s, which a pickle named: it loaded only where diffusion-debug
+    is installed). Now the copies hold the script's own hook alone, their pickle names nothing of ours, their
+    output is the model's bitwise, and the model's NaN loss after the copy is still named at its step."""
+    import io
+    import pickle
+
+    mlp[2].register_forward_hook(_scripts_hook)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    own_getstate = nn.Module.__getstate__
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for step in range(4):
+        if step == 2:
+            ours = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in mlp.modules()) - 1
+            data, buffer = pickle.dumps(mlp), io.BytesIO()
+            torch.save(mlp, buffer)
+            twins = [
+                copy.deepcopy(mlp),
+                pickle.loads(data),
+                torch.load(io.BytesIO(buffer.getvalue()), weights_only=False),
+            ]
+            assert ours > 0 and b"diffusion_debug" not in data + buffer.getvalue()
+            for twin in twins:
+                hooks = [
+                    h for m in twin.modules() for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values()
+                ]
+                assert hooks == [_scripts_hook]
+                assert torch.equal(twin(x), mlp(x))
+        loss = mlp(x).pow(2).mean() * (float("nan") if step == 3 else 1.0)
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert tdbg.get_summary()["total_steps"] == 4
+    first = tdbg.report().by_cause()[0]
+    assert (first.kind, first.step) == ("nonfinite_loss", 3)
+    tdbg.close()
+    assert nn.Module.__getstate__ is own_getstate
