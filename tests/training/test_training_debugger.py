@@ -813,6 +813,7 @@ def test_failed_measurement_raises_when_strict(mlp, tmp_path, monkeypatch):
     (error,) = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
     assert (error.details["where"], error.details.get("raised")) == ("measurement", True)
     assert error.message == "The debugger's measurement failed (RuntimeError: planted) and was raised (strict=True)."
+    tdbg.close()
 
 
 def test_strict_records_once_a_failure_of_the_monitoring_call_itself(mlp, tmp_path):
