@@ -533,7 +533,8 @@ class DiffusionModelDebugger(Lifecycle):
             except DiffusionDebugError as error:  # raised out of the call: what it held let go at the raise
                 if self._steps.frames is not None and self._steps.frames.frame is not None:
                     try:  # a reset that fails (a user's hook) never takes the policy's error's place
-                        reset_as_a_call_ends(self.pipe, [c.module for c in self.components])  # as the call's end would
+                        left = reset_as_a_call_ends(self.pipe, [c.module for c in self.components])  # as its end would
+                        self._steps.calls.raised_states = self._steps.calls.raised_states or left  # for why()
                     except Exception as failure:
                         with contextlib.suppress(Exception):  # (strict would raise it: the raise goes first)
                             self._steps.guards.failed("cache_reset", failure, None)
@@ -609,7 +610,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps.previews.clear()
         steps.calls.runtime.clear()
         steps.bundles.clear()
-        steps.calls.bundled_placement = ()  # its registries hold the denoiser
+        steps.calls.bundled_placement, steps.calls.raised_states = (), {}  # its registries hold the denoiser
         steps.call_memory.clear()
         steps.localizer.clear()
         steps.probes.reset()
@@ -629,6 +630,7 @@ class DiffusionModelDebugger(Lifecycle):
             bundles=self._steps.bundles,
             files=self._steps.previews.files(),
             placement=self._steps.calls.bundled_placement,
+            raised_states=self._steps.calls.raised_states,
         )
 
 

@@ -143,7 +143,7 @@ def found_hooks(module: nn.Module, found: FoundHooks | None = None) -> FoundHook
     return found if found is not None and found.still(module) else FoundHooks(module)
 
 
-def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> None:
+def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> dict[nn.Module, HookState]:
     """Reset the stateful hooks of ``modules`` as a pipeline's call does as it ends (its
     ``maybe_free_model_hooks``: ``_reset_stateful_cache`` on every component that has it): for a call that
     our policy ``raise`` ends before its end, so that its next call starts from fresh caches, as it does
@@ -151,14 +151,19 @@ def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> None:
     would otherwise feed the next call its NaN). Nothing more: a pipeline without that end (a
     ``ModularPipeline``) and a component without ``_reset_stateful_cache`` (a UNet: diffusers' CacheMixin
     is on transformers) keep their hooks' state from call to call unwatched, and so here too; the model
-    offload that end also redoes is left to the next call's own offload hooks, as after any exception."""
+    offload that end also redoes is left to the next call's own offload hooks, as after any exception.
+    Returns each reset module's hooks' state as the raised call left them: ``why()`` replays that call
+    from it (:func:`hook_state_kept` with ``state``), the live hooks keeping their fresh state."""
+    left: dict[nn.Module, HookState] = {}
     if not hasattr(pipe, "maybe_free_model_hooks"):
-        return
+        return left
     for module in modules:
-        if hasattr(module, "_reset_stateful_cache") and FoundHooks(module).hooks:  # (never made a registry)
+        if hasattr(module, "_reset_stateful_cache") and (hooks := FoundHooks(module).hooks):  # (never made a registry)
+            left[module] = _saved(hooks)
             for sub in module.modules():  # (diffusers' reset: every registry's stateful hooks, the module's and below)
                 if (registry := _registry(sub)) is not None:
                     registry.reset_stateful_hooks(recurse=False)
+    return left
 
 
 def hook_state(

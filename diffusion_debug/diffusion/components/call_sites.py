@@ -240,6 +240,9 @@ class CallSiteHooks:
         """The bytes of cache tensors the last replay ran without (:meth:`replay_kept`)."""
         self.bundled_placement: Placement = ()
         """The hooks each registry held as the bundled call began (:meth:`bundle_context`), for ``report.why()``."""
+        self.raised_states: dict = {}
+        """The caches a call ended by policy ``raise`` left, by component module, before their reset
+        (:func:`~.cache_hooks.reset_as_a_call_ends`): ``report.why()`` replays from them (the first raise's)."""
         self.earlier: dict[tuple[str, str], list[tuple[tuple[tuple, dict], Any]]] = {}
         """Per site, its calls of the step before the kept one, oldest first, with their contexts."""
         self.stateful: set[str] = set()

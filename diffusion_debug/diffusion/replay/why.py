@@ -426,11 +426,14 @@ def explain_run(
     unhooked: dict[str, nn.Module] | None = None,
     reference_s: float | None = None,
     placement: Placement = (),
+    raised_states: dict | None = None,
 ) -> WhyResult:
     """:func:`explain_bundle` on the run's origin with the pipeline's component; writes
     ``why.json`` and ``why.md`` into ``run_dir``. The bundle must lie inside ``run_dir``
     (:func:`bundle_in_run`); ``reference_s`` bounds the replays (:func:`explain`); ``placement``:
-    the origin call's hooks as it began (the live debugger's, :func:`explain`)."""
+    the origin call's hooks as it began (the live debugger's, :func:`explain`); ``raised_states``: the
+    caches a call ended by policy ``raise`` left, by component (reset since, as the call's end would):
+    the replays run from them, and the component's hooks are as before afterwards."""
     from ...errors import DiffusionDebugError
 
     origin = origin_bundle(anomalies)
@@ -444,7 +447,8 @@ def explain_run(
     if not isinstance(component, nn.Module):
         raise DiffusionDebugError(f"The pipeline has no component {name[:80]!r} to replay the bundle on.")
     folder = bundle_in_run(run_dir, bundle)
-    result = explain_bundle(folder, component, unhooked=unhooked, reference_s=reference_s, placement=placement)
+    with hook_state_kept(component, None, (raised_states or {}).get(component)):
+        result = explain_bundle(folder, component, unhooked=unhooked, reference_s=reference_s, placement=placement)
     write_why(run_dir, result)
     if (Path(run_dir) / "summary.json").is_file():  # a saved run: its report links to the table
         from ...report import write_html
