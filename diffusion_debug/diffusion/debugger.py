@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from operator import attrgetter, is_
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -630,8 +630,16 @@ class DiffusionModelDebugger(Lifecycle):
             bundles=self._steps.bundles,
             files=self._steps.previews.files(),
             placement=self._steps.calls.bundled_placement,
-            raised_states=self._steps.calls.raised_states,
+            raised_states=functools.partial(_raised_states, weakref.ref(self._steps.calls)),
         )
+
+
+def _raised_states(calls: Callable[[], Any]) -> dict:
+    """The caches a call ended by policy ``raise`` left (``CallSites.raised_states``), while the
+    debugger's call sites live: a report holds them through a weak reference (a FasterCache hook's saved
+    state holds the transformer's bound forward and its timestep callback the pipeline)."""
+    held = calls()
+    return {} if held is None else held.raised_states
 
 
 class _PipelinePolicy:

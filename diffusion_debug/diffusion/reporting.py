@@ -50,11 +50,12 @@ def build_report(
     bundles: list[str],
     files: dict[str, bytes],
     placement: Placement = (),
-    raised_states: dict | None = None,
+    raised_states: Callable[[], dict] | None = None,
 ) -> DebugReport:
     """The record so far, with every component (calls, time, memory) and the previews; ``placement``:
     the hooks the bundled call's registries held as it began (a guider's, for ``why()``);
-    ``raised_states``: the caches a call ended by policy ``raise`` left, by component, before their reset."""
+    ``raised_states``: what gives the caches a call ended by policy ``raise`` left, by component, before
+    their reset (read when ``why()`` runs, not held by the report)."""
     analysis = analyze_pipeline(pipe)
     summary = record.summary()
     summary.update(
@@ -73,11 +74,13 @@ def build_report(
         components=component_report(components, analysis, runtime),
         files=files,
         record=record,
-        explain=_explainer(record, pipe, placement, raised_states or {}),
+        explain=_explainer(record, pipe, placement, raised_states or dict),
     )
 
 
-def _explainer(record: RunRecord, pipe: Any, placement: Placement, raised_states: dict) -> Callable[[], Any]:
+def _explainer(
+    record: RunRecord, pipe: Any, placement: Placement, raised_states: Callable[[], dict]
+) -> Callable[[], Any]:
     """``report.why()``'s replay on the live ``pipe``, held weakly: a report the user keeps (it is
     small) does not keep the pipeline and its components alive; once they are gone it says so. The
     bundled call's ``placement`` (its registries hold the denoiser) is held only while ``pipe`` lives."""
@@ -88,7 +91,6 @@ def _explainer(record: RunRecord, pipe: Any, placement: Placement, raised_states
     except TypeError:  # no weak reference to it: held as it is
         held = lambda: pipe  # noqa: E731
         placed = {pipe: placement}
-    raised_states = weakref.WeakKeyDictionary(raised_states)  # by component module: they are not kept alive here
 
     def explain() -> Any:
         live = held()
@@ -97,6 +99,6 @@ def _explainer(record: RunRecord, pipe: Any, placement: Placement, raised_states
                 "why() replays on the pipeline this report was made of, which is gone; "
                 f"run `diffusion-debug why {run_dir}` to replay on the pipeline the run directory names."
             )
-        return explain_run(run_dir, anomalies, live, placement=placed.get(live, ()), raised_states=raised_states)
+        return explain_run(run_dir, anomalies, live, placement=placed.get(live, ()), raised_states=raised_states())
 
     return explain

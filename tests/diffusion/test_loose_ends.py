@@ -327,3 +327,34 @@ def test_two_threads_patching_one_class_at_once_leave_it_as_it_was(monkeypatch):
     made["two"].remove()
     assert Stepper.__dict__["step"] is original
     assert (Stepper, "step") not in patches._DISPATCHERS
+
+
+def test_a_kept_report_of_a_raised_call_with_faster_cache_lets_its_pipeline_go(tmp_path):
+    """read24: the raised call's hooks' state the report keeps for ``why()`` (a WeakKeyDictionary by
+    component) holds the hooks' attributes: FasterCache's denoiser hook, on the transformer itself, holds
+    its ``fn_ref`` (the transformer's bound forward), so the value keeps its own key, and the
+    ``current_timestep_callback`` keeps the pipeline."""
+    from diffusers import FasterCacheConfig
+
+    from diffusion_debug.testing.faults import plant_nonfinite
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(
+        FasterCacheConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 901),
+            current_timestep_callback=lambda p=pipe: p.current_timestep,
+            is_guidance_distilled=True,
+        )
+    )
+    gone, component = weakref.ref(pipe), weakref.ref(pipe.transformer)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, policy="raise"))
+    with dbg, plant_nonfinite(pipe.transformer.get_submodule("transformer_blocks.0.ff.net.2"), from_call=2):
+        with pytest.raises(DiffusionDebugError):
+            pipe("a cat", num_inference_steps=3, height=32, width=32, output_type="latent")
+    assert dbg._steps.calls.raised_states  # the raise's state was kept
+    report = dbg.report()
+    del pipe, dbg
+    gc.collect()
+    assert (gone(), component()) == (None, None)
+    assert report is not None
