@@ -38,8 +38,16 @@ from typing import Any
 
 from torch import nn
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_post_accumulate_grad_hooks",  # (a tensor's)
+)
+"""torch's hook dicts on a module or tensor, by attribute name."""
+HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+"""The dicts that flag a module's forward hooks by their ids (``with_kwargs``, ``always_call``)."""
 
 HELD = [0]
 """How many holders want our hooks left out of copies (the patch is in while above 0). A list: the
@@ -105,7 +113,7 @@ def _without_ours(state: Any) -> Any:
         return state
     own = tuple(OWN_HOOKS)
     ours: set[Any] = set()
-    for name in _HOOK_DICTS:
+    for name in HOOK_DICTS:
         hooks = state.get(name)
         if not hooks:
             continue
@@ -114,7 +122,7 @@ def _without_ours(state: Any) -> Any:
             ours.update(found)
             state[name] = type(hooks)((key, hook) for key, hook in hooks.items() if key not in ours)
     if ours:
-        for name in _HOOK_FLAGS:
+        for name in HOOK_FLAGS:
             flags = state.get(name)
             if flags and not ours.isdisjoint(flags):
                 state[name] = type(flags)((key, value) for key, value in flags.items() if key not in ours)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable
 from torch.utils.hooks import RemovableHandle
 
 from . import copies
-from .copies import HELD
+from .copies import HELD, HOOK_DICTS, HOOK_FLAGS
 
 
 class ProbeHandle:
@@ -337,27 +337,17 @@ class CopiedHook:
         state = getattr(owner, "__dict__", None)
         if not isinstance(state, dict):  # a tensor hook called with its gradient: nothing to find
             return None
-        for name in _HOOK_DICTS:
+        for name in HOOK_DICTS:
             hooks = state.get(name)
             if not isinstance(hooks, dict):
                 continue
             for key in [key for key, value in hooks.items() if value is self]:
                 del hooks[key]
-                for extra in _HOOK_FLAGS:  # ids are unique across every hook dict
+                for extra in HOOK_FLAGS:  # ids are unique across every hook dict
                     flags = state.get(extra)
                     if isinstance(flags, dict):
                         flags.pop(key, None)
         return None
-
-
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_hooks",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_post_accumulate_grad_hooks",
-)
-_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 def _keep_to_owner(handle: Any) -> bool:
