@@ -27,6 +27,11 @@ from .launch_deepspeed import _AfterImport
 DYNAMO = "torch._dynamo"
 
 
+def _unhook(handle: Any) -> None:
+    handle.remove()
+    copies.unmark(handle)
+
+
 class FirstForwardHooks:
     """One prepended forward pre-hook a model (:meth:`add`), each removed by :meth:`pop` or all by
     :meth:`remove` (idempotent), lifted while dynamo compiles."""
@@ -52,15 +57,13 @@ class FirstForwardHooks:
     def pop(self, model: nn.Module) -> None:
         entry = self._hooks.pop(model, None)
         if entry is not None and entry[1] is not None:
-            entry[1].remove()
-            copies.unmark(entry[1])
+            _unhook(entry[1])
 
     def remove(self) -> None:
         while self._hooks:
             handle = self._hooks.popitem()[1][1]
             if handle is not None:
-                handle.remove()
-                copies.unmark(handle)
+                _unhook(handle)
         while self._undo:
             self._undo.pop()()
 
@@ -68,8 +71,7 @@ class FirstForwardHooks:
         try:
             for entry in list(self._hooks.values()):
                 if entry[1] is not None:
-                    entry[1].remove()
-                    copies.unmark(entry[1])
+                    _unhook(entry[1])
                     entry[1] = None
         except Exception:  # never dynamo's compile: a hook left is traced, as where no callback is
             pass

@@ -493,7 +493,7 @@ class LaunchWatch:
         in the script's ``step``); then :meth:`finish` removes it, and till then it returns at once."""
         self.inputs.remove()
         self.early.release()
-        self._unhook_first_forward()
+        self._first_forward.remove()
         self.loss = None
         self.thread = ThisThread()  # every thread's scaled loss and scaler let go
         while self._undo:
@@ -507,7 +507,7 @@ class LaunchWatch:
 
         if self.accelerator is None:
             self.accelerator = accelerator
-            self._unhook_first_forward()  # the optimizers made before it: Accelerate's seams watch them
+            self._first_forward.remove()  # the optimizers made before it: Accelerate's seams watch them
             self._wrap_accelerator(accelerator)
             if getattr(getattr(accelerator, "distributed_type", None), "value", None) not in ("DEEPSPEED", "FSDP"):
                 self.inputs.first_training_call = self._first_training_call
@@ -723,7 +723,7 @@ class LaunchWatch:
                 self.give_up(f"the debugger could not be made ({_reason(error)})")
             # made (at the first step where no first forward made it): no hook of the first forward is
             # left to change a module's hooks later, which a compile since then would be guarded on
-            self._unhook_first_forward()
+            self._first_forward.remove()
         return self.debugger is not None
 
     def _first_training_call(self) -> None:
@@ -760,9 +760,6 @@ class LaunchWatch:
             self._first_forward.add(
                 model, functools.partial(eager_frame(LaunchWatch._first_forward_call), self, optimizer)
             )
-
-    def _unhook_first_forward(self) -> None:
-        self._first_forward.remove()
 
     def _first_forward_call(self, optimizer: Any, module: nn.Module, args: Any, eager: bool = False) -> None:
         """No Accelerator: a model of a plain script's optimizer (``optimizer``, a weak reference), or a
