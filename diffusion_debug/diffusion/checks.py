@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..probes import ModuleReading
+from ..probes import ModuleReading, find_producer
 from ..record import Anomaly, make_anomaly
 from ..stats import TensorStats, dtype_name
 from .components.roles import has_check
@@ -131,14 +131,6 @@ def suspects(readings: list[ModuleReading], fraction: float) -> Suspects:
 
 
 # -- NaN / Inf ----------------------------------------------------------------------------
-
-
-def find_producer(readings: Iterable[ModuleReading]) -> ModuleReading | None:
-    """The first reading whose output is non-finite while its inputs were finite."""
-    for reading in readings:
-        if not reading.output_finite and reading.input_finite:
-            return reading
-    return None
 
 
 def first_nonfinite(readings: Iterable[ModuleReading]) -> ModuleReading | None:

@@ -27,6 +27,7 @@ from .call_errors import CallErrorsConfig, apply_call_errors
 from .grad_order import BackwardOrder, accumulates_compiled, apply_grad_order
 from .handles import ProbeHandle, register_all
 from .kept_buffers import buffers_kept
+from .module_reading import find_producer
 from .output_stats import ModuleOutput, OutputStats, apply_output_stats
 from .phase_marks import apply_phase_marks
 from .ranges import BlockRanges, apply_ranges
@@ -72,6 +73,7 @@ __all__ = [
     "buffers_kept",
     "call_hooks",
     "compiling",
+    "find_producer",
     "forward_hooks",
     "probe_call",
     "probed_modules",

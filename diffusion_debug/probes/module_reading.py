@@ -4,7 +4,7 @@ what its values say (finite, abs-max, share of the dtype's largest value)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -66,6 +66,15 @@ class ModuleReading(NamedTuple):
 
     def _absmax(self, dtype: str | None) -> bool:
         return dtype is not None and (self.signal == "absmax" or is_low_precision(getattr(torch, dtype)))
+
+
+def find_producer(readings: Iterable[ModuleReading]) -> ModuleReading | None:
+    """The first reading whose output is non-finite while its inputs were finite: the module that made
+    a NaN/Inf (in execution order, as a probe collects its readings)."""
+    for reading in readings:
+        if not reading.output_finite and reading.input_finite:
+            return reading
+    return None
 
 
 def _finite(value: float | None) -> bool:

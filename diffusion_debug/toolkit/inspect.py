@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..probes import ModuleOutput, ProbeConfig, apply_output_stats, apply_probes, buffers_kept
+from ..probes import ModuleOutput, ProbeConfig, apply_output_stats, apply_probes, buffers_kept, find_producer
 from ..record import dumps
 from ..report.terminal import table
 from ..stats import cuda_devices
@@ -120,7 +120,7 @@ def inspect_model(model: nn.Module, /, *args: Any, **kwargs: Any) -> ModelInspec
     with torch.random.fork_rng(devices=devices), torch.no_grad(), buffers_kept(model):
         with apply_probes(model, ProbeConfig("full")) as readings, apply_output_stats(model) as outputs:
             model(*args, **kwargs)
-    producer = next((r.module for r in readings.state.collect() if r.input_finite and not r.output_finite), None)
+    producer = getattr(find_producer(readings.state.collect()), "module", None)
     rows = outputs.state.collect()
     near = next(
         (

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ...installed import HAS_SET_STANCE
-from ...probes import probe_call
+from ...probes import find_producer, probe_call
 from ...probes.tracing import compiled_in_place
 from ...stats import cuda_devices
 
@@ -119,7 +119,7 @@ def replay_forwards(kept: list[KeptForward]) -> dict[str, Any] | None:
         if _gathers_in_forward(call.model):
             skipped.append("collective")
             continue
-        made = next((r for r in _replay(call) if r.input_finite and not r.output_finite), None)
+        made = find_producer(_replay(call))
         if made is not None:  # the first call to finish with finite inputs and a non-finite output
             micro_step = sum(
                 1 for earlier in kept[:index] if earlier.name == call.name
