@@ -386,7 +386,7 @@ def _follows_links(anomalies: list[Anomaly]) -> list[tuple[int, int]]:
     for i, a in enumerate(anomalies):
         follows = a.details.get("follows") if isinstance(a.details, dict) else None
         if isinstance(follows, Mapping):
-            j = first.get((follows.get("kind"), follows.get("rank"), a.step, follows.get("module")))
+            j = first.get(followed_key(follows, a.step))
             if j is not None and j != i:
                 links.append((i, j))
     return links
@@ -406,6 +406,12 @@ def follows_key(anomaly: Anomaly) -> tuple:
     details = anomaly.details if isinstance(anomaly.details, dict) else {}
     named = anomaly.module if details.get("localized_by") == "forward replay" else None
     return (anomaly.kind, anomaly.rank, anomaly.step, named)
+
+
+def followed_key(follows: Mapping, step: Any, rank: int | None = None) -> tuple:
+    """The :func:`follows_key` of what a ``details["follows"]`` at ``step`` names (``rank``: its rank
+    where it names none)."""
+    return (follows.get("kind"), follows.get("rank", rank), step, follows.get("module"))
 
 
 def _cause_links(anomalies: list[Anomaly]) -> list[tuple[int, int]]:

@@ -49,7 +49,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ...record import Anomaly, by_cause, cause_reference, follows_key, make_anomaly, rebuilt
+from ...record import Anomaly, by_cause, cause_reference, followed_key, follows_key, make_anomaly, rebuilt
 from .step_checks import named_by_registration
 
 _FORWARD = "nonfinite made in a forward"
@@ -212,8 +212,7 @@ class CauseTracker:
         found, seen = gradients, set()
         while id(found) not in seen:  # down the chain: a NaN loss that follows a trained model's forward, its module
             seen.add(id(found))
-            origin = found.details.get("follows") or {}
-            key = (origin.get("kind"), origin.get("rank", rank), found.step, origin.get("module"))
+            key = followed_key(found.details.get("follows") or {}, found.step, rank)
             found = next((a for _, a in self._recent if follows_key(a) == key), found)
         return found
 
