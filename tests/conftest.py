@@ -201,7 +201,8 @@ def multiprocess_job(request, tmp_path_factory) -> tuple[Path, dict[str, subproc
     output directory and, per scenario, the launch with only that scenario's stdout lines. It runs the
     scenarios the selected tests' modules name in ``MULTIPROCESS_JOB_SCENARIOS`` (test_multiprocess.py's;
     test_launch.py's plain run of launch_script.py; test_launch_engines.py's four launched scripts, DDP,
-    FSDP2, ZeRO-2 and ZeRO-3, and the plain ZeRO-3 run): one launch for the three modules (all in the xdist
+    FSDP2, ZeRO-2 and ZeRO-3, and the plain ZeRO-3 run; test_launch_deepspeed.py's script under Accelerate's
+    DeepSpeed plugin, out of memory at step 0): one launch for the four modules (all in the xdist
     group "launches": one worker), not one each (~12 CPU-s; ~18 CPU-s a launched script)."""
     from diffusion_debug.testing.launch import accelerate_launcher, by_scenario, cpu_launch_env, free_port, run_launch
 

@@ -4,7 +4,9 @@
 prepared optimizer's ``step()`` that the script calls next does nothing. That class's ``backward``
 is the launcher's seam (patched on the class, as ``Accelerator.prepare`` is; put back on undo):
 
-- before it, the debugger is made, at the first: the ZeRO optimizer's ``step`` then keeps this
+- before it, the debugger is made, at the first, unless the engine's first forward under grad made it
+  already (``launched.LaunchWatch._first_training_call``: an out-of-memory error of step 0's forward is
+  then step 0's): the ZeRO optimizer's ``step`` then keeps this
   rank's gradient fragments just before each update (``training.measure.deepspeed_zero``; without
   ZeRO the engine's ``step`` keeps its ``.grad``'s, ``deepspeed_stage0``), each
   rank's own gradients are checked before ZeRO reduces them, and DeepSpeed's overflow skips are
@@ -27,9 +29,9 @@ micro-step's loss joins the step's mean.
 
 Limits: under the plugin the step has run when the monitor reads it, so policy ``skip`` cannot undo
 it, and a skipped step is named at the next step (its overflow flag is read then), as by the
-in-script debugger under the plugin. The tests run ZeRO-2 under the plugin and ZeRO-2 (2
-micro-steps a step) and ZeRO-3 on a raw engine (two CPU processes, gloo); stage 1 is not run under
-``launch``.
+in-script debugger under the plugin. The tests run ZeRO-2 under the plugin (a NaN at step 12; an
+out-of-memory error in step 0's forward) and ZeRO-2 (2 micro-steps a step) and ZeRO-3 on a raw engine
+(two CPU processes, gloo); stage 1 is not run under ``launch``.
 """
 
 from __future__ import annotations

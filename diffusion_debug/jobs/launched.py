@@ -39,12 +39,13 @@ optimizer stepping on the UNet's ``backward`` is part of its step. A model prepa
 optimizer made, once the debugger is made is not watched, and one line says so.
 
 The debugger is made as a prepared model's first forward under grad begins (so that an error of
-step 0's forward, out of memory, is step 0's and the run is saved with it), else before the first
-``Accelerator.backward`` (so that each rank's check of its own gradients attaches before step 0's
-reduction; DeepSpeed: ``launch_deepspeed``). With no Accelerator, as the first forward under grad
-begins of the model that holds a torch optimizer's parameters (made before it: DDP, FSDP2) or of a
-DeepSpeed engine (``deepspeed.initialize``), through a pre-hook that runs before the model's own (FSDP2's
-unshard, ZeRO-3's fetch), given as the optimizer or the engine is made (:meth:`LaunchWatch._optimizer_made`);
+step 0's forward, out of memory, is step 0's and the run is saved with it; under the DeepSpeed plugin the
+prepared engine's, not under the FSDP plugin), else before the first ``Accelerator.backward`` (so that each
+rank's check of its own gradients attaches before step 0's reduction; DeepSpeed: ``launch_deepspeed``).
+With no Accelerator, as the first forward under grad begins of the model that holds a torch optimizer's
+parameters (made before it: DDP, FSDP2) or of a DeepSpeed engine (``deepspeed.initialize``), through a
+pre-hook that runs before the model's own (FSDP2's unshard, ZeRO-3's fetch), given as the optimizer or the
+engine is made (:meth:`LaunchWatch._optimizer_made`);
 else at the first optimizer step, taking the count of the check ``launch_plain`` attached before the
 first ``backward``: a NaN made in step 0's backward names its rank.
 
@@ -509,7 +510,9 @@ class LaunchWatch:
             self.accelerator = accelerator
             self._first_forward.remove()  # the optimizers made before it: Accelerate's seams watch them
             self._wrap_accelerator(accelerator)
-            if getattr(getattr(accelerator, "distributed_type", None), "value", None) not in ("DEEPSPEED", "FSDP"):
+            # not under the FSDP plugin: FSDP2's pre-hooks, before launch's, unshard the parameters; a prepended
+            # hook (as with no Accelerator) is untested there (the plugin needs GPUs: Accelerate keeps MULTI_CPU)
+            if getattr(getattr(accelerator, "distributed_type", None), "value", None) != "FSDP":
                 self.inputs.first_training_call = self._first_training_call
         frozen = []
         for obj in objects:
@@ -729,8 +732,10 @@ class LaunchWatch:
     def _first_training_call(self) -> None:
         """A prepared model's first forward under grad begins: the debugger is made there rather than
         at the first ``backward``, so that an error of step 0's forward (out of memory) is recorded as
-        step 0's and the run saved with it. Not under DeepSpeed (made at its engine's ``backward``) or
-        FSDP (whose forward pre-hooks, before this one, unshard the parameters)."""
+        step 0's and the run saved with it; under the DeepSpeed plugin too (the prepared model is the
+        engine, whose hooks of its own, ZeRO-3's fetch, are on the model inside it: this one runs first).
+        Not under FSDP (whose forward pre-hooks, before this one, unshard the parameters): made at the
+        first ``backward``."""
         if self.debugger is None and self.optimizers and not self.failed:
             self._debugger_ready()
 

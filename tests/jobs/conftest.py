@@ -1,7 +1,7 @@
 """The fork server of the jobs tests' single-process training runs: test_launch_safety.py's runs of
 launch_small_script.py and test_launch.py's of the t2i and plain torch.optim scripts; and the reading
 of the scripts that the session's 2-process launch of multiprocess_job.py runs as ``diffusion-debug
-launch`` runs them (test_launch_engines.py's and test_launch.py's)."""
+launch`` runs them (test_launch_engines.py's, test_launch.py's and test_launch_deepspeed.py's)."""
 
 from __future__ import annotations
 

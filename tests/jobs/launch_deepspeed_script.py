@@ -8,7 +8,8 @@ it trains alone), and DeepSpeed's compiled CPU collectives left out (building th
 parameter NaN during backward, before ZeRO reduces it (a parameter in rank 1's half of ZeRO's flat
 partition, so that rank 1 also holds the reduced NaN). Each rank prints ``RANK r STEP s LOSS l
 GRAD_NORM x`` for every step: its loss, and DeepSpeed's own norm of the step's gradients (what
-clip_grad_norm_ returns under DeepSpeed).
+clip_grad_norm_ returns under DeepSpeed). --oom-at S: from step S on the UNet's ``conv_in`` raises
+``torch.OutOfMemoryError`` on every rank as its forward begins (``plant_oom``), which the script lets go up.
 """
 
 import argparse
@@ -38,6 +39,7 @@ def say(line: str) -> None:
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--nan-grad-at", type=int)
+parser.add_argument("--oom-at", type=int)
 args = parser.parse_args()
 
 deepspeed.ops.__compatible_ops__ = {}  # CPU only: gloo's collectives, not DeepSpeed's compiled ones
@@ -53,6 +55,10 @@ at = [None]
 if rank == 1:  # the user's bug: rank 1's own gradient goes bad in backward (an fp16 overflow, a bad sample)
     weight = accelerator.unwrap_model(unet).up_blocks[1].resnets[0].conv2.weight
     weight.register_hook(lambda grad: grad * math.nan if at[0] == args.nan_grad_at else grad)
+if args.oom_at is not None:  # the user's failure: step S's forward runs out of memory on every rank
+    from diffusion_debug.testing import plant_oom
+
+    plant_oom(accelerator.unwrap_model(unet).conv_in, from_call=args.oom_at)
 
 for step in range(args.steps):
     at[0] = step

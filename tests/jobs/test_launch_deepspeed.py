@@ -1,11 +1,14 @@
 """`diffusion-debug launch` on an unmodified script under Accelerate's DeepSpeed plugin (ZeRO-2),
 2 CPU processes on gloo (DS_ACCELERATOR=cpu): `accelerator.backward` runs DeepSpeed's backward and
 its optimizer step, and the launcher watches them there. One launch of 14 steps, clean but for a
-NaN that a tensor hook makes in rank 1's own gradient of one parameter at step 12. Skipped, saying
-why, where DeepSpeed does not install or import (``pip install 'diffusion-debug[deepspeed]'``)."""
+NaN that a tensor hook makes in rank 1's own gradient of one parameter at step 12; and the same
+script with an out-of-memory error in step 0's forward, run as that launch's processes run it in the
+session's one 2-process launch (multiprocess_job.py's ``launched_accelerate_zero2_oom0``). Both read
+launch_deepspeed_config.json (``train_micro_batch_size_per_gpu`` said: the script prepares no
+DataLoader to take it from). Skipped, saying why, where DeepSpeed does not install or import
+(``pip install 'diffusion-debug[deepspeed]'``)."""
 
 import importlib.util
-import json
 import re
 import sys
 from pathlib import Path
@@ -21,14 +24,7 @@ pytestmark = pytest.mark.xdist_group("launches")
 SCRIPT = Path(__file__).with_name("launch_deepspeed_script.py")
 ROOT = Path(__file__).resolve().parents[2]
 NAN_PARAMETER = "up_blocks.1.resnets.0.conv2.weight"  # in rank 1's half of ZeRO's flat partition
-DEEPSPEED_CONFIG = {
-    "train_micro_batch_size_per_gpu": 2,  # said: the script prepares no DataLoader to take it from
-    "gradient_accumulation_steps": 1,
-    "train_batch_size": "auto",
-    "gradient_clipping": 1.0,
-    "zero_optimization": {"stage": 2},
-    "steps_per_print": 10**6,
-}
+DEEPSPEED_CONFIG = Path(__file__).with_name("launch_deepspeed_config.json")  # ZeRO-2, 2 samples a rank
 TIMEOUT = 300  # seconds: two processes importing DeepSpeed and diffusers on two shared cores
 
 
@@ -40,9 +36,7 @@ def launched(tmp_path_factory) -> tuple[Path, str, str]:
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     tmp = tmp_path_factory.mktemp("launch_deepspeed")
-    config = tmp / "deepspeed.json"
-    config.write_text(json.dumps(DEEPSPEED_CONFIG))
-    accelerate = ["--use_deepspeed", "--deepspeed_config_file", str(config), "--num_processes", "2"]
+    accelerate = ["--use_deepspeed", "--deepspeed_config_file", str(DEEPSPEED_CONFIG), "--num_processes", "2"]
     accelerate += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     accelerate += ["--main_process_port", str(free_port())]
     cmd = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp / "runs")]
@@ -95,3 +89,41 @@ def test_every_step_is_watched_with_deepspeeds_own_gradient_norm(launched):
             assert (norm, row["grad_norm"]) == ("inf", "nan")
         else:
             assert row["grad_norm"] == pytest.approx(float(norm), rel=1e-6), (rank, step)
+
+
+PLANTED_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)"
+
+
+def test_an_out_of_memory_error_in_step_0s_forward_is_recorded_on_each_rank_and_goes_up_unchanged(launched_in_job):
+    """Under the plugin the debugger was made at the first ``backward`` (``DeepSpeedEngineWrapper``'s), after
+    step 0's forward: an OOM there (the usual first failure of a fine-tune) left only "nothing was watched
+    ... it raised OutOfMemoryError". It is now made as the prepared engine's first forward under grad begins
+    (DeepSpeed's own hooks are on the model inside it, not on the engine: launch's runs first): each rank's
+    OOM, planted in ``conv_in`` at step 0 on both ranks, is recorded at its module, step and rank, the run
+    saved with how the script ended, and the script's own error reaches it unchanged."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
+    done = launched_in_job("launched_accelerate_zero2_oom0")  # --steps 1 --oom-at 0, DIFFUSION_DEBUG_NO_HTML=1
+    assert done.returncode == 1, done.stderr[-3000:]  # both ranks raised
+    (run_dir,) = (done.args / "runs").iterdir()
+    run = load_run(run_dir)
+    found = sorted((a.kind, a.component, a.module, a.step, a.rank) for a in run.anomalies)
+    assert found[0] == ("out_of_memory", "model", "conv_in", 0, 0)
+    assert set(found) <= {("out_of_memory", "model", "conv_in", 0, rank) for rank in (0, 1)}
+    assert run.summary["world_size"] == 2
+    assert run.summary["end"]["status"] == "raised" and run.summary["end"]["exception"] == "OutOfMemoryError"
+    assert run.summary["end"]["message"] == PLANTED_OOM
+    # each rank said it, and each rank's script raised the planted error itself, from the planted hook
+    assert "out_of_memory at model conv_in, step 0: " in done.stderr
+    assert "out_of_memory at model conv_in, step 0, rank 1: " in done.stderr
+    assert "nothing was watched" not in done.stderr and "not watching" not in done.stderr
+    lines = done.stderr.splitlines()
+    raised = [i for i, line in enumerate(lines) if line == f"torch.OutOfMemoryError: {PLANTED_OOM}"]
+    assert len(raised) == 2  # one traceback a rank, its last frame plant_oom's hook
+    for i in raised:
+        frame = next(line for line in reversed(lines[:i]) if line.startswith("  File "))
+        assert frame.endswith(", in hook") and "diffusion_debug/testing/faults.py" in frame
+
+
+MULTIPROCESS_JOB_SCENARIOS = ("launched_accelerate_zero2_oom0",)
+"""What the session's 2-process launch runs for this module (multiprocess_job.py's ``LAUNCHED``)."""

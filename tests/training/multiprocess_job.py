@@ -35,7 +35,9 @@ launched_ddp_nan12 / launched_fsdp2_nan0 / launched_zero2_nan24 / launched_zero3
 launched_zero3_oom0 (test_launch_engines.py's
 launches of launch_torch_script.py and launch_zero_script.py, :data:`LAUNCHED`: each script run as a process of
 ``diffusion-debug launch`` runs it, by ``diffusion_debug.jobs.launched.main``, in this launch's processes,
-:func:`run_launched`: four launches less, ~18 CPU-s each) | plain_zero3_script (no debugger: the ZeRO-3 one's
+:func:`run_launched`: four launches less, ~18 CPU-s each) | launched_accelerate_zero2_oom0 (test_launch_deepspeed.py's
+launch_deepspeed_script.py under Accelerate's DeepSpeed plugin, ZeRO-2, out of memory in step 0's forward: its
+environment as ``accelerate launch --use_deepspeed`` sets it) | plain_zero3_script (no debugger: the ZeRO-3 one's
 script and arguments, the reference it must train exactly as) | launched_accelerate_nan0 (test_launch.py's
 launch_script.py, rank 1's NaN gradient at step 0, run so)
 plain_launch_script (no debugger: test_launch.py's launch_script.py run here as its plain launch would
@@ -46,6 +48,9 @@ Every scenario prints, per rank and monitored step, the torch.distributed collec
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce,...``).
 
 Both ranks call ``report().save()`` at the end (main first); each prints its training summary.
+
+Long because it is one launch for many modules' scenarios (a start-up paid once): each scenario's body, and
+the way a launched script runs in these processes as in its own (:func:`run_launched`), live here.
 """
 
 import contextlib
@@ -173,6 +178,15 @@ def run_plain_script(output_dir: str, scenario: str) -> None:
 NAN_AT_12 = ("--steps", "14", "--nan-grad-at", "12")
 ZERO, ZERO2 = {"DS_ACCELERATOR": "cpu"}, ("--nan-grad-at", "24", "--stage", "2")
 OOM_AT_0 = ("--steps", "1", "--oom-at", "0")
+ACCELERATE_DEEPSPEED = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(
+        Path(__file__).resolve().parents[1] / "jobs" / "launch_deepspeed_config.json"
+    ),
+    "ACCELERATE_MIXED_PRECISION": "no",
+}
+"""What ``accelerate launch --use_deepspeed --deepspeed_config_file launch_deepspeed_config.json --mixed_precision no``
+sets in its processes' environment (test_launch_deepspeed.py's own launch)."""
 LAUNCHED = {
     "launched_ddp_nan12": ("launch_torch_script.py", ("--ddp", *NAN_AT_12), {}),
     "launched_fsdp2_nan0": (
@@ -186,6 +200,12 @@ LAUNCHED = {
     # out of memory in step 0's forward, on both ranks (the scripts raise it): last of the engines' runs
     "launched_fsdp2_oom0": ("launch_torch_script.py", OOM_AT_0, {"DIFFUSION_DEBUG_NO_HTML": "1"}),
     "launched_zero3_oom0": ("launch_zero_script.py", OOM_AT_0, {**ZERO, "DIFFUSION_DEBUG_NO_HTML": "1"}),
+    # test_launch_deepspeed.py's: Accelerate's DeepSpeed plugin (ZeRO-2), out of memory in step 0's forward
+    "launched_accelerate_zero2_oom0": (
+        "launch_deepspeed_script.py",
+        OOM_AT_0,
+        {**ZERO, **ACCELERATE_DEEPSPEED, "DIFFUSION_DEBUG_NO_HTML": "1"},
+    ),
     # test_launch.py's: an Accelerate script, as `launch --cpu` runs it; its end_training keeps the group
     "launched_accelerate_nan0": (
         "launch_script.py",
@@ -207,7 +227,9 @@ def run_launched(output_dir: str, scenario: str, script: Path, script_args: tupl
     a launched process that ended well). The script's ``init_process_group`` and ``destroy_process_group``
     find this launch's group and keep it (a process can make its default group once), and what it changes
     of ``sys.argv``, ``sys.path`` and the environment is undone, and ``torch.nn.functional.linear``: a ZeRO-3
-    ``deepspeed.initialize`` leaves DeepSpeed's ``zero3_linear_wrap`` there for the process, not bitwise F.linear."""
+    ``deepspeed.initialize`` leaves DeepSpeed's ``zero3_linear_wrap`` there for the process, not bitwise F.linear.
+    A script under Accelerate's DeepSpeed plugin (``ACCELERATE_USE_DEEPSPEED`` in ``env``) makes its Accelerator
+    from a state none of this process's earlier Accelerators made (:func:`_fresh_accelerate_state`)."""
     from diffusion_debug.jobs.launch import ENVIRONMENT
     from diffusion_debug.jobs.launched import main as launched
 
@@ -219,6 +241,7 @@ def run_launched(output_dir: str, scenario: str, script: Path, script_args: tupl
     environ, argv, path = dict(os.environ), sys.argv, list(sys.path)
     group = dist.init_process_group, dist.destroy_process_group
     linear = torch.nn.functional.linear
+    shared = _fresh_accelerate_state() if "ACCELERATE_USE_DEEPSPEED" in env else []
     os.environ.update({**settings, "COLUMNS": "160", **env})
     dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None
     code: object = 0
@@ -251,12 +274,30 @@ def run_launched(output_dir: str, scenario: str, script: Path, script_args: tupl
         os.close(saved[1])
         dist.init_process_group, dist.destroy_process_group = group
         torch.nn.functional.linear = linear
+        for state, kept in shared:  # the earlier scenarios' Accelerate state, for the later ones
+            state.clear()
+            state.update(kept)
         sys.argv, sys.path[:] = argv, path
         os.environ.clear()
         os.environ.update(environ)
     gc.collect()  # the script's models and optimizers, held in cycles, gone before the next scenario
     dist.barrier()
     say(scenario, f"RANK {rank} EXIT {code if code is not None else 0}")
+
+
+def _fresh_accelerate_state() -> list[tuple[dict, dict]]:
+    """Empty Accelerate's shared states (``PartialState``'s, ``AcceleratorState``'s, ``GradientState``'s): the
+    next Accelerator reads its plugin from the environment, as in a new process (an Accelerator made already
+    fixes its distributed type, here MULTI_CPU, for the process). Returns each state's dict (kept itself: the
+    earlier Accelerators share it) with a copy of what it held, to put back."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    shared = [
+        (state._shared_state, dict(state._shared_state)) for state in (PartialState, AcceleratorState, GradientState)
+    ]
+    for state, _ in shared:
+        state.clear()
+    return shared
 
 
 @contextlib.contextmanager
