@@ -36,9 +36,9 @@ WARM_UP = DETAIL_FIRST + 2
 """Untimed rounds: past the first monitored steps, which read every per-module figure."""
 
 
-def _base_package(checkout: str) -> Any:
-    """The other checkout's ``diffusion_debug``, imported as ``diffusion_debug_base``."""
-    folder = tempfile.mkdtemp(prefix="training-ab-")
+def _base_package(checkout: str, folder: str) -> Any:
+    """The other checkout's ``diffusion_debug``, imported as ``diffusion_debug_base`` through a link in
+    ``folder`` (which must outlive the run: the package imports its submodules lazily)."""
     os.symlink(Path(checkout).resolve() / "diffusion_debug", Path(folder) / "diffusion_debug_base")
     sys.path.insert(0, folder)
     return importlib.import_module("diffusion_debug_base")
@@ -51,9 +51,18 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def run(checkout: str, precision: str = "fp16", clip: float | None = None, rounds: int = 40) -> str:
+    with tempfile.TemporaryDirectory(prefix="training-ab-") as folder:  # the link and both run folders
+        try:
+            return _run(checkout, folder, precision, clip, rounds)
+        finally:
+            if folder in sys.path:
+                sys.path.remove(folder)
+
+
+def _run(checkout: str, folder: str, precision: str, clip: float | None, rounds: int) -> str:
     torch.set_num_threads(1)
-    base = _base_package(checkout)
-    out = tempfile.mkdtemp(prefix="training-ab-runs-")
+    base = _base_package(checkout, folder)
+    out = folder
     twins = [sd15_shaped_pipeline(torch.float32).unet.train() for _ in range(3)]
     steps = training.accelerate_steps(twins, precision, device="cpu", size=8, context_len=77, max_grad_norm=clip)
     debuggers = {
