@@ -128,9 +128,12 @@ class Localizer:
     def full(self, component: str) -> bool:
         return self.levels.get(component, self.config.probes) == "full"
 
-    def new_run(self, inputs: origins.RunInputs | None = None) -> None:
+    def new_run(self, inputs: origins.RunInputs | None = None, *, same_call: bool = False) -> None:
+        """``same_call``: the run begins in the call of the run before (FreeInit denoises that run's latents
+        again), whose NaN/Inf origin stays this run's: what it left in the latents is its consequence."""
         self.inputs = inputs if inputs is not None else origins.RunInputs()
-        self.origin = None
+        if not same_call:
+            self.origin = None
         if self.inputs.pipe is not None:
             self.made.pipe = self.inputs.pipe
         if self.made.pending:  # a method that made a NaN/Inf in the run before: what it returned, kept weakly

@@ -144,6 +144,9 @@ class PipelineFrame:
         self.modular = hasattr(type(pipe), "update_components")  # a ModularPipeline (loop_may_follow asks it)
         self.frame: Any = None
         """The frame of ``pipe.__call__`` the last walk found (None: none), the busy check's to look for."""
+        self.call = 0
+        """Counts the frames the walks found: unchanged while they find the kept one (one call of ``pipe``, whatever
+        its runs: AnimateDiff's FreeInit sets a second schedule in it), without holding a frame past its call."""
         self.parts: frozenset[tuple[int, Any]] = frozenset()  # sub-pipelines' calls in it: (id, code)
         self.inside = False  # another pipeline's call runs in pipe's (each check walks meanwhile)
         self.returned: Callable[[], None] | None = None  # called as pipe runs again after that call
@@ -169,6 +172,8 @@ class PipelineFrame:
         parts, pipe, other = [], self.pipe, False
         for owner, found in _call_frames():
             if owner is pipe:
+                if found is not self.frame:
+                    self.call += 1
                 self.frame = found
                 if other:
                     self.inside = True

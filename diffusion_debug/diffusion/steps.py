@@ -113,6 +113,8 @@ class StepPipeline(CallEvents):
         self.on_errors: Callable[[], None] | None = None
         """Called as an event the policy acts after (a component call's output, ``scheduler.step``, ``encode_prompt``)
         ends with errors in the sink's queue (the debugger's policy); read in place, no Python call while empty."""
+        self.inputs_call: int | None = None
+        """The pipeline call (``frames.call``) whose arguments the run's inputs were taken from (None: none kept)."""
         self.frames: origins.PipelineFrame | None = None
         """The debugger's, whose ``frame`` (the pipeline call's) tells whether a step-end callback was passed."""
         self.step_end = StepEndWatch(pipe, self, lambda: self.follow_components(self.run.current_step, ahead=True))
@@ -152,7 +154,15 @@ class StepPipeline(CallEvents):
                 self.follow_trees(calling)  # a later run of one attach: a tree or dtype changed since is hooked as now
             self.sample_call_memory()
             self.runs += 1
-            self.new_run_state(origins.RunInputs.capture(self.pipe))
+            frames, inputs = self.frames, self.localizer.inputs
+            call = frames.call if frames is not None and frames.frame is not None else None
+            if call is not None and call == self.inputs_call and inputs.passed is not None:
+                # a second run in one call (FreeInit denoises its latents again): the user's arguments as its first
+                # run took them, not the frame's locals the loop reassigned since (its latents are not an input)
+                self.new_run_state(origins.RunInputs(self.pipe, inputs.passed), same_call=True)
+            else:
+                self.new_run_state(origins.RunInputs.capture(self.pipe))
+            self.inputs_call = call
             if self.probes.probes:  # what another pipeline sharing a component left queued
                 self.probes.reset(but=calling)
             self.sink.new_window()  # repeats fold within one pipeline run
@@ -168,7 +178,7 @@ class StepPipeline(CallEvents):
             except Exception as error:
                 self.guards.failed("memory_growth", error, self.run.step if self.run.stepped else None)
 
-    def new_run_state(self, inputs: origins.RunInputs | None = None) -> None:
+    def new_run_state(self, inputs: origins.RunInputs | None = None, *, same_call: bool = False) -> None:
         self.run = run = rows.RunState()
         # the global-RNG check's 5 KB copy, but for a run begun in a call given no generator of its own (none, or the
         # global one: determinism.global_rng_drawn flags it never, so nothing is copied or compared as it ends)
@@ -177,7 +187,7 @@ class StepPipeline(CallEvents):
             run.rng_state = torch.default_generator.get_state()
         self.encoded = []  # (read before a run begins: forgotten only by clear_debug_history)
         self.calls.new_run()
-        self.localizer.new_run(inputs or origins.RunInputs(self.pipe))  # inputs read when needed
+        self.localizer.new_run(inputs or origins.RunInputs(self.pipe), same_call=same_call)  # inputs read when needed
         if self.probes.pace.paced:  # whether the run's step 0 and once-per-image calls are read by their sentinels
             self.probes.pace.at(0)
 

@@ -12,6 +12,7 @@ import torch
 from diffusion_helpers import run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 
 
 def errors(report):
@@ -73,6 +74,64 @@ def test_a_passed_non_finite_latents_is_the_input(pipes, tmp_path):
         run(pipe, steps=2, latents=latents)
     (error,) = errors(dbg.report())
     assert (error.component, error.module) == ("input", "latents")
+    dbg.close()
+
+
+def test_freeinits_second_pass_in_one_call_is_not_an_input_and_follows_the_first_passs_nan(tmp_path):
+    """AnimateDiff's FreeInit denoises the call's latents a second time in the same call (a second
+    ``set_timesteps``: a second run): a NaN the UNet made in the first pass reaches the second through
+    the loop's latents, which the user never passed. The UNet's module stays the one error and the
+    headline; the second pass's findings point at it (it had named ``input latents`` the headline)."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+
+    def call():
+        generator = torch.Generator().manual_seed(0)
+        kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+        return pipe("a cat", generator=generator, **kwargs).frames
+
+    expected = call()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        assert torch.equal(call(), expected)
+    conv = "up_blocks.1.resnets.0.conv2"
+    with plant_nonfinite(pipe.unet.get_submodule(conv), from_call=1), dbg:  # the first pass's step 1
+        call()
+    report = dbg.report()
+    assert [(a.component, a.module, a.step, a.details["run"]) for a in errors(report)] == [("unet", conv, 1, 3)]
+    assert (report.headline.component, report.headline.module) == ("unet", conv)
+    second = [a for a in report.anomalies if a.kind == "nonfinite" and a.details["run"] == 4]
+    assert {a.component for a in second} == {"unet", "vae"}
+    assert all(a.details["origin"] == f"unet {conv}, step 1 (t=1)" for a in second)
+    assert torch.equal(call(), expected)
+    dbg.close()
+
+
+def test_a_freeinit_calls_runs_share_its_origin_but_the_next_call_of_the_attach_starts_afresh(tmp_path):
+    """The runs of one FreeInit call share its arguments and NaN/Inf origin; the call after it (same
+    attach) does not: a NaN the UNet makes in the second pass alone is that run's error (the first pass
+    left no origin), and NaN ``latents=`` passed to the next call are that call's input, both passes
+    (a call counter that did not move between calls folded them under the UNet of the call before)."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+    bad = torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    bad[0, 0, 0, 0, 0] = float("nan")
+
+    def call(**kwargs):
+        kwargs.update(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+        return pipe("a cat", generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+    conv = "up_blocks.1.resnets.0.conv2"
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        with plant_nonfinite(pipe.unet.get_submodule(conv), from_call=2):  # the second pass's step 0
+            call()
+        call(latents=bad)
+    report = dbg.report()
+    found = [(a.component, a.module, a.step, a.details["run"]) for a in errors(report)]
+    assert found == [("unet", conv, 0, 2), ("input", "latents", 0, 3)]
+    later = [a.details["origin"] for a in report.anomalies if a.kind == "nonfinite" and a.details["run"] == 4]
+    assert later and set(later) == {"input latents, step 0 (t=501)"}
     dbg.close()
 
 
