@@ -109,6 +109,9 @@ class Source:
     how: str
     consequence: bool
     between: dict[str, str] = field(default_factory=dict)
+    near_max: tuple[ModuleReading, ModuleReading] | None = None
+    """``(the module that made the finite values near the dtype's max that module overflowed on, module's
+    reading)``: the cause, ``module``'s NaN/Inf its consequence (:func:`near_max_source`)."""
 
 
 @dataclass(frozen=True)
@@ -177,8 +180,8 @@ def decide(
         if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
         if seen.first_nonfinite is not None or not output_finite:
-            found = _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site)
-            source, replay = found
+            asked = (memory, full, leaf, received, unwatched, localize, site, fraction)
+            source, replay = _nonfinite(component, seen, readings, *asked)
     except Exception as error:  # (the caller's nonfinite guard records it)
         failed["nonfinite"] = error
     try:
@@ -197,8 +200,9 @@ UNLOCALISED = "sentinel (block level; localize is off, the call was not kept or 
 """How a block's NaN/Inf is named where no replay named the module inside it."""
 
 
-def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site):
-    """``(source, None)``, or ``(None, the block to replay)`` for a NaN/Inf in the call."""
+def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site, fraction):
+    """``(source, None)``, or ``(None, the block to replay)`` for a NaN/Inf in the call. A leaf a sentinel
+    read, given values near its dtype's max, is replayed all the same: the module that made them is named."""
     if component in memory.reported:
         return Source("", "already reported", False), None  # counted, not localised again
     if not readings and received(component, site):  # no replay needed to see that
@@ -210,9 +214,12 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
     # a block sentinel reads outputs only: no replay needed for inputs passed in non-finite (none: asked above)
     if readings and not full and not inputs_known and received(component, site):
         return Source("", "sentinel: its inputs were already non-finite", True), None
-    if producer is not None and (full or (inputs_known and leaf(component, producer.module))):
-        where = between_modules(readings, producer.module) if full else {}  # (a leaf: none)
-        return Source(producer.module, "full probes" if full else "sentinel (a leaf module)", False, where), None
+    if full and producer is not None:
+        where, near = between_modules(readings, producer.module), near_max_source(readings, producer, fraction)
+        return Source(producer.module, "full probes", False, where, near), None
+    if inputs_known and leaf(component, producer.module):  # (given near-max values: who made them? a replay says)
+        if not (localize and unwatched is None and (producer.input_dtype_max_fraction or 0.0) >= fraction):
+            return Source(producer.module, "sentinel (a leaf module)", False), None
     block = producer.module if producer is not None else site
     if unwatched is not None:
         return Source(block, unwatched, False), None
@@ -312,15 +319,29 @@ def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleR
     return producer, next((name for name in enclosing if name in finite), block)
 
 
-def nonfinite_replayed(replayed: list[ModuleReading]) -> tuple[str | None, dict[str, str]] | None:
+def near_max_source(
+    readings: list[ModuleReading], producer: ModuleReading, fraction: float
+) -> tuple[ModuleReading, ModuleReading] | None:
+    """``(the module that made the near-max values producer overflowed on, producer)``, or None
+    (:func:`~..checks.near_max_maker`)."""
+    maker = checks.near_max_maker(readings, producer, fraction)
+    return None if maker is None else (maker, producer)
+
+
+def nonfinite_replayed(
+    replayed: list[ModuleReading], fraction: float
+) -> tuple[str | None, dict[str, str], tuple[ModuleReading, ModuleReading] | None] | None:
     """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
-    inside it)``, the first module that made it from finite inputs (:func:`between_modules`);
-    ``(None, {})`` where the first module to hold it was given it (the call's inputs did); None where no
-    module held one (the replay did not make it again)."""
+    inside it, what made the near-max values it overflowed on)``, the first module that made it from
+    finite inputs (:func:`between_modules`; :func:`near_max_source` at ``fraction`` of the dtype's max:
+    the same diagnosis as full probes read in the call); ``(None, {}, None)`` where the first module to
+    hold it was given it (the call's inputs did); None where no module held one (the replay did not make
+    it again)."""
     producer = checks.find_producer(replayed)
     if producer is not None:
-        return producer.module, between_modules(replayed, producer.module)
-    return (None, {}) if checks.first_nonfinite(replayed) is not None else None
+        near = near_max_source(replayed, producer, fraction)
+        return producer.module, between_modules(replayed, producer.module), near
+    return (None, {}, None) if checks.first_nonfinite(replayed) is not None else None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,235 @@
+"""A NaN/Inf made from finite values near the dtype's max is named at the module that made those values,
+not at the one whose arithmetic overflowed on them (the cause, not the consequence). In a bf16 VAE a conv
+planted at 0.9 of bf16's max makes the next GroupNorm's variance overflow (fp16's GroupNorm upcasts: there
+the same plant is an ``overflow_risk``); bf16 components are checked at their output, so the replay that
+already runs on the NaN decides it, and a clean call pays nothing more."""
+
+from __future__ import annotations
+
+import diffusion_helpers as helpers
+import pytest
+import torch
+from diffusion_helpers import changed_weight, run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion import checks
+from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide
+from diffusion_debug.probes import ModuleReading
+from diffusion_debug.record import folded
+from diffusion_debug.testing import plant_overflow, tiny_pipeline
+
+CONV = "decoder.up_blocks.1.resnets.0.conv2"  # the VAE's planted conv
+NORM = "decoder.up_blocks.1.resnets.1.norm1"  # the GroupNorm it feeds (through the resnet's residual add)
+REPLAYED = "output check -> replay with full probes"
+
+
+@pytest.fixture(scope="module")
+def bf16_sd():
+    return tiny_pipeline("sd", dtype=torch.bfloat16)
+
+
+def warmed(pipe, tmp_path, **config) -> DiffusionModelDebugger:
+    return helpers.warmed(pipe, lambda pipe: run(pipe, steps=1), str(tmp_path), **config)
+
+
+def later(dbg, *kinds):
+    """The anomalies of ``kinds`` the debugger's second run found."""
+    return [a for a in dbg.report().anomalies if a.kind in kinds and a.details.get("run") == 2]
+
+
+def test_a_bf16_vae_conv_near_the_max_is_named_as_the_origin_of_the_norms_nan(bf16_sd, tmp_path):
+    dbg = warmed(bf16_sd, tmp_path)
+    with plant_overflow(bf16_sd.vae.get_submodule(CONV), fraction=0.9), dbg:
+        images = run(bf16_sd, steps=1)
+    assert torch.from_numpy(images).isnan().any()
+    found = later(dbg, "nonfinite", "overflow_risk")
+    assert [(a.kind, a.severity, a.component, a.module, a.step) for a in found] == [
+        ("nonfinite", "error", "vae", CONV, None),
+        ("nonfinite", "warning", "vae", NORM, None),
+    ]
+    error, norm = found
+    assert error.details["localized_by"] == norm.details["localized_by"] == REPLAYED
+    assert (error.details["overflowed_in"], error.details["dtype"]) == (NORM, "bfloat16")
+    assert error.details["near_max"] == pytest.approx(0.9, abs=0.01)  # bf16 rounds 0.9 x max to 0.902 of it
+    assert error.details["absmax"] == pytest.approx(0.9 * torch.finfo(torch.bfloat16).max, rel=0.01)
+    # bf16 has float32's range: no dtype advice, the values are wrong (before: "run the VAE in float32", at the norm)
+    assert error.message == (
+        f"vae.{CONV} made values at 90% of the bfloat16 maximum (|x|=3.057e+38), and vae.{NORM}, given them, "
+        "produced NaN/Inf (its arithmetic overflowed on them: a norm's variance, a matmul); bfloat16 holds "
+        f"float32's range, so float32 overflows on these values too: check vae.{CONV}'s weights and the scale of "
+        "its inputs."
+    )
+    assert norm.details["follows"] == {"kind": "nonfinite", "rank": 0, "module": CONV}
+    assert norm.details["input_near_max"] == pytest.approx(0.9, abs=0.01)
+    assert norm.message == (
+        f"vae.{NORM} produced NaN/Inf from finite inputs at 90% of the bfloat16 maximum (its arithmetic "
+        f"overflowed on them); it follows the near-max values made at vae.{CONV}: fix that first."
+    )
+    # the headline is the conv, the norm's NaN folded under it; one replay, the one a NaN already had
+    report = dbg.report()
+    headline = report.headline
+    assert (headline.kind, headline.severity, headline.component, headline.module) == (
+        "nonfinite",
+        "error",
+        "vae",
+        CONV,
+    )
+    cause, following = folded(report.anomalies)[0]
+    assert cause is headline and [(a.module, a.severity) for a in following] == [(NORM, "warning")]
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["vae"]
+    dbg.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_same_plant_is_named_at_the_conv_in_fp16_and_bf16(dtype, tmp_path):
+    """fp16's GroupNorm upcasts: the conv's near-max output stays finite, an ``overflow_risk`` warning
+    at the conv; bf16's overflows: a ``nonfinite`` error at the same conv. Either way the conv."""
+    pipe = tiny_pipeline("sd", dtype=dtype)
+    dbg = warmed(pipe, tmp_path)
+    with plant_overflow(pipe.vae.get_submodule(CONV), fraction=0.9), dbg:
+        run(pipe, steps=1)
+    found = [(a.kind, a.severity, a.module) for a in later(dbg, "nonfinite", "overflow_risk")]
+    if dtype == torch.float16:
+        assert found == [("overflow_risk", "warning", CONV)]
+    else:
+        assert found == [("nonfinite", "error", CONV), ("nonfinite", "warning", NORM)]
+    dbg.close()
+
+
+def test_a_bf16_unet_conv_near_the_max_is_named_at_its_step(bf16_sd, tmp_path):
+    """The UNet's third call (step 2): named at the conv with its step and timestep; the latents' NaN and
+    the VAE's are warnings that point at it."""
+    conv, norm = "up_blocks.1.resnets.0.conv2", "up_blocks.1.attentions.0.norm"
+    dbg = warmed(bf16_sd, tmp_path)
+    with plant_overflow(bf16_sd.unet.get_submodule(conv), fraction=0.9, from_call=2), dbg:
+        run(bf16_sd, steps=3)
+    anomalies = later(dbg, "nonfinite", "overflow_risk", "latent_divergence")
+    (error,) = [a for a in anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "unet", conv, 2)
+    assert error.timestep == dbg.report().steps[-1]["timestep"]
+    assert (error.details["overflowed_in"], error.details["localized_by"]) == (norm, REPLAYED)
+    (made,) = [a for a in anomalies if a.module == norm]
+    assert (made.severity, made.step, made.details["follows"]["module"]) == ("warning", 2, conv)
+    assert [(a.kind, a.component) for a in anomalies if a.details.get("passed_on")] == [("nonfinite", "vae")]
+    assert all(a.severity == "warning" for a in anomalies if a is not error)
+    headline = dbg.report().headline
+    assert (headline.component, headline.module, headline.step) == ("unet", conv, 2)
+    dbg.close()
+
+
+def test_a_nan_weight_in_a_bf16_norm_is_still_named_at_the_norm(bf16_sd, tmp_path):
+    """A NaN made inside the norm from moderate inputs: no module before it is taken for the cause."""
+    dbg = warmed(bf16_sd, tmp_path)
+    with changed_weight(bf16_sd.vae.get_submodule(NORM), lambda w: w.view(-1)[:1].fill_(float("nan"))), dbg:
+        run(bf16_sd, steps=1)
+    (error,) = [a for a in later(dbg, "nonfinite") if a.severity == "error"]
+    assert (error.component, error.module, error.details["localized_by"]) == ("vae", NORM, REPLAYED)
+    assert "overflowed_in" not in error.details and "near_max_from" not in error.details
+    assert error.message == (
+        f"vae.{NORM} produced NaN/Inf from finite inputs (run the VAE in float32: pipe.vae.to(torch.float32))."
+    )
+    assert [a.module for a in later(dbg, "nonfinite")] == [NORM]
+    dbg.close()
+
+
+def _overflowing(out, given):
+    """A norm that does not upcast: NaN where its input reached half of the dtype's max."""
+    return torch.full_like(out, float("nan")) if given.abs().amax() >= 0.5 * torch.finfo(given.dtype).max else out
+
+
+@pytest.mark.parametrize("first_call", [True, False])
+def test_an_fp16_module_that_overflows_on_near_max_inputs_is_named_after_their_maker(first_call, tmp_path):
+    """fp16: the VAE's first call is read with full probes (decided from the call's readings, no replay),
+    a later one by its sentinel and a replay; both name the conv, and no ``overflow_risk`` repeats it."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    if not first_call:
+        with dbg:
+            run(pipe, steps=1)
+    norm = pipe.vae.get_submodule(NORM)
+    hook = norm.register_forward_hook(lambda module, args, out: _overflowing(out, args[0]))
+    try:
+        with plant_overflow(pipe.vae.get_submodule(CONV), fraction=0.9), dbg:
+            run(pipe, steps=1)
+    finally:
+        hook.remove()
+    run_number = 1 if first_call else 2
+    found = [a for a in dbg.report().anomalies if a.details.get("run") == run_number and a.component == "vae"]
+    assert [(a.kind, a.severity, a.module) for a in found] == [
+        ("nonfinite", "error", CONV),
+        ("nonfinite", "warning", NORM),
+    ]
+    how = "full probes" if first_call else "sentinel -> replay with full probes"
+    assert found[0].details["localized_by"] == how
+    assert found[0].message.endswith(  # fp16: the SD VAE's advice
+        "keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) or use an "
+        "fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix."
+    )
+    dbg.close()
+
+
+# -- the decision, on readings ----------------------------------------------------------------------
+BF16_MAX = torch.finfo(torch.bfloat16).max
+CONV_READING = ModuleReading("up.0.conv2", 0, "bfloat16", 2.0, 0.9 * BF16_MAX, "bfloat16")
+NORM_READING = ModuleReading("up.1.norm1", 0, "bfloat16", 0.9 * BF16_MAX, float("nan"), "bfloat16")
+
+
+def test_near_max_maker_takes_the_first_module_that_made_the_values_the_producer_was_given():
+    passed_on = ModuleReading("up.0", 0, "bfloat16", 2.0, 0.9 * BF16_MAX, "bfloat16")  # the block returns after it
+    readings = [CONV_READING, passed_on, NORM_READING]
+    assert checks.near_max_maker(readings, NORM_READING, 0.5) is CONV_READING
+    moderate = NORM_READING._replace(input_value=3.0)  # a NaN weight: its inputs were moderate
+    assert checks.near_max_maker([CONV_READING, moderate], moderate, 0.5) is None
+    given = CONV_READING._replace(input_value=0.9 * BF16_MAX)  # the call's arguments brought them: no maker
+    assert checks.near_max_maker([given, NORM_READING], NORM_READING, 0.5) is None
+    assert checks.near_max_maker([NORM_READING, CONV_READING], NORM_READING, 0.5) is None  # made after it: not its
+
+
+@pytest.mark.parametrize("localize, replay", [(True, "up.1.norm1"), (False, None)])
+def test_a_leaf_a_sentinel_read_given_near_max_inputs_is_replayed_to_name_their_maker(localize, replay):
+    """A leaf's NaN/Inf from moderate inputs is named as read; from near-max ones its call is replayed
+    (where replays are allowed) to find the module that made them."""
+    seen = checks.suspects([NORM_READING], 0.5)
+    asked = dict(output_finite=False, full=False, received=lambda c, s: False, unwatched=None, site="")
+    plan = decide(
+        "vae",
+        seen,
+        [NORM_READING],
+        memory=ReplayMemory(),
+        leaf=lambda c, m: True,
+        localize=localize,
+        fraction=0.5,
+        **asked,
+    )
+    assert plan.replay == replay
+    assert (plan.source is None) == localize
+    moderate = NORM_READING._replace(input_value=3.0)
+    plan = decide(
+        "vae",
+        checks.suspects([moderate], 0.5),
+        [moderate],
+        memory=ReplayMemory(),
+        leaf=lambda c, m: True,
+        localize=True,
+        fraction=0.5,
+        **asked,
+    )
+    assert (plan.replay, plan.source.module, plan.source.how) == (None, "up.1.norm1", "sentinel (a leaf module)")
+
+
+def test_a_nan_inside_a_module_given_near_max_inputs_names_their_maker_from_full_probes():
+    """Full probes read in the call decide as the replay does: the maker, with the producer as given."""
+    seen = checks.suspects([CONV_READING, NORM_READING], 0.5)
+    asked = dict(output_finite=False, received=lambda c, s: False, unwatched=None, site="", leaf=lambda c, m: True)
+    plan = decide(
+        "vae",
+        seen,
+        [CONV_READING, NORM_READING],
+        memory=ReplayMemory(),
+        full=True,
+        localize=True,
+        fraction=0.5,
+        **asked,
+    )
+    assert (plan.source.module, plan.source.how) == ("up.1.norm1", "full probes")
+    assert plan.source.near_max == (CONV_READING, NORM_READING)
