@@ -235,14 +235,19 @@ def test_a_nan_inside_a_module_given_near_max_inputs_names_their_maker_from_full
     assert plan.source.near_max == (CONV_READING, NORM_READING)
 
 
-def test_why_names_the_module_that_made_the_near_max_values_and_float32_fixes_nothing(bf16_sd, tmp_path):
-    """``report.why()`` replays the origin's call and names what the run named; bf16 holds float32's
-    range, so the VAE's float32 replay overflows as well."""
+def test_why_and_the_bundle_replay_name_the_module_that_made_the_near_max_values(bf16_sd, tmp_path):
+    """``report.why()`` and the repro bundle's replay replay the origin's call and name what the run
+    named; bf16 holds float32's range, so the VAE's float32 replay overflows as well."""
+    from diffusion_debug.diffusion import replay
+
     dbg = warmed(bf16_sd, tmp_path)
     with plant_overflow(bf16_sd.vae.get_submodule(CONV), fraction=0.9):
         with dbg:
             run(bf16_sd, steps=1)
         result = dbg.report().why()
+        (error,) = [a for a in later(dbg, "nonfinite") if a.severity == "error"]
+        replayed = replay(dbg.report().save() / error.details["bundle"], bf16_sd.vae)
+    assert (replayed["module"], replayed["overflowed_in"], replayed["first_nonfinite"]) == (CONV, NORM, NORM)
     assert (result.component, result.module, result.baseline.finite, result.fix) == ("vae", CONV, False, None)
     assert {r.factor: r.finite for r in result.replays}["vae upcast (float32)"] is False
     assert result.markdown().startswith(f"# why: vae {CONV}\n")
