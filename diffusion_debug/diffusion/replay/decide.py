@@ -1,7 +1,8 @@
 """Which replays a call's readings call for, decided in one place (:func:`decide`), and what a replay's
 readings show (:func:`nonfinite_replayed`, :func:`overflow_replayed`; where inside a module, as full probes
 read in the call would show it too: :func:`between_modules`, :func:`overflow_between`,
-:func:`clipped_producer`). The run's earlier answers are
+:func:`clipped_producer`; whose near-max values a NaN/Inf was made from, its cause: :func:`near_max_source`).
+The run's earlier answers are
 :class:`ReplayMemory`: a component's NaN/Inf is localised once a run; a block's near-overflow once for the
 debugger's life (the same weights overflow in the same place), but again each run where it was passed in,
 an Inf was clipped there or the replay could not run.
