@@ -159,7 +159,7 @@ def nonfinite(
     it is Stable Diffusion's VAE (:func:`~.components.inventory.stable_diffusion_vae`); ``dtype``:
     the dtype the component computes in, when known (a float32 VAE is not told to keep to float32);
     ``near_max``: ``(the module that made the near-max values module overflowed on, module's reading)``
-    (:func:`near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s."""
+    (:func:`~.replay.decide.near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s."""
     if near_max is not None and not consequence:
         kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, dtype=dtype)
         return list(near_max_nonfinite(component, *near_max, details=details or {}, **kw))
@@ -180,28 +180,6 @@ def nonfinite(
     ]
 
 
-def near_max_maker(readings: list[ModuleReading], producer: ModuleReading, fraction: float) -> ModuleReading | None:
-    """The module that made the values ``producer`` overflowed on: where ``producer`` (a reading of
-    ``readings`` whose output is non-finite from finite inputs) was given values at ``fraction`` of its
-    dtype's max or beyond (a bf16 GroupNorm's variance overflows there, where fp16's upcasts), the first
-    module before it whose output reached that while its own inputs had not (:func:`overflow_producer`).
-    None where its inputs were below (it made the NaN/Inf itself: a NaN weight), not known, or no module
-    before it made them (the call's arguments brought them). Read on a NaN/Inf only.
-
-    >>> conv = ModuleReading("up.0.conv2", 0, "bfloat16", 2.0, 3.05e38, "bfloat16")
-    >>> norm = ModuleReading("up.1.norm1", 0, "bfloat16", 3.05e38, float("nan"), "bfloat16")
-    >>> near_max_maker([conv, norm], norm, 0.5).module
-    'up.0.conv2'
-    >>> near_max_maker([conv, norm._replace(input_value=3.0)], norm._replace(input_value=3.0), 0.5) is None
-    True
-    """
-    share = producer.input_dtype_max_fraction
-    if share is None or not share >= fraction or math.isinf(share):  # (NaN: not >=)
-        return None
-    before = next((i for i, r in enumerate(readings) if r is producer), len(readings))
-    return overflow_producer(readings[:before], fraction)
-
-
 def near_max_nonfinite(
     component: str,
     maker: ModuleReading,
@@ -216,7 +194,7 @@ def near_max_nonfinite(
     dtype: str | None = None,
 ) -> tuple[Anomaly, Anomaly]:
     """A NaN/Inf that ``overflowed`` (a module of ``component``) made from finite values near its dtype's
-    max, which ``maker`` made (:func:`near_max_maker`): ``(the error at maker, the run's origin; the
+    max, which ``maker`` made (:func:`~.replay.decide.near_max_maker`): ``(the error at maker, the run's origin; the
     warning at overflowed, which follows it)``. A ``nonfinite`` at the cause, as a NaN/Inf made from the
     near-max values a pipeline input held is (``origins.near_max_input``); ``details``: what the caller
     found (the phase, the replay's reading count; where inside ``overflowed`` its own code made it, ``after``

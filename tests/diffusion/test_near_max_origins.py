@@ -13,7 +13,7 @@ from diffusion_helpers import changed_weight, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import checks
-from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide
+from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide, near_max_maker
 from diffusion_debug.probes import ModuleReading
 from diffusion_debug.record import folded
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
@@ -177,12 +177,12 @@ NORM_READING = ModuleReading("up.1.norm1", 0, "bfloat16", 0.9 * BF16_MAX, float(
 def test_near_max_maker_takes_the_first_module_that_made_the_values_the_producer_was_given():
     passed_on = ModuleReading("up.0", 0, "bfloat16", 2.0, 0.9 * BF16_MAX, "bfloat16")  # the block returns after it
     readings = [CONV_READING, passed_on, NORM_READING]
-    assert checks.near_max_maker(readings, NORM_READING, 0.5) is CONV_READING
+    assert near_max_maker(readings, NORM_READING, 0.5) is CONV_READING
     moderate = NORM_READING._replace(input_value=3.0)  # a NaN weight: its inputs were moderate
-    assert checks.near_max_maker([CONV_READING, moderate], moderate, 0.5) is None
+    assert near_max_maker([CONV_READING, moderate], moderate, 0.5) is None
     given = CONV_READING._replace(input_value=0.9 * BF16_MAX)  # the call's arguments brought them: no maker
-    assert checks.near_max_maker([given, NORM_READING], NORM_READING, 0.5) is None
-    assert checks.near_max_maker([NORM_READING, CONV_READING], NORM_READING, 0.5) is None  # made after it: not its
+    assert near_max_maker([given, NORM_READING], NORM_READING, 0.5) is None
+    assert near_max_maker([NORM_READING, CONV_READING], NORM_READING, 0.5) is None  # made after it: not its
 
 
 @pytest.mark.parametrize("localize, replay", [(True, "up.1.norm1"), (False, None)])
@@ -252,3 +252,55 @@ def test_why_and_the_bundle_replay_name_the_module_that_made_the_near_max_values
     assert {r.factor: r.finite for r in result.replays}["vae upcast (float32)"] is False
     assert result.markdown().startswith(f"# why: vae {CONV}\n")
     dbg.close()
+
+
+# -- whose values: the producer's own inputs, followed back, never an unrelated module ----------------
+UNRELATED = "decoder.mid_block.resnets.0.conv1"  # near-max too, but only its resnet's norm2 (upcast in fp16) reads it
+
+
+@pytest.mark.parametrize("first_call", [True, False])
+def test_an_unrelated_earlier_near_max_module_is_not_taken_for_the_maker(first_call, tmp_path):
+    """An earlier conv whose near-max values its own resnet's fp16 GroupNorm normalised away (an
+    ``overflow_risk``, nothing more) did not make what the later norm overflowed on: the conv that
+    feeds that norm did (before: the first near-max module of the call was named, whatever it fed)."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    if not first_call:
+        with dbg:
+            run(pipe, steps=1)
+    hook = pipe.vae.get_submodule(NORM).register_forward_hook(lambda module, args, out: _overflowing(out, args[0]))
+    try:
+        with plant_overflow(pipe.vae.get_submodule(UNRELATED), fraction=0.9):
+            with plant_overflow(pipe.vae.get_submodule(CONV), fraction=0.9), dbg:
+                run(pipe, steps=1)
+    finally:
+        hook.remove()
+    run_number = 1 if first_call else 2
+    found = [a for a in dbg.report().anomalies if a.details.get("run") == run_number and a.kind == "nonfinite"]
+    assert [(a.severity, a.component, a.module) for a in found] == [("error", "vae", CONV), ("warning", "vae", NORM)]
+    assert found[0].details["overflowed_in"] == NORM and found[1].details["follows"]["module"] == CONV
+    ran = [a for a in dbg.report().anomalies if a.details.get("run") == run_number]
+    risks = [a.module for a in ran if a.kind == "overflow_risk"]
+    assert (UNRELATED in risks) == first_call  # full probes warn of it (a NaN's replay reads no risk, as before)
+    dbg.close()
+
+
+def _reading(module, given, made):
+    return ModuleReading(module, 0, "bfloat16", given, made, "bfloat16")
+
+
+def test_near_max_maker_follows_the_values_the_producer_was_given_back_to_where_they_were_made():
+    """By value: the reading whose output is what the producer was given (to bf16's rounding), passed on
+    through modules given them too, down into the innermost module that made them from moderate inputs."""
+    big, other = 0.9 * BF16_MAX, 0.8 * BF16_MAX
+    unrelated = [_reading("mid.0.conv1", 2.0, other), _reading("mid.0.norm2", other, 1.0), _reading("mid.0", 2.0, 3.0)]
+    made = [_reading("up.0.conv1", 3.0, 4.0), _reading("up.0.conv2", 4.0, big), _reading("up.0", 3.0, big)]
+    passed = [_reading("up.1.act", big, big)]  # a module given them, that hands them on
+    norm = _reading("up.2.norm1", big, float("nan"))
+    assert near_max_maker(unrelated + made + passed + [norm], norm, 0.5).module == "up.0.conv2"
+    # the same values from the unrelated module, the one before the norm not near max: no maker named
+    assert near_max_maker(unrelated + [_reading("up.0", 3.0, 5.0), norm], norm, 0.5) is None
+    # an earlier call of the block (its modules before it) is not inside this one
+    first = [_reading("up.0.conv2", 4.0, big), _reading("up.0", 3.0, 5.0)]
+    again = [_reading("up.0.conv2", 4.0, 6.0), _reading("up.0", 3.0, big)]
+    assert near_max_maker(first + again + [norm], norm, 0.5) is again[1]

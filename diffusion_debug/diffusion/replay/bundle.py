@@ -22,10 +22,11 @@ from ...config import DebugConfig
 from ...errors import DiffusionDebugError
 from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
-from ..checks import find_producer, first_nonfinite, near_max_maker
+from ..checks import find_producer, first_nonfinite
 from ..components.cache_hooks import hook_state_kept
 from ..components.compiled import eager_module, replay_readings
 from .copies import context_fields, layerwise_casting
+from .decide import near_max_maker
 
 _TENSOR = "__tensor__"
 PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
@@ -288,7 +289,7 @@ def replay(
     "overflowed_in": name or None, "meta": meta.json}``; ``module`` is the first module whose output is
     non-finite while its inputs were finite, named inside the component as in the anomaly: where that
     module (then ``overflowed_in``) made it from finite values near the dtype's max, the module that made
-    those (:func:`~..checks.near_max_maker`, at the default ``overflow_fraction``). A damaged bundle is one
+    those (:func:`~.decide.near_max_maker`, at the default ``overflow_fraction``). A damaged bundle is one
     DiffusionDebugError (see :func:`read_bundle`). ``model``'s stateful diffusers hooks (caches) are
     left as the replay found them: the next pipeline call does not start from the replay's.
     """

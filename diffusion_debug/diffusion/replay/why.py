@@ -34,10 +34,11 @@ from ...probes import buffers_kept
 from ...record import dumps, write_atomic
 from ...stats import dtype_max, dtype_name, tensors_in
 from ...stats.quantized import dequantized, is_quantized
-from ..checks import find_producer, near_max_maker
+from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
 from ..components.compiled import eager_module, replay_readings
 from .copies import context_from_fields
+from .decide import near_max_maker
 from .factors import (
     Factor,
     OriginCall,
@@ -75,7 +76,7 @@ class WhyResult:
     module: str | None
     """The producer named by the as-is replay (full probes), None when none was named; where it made the
     NaN/Inf from finite values near the dtype's max, the module that made those
-    (:func:`~..checks.near_max_maker`), as the run names it."""
+    (:func:`~.decide.near_max_maker`), as the run names it."""
     step: int | None
     baseline: Replay
     replays: list[Replay]
