@@ -304,3 +304,8 @@ def test_near_max_maker_follows_the_values_the_producer_was_given_back_to_where_
     first = [_reading("up.0.conv2", 4.0, big), _reading("up.0", 3.0, 5.0)]
     again = [_reading("up.0.conv2", 4.0, 6.0), _reading("up.0", 3.0, big)]
     assert near_max_maker(first + again + [norm], norm, 0.5) is again[1]
+    # float32 values read by abs-max, near fp16's max only once cast to it: not near their own dtype's max
+    fp16_max = torch.finfo(torch.float16).max
+    wide = ModuleReading("up.0", 0, "float32", 2.0, 0.9 * fp16_max, "float32", "absmax")
+    narrow = ModuleReading("up.1.norm1", 0, "float16", 0.9 * fp16_max, float("nan"), "float16")
+    assert near_max_maker([wide, narrow], narrow, 0.5) is None

@@ -330,12 +330,12 @@ def near_max_maker(readings: list[ModuleReading], producer: ModuleReading, fract
     ``readings`` whose output is non-finite from finite inputs) was given values at ``fraction`` of its
     dtype's max or beyond (a bf16 GroupNorm's variance overflows there, where fp16's upcasts), followed
     back by value: the latest module before it whose output was what it was given (their abs-max, to
-    bf16's rounding), through modules given them too, into the innermost one that made them from inputs
-    below ``fraction``. Readings hold no tensor identity, so the values, never the order, say which
-    module fed it: an earlier near-max module whose values went elsewhere is not named. None where its
-    inputs were below (it made the NaN/Inf itself: a NaN weight), not known, or no module before it is
-    seen making them (the call's arguments brought them, or code between modules changed them).
-    Read on a NaN/Inf only.
+    bf16's rounding), through modules given them too, into the innermost one that made them (near its
+    own dtype's max) from inputs below ``fraction``. Readings hold no tensor identity, so the values,
+    never the order, say which module fed it: an earlier near-max module whose values went elsewhere is
+    not named. None where its inputs were below (it made the NaN/Inf itself: a NaN weight), not known,
+    or no module before it is seen making them (the call's arguments brought them, or code between
+    modules changed them). Read on a NaN/Inf only.
 
     >>> conv = ModuleReading("up.0.conv2", 0, "bfloat16", 2.0, 3.05e38, "bfloat16")
     >>> norm = ModuleReading("up.1.norm1", 0, "bfloat16", 3.05e38, float("nan"), "bfloat16")
@@ -360,8 +360,10 @@ def near_max_maker(readings: list[ModuleReading], producer: ModuleReading, fract
         given = reading.input_dtype_max_fraction
         if given is not None and math.isfinite(given) and given >= fraction:
             wanted = reading.input_absmax  # passed on: who gave it them
-        else:
+        elif (reading.dtype_max_fraction or 0.0) >= fraction:
             maker = reading
+        else:
+            break  # near the max only once cast to a narrower dtype: not made near its own
     return maker
 
 
