@@ -151,12 +151,18 @@ def nonfinite(
     role: str = "",
     sd_vae: bool = False,
     dtype: str | None = None,
+    near_max: tuple[ModuleReading, ModuleReading] | None = None,
 ) -> list[Anomaly]:
     """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
     ``origin``: where the run's first NaN/Inf was (a consequence points at it); ``role``: the
     component's role (its checks' advice comes from it, not from the attribute name); ``sd_vae``:
     it is Stable Diffusion's VAE (:func:`~.components.inventory.stable_diffusion_vae`); ``dtype``:
-    the dtype the component computes in, when known (a float32 VAE is not told to keep to float32)."""
+    the dtype the component computes in, when known (a float32 VAE is not told to keep to float32);
+    ``near_max``: ``(the module that made the near-max values module overflowed on, module's reading)``
+    (:func:`~.replay.decide.near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s."""
+    if near_max is not None and not consequence:
+        kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, dtype=dtype)
+        return list(near_max_nonfinite(component, *near_max, details=details or {}, **kw))
     if consequence:
         details = {**(details or {}), "passed_on": True, **({"origin": origin} if origin else {})}
     else:
@@ -172,6 +178,60 @@ def nonfinite(
             details={"localized_by": localized_by, **details},
         )
     ]
+
+
+def near_max_nonfinite(
+    component: str,
+    maker: ModuleReading,
+    overflowed: ModuleReading,
+    *,
+    step: int | None,
+    timestep: float | None,
+    localized_by: str,
+    details: dict[str, Any],
+    role: str = "",
+    sd_vae: bool = False,
+    dtype: str | None = None,
+) -> tuple[Anomaly, Anomaly]:
+    """A NaN/Inf that ``overflowed`` (a module of ``component``) made from finite values near its dtype's
+    max, which ``maker`` made (:func:`~.replay.decide.near_max_maker`): ``(the error at maker, the run's origin; the
+    warning at overflowed, which follows it)``. A ``nonfinite`` at the cause, as a NaN/Inf made from the
+    near-max values a pipeline input held is (``origins.near_max_input``); ``details``: what the caller
+    found (the phase, the replay's reading count; where inside ``overflowed`` its own code made it, ``after``
+    and ``before``: :func:`~.replay.decide.between_modules`, are the warning's)."""
+    between = {key: details[key] for key in ("after", "before") if key in details}
+    details = {key: value for key, value in details.items() if key not in between}
+    place = dict(kind="nonfinite", component=component, step=step, timestep=timestep)
+    origin = make_anomaly(
+        severity="error",
+        module=maker.module,
+        **place,
+        details={
+            "localized_by": localized_by,
+            **details,
+            "near_max": maker.dtype_max_fraction,
+            "absmax": maker.output_absmax,
+            "dtype": maker.dtype,
+            "overflowed_in": overflowed.module,
+            **_vae_details(role, sd_vae, dtype),
+        },
+    )
+    follows = {"kind": "nonfinite", "rank": origin.rank, "module": maker.module}
+    consequence = make_anomaly(
+        severity="warning",
+        module=overflowed.module,
+        **place,
+        details={
+            "localized_by": localized_by,
+            "phase": details.get("phase"),
+            "near_max_from": maker.module,
+            "input_near_max": overflowed.input_dtype_max_fraction,
+            "dtype": overflowed.dtype,
+            "follows": follows,
+            **between,
+        },
+    )
+    return origin, consequence
 
 
 def _vae_details(role: str, sd_vae: bool, dtype: str | None = None) -> dict[str, Any]:

@@ -245,7 +245,9 @@ class Localizer:
             if plan.failed and "overflow_risk" in plan.failed:  # (its NaN/Inf named above all the same)
                 raise plan.failed["overflow_risk"]
             if plan.overflow is not None:
-                found += self.overflow(component, plan.overflow, step=step, timestep=timestep, phase=phase)
+                risks = self.overflow(component, plan.overflow, step=step, timestep=timestep, phase=phase)
+                named = {a.module for a, _ in found if "overflowed_in" in a.details}  # a NaN/Inf's cause: said once
+                found += [risk for risk in risks if risk[0].module not in named] if named else risks
         return found
 
     # -- NaN / Inf ----------------------------------------------------------------------------------
@@ -315,13 +317,16 @@ class Localizer:
         if replayed is not None:
             details["replay_readings"] = replayed
         details.update(source.between)
-        return found + self._nonfinite_at(component, module, how, consequence, details, step, timestep)
+        near = None if consequence else source.near_max  # made from another module's near-max values
+        return found + self._nonfinite_at(component, module, how, consequence, details, step, timestep, near)
 
     def _nonfinite_at(
-        self, component: str, module: str, how: str, consequence: bool, details: dict, step, timestep
+        self, component: str, module: str, how: str, consequence: bool, details: dict, step, timestep, near_max=None
     ) -> list[Finding]:
         """The ``nonfinite`` anomaly at ``module`` (``how``: what localised it; a ``consequence`` points
-        at the run's origin), settled against the origin (the run's first error becomes it)."""
+        at the run's origin), settled against the origin (the run's first error becomes it). ``near_max``:
+        :attr:`~.replay.decide.Source.near_max` (the error is at the module that made those values, ``module``'s
+        NaN/Inf a warning that follows it, with a fold key of its own: no repeat of the error)."""
         made = checks.nonfinite(
             component,
             module,
@@ -334,8 +339,10 @@ class Localizer:
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
             dtype=self._dtype(component, module),
+            near_max=near_max,
         )
-        return [(self.settle(anomaly), ("nonfinite", component, consequence)) for anomaly in made]
+        key = ("nonfinite", component, consequence)
+        return [(self.settle(a), key + (a.module,) if "near_max_from" in a.details else key) for a in made]
 
     def _dtype(self, component: str, module: str) -> str | None:
         """The dtype ``component.module`` computes in now, read at the module, else at the nearest module
@@ -368,10 +375,10 @@ class Localizer:
         replayed = self.replay(component, block, step)
         # cache tensors beyond the budget that the call replaced: None in the replay
         released = {"replay_cache_released_bytes": self.calls.released} if self.calls.released else {}
-        shown = nonfinite_replayed(replayed) if replayed is not None else None
+        shown = nonfinite_replayed(replayed, self.config.overflow_fraction) if replayed is not None else None
         if shown is not None and shown[0] is not None:
-            how, (made, where) = "sentinel" if probed else "output check", shown
-            return Source(made, f"{how} -> replay with full probes", False, {**where, **released}), len(replayed)
+            how, (made, where, near) = "sentinel" if probed else "output check", shown
+            return Source(made, f"{how} -> replay with full probes", False, {**where, **released}, near), len(replayed)
         if shown is not None:
             return Source("", "replay with full probes: inputs were already non-finite", True), len(replayed)
         return Source(block, UNLOCALISED, False, released), None

@@ -39,6 +39,12 @@ def replay_bundle(
     finally:
         bar.close()
     where = f"(step {meta.get('step')}, timestep {meta.get('timestep')})"
+    if result.get("overflowed_in"):  # made from the module's near-max values: that module first
+        print(
+            f"values near the dtype's max made by: {component} {result['module']}, on which {component} "
+            f"{result['overflowed_in']} made NaN/Inf {where}"
+        )
+        return 0
     if result["module"] is not None:
         print(f"first non-finite value: {component} {result['module'] or '(its own forward)'} {where}")
         return 0

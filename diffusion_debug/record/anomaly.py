@@ -396,7 +396,8 @@ def follows_key(anomaly: Anomaly) -> tuple:
     """What a ``details["follows"]`` of ``anomaly``'s step names it by: (kind, rank, step, module), the
     module only for a producer found by a replay of a trained model's forward (``localized_by``), which
     shares kind, rank and step with that step's NaN gradients (``{"kind": "nonfinite", "rank": r}``
-    names those).
+    names those), and for a module whose near-max values another overflowed on (``overflowed_in``), which
+    shares them with the NaN/Inf that module made.
 
     >>> made = Anomaly("nonfinite", "error", "x", "model", "fc1", step=2, details={"localized_by": "forward replay"})
     >>> grads = Anomaly("nonfinite", "error", "x", "model", "fc1", step=2, parameter="fc1.weight")
@@ -404,7 +405,7 @@ def follows_key(anomaly: Anomaly) -> tuple:
     (('nonfinite', 0, 2, 'fc1'), ('nonfinite', 0, 2, None))
     """
     details = anomaly.details if isinstance(anomaly.details, dict) else {}
-    named = anomaly.module if details.get("localized_by") == "forward replay" else None
+    named = anomaly.module if details.get("localized_by") == "forward replay" or "overflowed_in" in details else None
     return (anomaly.kind, anomaly.rank, anomaly.step, named)
 
 

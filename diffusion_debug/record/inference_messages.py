@@ -52,6 +52,28 @@ def vae_advice(component: str = "vae", sd_vae: bool = False, dtype: str | None =
     )
 
 
+def near_max_advice(where: str, details: dict[str, Any]) -> str:
+    """What to do about values near their dtype's max that ``where`` (``component.module``) made, on which
+    the next module overflowed (``details``: the ``nonfinite``'s ``dtype``, ``vae_role``, ``sd_vae``).
+    bfloat16 holds float32's range, so no wider dtype helps there: the values are wrong, not the precision.
+
+    >>> near_max_advice("unet.conv_out", {"dtype": "float16"})
+    'run this component in bfloat16 or float32, or upcast this module'
+    >>> near_max_advice("vae.decoder.conv_in", {"dtype": "bfloat16", "vae_role": True}).split(":")[0]
+    "bfloat16 holds float32's range, so float32 overflows on these values too"
+    """
+    dtype = details.get("dtype")
+    if dtype in ("bfloat16", "float32"):
+        wider = "bfloat16 holds float32's range, so float32 overflows on these values too"
+        wider = wider if dtype == "bfloat16" else "no wider dtype holds them"
+        return f"{wider}: check {where}'s weights and the scale of its inputs"
+    if details.get("vae_role"):
+        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), dtype)
+    if dtype == "float16":
+        return "run this component in bfloat16 or float32, or upcast this module"
+    return "compute this component in bfloat16 or float32"
+
+
 def _after_origin(anomaly: Anomaly, text: str) -> str:
     """``text`` pointing at the run's first NaN/Inf (``details["origin"]``, set when a later error
     became its consequence), else as it is."""
@@ -142,6 +164,21 @@ def _nonfinite(anomaly: Anomaly) -> str:
         return (
             "The model output passed to scheduler.step held NaN/Inf, and no watched component is known as the "
             "denoiser that made it; check the model the pipeline calls in its loop (its dtype, inputs and weights)."
+        )
+    if d.get("overflowed_in"):  # a module's near-max values, on which the next one's arithmetic overflowed
+        where = f"{component}.{anomaly.module}"
+        return (
+            f"{where} made values at {d['near_max']:.0%} of the {d['dtype']} maximum (|x|={d['absmax']:.4g}), and "
+            f"{component}.{d['overflowed_in']}, given them, produced NaN/Inf (its arithmetic overflowed on them: a "
+            f"norm's variance, a matmul); {near_max_advice(where, d)}."
+        )
+    if d.get("near_max_from"):  # the consequence of the above, at the module that overflowed
+        made = f"{component}.{d['near_max_from']}"
+        return (
+            f"{component}.{anomaly.module} produced NaN/Inf from finite inputs at {d['input_near_max']:.0%} of "
+            f"the {d['dtype']} maximum (its arithmetic overflowed on them)"
+            + follows("the near-max values made", made)
+            + "."
         )
     if d.get("passed_on"):
         origin = d.get("origin")

@@ -36,7 +36,8 @@ register_kind(
     severity="error",
     colour="#d62728",
     meaning=(
-        "NaN or Inf appeared: in inference, the module named first produced it from finite inputs; in "
+        "NaN or Inf appeared: in inference, the module named first produced it from finite inputs (or made the "
+        "values near its dtype's maximum that the next module overflowed on); in "
         "training, a gradient holds it, or (launch's replay of a NaN-loss step's forward) the module named made it "
         "from finite inputs."
     ),

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ...config import DebugConfig
 from ...errors import DiffusionDebugError
 from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
@@ -25,6 +26,7 @@ from ..checks import find_producer, first_nonfinite
 from ..components.cache_hooks import hook_state_kept
 from ..components.compiled import eager_module, replay_readings
 from .copies import context_fields, layerwise_casting
+from .decide import near_max_maker
 
 _TENSOR = "__tensor__"
 PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
@@ -284,8 +286,10 @@ def replay(
     weights) on the saved inputs with full probes.
 
     Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
-    "meta": meta.json}``; ``module`` is the first module whose output is non-finite while its
-    inputs were finite, named inside the component as in the anomaly. A damaged bundle is one
+    "overflowed_in": name or None, "meta": meta.json}``; ``module`` is the first module whose output is
+    non-finite while its inputs were finite, named inside the component as in the anomaly: where that
+    module (then ``overflowed_in``) made it from finite values near the dtype's max, the module that made
+    those (:func:`~.decide.near_max_maker`, at the default ``overflow_fraction``). A damaged bundle is one
     DiffusionDebugError (see :func:`read_bundle`). ``model``'s stateful diffusers hooks (caches) are
     left as the replay found them: the next pipeline call does not start from the replay's.
     """
@@ -302,9 +306,11 @@ def replay(
     producer = find_producer(readings)
     first = first_nonfinite(readings)
     top = [r for r in readings if r.module == prefix]
+    near = near_max_maker(readings, producer, DebugConfig.overflow_fraction) if producer else None
     return {
-        "module": producer.module if producer else None,
+        "module": (near or producer).module if producer else None,
         "first_nonfinite": first.module if first else None,
         "output_finite": all(r.output_finite for r in top) if top else first is None,
+        "overflowed_in": producer.module if near else None,
         "meta": meta,
     }

@@ -1,7 +1,8 @@
 """Which replays a call's readings call for, decided in one place (:func:`decide`), and what a replay's
 readings show (:func:`nonfinite_replayed`, :func:`overflow_replayed`; where inside a module, as full probes
 read in the call would show it too: :func:`between_modules`, :func:`overflow_between`,
-:func:`clipped_producer`). The run's earlier answers are
+:func:`clipped_producer`; whose near-max values a NaN/Inf was made from, its cause: :func:`near_max_source`).
+The run's earlier answers are
 :class:`ReplayMemory`: a component's NaN/Inf is localised once a run; a block's near-overflow once for the
 debugger's life (the same weights overflow in the same place), but again each run where it was passed in,
 an Inf was clipped there or the replay could not run.
@@ -109,6 +110,9 @@ class Source:
     how: str
     consequence: bool
     between: dict[str, str] = field(default_factory=dict)
+    near_max: tuple[ModuleReading, ModuleReading] | None = None
+    """``(the module that made the finite values near the dtype's max that module overflowed on, module's
+    reading)``: the cause, ``module``'s NaN/Inf its consequence (:func:`near_max_source`)."""
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,8 @@ def decide(
         if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
         if seen.first_nonfinite is not None or not output_finite:
-            found = _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site)
-            source, replay = found
+            asked = (memory, full, leaf, received, unwatched, localize, site, fraction)
+            source, replay = _nonfinite(component, seen, readings, *asked)
     except Exception as error:  # (the caller's nonfinite guard records it)
         failed["nonfinite"] = error
     try:
@@ -197,8 +201,9 @@ UNLOCALISED = "sentinel (block level; localize is off, the call was not kept or 
 """How a block's NaN/Inf is named where no replay named the module inside it."""
 
 
-def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site):
-    """``(source, None)``, or ``(None, the block to replay)`` for a NaN/Inf in the call."""
+def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site, fraction):
+    """``(source, None)``, or ``(None, the block to replay)`` for a NaN/Inf in the call. A leaf a sentinel
+    read, given values near its dtype's max, is replayed all the same: the module that made them is named."""
     if component in memory.reported:
         return Source("", "already reported", False), None  # counted, not localised again
     if not readings and received(component, site):  # no replay needed to see that
@@ -210,9 +215,12 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
     # a block sentinel reads outputs only: no replay needed for inputs passed in non-finite (none: asked above)
     if readings and not full and not inputs_known and received(component, site):
         return Source("", "sentinel: its inputs were already non-finite", True), None
-    if producer is not None and (full or (inputs_known and leaf(component, producer.module))):
-        where = between_modules(readings, producer.module) if full else {}  # (a leaf: none)
-        return Source(producer.module, "full probes" if full else "sentinel (a leaf module)", False, where), None
+    if full and producer is not None:
+        where, near = between_modules(readings, producer.module), near_max_source(readings, producer, fraction)
+        return Source(producer.module, "full probes", False, where, near), None
+    if inputs_known and leaf(component, producer.module):  # (given near-max values: who made them? a replay says)
+        if not (localize and unwatched is None and (producer.input_dtype_max_fraction or 0.0) >= fraction):
+            return Source(producer.module, "sentinel (a leaf module)", False), None
     block = producer.module if producer is not None else site
     if unwatched is not None:
         return Source(block, unwatched, False), None
@@ -312,15 +320,76 @@ def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleR
     return producer, next((name for name in enclosing if name in finite), block)
 
 
-def nonfinite_replayed(replayed: list[ModuleReading]) -> tuple[str | None, dict[str, str]] | None:
+_SAME_VALUES = 2.0**-7
+"""Abs-maxes this close (relative) are taken for the same values: bf16's rounding step, which a cast or a
+small residual added to near-max values does not move past."""
+
+
+def near_max_maker(readings: list[ModuleReading], producer: ModuleReading, fraction: float) -> ModuleReading | None:
+    """The module that made the values ``producer`` overflowed on: where ``producer`` (a reading of
+    ``readings`` whose output is non-finite from finite inputs) was given values at ``fraction`` of its
+    dtype's max or beyond (a bf16 GroupNorm's variance overflows there, where fp16's upcasts), followed
+    back by value: the latest module before it whose output was what it was given (their abs-max, to
+    bf16's rounding), through modules given them too, into the innermost one that made them (near its
+    own dtype's max) from inputs below ``fraction``. Readings hold no tensor identity, so the values,
+    never the order, say which module fed it: an earlier near-max module whose values went elsewhere is
+    not named. None where its inputs were below (it made the NaN/Inf itself: a NaN weight), not known,
+    or no module before it is seen making them (the call's arguments brought them, or code between
+    modules changed them). Read on a NaN/Inf only.
+
+    >>> conv = ModuleReading("up.0.conv2", 0, "bfloat16", 2.0, 3.05e38, "bfloat16")
+    >>> norm = ModuleReading("up.1.norm1", 0, "bfloat16", 3.05e38, float("nan"), "bfloat16")
+    >>> near_max_maker([conv, norm], norm, 0.5).module
+    'up.0.conv2'
+    >>> near_max_maker([conv, norm._replace(input_value=3.0)], norm._replace(input_value=3.0), 0.5) is None
+    True
+    """
+    share, wanted = producer.input_dtype_max_fraction, producer.input_absmax
+    if share is None or wanted is None or not share >= fraction or math.isinf(share):  # (NaN: not >=)
+        return None
+    before = readings[: next((i for i, r in enumerate(readings) if r is producer), len(readings))]
+    maker = None  # the innermost module seen making them; what ran inside it comes before it
+    for reading in reversed(before):
+        if maker is not None and reading.module == maker.module:
+            break  # an earlier call of it: what came before that is not inside this one
+        if maker is not None and maker.module and not reading.module.startswith(maker.module + "."):
+            continue
+        made = reading.output_absmax
+        if made is None or not reading.output_finite or not math.isclose(made, wanted, rel_tol=_SAME_VALUES):
+            continue
+        given = reading.input_dtype_max_fraction
+        if given is not None and math.isfinite(given) and given >= fraction:
+            wanted = reading.input_absmax  # passed on: who gave it them
+        elif (reading.dtype_max_fraction or 0.0) >= fraction:
+            maker = reading
+        else:
+            break  # near the max only once cast to a narrower dtype: not made near its own
+    return maker
+
+
+def near_max_source(
+    readings: list[ModuleReading], producer: ModuleReading, fraction: float
+) -> tuple[ModuleReading, ModuleReading] | None:
+    """``(the module that made the near-max values producer overflowed on, producer)``, or None
+    (:func:`near_max_maker`)."""
+    maker = near_max_maker(readings, producer, fraction)
+    return None if maker is None else (maker, producer)
+
+
+def nonfinite_replayed(
+    replayed: list[ModuleReading], fraction: float
+) -> tuple[str | None, dict[str, str], tuple[ModuleReading, ModuleReading] | None] | None:
     """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
-    inside it)``, the first module that made it from finite inputs (:func:`between_modules`);
-    ``(None, {})`` where the first module to hold it was given it (the call's inputs did); None where no
-    module held one (the replay did not make it again)."""
+    inside it, what made the near-max values it overflowed on)``, the first module that made it from
+    finite inputs (:func:`between_modules`; :func:`near_max_source` at ``fraction`` of the dtype's max:
+    the same diagnosis as full probes read in the call); ``(None, {}, None)`` where the first module to
+    hold it was given it (the call's inputs did); None where no module held one (the replay did not make
+    it again)."""
     producer = checks.find_producer(replayed)
     if producer is not None:
-        return producer.module, between_modules(replayed, producer.module)
-    return (None, {}) if checks.first_nonfinite(replayed) is not None else None
+        near = near_max_source(replayed, producer, fraction)
+        return producer.module, between_modules(replayed, producer.module), near
+    return (None, {}, None) if checks.first_nonfinite(replayed) is not None else None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...config import DebugConfig
 from ...probes import buffers_kept
 from ...record import dumps, write_atomic
 from ...stats import dtype_max, dtype_name, tensors_in
@@ -37,6 +38,7 @@ from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
 from ..components.compiled import eager_module, replay_readings
 from .copies import context_from_fields
+from .decide import near_max_maker
 from .factors import (
     Factor,
     OriginCall,
@@ -72,7 +74,9 @@ class Replay:
 class WhyResult:
     component: str
     module: str | None
-    """The producer named by the as-is replay (full probes), None when none was named."""
+    """The producer named by the as-is replay (full probes), None when none was named; where it made the
+    NaN/Inf from finite values near the dtype's max, the module that made those
+    (:func:`~.decide.near_max_maker`), as the run names it."""
     step: int | None
     baseline: Replay
     replays: list[Replay]
@@ -321,7 +325,9 @@ def _explain(
     except Exception:  # the as-is row shows the error; the table is still worth having
         readings = []
     producer = find_producer(readings)
-    module = producer.module if producer else None
+    # made from another module's near-max values: that module, as the run named it (at the default fraction)
+    near = near_max_maker(readings, producer, DebugConfig.overflow_fraction) if producer else None
+    module = (near or producer).module if producer else None
     replays = [_replay_factor(call, factor) for factor in factors_for(call)]
     weights = module_with_nonfinite_weights(eager_module(call.module), module)
     inputs = nonfinite_inputs(call)
