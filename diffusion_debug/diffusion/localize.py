@@ -129,11 +129,9 @@ class Localizer:
         return self.levels.get(component, self.config.probes) == "full"
 
     def new_run(self, inputs: origins.RunInputs | None = None, *, same_call: bool = False) -> None:
-        """``same_call``: the run begins in the call of the run before (FreeInit denoises that run's latents
-        again), whose NaN/Inf origin stays this run's: what it left in the latents is its consequence."""
+        """``same_call``: a run begun in the call of the run before (FreeInit) keeps that run's NaN/Inf origin."""
         self.inputs = inputs if inputs is not None else origins.RunInputs()
-        if not same_call:
-            self.origin = None
+        self.origin = self.origin if same_call else None
         if self.inputs.pipe is not None:
             self.made.pipe = self.inputs.pipe
         if self.made.pending:  # a method that made a NaN/Inf in the run before: what it returned, kept weakly
