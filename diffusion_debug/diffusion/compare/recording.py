@@ -1,6 +1,7 @@
 """One pipeline call recorded for a comparison: each component call's output and input
 fingerprints and each scheduler step's latents, in execution order; optionally a copy of the
-inputs of one chosen call, for a replay on equal inputs.
+inputs of one chosen call, for a replay on equal inputs, with its stateful diffusers hooks' cache
+context and state as it began (a replay runs outside the pipeline's ``cache_context``).
 
 Torch's own hooks on each call site (the component, or the VAE's ``encoder`` / ``decoder``) and a
 wrapper on the scheduler's ``step`` for the duration of the call only; nothing stays attached.
@@ -20,7 +21,8 @@ from torch import nn
 
 from ...core.instance_methods import MISSING, OnThisInstance
 from ...stats import tensors_in
-from ..components.cache_hooks import stateful_hooks
+from ..components.cache_hooks import hook_state, stateful_hooks
+from ..components.compiled import eager_module
 from ..components.inventory import CallSite, call_sites, find_components, is_loop_role
 from .fingerprints import Fingerprint, fingerprint
 
@@ -83,6 +85,9 @@ class Recording:
         self.events: list[Event] = []
         self.keep = keep
         self.kept: tuple[tuple, dict] | None = None
+        self.kept_hooks: tuple[Any, Any] = (None, None)
+        """``(cache context, state)`` of the kept call's stateful hooks as it began (:func:`hook_state`,
+        every tensor held: one call's), for its replay; ``(None, None)`` for a call without such hooks."""
         self.steps_done = 0
         self.scheduler: Any = None
         self._open: dict[int, list[Event]] = {}
@@ -105,6 +110,8 @@ class Recording:
             }
             if len(self.events) == self.keep:
                 self.kept = detached_copy((args, kwargs))
+                if caches:
+                    self.kept_hooks = hook_state(eager_module(site.module))
             self.events.append(event)
             self._open.setdefault(id(module), []).append(event)  # filled when the call returns
 
