@@ -355,6 +355,36 @@ def hook_state_kept(module: nn.Module, context: Any = None, state: HookState | N
         _restore(now)
 
 
+def cast_hook_state(module: nn.Module, was: torch.dtype, dtype: torch.dtype) -> None:
+    """Each tensor in ``was`` that ``module``'s stateful hooks hold (in their state objects' attributes,
+    and the tuples, lists, dicts and deques in them) cast to ``dtype``, in place: for a private copy run
+    in ``dtype`` (a ``why()`` replay), whose hooks' cache would otherwise feed a ``was`` tensor to a
+    ``dtype`` layer. Never on a live component: its containers are changed in place."""
+    seen: set[int] = set()
+    for hook in stateful_hooks(module):
+        for obj in _objects(hook):
+            for name, value in list(vars(obj).items()):
+                vars(obj)[name] = _cast(value, was, dtype, seen)
+
+
+def _cast(value: Any, was: torch.dtype, dtype: torch.dtype, seen: set[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype == was else value
+    if type(value) is tuple:
+        return tuple(_cast(v, was, dtype, seen) for v in value)
+    if not isinstance(value, (dict, list, collections.deque)) or id(value) in seen:
+        return value
+    seen.add(id(value))
+    if isinstance(value, dict):
+        for key, item in list(value.items()):
+            value[key] = _cast(item, was, dtype, seen)
+    else:
+        items = [_cast(item, was, dtype, seen) for item in value]
+        value.clear()
+        value.extend(items)
+    return value
+
+
 def hook_registries(module: nn.Module) -> list[Any]:
     """Every diffusers hook registry on ``module`` and its submodules (one walk of its modules)."""
     return [registry for sub in module.modules() if (registry := _registry(sub)) is not None]
