@@ -21,6 +21,7 @@ the copy (a caching hook starts from the live cache).
 
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch import nn
 from ...probes.tracing import compile_wrapper
 from ...stats import dtype_name
 from ...stats.quantized import is_quantized
-from ..components.cache_hooks import cast_hook_state
+from ..components.cache_hooks import state_objects, stateful_hooks
 from ..components.compiled import compile_state, eager_module
 
 HOOK_GROUPS = {
@@ -128,6 +129,36 @@ def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:
     for key, value in list(module._buffers.items()):
         if value is not None and value.is_floating_point():
             module._buffers[key] = value.to(dtype)
+
+
+def cast_hook_state(module: nn.Module, was: torch.dtype, dtype: torch.dtype) -> None:
+    """Each tensor in ``was`` that ``module``'s stateful hooks hold (in their state objects' attributes,
+    and the tuples, lists, dicts and deques in them) cast to ``dtype``, in place: for a private copy run
+    in ``dtype`` (a ``why()`` replay), whose hooks' cache would otherwise feed a ``was`` tensor to a
+    ``dtype`` layer. Never on a live component: its containers are changed in place."""
+    seen: set[int] = set()
+    for hook in stateful_hooks(module):
+        for obj in state_objects(hook):
+            for name, value in list(vars(obj).items()):
+                vars(obj)[name] = _cast(value, was, dtype, seen)
+
+
+def _cast(value: Any, was: torch.dtype, dtype: torch.dtype, seen: set[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype == was else value
+    if type(value) is tuple:
+        return tuple(_cast(v, was, dtype, seen) for v in value)
+    if not isinstance(value, (dict, list, collections.deque)) or id(value) in seen:
+        return value
+    seen.add(id(value))
+    if isinstance(value, dict):
+        for key, item in list(value.items()):
+            value[key] = _cast(item, was, dtype, seen)
+    else:
+        items = [_cast(item, was, dtype, seen) for item in value]
+        value.clear()
+        value.extend(items)
+    return value
 
 
 def cast_copy(copied: nn.Module, dtype: torch.dtype) -> nn.Module:
