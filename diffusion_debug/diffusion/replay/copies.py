@@ -132,13 +132,14 @@ def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def cast_hook_state(module: nn.Module, was: torch.dtype, dtype: torch.dtype) -> None:
-    """Each tensor in ``was`` that ``module``'s stateful hooks hold (in their state objects' attributes,
-    and the tuples, lists, dicts and deques in them) cast to ``dtype``, in place: for a private copy run
-    in ``dtype`` (a ``why()`` replay), whose hooks' cache would otherwise feed a ``was`` tensor to a
-    ``dtype`` layer. Never on a live component: its containers are changed in place."""
+    """Each tensor in ``was`` that ``module``'s stateful hooks' states hold (their attributes, and the
+    tuples, lists, dicts and deques in them) cast to ``dtype``, in place: for a private copy run in
+    ``dtype`` (a ``why()`` replay), whose hooks' cache would otherwise feed a ``was`` tensor to a
+    ``dtype`` layer. The hooks' own attributes (their configuration: MagCache's ratios) are left as
+    they are. Never on a live component: its containers are changed in place."""
     seen: set[int] = set()
     for hook in stateful_hooks(module):
-        for obj in state_objects(hook):
+        for obj in state_objects(hook)[1:]:  # (the first is the hook itself)
             for name, value in list(vars(obj).items()):
                 vars(obj)[name] = _cast(value, was, dtype, seen)
 
