@@ -36,7 +36,7 @@ def _first_block_cache():
     return FirstBlockCacheConfig(threshold=0.2)
 
 
-CACHES = pytest.mark.parametrize("cache", [_taylor_seer, _first_block_cache], ids=["taylor_seer", "first_block"])
+# TaylorSeer and FirstBlockCache refused a call outside a cache context alike: one of them per path
 
 
 def cached_flux(cache):
@@ -59,8 +59,8 @@ def scale(pipe, factor: float):
     return undo
 
 
-@CACHES
-def test_two_pipelines_under_the_same_cache_are_compared_to_the_changed_module(cache):
+def test_two_pipelines_under_the_same_cache_are_compared_to_the_changed_module():
+    cache = _taylor_seer
     a, b, twin = cached_flux(cache), cached_flux(cache), cached_flux(cache)
     scale(b, 1.5)
     found = compare_pipelines(a, b, seed=0, prompt="a cat", **CALL)
@@ -71,18 +71,18 @@ def test_two_pipelines_under_the_same_cache_are_compared_to_the_changed_module(c
     torch.testing.assert_close(later, twin("a cat", generator=generator(), **CALL).images, rtol=0, atol=0)
 
 
-@CACHES
-def test_a_cached_pipeline_compared_with_itself_changed_finds_the_change_and_is_put_back(cache):
+def test_a_cached_pipeline_compared_with_itself_changed_finds_the_change_and_is_put_back():
+    cache = _first_block_cache
     pipe, twin = cached_flux(cache), cached_flux(cache)
     d = compare_pipelines(pipe, pipe, seed=0, b=lambda p: scale(p, 1.5), prompt="a cat", **CALL).first_divergence
     assert (d.component, d.module, d.step, d.made_here, d.cause) == ("transformer", MODULE, 0, True, "")
     assert compare_pipelines(pipe, twin, seed=0, prompt="a cat", **CALL).first_divergence is None
 
 
-@CACHES
-def test_a_bundle_replayed_on_a_cached_live_component_names_the_producer(cache, tmp_path):
+def test_a_bundle_replayed_on_a_cached_live_component_names_the_producer(tmp_path):
     from diffusion_debug.diffusion import replay
 
+    cache = _first_block_cache
     pipe, twin = cached_flux(cache), cached_flux(cache)
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
     with plant_nonfinite(pipe.transformer.get_submodule(MODULE), from_call=0, value=float("nan")):
@@ -100,7 +100,7 @@ def test_a_bundle_replayed_on_a_cached_live_component_names_the_producer(cache, 
 def _faster_cache(pipe):
     from diffusers import FasterCacheConfig
 
-    return FasterCacheConfig(  # step 0 outside the range: computed; block 0 approximates at steps 1 and 3
+    return FasterCacheConfig(  # step 0 outside the range: computed; block 0 approximates at step 1
         spatial_attention_block_skip_range=2,
         spatial_attention_timestep_skip_range=(-1, 901),
         current_timestep_callback=lambda: pipe.current_timestep,
@@ -118,12 +118,10 @@ def _tail_cached(pipe):
 @pytest.mark.parametrize(
     ("cache", "run_dtype"),
     [
-        (_faster_cache, torch.float32),
-        (_faster_cache, torch.float16),
-        (_faster_cache, torch.bfloat16),
+        (_faster_cache, torch.bfloat16),  # a bfloat16 cached attention read by the float32 copy
         (_tail_cached, torch.float32),  # a float32 residual read by the bfloat16 copy
     ],
-    ids=["faster_cache-fp32", "faster_cache-fp16", "faster_cache-bf16", "first_block-fp32"],
+    ids=["faster_cache-bf16", "first_block-fp32"],
 )
 def test_a_why_copy_in_another_dtype_replays_the_cached_call_the_run_made(cache, run_dtype):
     """``why()``'s dtype rows replay a copy of the component (``cast_copy(isolated_copy(...))``). The copy's
@@ -152,7 +150,7 @@ def test_a_why_copy_in_another_dtype_replays_the_cached_call_the_run_made(cache,
 
     def replay(p, i, t, callback_kwargs):
         (args, kwargs), (context, state), run = kept["call"], kept["state"], kept["output"].float()
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16):  # (float16: cast as bfloat16 is)
             with hook_state_kept(p.transformer, context, state):  # the live hooks as the call began
                 cached = cast_copy(isolated_copy(p.transformer), dtype)
                 uncached = cast_copy(isolated_copy(p.transformer, drop_hooks="caching"), dtype)
@@ -164,13 +162,21 @@ def test_a_why_copy_in_another_dtype_replays_the_cached_call_the_run_made(cache,
         pipe.transformer.register_forward_pre_hook(keep, with_kwargs=True),
         pipe.transformer.register_forward_hook(made, with_kwargs=True),  # (its copies' calls too: read first)
     ]
-    pipe("a cat", generator=generator(), callback_on_step_end=replay, num_inference_steps=4, output_type="pt")
+    pipe(
+        "a cat",
+        generator=generator(),
+        callback_on_step_end=replay,
+        num_inference_steps=3,
+        output_type="pt",
+        height=16,
+        width=16,
+    )
     for handle in handles:
         handle.remove()
     same = [(step, out, plain, run) for step, dtype, out, plain, run in rows if dtype == run_dtype]
     assert all(torch.equal(out, run) for _, out, _, run in same)  # the call itself
     cached_steps = {step for step, _, plain, run in same if not torch.equal(plain, run)}
-    assert cached_steps == ({1, 3} if cache is _faster_cache else {1, 2, 3})
+    assert cached_steps == ({1} if cache is _faster_cache else {1, 2})
     for step, dtype, out, plain, run in rows:
         if dtype != run_dtype:
             assert ((out - run).norm() / run.norm()) < 0.1, (step, dtype)  # that dtype's rounding, no more
