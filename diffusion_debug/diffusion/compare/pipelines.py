@@ -4,8 +4,9 @@ step and module where they drift apart, and whether it was made there or receive
 At most three calls of each pipeline (here two of A; one of B, two where the diverging call runs
 under diffusers' caching hooks) and one replayed component call of each. Only fingerprints are kept,
 and the inputs of one component call (A's first diverging call, copied during A's second call) for the
-replay on equal inputs, with each side's caching hooks' context and state as that call began (B's
-taken in its second call): each side replays the call its own cache made.
+replay on equal inputs, with each side's caching hooks' context and state and its pipeline's
+``current_timestep`` (a ``current_timestep_callback`` reads it) as that call began (B's taken in its
+second call): each side replays the call its own cache made.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...core.instance_methods import MISSING
 from ...errors import DiffusionDebugError
 from ..components.inventory import watchable_kind
 from .comparison import Comparison, Divergence, ModuleDivergence, StepDivergence
@@ -107,9 +109,13 @@ def _replayed(
     again = record_call(pipe_a, a, call_kwargs, seed, keep=index)
     if again.kept is None:  # A's second call did not reach that call again (it is not deterministic)
         return None, [], ()
-    hooks_b = record_call(pipe_b, b, call_kwargs, seed, keep=index).kept_hooks if y.caches else (None, None)
-    out_a, readings_a = replay(pipe_a, a, x.component, x.site, again.kept, x.dtypes, True, again.kept_hooks)
-    out_b, readings_b = replay(pipe_b, b, x.component, x.site, again.kept, y.dtypes, True, hooks_b)
+    b_again = record_call(pipe_b, b, call_kwargs, seed, keep=index) if y.caches else None
+    hooks_b = b_again.kept_hooks if b_again is not None else (None, None)
+    timestep_b = b_again.kept_timestep if b_again is not None else MISSING
+    out_a, readings_a = replay(
+        pipe_a, a, x.component, x.site, again.kept, x.dtypes, True, again.kept_hooks, again.kept_timestep
+    )
+    out_b, readings_b = replay(pipe_b, b, x.component, x.site, again.kept, y.dtypes, True, hooks_b, timestep_b)
     errors = module_errors(readings_a, readings_b)
     drifting = drifting_modules(errors, tolerance)
     return errors_of(out_a, out_b), drifting, ranked_modules(x.component, errors, drifting)

@@ -88,12 +88,15 @@ class Recording:
         self.kept_hooks: tuple[Any, Any] = (None, None)
         """``(cache context, state)`` of the kept call's stateful hooks as it began (:func:`hook_state`,
         every tensor held: one call's), for its replay; ``(None, None)`` for a call without such hooks."""
+        self.kept_timestep: Any = MISSING
+        """The pipeline's ``_current_timestep`` as the kept call began (a caching hook's
+        ``current_timestep_callback`` reads ``pipe.current_timestep``; None once the call ended)."""
         self.steps_done = 0
         self.scheduler: Any = None
         self._open: dict[int, list[Event]] = {}
         self.dtypes: set[torch.dtype] = set()
 
-    def _before(self, site: CallSite) -> Callable:
+    def _before(self, site: CallSite, pipe: Any) -> Callable:
         caches = tuple(sorted({type(hook).__name__ for hook in stateful_hooks(site.module)}))
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -112,6 +115,7 @@ class Recording:
                 self.kept = detached_copy((args, kwargs))
                 if caches:
                     self.kept_hooks = hook_state(eager_module(site.module))
+                    self.kept_timestep = vars(pipe).get("_current_timestep", MISSING)
             self.events.append(event)
             self._open.setdefault(id(module), []).append(event)  # filled when the call returns
 
@@ -146,7 +150,7 @@ class Recording:
             for component in find_components(pipe):
                 self.dtypes.update(p.dtype for p in component.module.parameters() if p.is_floating_point())
                 for site in call_sites(component):
-                    handles.append(site.module.register_forward_pre_hook(self._before(site), with_kwargs=True))
+                    handles.append(site.module.register_forward_pre_hook(self._before(site, pipe), with_kwargs=True))
                     handles.append(site.module.register_forward_hook(self._after, with_kwargs=True))
             if scheduler is not None and callable(getattr(scheduler, "step", None)):
                 self.scheduler = scheduler

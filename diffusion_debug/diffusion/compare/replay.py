@@ -12,10 +12,12 @@ and a cache it advanced would be the next call's (``hook_state_kept``).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import contextlib
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
+from ...core.instance_methods import MISSING
 from ...stats import tensors_in
 from ..components.cache_hooks import hook_state_kept
 from ..components.compiled import compile_state, eager_module
@@ -63,6 +65,20 @@ def _call(module: torch.nn.Module, kept: tuple[tuple, dict], dtypes: dict[str, t
         return module(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _current_timestep(pipe: Any, timestep: Any) -> Iterator[None]:
+    """Within the block, ``pipe._current_timestep`` is ``timestep`` (MISSING: left alone)."""
+    now = vars(pipe).get("_current_timestep", MISSING)
+    if timestep is MISSING or now is MISSING:
+        yield
+        return
+    pipe._current_timestep = timestep
+    try:
+        yield
+    finally:
+        pipe._current_timestep = now
+
+
 def replay(
     pipe: Any,
     change: Any,
@@ -72,17 +88,19 @@ def replay(
     dtypes: dict[str, torch.dtype],
     modules: bool,
     hooks: tuple[Any, Any] = (None, None),
+    timestep: Any = MISSING,
 ) -> tuple[tuple[Fingerprint, ...], list[ModuleReading]]:
     """The output fingerprints of one call site of ``pipe`` (``change`` applied) on ``kept`` inputs,
     and, when ``modules``, each module's readings in the order their calls returned. ``hooks``: the
     ``(cache context, state)`` of the site's stateful hooks as this side's replayed call began; each
-    call of the replay (a compiled site's, then the eager one's) runs from them."""
+    call of the replay (a compiled site's, then the eager one's) runs from them, with ``pipe``'s
+    ``_current_timestep`` as it was then (``timestep``; a ``current_timestep_callback`` reads it)."""
     readings: list[ModuleReading] = []
     with applied(pipe, change):
         site = _site_module(pipe, component, prefix)
 
         def call(module: torch.nn.Module) -> Any:
-            with hook_state_kept(eager_module(site), *hooks):  # put back as the calls left them after
+            with hook_state_kept(eager_module(site), *hooks), _current_timestep(pipe, timestep):  # put back after
                 return _call(module, kept, dtypes)
 
         compiled = compile_state(site) is not None
