@@ -1,9 +1,12 @@
 """``compare_pipelines``: two setups of a pipeline, the same call and seed; the first component,
 step and module where they drift apart, and whether it was made there or received.
 
-At most three calls of each pipeline (here two of A, one of B) and one replayed component call
-of each. Only fingerprints are kept, and the inputs of one component call (A's first diverging
-call, copied during A's second call) for the replay on equal inputs.
+At most three calls of each pipeline (here two of A; one of B, two where the diverging call runs
+under diffusers' caching hooks) and one replayed component call of each. Only fingerprints are kept,
+and the inputs of one component call (A's first diverging call, copied during A's second call) for the
+replay on equal inputs, with each side's caching hooks' context and state and its pipeline's
+``current_timestep`` (a ``current_timestep_callback`` reads it) as that call began (B's taken in its
+second call): each side replays the call its own cache made.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...core.instance_methods import MISSING
 from ...errors import DiffusionDebugError
 from ..components.inventory import watchable_kind
 from .comparison import Comparison, Divergence, ModuleDivergence, StepDivergence
@@ -102,11 +106,16 @@ def _replayed(
     """A's call ``index`` (event ``x``; ``y`` is B's) replayed on its own kept inputs by both sides: the output error
     given equal inputs, the drifting module calls (each with whether it made its drift) and the
     modules ranked by the error each added."""
-    kept = record_call(pipe_a, a, call_kwargs, seed, keep=index).kept
-    if kept is None:  # A's second call did not reach that call again (it is not deterministic)
+    again = record_call(pipe_a, a, call_kwargs, seed, keep=index)
+    if again.kept is None:  # A's second call did not reach that call again (it is not deterministic)
         return None, [], ()
-    out_a, readings_a = replay(pipe_a, a, x.component, x.site, kept, x.dtypes, modules=True)
-    out_b, readings_b = replay(pipe_b, b, x.component, x.site, kept, y.dtypes, modules=True)
+    b_again = record_call(pipe_b, b, call_kwargs, seed, keep=index) if y.caches else None
+    hooks_b = b_again.kept_hooks if b_again is not None else (None, None)
+    timestep_b = b_again.kept_timestep if b_again is not None else MISSING
+    out_a, readings_a = replay(
+        pipe_a, a, x.component, x.site, again.kept, x.dtypes, True, again.kept_hooks, again.kept_timestep
+    )
+    out_b, readings_b = replay(pipe_b, b, x.component, x.site, again.kept, y.dtypes, True, hooks_b, timestep_b)
     errors = module_errors(readings_a, readings_b)
     drifting = drifting_modules(errors, tolerance)
     return errors_of(out_a, out_b), drifting, ranked_modules(x.component, errors, drifting)

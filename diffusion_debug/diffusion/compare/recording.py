@@ -1,6 +1,7 @@
 """One pipeline call recorded for a comparison: each component call's output and input
 fingerprints and each scheduler step's latents, in execution order; optionally a copy of the
-inputs of one chosen call, for a replay on equal inputs.
+inputs of one chosen call, for a replay on equal inputs, with its stateful diffusers hooks' cache
+context and state as it began (a replay runs outside the pipeline's ``cache_context``).
 
 Torch's own hooks on each call site (the component, or the VAE's ``encoder`` / ``decoder``) and a
 wrapper on the scheduler's ``step`` for the duration of the call only; nothing stays attached.
@@ -20,7 +21,8 @@ from torch import nn
 
 from ...core.instance_methods import MISSING, OnThisInstance
 from ...stats import tensors_in
-from ..components.cache_hooks import stateful_hooks
+from ..components.cache_hooks import hook_state, stateful_hooks
+from ..components.compiled import eager_module
 from ..components.inventory import CallSite, call_sites, find_components, is_loop_role
 from .fingerprints import Fingerprint, fingerprint
 
@@ -83,12 +85,18 @@ class Recording:
         self.events: list[Event] = []
         self.keep = keep
         self.kept: tuple[tuple, dict] | None = None
+        self.kept_hooks: tuple[Any, Any] = (None, None)
+        """``(cache context, state)`` of the kept call's stateful hooks as it began (:func:`hook_state`,
+        every tensor held: one call's), for its replay; ``(None, None)`` for a call without such hooks."""
+        self.kept_timestep: Any = MISSING
+        """The pipeline's ``_current_timestep`` as the kept call began (a caching hook's
+        ``current_timestep_callback`` reads ``pipe.current_timestep``; None once the call ended)."""
         self.steps_done = 0
         self.scheduler: Any = None
         self._open: dict[int, list[Event]] = {}
         self.dtypes: set[torch.dtype] = set()
 
-    def _before(self, site: CallSite) -> Callable:
+    def _before(self, site: CallSite, pipe: Any) -> Callable:
         caches = tuple(sorted({type(hook).__name__ for hook in stateful_hooks(site.module)}))
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -105,6 +113,9 @@ class Recording:
             }
             if len(self.events) == self.keep:
                 self.kept = detached_copy((args, kwargs))
+                if caches:
+                    self.kept_hooks = hook_state(eager_module(site.module))
+                    self.kept_timestep = vars(pipe).get("_current_timestep", MISSING)
             self.events.append(event)
             self._open.setdefault(id(module), []).append(event)  # filled when the call returns
 
@@ -139,7 +150,7 @@ class Recording:
             for component in find_components(pipe):
                 self.dtypes.update(p.dtype for p in component.module.parameters() if p.is_floating_point())
                 for site in call_sites(component):
-                    handles.append(site.module.register_forward_pre_hook(self._before(site), with_kwargs=True))
+                    handles.append(site.module.register_forward_pre_hook(self._before(site, pipe), with_kwargs=True))
                     handles.append(site.module.register_forward_hook(self._after, with_kwargs=True))
             if scheduler is not None and callable(getattr(scheduler, "step", None)):
                 self.scheduler = scheduler

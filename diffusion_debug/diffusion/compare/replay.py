@@ -3,18 +3,21 @@ in the component (it persists on equal inputs) and, if so, the first module that
 
 Each module's input and output fingerprints are read by forward hooks on the component's eager
 modules (a compiled component is replayed as it runs, then eagerly for the modules); the hooks
-come off when the replay returns. A replay leaves the component's stateful hooks (diffusers' caches)
-as it found them: it runs after the pipelines' calls ended, and a cache it advanced would be the next
-call's (``hook_state_kept``).
+come off when the replay returns. A replay runs in the cache context and from the hooks' state that the
+replayed call of this side began with (``Recording.kept_hooks``): the pipeline's ``cache_context`` has
+ended by then, and diffusers' stateful hooks (TaylorSeer, FirstBlockCache) refuse a call outside one.
+It leaves the component's stateful hooks as it found them: it runs after the pipelines' calls ended,
+and a cache it advanced would be the next call's (``hook_state_kept``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
+from ...core.instance_methods import MISSING
 from ...stats import tensors_in
 from ..components.cache_hooks import hook_state_kept
 from ..components.compiled import compile_state, eager_module
@@ -62,6 +65,20 @@ def _call(module: torch.nn.Module, kept: tuple[tuple, dict], dtypes: dict[str, t
         return module(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _current_timestep(pipe: Any, timestep: Any) -> Iterator[None]:
+    """Within the block, ``pipe._current_timestep`` is ``timestep`` (MISSING: left alone)."""
+    now = vars(pipe).get("_current_timestep", MISSING)
+    if timestep is MISSING or now is MISSING:
+        yield
+        return
+    pipe._current_timestep = timestep
+    try:
+        yield
+    finally:
+        pipe._current_timestep = now
+
+
 def replay(
     pipe: Any,
     change: Any,
@@ -70,15 +87,24 @@ def replay(
     kept: tuple[tuple, dict],
     dtypes: dict[str, torch.dtype],
     modules: bool,
+    hooks: tuple[Any, Any] = (None, None),
+    timestep: Any = MISSING,
 ) -> tuple[tuple[Fingerprint, ...], list[ModuleReading]]:
     """The output fingerprints of one call site of ``pipe`` (``change`` applied) on ``kept`` inputs,
-    and, when ``modules``, each module's readings in the order their calls returned."""
+    and, when ``modules``, each module's readings in the order their calls returned. ``hooks``: the
+    ``(cache context, state)`` of the site's stateful hooks as this side's replayed call began; each
+    call of the replay (a compiled site's, then the eager one's) runs from them, with ``pipe``'s
+    ``_current_timestep`` as it was then (``timestep``; a ``current_timestep_callback`` reads it)."""
     readings: list[ModuleReading] = []
-    with applied(pipe, change), contextlib.ExitStack() as kept_state:
+    with applied(pipe, change):
         site = _site_module(pipe, component, prefix)
-        kept_state.enter_context(hook_state_kept(eager_module(site)))  # its caches as the calls left them
+
+        def call(module: torch.nn.Module) -> Any:
+            with hook_state_kept(eager_module(site), *hooks), _current_timestep(pipe, timestep):  # put back after
+                return _call(module, kept, dtypes)
+
         compiled = compile_state(site) is not None
-        output = fingerprints_of(_call(site, kept, dtypes)) if compiled or not modules else None
+        output = fingerprints_of(call(site)) if compiled or not modules else None
         if not modules:
             return output, readings
         eager = eager_module(site)
@@ -96,7 +122,7 @@ def replay(
                 if name:
                     qualified = f"{prefix}.{name}" if prefix else name
                     handles.append(module.register_forward_hook(hook(qualified), with_kwargs=True))
-            eager_output = fingerprints_of(_call(eager, kept, dtypes))
+            eager_output = fingerprints_of(call(eager))
         finally:
             for handle in handles:
                 handle.remove()

@@ -82,7 +82,7 @@ def _context(hooks: list[Any]) -> Any:
     return next((m._context for h in hooks for m in _state_managers(h) if m._context is not None), None)
 
 
-def _objects(hook: Any) -> list[Any]:
+def state_objects(hook: Any) -> list[Any]:
     """The objects whose attributes make up a hook's state: the hook, its state objects and state
     managers, and the states a manager keeps per context."""
     objects = [hook]
@@ -148,19 +148,21 @@ def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> dict[nn.Module,
     ``maybe_free_model_hooks``: ``_reset_stateful_cache`` on every component that has it): for a call that
     our policy ``raise`` ends before its end, so that its next call starts from fresh caches, as it does
     after the unwatched call (a TaylorSeer's factors or a FirstBlockCache's residuals of the raised call
-    would otherwise feed the next call its NaN). Nothing more: a pipeline without that end (a
-    ``ModularPipeline``) and a component without ``_reset_stateful_cache`` (a UNet: diffusers' CacheMixin
-    is on transformers) keep their hooks' state from call to call unwatched, and so here too; the model
-    offload that end also redoes is left to the next call's own offload hooks, as after any exception.
-    Returns each reset module's hooks' state as the raised call left them: ``why()`` replays that call
-    from it (:func:`hook_state_kept` with ``state``), the live hooks keeping their fresh state."""
+    would otherwise feed the next call its NaN). A ``ModularPipeline`` has no such end: Modular Diffusers'
+    own call resets nothing (its caches go on from call to call, unwatched too), and a subclass that resets
+    does so in its ``__call__``'s ``finally`` (Cosmos 3 omni's transformer), which our raise passes through:
+    its hooks are left to that end here. A component without ``_reset_stateful_cache`` (a UNet: diffusers'
+    CacheMixin is on transformers) keeps its hooks' state from call to call unwatched, and so here too; the
+    model offload that end also redoes is left to the next call's own offload hooks, as after any exception.
+    Returns the hooks' state of each module with ``_reset_stateful_cache`` as the raised call left them (a
+    modular pipeline's too, whose own end may reset them after): ``why()`` replays that call from it
+    (:func:`hook_state_kept` with ``state``), the live hooks keeping their state of now."""
     left: dict[nn.Module, HookState] = {}
-    if not hasattr(pipe, "maybe_free_model_hooks"):
-        return left
+    resets = hasattr(pipe, "maybe_free_model_hooks")
     for module in modules:
         if hasattr(module, "_reset_stateful_cache") and (hooks := FoundHooks(module).hooks):  # (never made a registry)
             left[module] = _saved(hooks)
-            for sub in module.modules():  # (diffusers' reset: every registry's stateful hooks, the module's and below)
+            for sub in module.modules() if resets else ():  # (diffusers' reset: every registry's, and below)
                 if (registry := _registry(sub)) is not None:
                     registry.reset_stateful_hooks(recurse=False)
     return left
@@ -288,7 +290,7 @@ def _saved(hooks: list[Any], budget: list[int] | None = None, detached: bool = F
     (but ``detached``) every container reachable from the attributes with a shallow copy of its
     contents. ``detached`` (a call's state, kept for the step): containers as :class:`_Box`, tensors
     beyond ``budget`` by weak reference, so that nothing the call replaces stays alive through it."""
-    objects = [obj for hook in hooks for obj in _objects(hook)]
+    objects = [obj for hook in hooks for obj in state_objects(hook)]
     caches = [(m, dict(m._state_cache)) for hook in hooks for m in _state_managers(hook)]
     if detached:
         boxes: dict[int, _Box] = {}

@@ -25,7 +25,7 @@ from ...stats import dtype_name
 from ..checks import find_producer, first_nonfinite
 from ..components.cache_hooks import hook_state_kept
 from ..components.compiled import eager_module, replay_readings
-from .copies import context_fields, layerwise_casting
+from .copies import context_fields, context_from_fields, layerwise_casting
 from .decide import near_max_maker
 
 _TENSOR = "__tensor__"
@@ -290,8 +290,10 @@ def replay(
     non-finite while its inputs were finite, named inside the component as in the anomaly: where that
     module (then ``overflowed_in``) made it from finite values near the dtype's max, the module that made
     those (:func:`~.decide.near_max_maker`, at the default ``overflow_fraction``). A damaged bundle is one
-    DiffusionDebugError (see :func:`read_bundle`). ``model``'s stateful diffusers hooks (caches) are
-    left as the replay found them: the next pipeline call does not start from the replay's.
+    DiffusionDebugError (see :func:`read_bundle`). ``model``'s stateful diffusers hooks (caches) run in
+    the bundled call's cache context (``meta.json``'s ``cache_context``: the pipeline's ``cache_context``
+    has ended, and TaylorSeer or FirstBlockCache refuse a call outside one) from their live state, and
+    are left as the replay found them: the next pipeline call does not start from the replay's.
     """
     meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
@@ -301,7 +303,8 @@ def replay(
         raise DiffusionDebugError(
             f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(model).__name__} does not have."
         ) from None
-    with hook_state_kept(eager_module(model)):  # a live component's caches as its last call left them
+    context = context_from_fields(meta.get("cache_context"))
+    with hook_state_kept(eager_module(model), context):  # a live component's caches as its last call left them
         readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
     producer = find_producer(readings)
     first = first_nonfinite(readings)

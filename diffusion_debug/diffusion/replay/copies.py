@@ -8,6 +8,12 @@ registers the copied hook objects again through diffusers' own ``HookRegistry``,
 hooks act on the copy (with a copy of their state). A ``torch.compile`` wrapper is rebuilt around
 the copied original module with the same compile settings.
 
+The copy's stateful hooks keep the copied state: registering a hook again calls its
+``initialize_hook``, which gives FasterCache and PyramidAttentionBroadcast a fresh state (a FasterCache
+block that approximates then read an empty cache), so the copied attributes are put back after. A copy
+run in another dtype (:func:`cast_copy`) gets its hooks' cached tensors in that dtype too: a float32
+residual read by a bfloat16 block failed ("mat1 and mat2 must have the same dtype").
+
 Limits: a component compiled in place (``module.compile()``) or regionally is copied eagerly (its
 compiled call belongs to the original); the copy's hook state is the live state at the time of
 the copy (a caching hook starts from the live cache).
@@ -15,6 +21,7 @@ the copy (a caching hook starts from the live cache).
 
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Any
 
@@ -24,6 +31,7 @@ from torch import nn
 from ...probes.tracing import compile_wrapper
 from ...stats import dtype_name
 from ...stats.quantized import is_quantized
+from ..components.cache_hooks import state_objects, stateful_hooks
 from ..components.compiled import compile_state, eager_module
 
 HOOK_GROUPS = {
@@ -106,7 +114,9 @@ def _rewire_hooks(copied: nn.Module, drop: str | None) -> None:
         registry._module_ref = sub
         for name, hook in hooks:
             if drop is None or hook_group(name, hook) != drop:
-                registry.register_hook(hook, name)
+                copied_state = dict(vars(hook)) if getattr(hook, "_is_stateful", False) else {}
+                registry.register_hook(hook, name)  # (initialize_hook: a fresh state for some)
+                vars(hook).update((k, v) for k, v in copied_state.items() if k != "fn_ref")
             elif isinstance(getattr(hook, "compute_dtype", None), torch.dtype):
                 _cast_own(sub, hook.compute_dtype)
 
@@ -121,9 +131,44 @@ def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:
             module._buffers[key] = value.to(dtype)
 
 
+def cast_hook_state(module: nn.Module, was: torch.dtype, dtype: torch.dtype) -> None:
+    """Each tensor in ``was`` that ``module``'s stateful hooks' states hold (their attributes, and the
+    tuples, lists, dicts and deques in them) cast to ``dtype``, in place: for a private copy run in
+    ``dtype`` (a ``why()`` replay), whose hooks' cache would otherwise feed a ``was`` tensor to a
+    ``dtype`` layer. The hooks' own attributes (their configuration: MagCache's ratios) are left as
+    they are. Never on a live component: its containers are changed in place."""
+    seen: set[int] = set()
+    for hook in stateful_hooks(module):
+        for obj in state_objects(hook)[1:]:  # (the first is the hook itself)
+            for name, value in list(vars(obj).items()):
+                vars(obj)[name] = _cast(value, was, dtype, seen)
+
+
+def _cast(value: Any, was: torch.dtype, dtype: torch.dtype, seen: set[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype == was else value
+    if type(value) is tuple:
+        return tuple(_cast(v, was, dtype, seen) for v in value)
+    if not isinstance(value, (dict, list, collections.deque)) or id(value) in seen:
+        return value
+    seen.add(id(value))
+    if isinstance(value, dict):
+        for key, item in list(value.items()):
+            value[key] = _cast(item, was, dtype, seen)
+    else:
+        items = [_cast(item, was, dtype, seen) for item in value]
+        value.clear()
+        value.extend(items)
+    return value
+
+
 def cast_copy(copied: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Run a copy in ``dtype``: its weights cast, except those a layerwise-casting hook keeps in
-    their storage dtype (that hook then computes in ``dtype``)."""
+    their storage dtype (that hook then computes in ``dtype``), and its stateful hooks' cached tensors
+    that are in the dtype it computed in (not FasterCache's complex frequency deltas)."""
+    was = next((p.dtype for p in copied.parameters() if p.is_floating_point() and p.dtype.itemsize > 1), None)
+    if was is not None:
+        cast_hook_state(copied, was, dtype)
     for sub in copied.modules():
         registry = _registry(sub)
         hooks = registry.hooks.items() if registry is not None else ()

@@ -1,0 +1,234 @@
+"""A cached component's call replayed outside the pipeline's loop: ``compare_pipelines``' replay on
+equal inputs and ``replay(bundle, component)`` run in the call's cache context (the pipeline's
+``cache_context`` has ended by then: TaylorSeer and FirstBlockCache refused, "No cache context is
+set"), each side from its own hooks' state as the call began, and leave the hooks as they were; and
+``why()``'s copies of a cached component run in another dtype from the call's cache, cast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger, compare_pipelines
+from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.faults import plant_nonfinite
+from diffusion_debug.testing.features import HAS_CACHE_HOOKS
+
+pytestmark = pytest.mark.skipif(not HAS_CACHE_HOOKS, reason="this diffusers has no caching hooks (diffusers.hooks)")
+
+MODULE = "transformer_blocks.0.attn.to_out.0"
+CALL = dict(num_inference_steps=3, output_type="pt", height=16, width=16)
+
+
+def generator():
+    return torch.Generator().manual_seed(0)
+
+
+def _taylor_seer():
+    from diffusers import TaylorSeerCacheConfig
+
+    return TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1)
+
+
+def _first_block_cache():
+    from diffusers import FirstBlockCacheConfig
+
+    return FirstBlockCacheConfig(threshold=0.2)
+
+
+# TaylorSeer and FirstBlockCache refused a call outside a cache context alike: one of them per path
+
+
+def cached_flux(cache):
+    pipe = tiny_pipeline("flux")  # seeded: every one has the same weights
+    pipe.transformer.enable_cache(cache())
+    return pipe
+
+
+def scale(pipe, factor: float):
+    """``MODULE``'s weight times ``factor``; returns the undo (a change ``compare_pipelines`` takes)."""
+    weight = pipe.transformer.get_submodule(MODULE).weight
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight.mul_(factor)
+
+    def undo():
+        with torch.no_grad():
+            weight.copy_(kept)
+
+    return undo
+
+
+def test_two_pipelines_under_the_same_cache_are_compared_to_the_changed_module():
+    cache = _taylor_seer
+    a, b, twin = cached_flux(cache), cached_flux(cache), cached_flux(cache)
+    scale(b, 1.5)
+    found = compare_pipelines(a, b, seed=0, prompt="a cat", **CALL)
+    d = found.first_divergence
+    assert (d.component, d.module, d.step, d.made_here, d.cause) == ("transformer", MODULE, 0, True, "")
+    assert [m.module for m in found.modules if m.made_here] == [MODULE]
+    later = a("a cat", generator=generator(), **CALL).images  # the replays left each cache as its call did
+    torch.testing.assert_close(later, twin("a cat", generator=generator(), **CALL).images, rtol=0, atol=0)
+
+
+def test_a_cached_pipeline_compared_with_itself_changed_finds_the_change_and_is_put_back():
+    cache = _first_block_cache
+    pipe, twin = cached_flux(cache), cached_flux(cache)
+    d = compare_pipelines(pipe, pipe, seed=0, b=lambda p: scale(p, 1.5), prompt="a cat", **CALL).first_divergence
+    assert (d.component, d.module, d.step, d.made_here, d.cause) == ("transformer", MODULE, 0, True, "")
+    assert compare_pipelines(pipe, twin, seed=0, prompt="a cat", **CALL).first_divergence is None
+
+
+def test_a_bundle_replayed_on_a_cached_live_component_names_the_producer(tmp_path):
+    from diffusion_debug.diffusion import replay
+
+    cache = _first_block_cache
+    pipe, twin = cached_flux(cache), cached_flux(cache)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with plant_nonfinite(pipe.transformer.get_submodule(MODULE), from_call=0, value=float("nan")):
+        with dbg:
+            pipe("a cat", generator=generator(), **CALL)
+        (anomaly,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
+        assert anomaly.details["bundle"] and (anomaly.module, anomaly.step) == (MODULE, 0)
+        found = replay(dbg.report().save() / anomaly.details["bundle"], pipe.transformer)  # the fault still planted
+    assert (found["module"], found["output_finite"]) == (MODULE, False)
+    later = pipe("a cat", generator=generator(), **CALL).images
+    torch.testing.assert_close(later, twin("a cat", generator=generator(), **CALL).images, rtol=0, atol=0)
+    dbg.close()
+
+
+def _faster_cache(pipe):
+    from diffusers import FasterCacheConfig
+
+    return FasterCacheConfig(  # step 0 outside the range: computed; block 0 approximates at step 1
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 901),
+        current_timestep_callback=lambda: pipe.current_timestep,
+        attention_weight_callback=lambda _: 0.5,
+        is_guidance_distilled=True,
+    )
+
+
+def _tail_cached(pipe):
+    from diffusers import FirstBlockCacheConfig
+
+    return FirstBlockCacheConfig(threshold=1e9)  # from step 1 on the tail is its cached residual
+
+
+@pytest.mark.parametrize(
+    ("cache", "run_dtype"),
+    [
+        (_faster_cache, torch.bfloat16),  # a bfloat16 cached attention read by the float32 copy
+        (_tail_cached, torch.float32),  # a float32 residual read by the bfloat16 copy
+    ],
+    ids=["faster_cache-bf16", "first_block-fp32"],
+)
+def test_a_why_copy_in_another_dtype_replays_the_cached_call_the_run_made(cache, run_dtype):
+    """``why()``'s dtype rows replay a copy of the component (``cast_copy(isolated_copy(...))``). The copy's
+    hooks were registered again, and ``initialize_hook`` gave FasterCache a fresh state (a block that
+    approximates read an empty cache: TypeError); kept, a float32 run's cached attention or FirstBlockCache
+    residual then reached a bfloat16 layer ("mat1 and mat2 must have the same dtype"). Now a copy in the
+    run's dtype is the call bitwise, and one in each other dtype takes the call's cached path: it parts from
+    the same copy without caching exactly where the run parted from the uncached call."""
+    from diffusion_debug.diffusion.components.cache_hooks import hook_state, hook_state_kept
+    from diffusion_debug.diffusion.replay.copies import cast_copy, isolated_copy
+
+    pipe = tiny_pipeline("flux", dtype=run_dtype)
+    pipe.transformer.enable_cache(cache(pipe))
+    kept, rows = {}, []
+
+    def keep(module, args, kwargs):
+        kept["call"], kept["state"] = (args, kwargs), hook_state(module)
+
+    def made(module, args, kwargs, output):
+        kept["output"] = output[0]
+
+    def run_copy(copy, args, kwargs, context, dtype):
+        cast = {k: v.to(dtype) if torch.is_tensor(v) and v.dtype == run_dtype else v for k, v in kwargs.items()}
+        with hook_state_kept(copy, context), torch.no_grad():
+            return copy(*args, **cast)[0].float()
+
+    def replay(p, i, t, callback_kwargs):
+        (args, kwargs), (context, state), run = kept["call"], kept["state"], kept["output"].float()
+        for dtype in (torch.float32, torch.bfloat16):  # (float16: cast as bfloat16 is)
+            with hook_state_kept(p.transformer, context, state):  # the live hooks as the call began
+                cached = cast_copy(isolated_copy(p.transformer), dtype)
+                uncached = cast_copy(isolated_copy(p.transformer, drop_hooks="caching"), dtype)
+            out, plain = (run_copy(m, args, kwargs, context, dtype) for m in (cached, uncached))
+            rows.append((i, dtype, out, plain, run))
+        return callback_kwargs
+
+    handles = [
+        pipe.transformer.register_forward_pre_hook(keep, with_kwargs=True),
+        pipe.transformer.register_forward_hook(made, with_kwargs=True),  # (its copies' calls too: read first)
+    ]
+    pipe(
+        "a cat",
+        generator=generator(),
+        callback_on_step_end=replay,
+        num_inference_steps=3,
+        output_type="pt",
+        height=16,
+        width=16,
+    )
+    for handle in handles:
+        handle.remove()
+    same = [(step, out, plain, run) for step, dtype, out, plain, run in rows if dtype == run_dtype]
+    assert all(torch.equal(out, run) for _, out, _, run in same)  # the call itself
+    cached_steps = {step for step, _, plain, run in same if not torch.equal(plain, run)}
+    assert cached_steps == ({1} if cache is _faster_cache else {1, 2})
+    for step, dtype, out, plain, run in rows:
+        if dtype != run_dtype:
+            assert ((out - run).norm() / run.norm()) < 0.1, (step, dtype)  # that dtype's rounding, no more
+            assert torch.equal(out, plain) == (step not in cached_steps), (step, dtype)
+
+
+def test_why_on_a_faster_cache_call_replays_every_dtype_row(tmp_path):
+    """Every row of ``why()`` on a float32 FasterCache call that approximated (step 1, policy ``raise``)
+    replays: the bfloat16 row failed (its copy's block read an empty cache)."""
+    from diffusion_debug import DiffusionDebugError
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(_faster_cache(pipe))
+    config = DebugConfig(level="advanced", output_dir=tmp_path, log_level="error", policy="raise")
+    dbg = DiffusionModelDebugger(pipe, config)
+    target = "transformer_blocks.0.ff.net.2"
+    with plant_nonfinite(pipe.transformer.get_submodule(target), from_call=1, value=float("nan")):  # why() too
+        with dbg, pytest.raises(DiffusionDebugError):
+            pipe("a cat", generator=generator(), num_inference_steps=4, output_type="latent", height=32, width=32)
+        result = dbg.report().why()
+    dbg.close()
+    assert (result.module, result.step) == (target, 1)
+    assert {r.factor: (r.finite, r.error) for r in result.replays} == {
+        "SDPA math kernel": (False, ""),
+        "caching off": (False, ""),
+        "bfloat16": (False, ""),
+        "finite inputs": (False, ""),
+    }
+
+
+def test_a_cache_that_reads_the_pipelines_current_timestep_is_compared_to_the_changed_module():
+    """PyramidAttentionBroadcast (and FasterCache) ask ``current_timestep_callback`` for the call's
+    timestep, in diffusers' own examples ``lambda: pipe.current_timestep``; by the replay on equal
+    inputs the pipeline's call has ended and set it to None ("'<' not supported between instances of
+    'int' and 'NoneType'", the comparison's cause). Each side replays with its pipeline's timestep as
+    the call began, put back after."""
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    def cached(pipe):
+        pipe.transformer.enable_cache(
+            PyramidAttentionBroadcastConfig(
+                spatial_attention_block_skip_range=2,
+                spatial_attention_timestep_skip_range=(-1, 1001),
+                current_timestep_callback=lambda: pipe.current_timestep,
+            )
+        )
+        return pipe
+
+    a, b, twin = (cached(tiny_pipeline("flux")) for _ in range(3))
+    scale(b, 1.5)
+    d = compare_pipelines(a, b, seed=0, prompt="a cat", **CALL).first_divergence
+    assert (d.component, d.module, d.step, d.made_here, d.cause) == ("transformer", MODULE, 0, True, "")
+    assert a.current_timestep is None and b.current_timestep is None
+    later = a("a cat", generator=generator(), **CALL).images
+    torch.testing.assert_close(later, twin("a cat", generator=generator(), **CALL).images, rtol=0, atol=0)

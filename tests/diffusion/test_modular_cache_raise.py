@@ -1,0 +1,84 @@
+"""Policy ``raise`` on a modular pipeline whose denoiser runs a caching hook. Modular Diffusers' own
+call resets no cache at its end (two clean calls of a cached modular LTX differ, unwatched); Cosmos 3
+omni's ``__call__`` resets its transformer's in a ``finally``, which the policy's error passes through.
+So the debugger resets nothing there and leaves the next call to that end: clean, bitwise a fresh
+pipeline's. What it keeps is the raised call's cache, before that end resets it, for ``why()``: its
+replay read a fresh cache (the fault gone, "does not reproduce")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
+from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.faults import plant_nonfinite
+from diffusion_debug.testing.features import HAS_CACHE_HOOKS, HAS_MODULAR
+
+pytestmark = pytest.mark.skipif(not (HAS_CACHE_HOOKS and HAS_MODULAR), reason="no caching hooks or modular pipelines")
+
+TAIL = "transformer_blocks.1.ff.net.2"  # in the last block: FirstBlockCache's cached residual from step 1 on
+
+
+def cosmos_ended_ltx():
+    """A modular LTX-Video (the tiny LTX's components, a two-block transformer: FirstBlockCache needs a
+    tail) under diffusers' ``Cosmos3OmniModularPipeline.__call__``, whose end resets the transformer's
+    caches; FirstBlockCache that caches the tail from step 1 on."""
+    try:
+        from diffusers.modular_pipelines.cosmos.modular_pipeline import Cosmos3OmniModularPipeline
+    except ImportError:
+        pytest.skip("this diffusers has no Cosmos 3 omni modular pipeline")
+    from diffusers import FirstBlockCacheConfig, LTXVideoTransformer3DModel
+    from diffusers.modular_pipelines.ltx import LTXBlocks, LTXModularPipeline
+
+    class CosmosEndedLTX(Cosmos3OmniModularPipeline, LTXModularPipeline):
+        """LTX's blocks and properties, Cosmos 3 omni's call."""
+
+    components = {k: v for k, v in tiny_pipeline("ltx").components.items() if v is not None}
+    torch.manual_seed(0)
+    components["transformer"] = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=4,
+        attention_head_dim=8,
+        cross_attention_dim=32,
+        num_layers=2,
+        caption_channels=32,
+    )
+    pipe = CosmosEndedLTX(blocks=LTXBlocks())
+    pipe.update_components(**components)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=1e9))
+    return pipe
+
+
+def call(pipe):
+    generator = torch.Generator().manual_seed(0)
+    kwargs = dict(height=32, width=32, num_frames=9, num_inference_steps=3, max_sequence_length=16)
+    return pipe(prompt="a cat", generator=generator, output="latents", **kwargs)
+
+
+def test_a_raised_call_of_a_modular_pipeline_that_resets_its_caches_at_its_end_is_why_replayed_from_its_cache(
+    tmp_path,
+):
+    pipe, fresh = cosmos_ended_ltx(), cosmos_ended_ltx()
+    expected = call(fresh)
+    torch.testing.assert_close(call(fresh), expected, rtol=0, atol=0)  # its end resets: calls repeat
+    config = DebugConfig(level="advanced", output_dir=tmp_path, log_level="error", policy="raise")
+    dbg = DiffusionModelDebugger(pipe, config)
+    with plant_nonfinite(pipe.transformer.get_submodule(TAIL), from_call=0, value=float("nan")):
+        with dbg, pytest.raises(DiffusionDebugError) as raised:
+            call(pipe)
+    assert (raised.value.anomaly.component, raised.value.anomaly.module, raised.value.anomaly.step) == (
+        "transformer",
+        TAIL,
+        0,
+    )
+    dbg.close()
+    result = dbg.report().why()  # the fault planted no more: only the raised call's cached residual holds it
+    assert (result.component, result.step, result.baseline.finite) == ("transformer", 0, False)
+    assert {r.factor: r.finite for r in result.replays}["caching off"] is True
+    assert result.fix == "caching off"
+    later = call(pipe)  # the call's end reset its caches; why() put back the live ones it replayed over
+    torch.testing.assert_close(later, expected, rtol=0, atol=0)
