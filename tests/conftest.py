@@ -233,12 +233,16 @@ def _global_state() -> dict[str, object]:
     optimizer hooks (a leaked LaunchWatch's module-registration hook fired in every later test and
     raised test_op_count's hook counts by one), the functions the debugger's watches wrap, the
     torch-function and dispatch modes pushed, the process-wide autograd modes, the profiler and
-    tracer, the cyclic collector's switch, diffusers' attention backend and the signal handlers."""
+    tracer, the cyclic collector's switch, diffusers' attention backend, the signal handlers, and
+    ``nn.Module.__getstate__`` with ``probes.copies``' count of holders (every holder balanced: a
+    debugger kept alive past its test keeps our patch in for every later test's copies)."""
     import signal
 
     import accelerate
     import torch.nn.modules.module as modules
     import torch.optim.optimizer as optimizers
+
+    from diffusion_debug.probes import copies
 
     hooks = {
         name: getattr(modules, name) for name in dir(modules) if name.startswith("_global_") and name.endswith("hooks")
@@ -261,6 +265,8 @@ def _global_state() -> dict[str, object]:
         "sys.settrace": sys.gettrace(),
         "gc enabled": gc.isenabled(),
         "torch-dispatch modes": torch._C._len_torch_dispatch_stack(),
+        "nn.Module.__getstate__": torch.nn.Module.__getstate__,
+        "probes.copies holders": copies.HELD[0],
     }
     state |= {f"signal {s.name}": signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:  # diffusers >= 0.35: the process-wide attention backend
