@@ -42,7 +42,8 @@ counts where every rank reads it: every rank reads the steps the schedule detail
 (``step.detail``: the first ten, then one in five), so each run of five still updates holds one of
 them; a shard that moves only in updates another rank alone read is not seen moving. A rank that
 reads every step after a finding of its own may count five still updates before the next such step,
-and its stall is withdrawn there: its details travel in that step's exchange. Weight decay
+and its stall is withdrawn there (the reduce's ``stalled`` flag apart from ``anomalies``: a withdrawn stall
+costs no details exchange). Weight decay
 alone still moves the weights (AdamW with ``zero_grad(set_to_none=False)`` before ``step()``): such
 a run is not reported. The diagnosis is an elimination from what the optimizer shows, not a proof.
 """

@@ -34,11 +34,22 @@ from typing import Any, Mapping, Sequence
 AGGREGATED = ("loss", "grad_norm", "rss_mb", "cuda_allocated_mb", "local_nonfinite")
 """Row slots whose extremes (and the rank of each) every rank learns at every step; ``local_nonfinite``
 (1.0: a rank's own gradients held NaN/Inf before the all-reduce): the largest names a rank that made a NaN."""
-FLAGS = ("anomalies", "failed", "loss", "nonfinite_loss", "explosion", "vanishing", "nonfinite", "weights_moved")
+FLAGS = (
+    "anomalies",
+    "failed",
+    "stalled",
+    "loss",
+    "nonfinite_loss",
+    "explosion",
+    "vanishing",
+    "nonfinite",
+    "weights_moved",
+)
 """``anomalies``: the rank judged anything in its own row (then every rank exchanges its details);
-``failed``: it could not measure or judge; the rest are ``checks.StepFlags``, OR-ed over ranks
-(``weights_moved``: some rank's weights moved in the update the step read: a stall is the whole
-model's, not one rank's shards')."""
+``failed``: it could not measure or judge; ``stalled``: its one finding is its stall (``not_learning``),
+which needs the details only where it stands, no rank's weights having moved; the rest are
+``checks.StepFlags``, OR-ed over ranks (``weights_moved``: some rank's weights moved in the update the
+step read: a stall is the whole model's, not one rank's shards')."""
 WIDTH = 2 * len(AGGREGATED) + len(FLAGS)
 
 _SIGN_FREE = 0x7FFFFFFFFFFFFFFF
@@ -74,8 +85,11 @@ class RankSummary:
 
     @property
     def needs_detail(self) -> bool:
-        """Some rank judged something or failed: every rank sends its details."""
-        return self.flags.get("anomalies", False) or self.flags.get("failed", False)
+        """Some rank judged something or failed, or found a stall that stands (no rank's weights moved:
+        a stall withdrawn costs no exchange): every rank sends its details."""
+        flags = self.flags
+        stands = flags.get("stalled", False) and not flags.get("weights_moved", False)
+        return flags.get("anomalies", False) or flags.get("failed", False) or stands
 
 
 @dataclass(frozen=True)
