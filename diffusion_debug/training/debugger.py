@@ -192,6 +192,7 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         engine = engine_of(params, self.watched.models.values(), self.accelerator)
         self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self, engine=engine)  # names a stall early
         stops = (self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
+        stops += (self._steps.history.stall.seen.stop,)  # a still run's hook on the optimizer's step
         stops += (self._pre_reduction.release,) if self._pre_reduction is not None else ()
         self._finalizer = weakref.finalize(self, release, *stops)
         split = environment_world_size()
@@ -246,6 +247,7 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             self._clip.detach()
             self._order_hooks.remove()
             self._zero_step.remove()
+            self._steps.history.stall.seen.stop()
             self._liveness.detach()
         finally:
             self._anomaly_mode.remove()

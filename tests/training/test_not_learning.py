@@ -294,3 +294,116 @@ def test_a_shard_still_beside_a_learning_rank_reads_on_the_schedule_again_after_
     # updates of steps 15-19) set the reduce's "has anomalies" flag before it was withdrawn, and every rank
     # exchanged its details there (monitored 21) for a finding gone by then
     assert exchanged == [13, 61]
+
+
+def _textual_inversion(text_encoder, tmp_path, fault: str, steps: int = 7):
+    """Textual inversion on the tiny CLIP text encoder under plain SGD without momentum (no optimizer state
+    whatever happens): a placeholder token appended as the token table's last row, every other weight frozen,
+    one fixed batch that holds it. After monitoring, before ``optimizer.step()``, the script's gradient mask
+    zeroes every row but the one it keeps: the placeholder's (``fault="none"``), or the row before it
+    (``"mask_misses"``: the mask misses the placeholder token); ``"zero_grad"`` calls ``zero_grad()`` there
+    instead; ``"put_back"`` keeps the right mask and then puts every row back after the step, the
+    placeholder's too. Returns the debugger (closed), the table's rows as they started, the table, the
+    optimizer and the norm of the gradient each step's ``optimizer.step()`` received (the naive reference)."""
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    model = copy.deepcopy(text_encoder).train()
+    model.resize_token_embeddings(model.config.vocab_size + 1)
+    placeholder = model.config.vocab_size - 1
+    model.requires_grad_(False)
+    table = model.get_input_embeddings().weight.requires_grad_(True)
+    started = table.detach().clone()
+    optimizer = torch.optim.SGD([table], lr=1e-2)
+    tdbg = TrainingDebugger(model, config=_config(tmp_path))
+    ids = torch.tensor([[0, 11, 29, placeholder, 5, 2]])
+    target = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    kept = placeholder - 1 if fault == "mask_misses" else placeholder
+    received = []
+    try:
+        for step in range(steps):
+            loss = (model(ids).last_hidden_state[0, 3] - target).square().mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            if fault == "zero_grad":
+                optimizer.zero_grad()
+            else:
+                with torch.no_grad():
+                    table.grad[torch.arange(len(table)) != kept] = 0.0
+            received.append(0.0 if table.grad is None else table.grad.double().norm().item())
+            optimizer.step()
+            optimizer.zero_grad()
+            if fault == "put_back":
+                with torch.no_grad():
+                    table.copy_(started)
+    finally:
+        tdbg.close()
+    return tdbg, started, table, optimizer, received
+
+
+@pytest.mark.parametrize(
+    "fault, reason, cleared, zero_at_step",
+    [
+        ("mask_misses", "gradients_zeroed", 0, True),
+        ("zero_grad", "gradients_cleared", 1, None),
+        ("put_back", "undone_after_step", 0, False),
+    ],
+)
+def test_textual_inversion_under_plain_sgd_names_what_its_step_received(
+    tmp_path, _tiny_sd, fault, reason, cleared, zero_at_step
+):
+    # SGD without momentum keeps no state, so its empty state said "gradients cleared, call zero_grad() after
+    # step()" whatever stopped the run; the step's own hook (on while the updates stay still) tells a mask that
+    # misses the placeholder token (its gradients reach step() zeroed) from a zero_grad() before step() (none
+    # reach it) and from a restore after step() (the monitored gradients reached it)
+    tdbg, started, table, optimizer, received = _textual_inversion(_tiny_sd.text_encoder, tmp_path, fault)
+    assert torch.equal(table, started)  # nothing learned
+    assert not optimizer._optimizer_step_pre_hooks  # the hook went off once the stall was reported
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["first_step"], d["last_step"], d["updates"]) == (
+        "not_learning",
+        5,
+        reason,
+        0,
+        4,
+        STALL_UPDATES,
+    )
+    assert (d["state_empty"], d["lr"], d["held_by_optimizer"], d["held_at_step"], d["cleared_at_step"]) == (
+        True,
+        1e-2,
+        1,
+        1,
+        cleared,
+    )
+    if fault == "zero_grad":
+        assert d["grad_norm_at_step"] == 0.0 and found.message.endswith(
+            "call zero_grad() after step(), not between backward() and step(); the optimizer holds no state for "
+            "them: its step never saw a gradient."
+        )
+        return
+    # the naive reference: the gradient step 4's optimizer.step() received (the last still update's)
+    assert d["grad_norm_at_step"] == pytest.approx(received[4], rel=1e-6)
+    assert (d["grad_norm_at_step"] == 0.0) is zero_at_step and d["grad_norm"] > 1e-3
+    if fault == "mask_misses":
+        assert found.message == (
+            f"No weight moved in the 5 optimizer steps 0-4 (the largest update 0x a module's norm) although the "
+            f"gradients are normal (norm {d['grad_norm']:.3g}): their gradients reach optimizer.step() zeroed (norm "
+            "0 there): a mask or hook between monitor_training_step and step() zeroes the rows that should learn "
+            "(textual inversion's mask must keep the placeholder token's id, as the tokenizer gives it once the "
+            "token is added), or zero_grad(set_to_none=False) runs before step()."
+        )
+    else:
+        assert found.message.endswith(
+            f"optimizer.step() received their gradients (norm {d['grad_norm_at_step']:.3g}) and the next step found "
+            "the weights where they were: something after step() puts them back (textual inversion's restore of "
+            "the other rows must leave the placeholder token's row out) or loads them again."
+        )
+
+
+def test_textual_inversion_whose_mask_keeps_the_placeholder_learns_and_stays_quiet(tmp_path, _tiny_sd):
+    tdbg, started, table, optimizer, _ = _textual_inversion(_tiny_sd.text_encoder, tmp_path, "none")
+    moved = (table - started).norm(dim=1).nonzero().flatten().tolist()
+    assert moved == [len(table) - 1]  # the placeholder's row alone
+    assert _serious(tdbg) == []
+    assert not optimizer._optimizer_step_pre_hooks  # none of ours left on it
