@@ -407,3 +407,24 @@ def test_textual_inversion_whose_mask_keeps_the_placeholder_learns_and_stays_qui
     assert moved == [len(table) - 1]  # the placeholder's row alone
     assert _serious(tdbg) == []
     assert not optimizer._optimizer_step_pre_hooks  # none of ours left on it
+
+
+def test_what_the_step_received_decides_among_cleared_zeroed_and_undone():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = TrainableParameters.of(model)
+
+    def reason(cleared, at_step, grad_norm=2.0):
+        seen = {"held_at_step": 2, "cleared_at_step": cleared, "grad_norm_at_step": at_step}
+        return diagnose(optimizer, params, grad_norm, seen)["reason"]
+
+    assert [reason(2, 0.0), reason(1, 0.0), reason(0, 0.0), reason(0, 1e-7), reason(0, 3e-6), reason(0, 2.0)] == [
+        "gradients_cleared",  # none reached the step
+        "gradients_zeroed",  # one none, the other zero
+        "gradients_zeroed",
+        "gradients_zeroed",  # below 1e-6 of the monitored norm
+        "undone_after_step",
+        "undone_after_step",
+    ]
+    assert [reason(0, 0.0, math.nan), reason(0, 1e-30, math.nan)] == ["gradients_zeroed", "undone_after_step"]
+    assert diagnose(optimizer, params, 2.0)["reason"] == "gradients_cleared"  # no step seen: as before

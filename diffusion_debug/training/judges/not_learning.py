@@ -205,6 +205,8 @@ class StepGradients:
             return
         held = {id(p) for g in groups for p in g["params"]}
         self.held = [i for i, p in enumerate(params.params) if id(p) in held]
+        if not self.held:  # (FSDP1's flat parameters: the watched ones are not the optimizer's)
+            return
         self.optimizer, self.params = inner, params
         self.handle = inner.register_step_pre_hook(self._stepping)
 
@@ -282,7 +284,8 @@ def diagnose(
     evidence.update(seen)
     if seen["cleared_at_step"] == seen["held_at_step"]:
         return {"reason": "gradients_cleared", **evidence}
-    if not seen["grad_norm_at_step"] > ZEROED_RATIO * grad_norm:  # a NaN monitored norm: not told apart
+    monitored = grad_norm if math.isfinite(grad_norm) else 0.0  # none known: zeroed means exactly 0
+    if seen["grad_norm_at_step"] <= ZEROED_RATIO * monitored:
         return {"reason": "gradients_zeroed", **evidence}
     return {"reason": "undone_after_step", **evidence}
 
