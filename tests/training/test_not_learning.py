@@ -428,3 +428,45 @@ def test_what_the_step_received_decides_among_cleared_zeroed_and_undone():
     ]
     assert [reason(0, 0.0, math.nan), reason(0, 1e-30, math.nan)] == ["gradients_zeroed", "undone_after_step"]
     assert diagnose(optimizer, params, 2.0)["reason"] == "gradients_cleared"  # no step seen: as before
+
+
+def test_the_steps_watch_recompiles_no_compiled_optimizer_step():
+    """``torch.compile``'d ``optimizer.step()`` (PyTorch's recipe) guards on the optimizer's step hooks:
+    a hook put on when a run of still updates began (a warmup's first step at lr 0, a clean run's too)
+    and taken off after recompiled the step each time. The hook goes on at the first monitored step,
+    before the step is compiled, and stays; under compilation it reads nothing (traced away)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params, watch = TrainableParameters.of(model), StallWatch()
+
+    @torch.compile(backend="eager")
+    def step():
+        optimizer.step()
+
+    def one(updates):
+        model(torch.ones(1, 4)).sum().backward()
+        watch.updates = updates  # a run of still updates counted (or not) at this monitored step
+        watch.follow_step(optimizer, params)
+        step()
+        optimizer.zero_grad()
+
+    try:
+        one(0)  # the first monitored step: nothing still
+        one(0)  # (SGD's momentum buffers made at the first step: its own recompile)
+        graphs = counters["stats"]["unique_graphs"]
+        for updates in (1, 2, 0, 1, 0):
+            one(updates)
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert watch.seen.read() is None  # compiled: nothing seen, the diagnosis as without a step's reading
+        model(torch.ones(1, 4)).sum().backward()
+        watch.updates = 1
+        watch.follow_step(optimizer, params)
+        optimizer.step()  # eager, while still: seen
+        assert watch.seen.read()["held_at_step"] == 2
+    finally:
+        watch.seen.stop()
+        torch._dynamo.reset()
+    assert not optimizer._optimizer_step_pre_hooks

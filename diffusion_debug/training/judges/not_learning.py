@@ -10,7 +10,8 @@ optimizer, once: it holds none of the watched parameters, or its learning rate i
 the weights are fp16/bf16 and every update rounds away (the optimizer keeps state for them, or
 it keeps none, as SGD without momentum, and a plain step ``lr x |g| / |w|`` is below half the
 dtype's epsilon), else what ``optimizer.step()`` itself received (:class:`StepGradients`, a step
-pre-hook put on the optimizer while a run of still updates lasts, and taken off when it ends): no
+pre-hook on the optimizer from the first monitored step, reading only while a run of still updates
+lasts; a compiled step reads nothing): no
 gradient at all (``gradients_cleared``: ``zero_grad()`` between ``backward()`` and ``step()``), zeroed
 ones (``gradients_zeroed``: a mask or hook between the monitor and the step zeroed the rows that should
 learn, as a textual-inversion mask that misses the placeholder token), or the gradients the monitor read
@@ -57,6 +58,7 @@ a run is not reported. The diagnosis is an elimination from what the optimizer s
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -112,11 +114,15 @@ class StallWatch:
 
     def follow_step(self, optimizer: Any, params: TrainableParameters) -> None:
         """Watch what ``optimizer.step()`` receives while a run of still updates is counted and not yet
-        reported (the diagnosis reads it); otherwise take the watch off (a clean run never has one)."""
+        reported (the diagnosis reads it); otherwise pause the watch. The hook goes on at the first call
+        (the first monitored step, before the user's step is ever compiled) and stays to close: put on
+        and taken off, it recompiled a ``torch.compile``'d step each time."""
         if self.updates and not self.flagged and optimizer is not None:
             self.seen.watch(optimizer, params)
-        elif self.seen.handle is not None:
-            self.seen.stop()
+        elif self.seen.active:
+            self.seen.pause()
+        elif self.seen.unplaced and optimizer is not None:
+            self.seen.watch(optimizer, params, active=False)
 
     def update(
         self,
@@ -167,8 +173,11 @@ class StallWatch:
 class StepGradients:
     """What the last ``optimizer.step()`` received for the watched parameters the optimizer holds: how many
     had no gradient (``None``) and the norm of the others, kept on the device (read once, by a report). A
-    step pre-hook, on the optimizer only while :class:`StallWatch` counts still updates; it never raises
-    into the user's step (a failure leaves nothing seen).
+    step pre-hook, put on the optimizer once (the first monitored step) and reading only while
+    :class:`StallWatch` counts still updates (:attr:`active`); it never raises into the user's step (a
+    failure leaves nothing seen). A hook added or removed between steps recompiles a ``torch.compile``'d
+    ``optimizer.step()`` (its guards hold the step's hooks), so it stays on, and compiled it reads nothing:
+    the diagnosis is then the one without a step's reading.
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
@@ -186,31 +195,41 @@ class StepGradients:
 
     def __init__(self) -> None:
         self.handle: Any = None
-        self.optimizer: Any = None
+        self.optimizer: weakref.ref | None = None
+        """The optimizer the hook is on (weakly: a user's optimizer replaced mid-run is not kept)."""
         self.params: TrainableParameters | None = None
+        self.unplaced = True
+        """No :meth:`watch` yet: the first puts the hook on, even while nothing is still."""
+        self.active = False
+        """The hook reads the step (a run of still updates is counted)."""
         self.held: list[int] = []
         """The indices (in ``params``) of the watched parameters the optimizer holds."""
         self.cleared = -1
         """How many of them had no gradient at the last step (-1: no step seen)."""
         self.norms: torch.Tensor | None = None
 
-    def watch(self, optimizer: Any, params: TrainableParameters) -> None:
-        """Put the hook on ``optimizer`` (the torch one inside a wrapper), once; another optimizer moves it."""
+    def watch(self, optimizer: Any, params: TrainableParameters, active: bool = True) -> None:
+        """Put the hook on ``optimizer`` (the torch one inside a wrapper), once (another optimizer moves
+        it), and read its steps from now (``active``), the parameters it holds listed then (a group added
+        mid-run counts)."""
+        self.unplaced = False
         inner = raw_optimizer(optimizer)
-        if self.handle is not None and self.optimizer is inner:
-            return
-        self.stop()
-        groups = param_groups(inner)
-        if groups is None or params.deepspeed is not None or not hasattr(inner, "register_step_pre_hook"):
-            return
-        held = {id(p) for g in groups for p in g["params"]}
-        self.held = [i for i, p in enumerate(params.params) if id(p) in held]
-        if not self.held:  # (FSDP1's flat parameters: the watched ones are not the optimizer's)
-            return
-        self.optimizer, self.params = inner, params
-        self.handle = inner.register_step_pre_hook(self._stepping)
+        if self.handle is None or self.optimizer is None or self.optimizer() is not inner:
+            self.stop()
+            self.unplaced = False
+            groups = param_groups(inner)
+            if groups is None or params.deepspeed is not None or not hasattr(inner, "register_step_pre_hook"):
+                return
+            self.optimizer, self.params = weakref.ref(inner), params
+            self.handle = inner.register_step_pre_hook(self._stepping)
+        if active and not self.active:
+            held = {id(p) for g in param_groups(inner) or () for p in g["params"]}
+            self.held = [i for i, p in enumerate(params.params) if id(p) in held]
+            self.active = bool(self.held)  # (FSDP1's flat parameters: the watched ones are not the optimizer's)
 
     def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_dynamo_compiling() or not self.active:  # first: no guard on ``active`` when compiled
+            return
         try:
             assert self.params is not None
             grads = self.params.local_gradients()
@@ -231,13 +250,17 @@ class StepGradients:
         norm = math.sqrt(sum(norms[i] ** 2 for i in self.held))
         return {"held_at_step": len(self.held), "cleared_at_step": self.cleared, "grad_norm_at_step": norm}
 
+    def pause(self) -> None:
+        """Read no step from now, and forget what was seen (the hook stays on)."""
+        self.active, self.norms, self.cleared, self.held = False, None, -1, []
+
     def stop(self) -> None:
         """Take the hook off and forget what it saw."""
         handle, self.handle = self.handle, None
         if handle is not None:
             handle.remove()
-        self.optimizer = self.params = self.norms = None
-        self.held, self.cleared = [], -1
+        self.optimizer = self.params = None
+        self.pause()
 
 
 def diagnose(
