@@ -192,7 +192,7 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         engine = engine_of(params, self.watched.models.values(), self.accelerator)
         self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self, engine=engine)  # names a stall early
         stops = (self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
-        stops += (self._steps.history.stall.seen.stop,)  # a still run's hook on the optimizer's step
+        stops += (self._steps.history.stall.seen.stop,)  # not_learning's hook on the optimizer's step
         # copies of the model leave our hooks out from now to close (probes.copies), held for the debugger's
         # life: the grad-order hooks' hold went with them once paced, leaving the forward hooks unheld
         copies.hold()
