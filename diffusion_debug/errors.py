@@ -20,3 +20,9 @@ class DiffusionDebugError(Exception):
 
 class ConfigError(DiffusionDebugError, ValueError):
     """A configuration key or value that cannot be used."""
+
+
+class UnbalancedRelease(RuntimeWarning):
+    """A release of something diffusion-debug holds by count (``probes.copies``' patch) with no hold
+    left: a bug of ours, warned and not raised so that a user's run goes on (our test suite makes it
+    an error)."""

@@ -292,6 +292,36 @@ def test_a_copy_or_pickle_leaves_out_our_hooks_and_their_flags_and_keeps_the_scr
     assert not copies.MARKED & {marked.id}
 
 
+def test_a_release_without_a_hold_is_an_error_here_and_a_warning_in_a_users_run():
+    """Clamped at 0, a holder's second release went unseen. Now it leaves the count and the patch as they
+    were and warns: an error under the suite's filter, a RuntimeWarning where a user's run goes on."""
+    import warnings
+
+    from diffusion_debug.errors import UnbalancedRelease
+    from diffusion_debug.probes import copies
+
+    original = nn.Module.__getstate__
+    assert copies.HELD[0] == 0 and not copies._PATCH  # nothing holds between tests (the leak check's)
+    copies.hold()
+    copies.hold()
+    copies.release()
+    assert copies.HELD[0] == 1 and nn.Module.__getstate__ is not original  # one holder left: still in
+    copies.release()
+    assert copies.HELD[0] == 0 and nn.Module.__getstate__ is original
+    with pytest.raises(UnbalancedRelease, match=r"^probes.copies.release\(\) with no hold left"):
+        copies.release()
+    assert copies.HELD[0] == 0 and nn.Module.__getstate__ is original
+    copies.hold()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # a user's run: a plain interpreter's filter
+        copies.release()
+        copies.release()  # the holder that releases twice
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (UnbalancedRelease, "probes.copies.release() with no hold left: a holder released twice")
+    ]
+    assert copies.HELD[0] == 0 and nn.Module.__getstate__ is original
+
+
 def test_a_forward_hooks_that_fails_half_way_leaves_the_copies_count_as_it_found_it():
     """Its undo (before the error goes on) lets go of no hold it never took: another holder's patch stays in."""
     from diffusion_debug.probes import copies

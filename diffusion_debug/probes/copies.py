@@ -34,9 +34,12 @@ of ours that outlives the holder it went in under is copied as a ``CopiedHook``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
+
+from ..errors import UnbalancedRelease
 
 HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -69,8 +72,15 @@ def hold() -> None:
 
 
 def release() -> None:
-    """One holder fewer: the patch comes out with the last."""
-    HELD[0] = max(HELD[0] - 1, 0)
+    """One holder fewer: the patch comes out with the last. A release with no hold left is a holder
+    that released twice (or never held): it is warned as :class:`~diffusion_debug.errors.UnbalancedRelease`
+    and changes nothing (clamped at 0, it went unseen and let a later holder's hooks into copies while
+    that holder still counted on the patch). The test suite makes the warning an error; a user's run
+    goes on."""
+    if HELD[0] <= 0:
+        warnings.warn(UnbalancedRelease("probes.copies.release() with no hold left: a holder released twice"))
+        return
+    HELD[0] -= 1
     if HELD[0] == 0:
         uninstall()
 

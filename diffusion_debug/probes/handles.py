@@ -63,8 +63,9 @@ class ProbeHandle:
         self._handles = list(handles)
         self._on_remove = on_remove
         self.state = state
-        self._holds = holds
-        """Whether it holds :mod:`.copies`' patch (:func:`register_all`'s hooks: left out of copies)."""
+        self._release = weakref.finalize(self, copies.release) if holds else None
+        """Its hold on :mod:`.copies`' patch (:func:`register_all`'s hooks: left out of copies), let go once:
+        by :meth:`remove`, or when the handle is collected unremoved (a debugger dropped unclosed)."""
 
     @property
     def attached(self) -> bool:
@@ -79,9 +80,9 @@ class ProbeHandle:
                 handle.remove()
             except BaseException as error:  # undo the rest first, even on an interrupt
                 failure = failure or error
-        if self._holds:
-            self._holds = False
-            copies.release()
+        release, self._release = self._release, None
+        if release is not None:
+            release()  # copies.release(), once: the finalizer is dead after
         if on_remove is not None:
             on_remove()
         if failure is not None:

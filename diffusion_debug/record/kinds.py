@@ -332,7 +332,8 @@ register_kind(
     colour="#5254a3",
     meaning=(
         "The optimizer steps move no weight although the gradients are normal: the run does not learn (lr 0, an "
-        "optimizer holding other parameters, gradients cleared before optimizer.step(), updates lost to rounding)."
+        "optimizer holding other parameters, gradients cleared or masked before optimizer.step(), weights put back "
+        "after it, updates lost to rounding)."
     ),
     action="Follow the cause the message names: the learning rate, the optimizer's parameters, the loop's order.",
     stage=4,

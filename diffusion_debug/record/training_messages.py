@@ -548,6 +548,17 @@ _NOT_LEARNING = {
         "the weights are {dtype} and each update is smaller than their rounding step: keep float32 master weights "
         "(mixed precision) or raise the learning rate"
     ),
+    "gradients_zeroed": (
+        "their gradients reach optimizer.step() zeroed (norm {at_step:.3g} there): a mask or hook between "
+        "monitor_training_step and step() zeroes the rows that should learn (textual inversion's mask must keep "
+        "the placeholder token's id, as the tokenizer gives it once the token is added), or "
+        "zero_grad(set_to_none=False) runs before step()"
+    ),
+    "undone_after_step": (
+        "optimizer.step() received their gradients (norm {at_step:.3g}) and the next step found the weights "
+        "where they were: something after step() puts them back (textual inversion's restore of the other rows "
+        "must leave the placeholder token's row out) or loads them again"
+    ),
 }
 
 
@@ -571,7 +582,7 @@ def not_learning(anomaly: Anomaly) -> str:
             return cause[0].upper() + cause[1:] + "."
     else:
         cause = _NOT_LEARNING.get(d["reason"], "the cause is unknown: check the optimizer and the loop's order")
-        cause = cause.format(dtype=d.get("dtype"))
+        cause = cause.format(dtype=d.get("dtype"), at_step=d.get("grad_norm_at_step", math.nan))
     cleared = d.get("state_empty") and d["reason"] == "gradients_cleared"
     state = "; the optimizer holds no state for them: its step never saw a gradient" if cleared else ""
     return (

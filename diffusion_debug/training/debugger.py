@@ -39,7 +39,7 @@ from torch import nn
 from ..config import DebugConfig, resolve_config
 from ..core import AnomalySink, Lifecycle, open_run, release
 from ..errors import DiffusionDebugError
-from ..probes import BackwardOrder, ProbeHandle, accumulates_compiled, apply_grad_order
+from ..probes import BackwardOrder, ProbeHandle, accumulates_compiled, apply_grad_order, copies
 from ..record import RunRecord
 from ..report.server import start_live_server
 from . import failures
@@ -192,6 +192,11 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         engine = engine_of(params, self.watched.models.values(), self.accelerator)
         self._liveness = RankLiveness.open(ctx, config, self.sink, owner=self, engine=engine)  # names a stall early
         stops = (self._liveness.close, self._anomaly_mode.remove, self.record.close, server_stop)
+        stops += (self._steps.history.stall.seen.stop,)  # not_learning's hook on the optimizer's step
+        # copies of the model leave our hooks out from now to close (probes.copies), held for the debugger's
+        # life: the grad-order hooks' hold went with them once paced, leaving the forward hooks unheld
+        copies.hold()
+        stops += (copies.release,)
         stops += (self._pre_reduction.release,) if self._pre_reduction is not None else ()
         self._finalizer = weakref.finalize(self, release, *stops)
         split = environment_world_size()
@@ -246,6 +251,7 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             self._clip.detach()
             self._order_hooks.remove()
             self._zero_step.remove()
+            self._steps.history.stall.seen.stop()
             self._liveness.detach()
         finally:
             self._anomaly_mode.remove()

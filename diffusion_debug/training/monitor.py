@@ -316,6 +316,8 @@ class StepMonitor:
             checksums=lambda: measured.checksums_or_nan(len(self.params), self.measurer.device),
             params=self.params,
             before_details=lambda: self._after_reduce(step, own, judged, call),
+            # a stall alone needs the details only where it stands (no rank's weights moved)
+            stalled=bool(judged.anomalies) and self.local.stall_alone(judged),
         )
         info.update(across_ranks([], summary.aggregates))
         return step.details.rows if step.details is not None else [own]

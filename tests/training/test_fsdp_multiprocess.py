@@ -296,7 +296,8 @@ def test_a_shard_that_never_moves_while_another_ranks_does_is_no_stall_and_a_run
     every other row put back after each step, so rank 0's shard never moves; until step 5 the run learns,
     and no rank says ``not_learning`` (rank 0 did at step 5, from its own shard: the updates of steps 0-4).
     From step 5 on the new row is put back too: the updates of steps 6-14 (read at steps 7-10 and 15; the
-    sketch's schedule) move nothing on any rank, and both ranks say so at step 15, rank 0's the head."""
+    sketch's schedule) move nothing on any rank, and both ranks say so at step 15, rank 0's the head, each
+    naming what its optimizer's step received: its shard's gradients, undone after the step."""
     output_dir, stdout, stderr = launched
     _finished(stdout, "embedding_new_row")
     summary = _summary(output_dir, "embedding_new_row")
@@ -305,6 +306,10 @@ def test_a_shard_that_never_moves_while_another_ranks_does_is_no_stall_and_a_run
     for a in summary["anomalies"]:
         details = a["details"]
         assert (details["first_step"], details["last_step"], details["updates"]) == (6, 14, 5), a
+        # plain SGD keeps no state: what its step received tells it (every rank's rows got their gradients,
+        # and were put back after the step), not "gradients cleared"
+        assert (details["reason"], details["cleared_at_step"]) == ("undone_after_step", 0), a
+        assert details["grad_norm_at_step"] > 0, a
     assert summary["anomalies"][0]["details"]["also_on_ranks"] == [1]
     assert summary["headline"]["where"] == "optimizer, step 15, rank 0"
 

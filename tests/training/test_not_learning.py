@@ -290,6 +290,183 @@ def test_a_shard_still_beside_a_learning_rank_reads_on_the_schedule_again_after_
     assert [found[1].details[k] for k in ("first_step", "last_step", "updates")] == [39, 59, 5]
     read = [r["step"] for r in tdbg.report().steps if "max_applied_update_ratio" in r]
     assert read == [*range(1, 11), *range(13, 23), 25, 30, 35, 40, 45, 50, 55, 60, 61, 62]
-    # the spike's step (monitored 13), the stall withdrawn at step 20 (the updates of steps 15-19) and the
-    # one that stands (step 60)
-    assert exchanged == [13, 21, 61]
+    # the spike's step (monitored 13) and the stall that stands (step 60): the one withdrawn at step 20 (the
+    # updates of steps 15-19) set the reduce's "has anomalies" flag before it was withdrawn, and every rank
+    # exchanged its details there (monitored 21) for a finding gone by then
+    assert exchanged == [13, 61]
+
+
+def _textual_inversion(text_encoder, tmp_path, fault: str, steps: int = 7):
+    """Textual inversion on the tiny CLIP text encoder under plain SGD without momentum (no optimizer state
+    whatever happens): a placeholder token appended as the token table's last row, every other weight frozen,
+    one fixed batch that holds it. After monitoring, before ``optimizer.step()``, the script's gradient mask
+    zeroes every row but the one it keeps: the placeholder's (``fault="none"``), or the row before it
+    (``"mask_misses"``: the mask misses the placeholder token); ``"zero_grad"`` calls ``zero_grad()`` there
+    instead; ``"put_back"`` keeps the right mask and then puts every row back after the step, the
+    placeholder's too. Returns the debugger (closed), the table's rows as they started, the table, the
+    optimizer and the norm of the gradient each step's ``optimizer.step()`` received (the naive reference)."""
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    model = copy.deepcopy(text_encoder).train()
+    model.resize_token_embeddings(model.config.vocab_size + 1)
+    placeholder = model.config.vocab_size - 1
+    model.requires_grad_(False)
+    table = model.get_input_embeddings().weight.requires_grad_(True)
+    started = table.detach().clone()
+    optimizer = torch.optim.SGD([table], lr=1e-2)
+    tdbg = TrainingDebugger(model, config=_config(tmp_path))
+    ids = torch.tensor([[0, 11, 29, placeholder, 5, 2]])
+    target = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    kept = placeholder - 1 if fault == "mask_misses" else placeholder
+    received = []
+    try:
+        for step in range(steps):
+            loss = (model(ids).last_hidden_state[0, 3] - target).square().mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            if fault == "zero_grad":
+                optimizer.zero_grad()
+            else:
+                with torch.no_grad():
+                    table.grad[torch.arange(len(table)) != kept] = 0.0
+            received.append(0.0 if table.grad is None else table.grad.double().norm().item())
+            optimizer.step()
+            optimizer.zero_grad()
+            if fault == "put_back":
+                with torch.no_grad():
+                    table.copy_(started)
+    finally:
+        tdbg.close()
+    return tdbg, started, table, optimizer, received
+
+
+@pytest.mark.parametrize(
+    "fault, reason, cleared, zero_at_step",
+    [
+        ("mask_misses", "gradients_zeroed", 0, True),
+        ("zero_grad", "gradients_cleared", 1, None),
+        ("put_back", "undone_after_step", 0, False),
+    ],
+)
+def test_textual_inversion_under_plain_sgd_names_what_its_step_received(
+    tmp_path, _tiny_sd, fault, reason, cleared, zero_at_step
+):
+    # SGD without momentum keeps no state, so its empty state said "gradients cleared, call zero_grad() after
+    # step()" whatever stopped the run; the step's own hook (on while the updates stay still) tells a mask that
+    # misses the placeholder token (its gradients reach step() zeroed) from a zero_grad() before step() (none
+    # reach it) and from a restore after step() (the monitored gradients reached it)
+    tdbg, started, table, optimizer, received = _textual_inversion(_tiny_sd.text_encoder, tmp_path, fault)
+    assert torch.equal(table, started)  # nothing learned
+    assert not optimizer._optimizer_step_pre_hooks  # the hook went off once the stall was reported
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["first_step"], d["last_step"], d["updates"]) == (
+        "not_learning",
+        5,
+        reason,
+        0,
+        4,
+        STALL_UPDATES,
+    )
+    assert (d["state_empty"], d["lr"], d["held_by_optimizer"], d["held_at_step"], d["cleared_at_step"]) == (
+        True,
+        1e-2,
+        1,
+        1,
+        cleared,
+    )
+    if fault == "zero_grad":
+        assert d["grad_norm_at_step"] == 0.0 and found.message.endswith(
+            "call zero_grad() after step(), not between backward() and step(); the optimizer holds no state for "
+            "them: its step never saw a gradient."
+        )
+        return
+    # the naive reference: the gradient step 4's optimizer.step() received (the last still update's)
+    assert d["grad_norm_at_step"] == pytest.approx(received[4], rel=1e-6)
+    assert (d["grad_norm_at_step"] == 0.0) is zero_at_step and d["grad_norm"] > 1e-3
+    if fault == "mask_misses":
+        assert found.message == (
+            f"No weight moved in the 5 optimizer steps 0-4 (the largest update 0x a module's norm) although the "
+            f"gradients are normal (norm {d['grad_norm']:.3g}): their gradients reach optimizer.step() zeroed (norm "
+            "0 there): a mask or hook between monitor_training_step and step() zeroes the rows that should learn "
+            "(textual inversion's mask must keep the placeholder token's id, as the tokenizer gives it once the "
+            "token is added), or zero_grad(set_to_none=False) runs before step()."
+        )
+    else:
+        assert found.message.endswith(
+            f"optimizer.step() received their gradients (norm {d['grad_norm_at_step']:.3g}) and the next step found "
+            "the weights where they were: something after step() puts them back (textual inversion's restore of "
+            "the other rows must leave the placeholder token's row out) or loads them again."
+        )
+
+
+def test_textual_inversion_whose_mask_keeps_the_placeholder_learns_and_stays_quiet(tmp_path, _tiny_sd):
+    tdbg, started, table, optimizer, _ = _textual_inversion(_tiny_sd.text_encoder, tmp_path, "none")
+    moved = (table - started).norm(dim=1).nonzero().flatten().tolist()
+    assert moved == [len(table) - 1]  # the placeholder's row alone
+    assert _serious(tdbg) == []
+    assert not optimizer._optimizer_step_pre_hooks  # none of ours left on it
+
+
+def test_what_the_step_received_decides_among_cleared_zeroed_and_undone():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = TrainableParameters.of(model)
+
+    def reason(cleared, at_step, grad_norm=2.0):
+        seen = {"held_at_step": 2, "cleared_at_step": cleared, "grad_norm_at_step": at_step}
+        return diagnose(optimizer, params, grad_norm, seen)["reason"]
+
+    assert [reason(2, 0.0), reason(1, 0.0), reason(0, 0.0), reason(0, 1e-7), reason(0, 3e-6), reason(0, 2.0)] == [
+        "gradients_cleared",  # none reached the step
+        "gradients_zeroed",  # one none, the other zero
+        "gradients_zeroed",
+        "gradients_zeroed",  # below 1e-6 of the monitored norm
+        "undone_after_step",
+        "undone_after_step",
+    ]
+    assert [reason(0, 0.0, math.nan), reason(0, 1e-30, math.nan)] == ["gradients_zeroed", "undone_after_step"]
+    assert diagnose(optimizer, params, 2.0)["reason"] == "gradients_cleared"  # no step seen: as before
+
+
+def test_the_steps_watch_recompiles_no_compiled_optimizer_step():
+    """``torch.compile``'d ``optimizer.step()`` (PyTorch's recipe) guards on the optimizer's step hooks:
+    a hook put on when a run of still updates began (a warmup's first step at lr 0, a clean run's too)
+    and taken off after recompiled the step each time. The hook goes on at the first monitored step,
+    before the step is compiled, and stays; under compilation it reads nothing (traced away)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params, watch = TrainableParameters.of(model), StallWatch()
+
+    @torch.compile(backend="eager")
+    def step():
+        optimizer.step()
+
+    def one(updates):
+        model(torch.ones(1, 4)).sum().backward()
+        watch.updates = updates  # a run of still updates counted (or not) at this monitored step
+        watch.follow_step(optimizer, params)
+        step()
+        optimizer.zero_grad()
+
+    try:
+        one(0)  # the first monitored step: nothing still
+        one(0)  # (SGD's momentum buffers made at the first step: its own recompile)
+        graphs = counters["stats"]["unique_graphs"]
+        for updates in (1, 2, 0, 1, 0):
+            one(updates)
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert watch.seen.read() is None  # compiled: nothing seen, the diagnosis as without a step's reading
+        model(torch.ones(1, 4)).sum().backward()
+        watch.updates = 1
+        watch.follow_step(optimizer, params)
+        optimizer.step()  # eager, while still: seen
+        assert watch.seen.read()["held_at_step"] == 2
+    finally:
+        watch.seen.stop()
+        torch._dynamo.reset()
+    assert not optimizer._optimizer_step_pre_hooks

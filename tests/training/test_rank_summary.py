@@ -52,7 +52,8 @@ def test_a_nan_is_the_largest_and_names_its_rank_while_the_smallest_stays_a_numb
 def test_flags_are_ored_and_a_failed_rank_adds_no_extreme():
     flags = [{}, {"nonfinite_loss": True, "anomalies": True}, {"failed": True}]
     summary = _reduce(ReduceLayout(3), [{"loss": 1.0}, {"loss": 2.0}, {}], flags)
-    assert summary.flags == {name: name in ("anomalies", "nonfinite_loss", "failed") for name in FLAGS}
+    expected = {name: name in ("anomalies", "nonfinite_loss", "failed") for name in FLAGS}
+    assert summary.flags == {**expected, "stalled": False}
     assert summary.needs_detail and summary.aggregates["loss"]["max_rank"] == 1
     assert not _reduce(ReduceLayout(2), [{"loss": 1.0}] * 2, [{}] * 2).needs_detail
 
@@ -170,3 +171,19 @@ def _packed(rank: int, row: StepRow, world: int) -> list[int]:
     ranks.all_reduce_max = lambda values: sent.append(values) or values
     RankExchange(ranks).summarize(row, [], StepFlags(), failed=False)
     return sent[0]
+
+
+def test_a_stall_alone_rides_in_the_anomalies_slot_and_asks_for_details_only_where_it_stands():
+    layout = ReduceLayout(2)
+
+    def reduced(rank0, rank1):
+        summary = layout.unpack([max(a, b) for a, b in zip(layout.pack({}, rank0, 0), layout.pack({}, rank1, 1))])
+        return summary.flags["anomalies"], summary.flags["stalled"], summary.needs_detail
+
+    assert WIDTH == 18  # no slot more: the stall is the anomalies slot's lower level
+    assert [
+        reduced({}, {}),
+        reduced({"stalled": True}, {}),  # it stands: every rank exchanges
+        reduced({"stalled": True}, {"weights_moved": True}),  # withdrawn: no exchange
+        reduced({"stalled": True}, {"anomalies": True, "weights_moved": True}),  # another rank's finding
+    ] == [(False, False, False), (False, True, True), (False, True, False), (True, False, True)]

@@ -938,6 +938,10 @@ def test_strict_raises_a_late_failure_after_the_policy(mlp, tmp_path, monkeypatc
     # and it was recorded once, as raised (a late failure was raised unrecorded)
     (error,) = [a for a in tdbg.report().anomalies if a.kind == "debugger_error"]
     assert (error.details["where"], error.step, error.details["raised"]) == ("recording", 0, True)
+    # closed here: the raise's traceback (its frames hold the debugger) stays in pytest's captured log
+    # records past teardown, and an unclosed debugger keeps probes.copies' patch in (the leak check's)
+    tdbg.close()
+    assert not tdbg.attached
 
 
 def test_train_job_policy_stop_ends_the_loop(tmp_path, fresh_accelerate_state, monkeypatch, capsys):

@@ -9,9 +9,16 @@ the run is stalled at the step that showed the last of them; the cause is read f
 optimizer, once: it holds none of the watched parameters, or its learning rate is 0 for them, or
 the weights are fp16/bf16 and every update rounds away (the optimizer keeps state for them, or
 it keeps none, as SGD without momentum, and a plain step ``lr x |g| / |w|`` is below half the
-dtype's epsilon), else the gradients were gone by the time
-``optimizer.step()`` ran (``zero_grad()`` between ``backward()`` and ``step()``; the optimizer
-then usually has no state for them either).
+dtype's epsilon), else what ``optimizer.step()`` itself received (:class:`StepGradients`, a step
+pre-hook on the optimizer from the first monitored step, reading only while a run of still updates
+lasts; a compiled step reads nothing): no
+gradient at all (``gradients_cleared``: ``zero_grad()`` between ``backward()`` and ``step()``), zeroed
+ones (``gradients_zeroed``: a mask or hook between the monitor and the step zeroed the rows that should
+learn, as a textual-inversion mask that misses the placeholder token), or the gradients the monitor read
+(``undone_after_step``: the step applied them and something after it put the weights back). Where no
+step was seen (an optimizer without step hooks, DeepSpeed's engine) an optimizer without state for the
+watched parameters is read as cleared gradients, as AdamW's is; SGD without momentum keeps none
+whatever happens, so there only the step's hook tells.
 
 >>> watch = StallWatch()
 >>> [watch.update(step, {"a": 0.0, "b": 0.0}, grad_norm=0.5, skipped=False) for step in range(5)]
@@ -42,7 +49,8 @@ counts where every rank reads it: every rank reads the steps the schedule detail
 (``step.detail``: the first ten, then one in five), so each run of five still updates holds one of
 them; a shard that moves only in updates another rank alone read is not seen moving. A rank that
 reads every step after a finding of its own may count five still updates before the next such step,
-and its stall is withdrawn there: its details travel in that step's exchange. Weight decay
+and its stall is withdrawn there (the reduce's ``stalled`` flag apart from ``anomalies``: a withdrawn stall
+costs no details exchange). Weight decay
 alone still moves the weights (AdamW with ``zero_grad(set_to_none=False)`` before ``step()``): such
 a run is not reported. The diagnosis is an elimination from what the optimizer shows, not a proof.
 """
@@ -50,13 +58,16 @@ a run is not reported. The diagnosis is an elimination from what the optimizer s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ...record import Anomaly, make_anomaly
+from ...stats import read_now
+from ..measure import gradients
 from ..measure.deepspeed_fp16_scale import ISSUE, LossScaling
 from ..measure.gradients import TrainableParameters
 from ..measure.optimizer_state import param_groups, raw_optimizer
@@ -67,6 +78,9 @@ STILL_RATIO = 1e-9
 """An update below this share of every module's norm moved nothing (one float32 rounding step of
 one sampled element is already about 1e-8 of a 128-element block)."""
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+ZEROED_RATIO = 1e-6
+"""Gradients that reach ``optimizer.step()`` below this share of the norm the monitor read were zeroed
+between the two (a mask, a hook), not applied."""
 UNSCALED_LOSS = "deepspeed_fp16_unscaled_loss"
 """``not_learning``'s reason where DeepSpeed's fp16 engine without ZeRO backpropagated the loss unscaled
 (``measure.deepspeed_fp16_scale``): found at the first monitored step (:func:`judge_unscaled_loss`)."""
@@ -95,6 +109,20 @@ class StallWatch:
     """The last update taken moved this rank's weights (its sampled blocks, or the whole weights checked
     before a report): under several processes every rank learns whether any rank's did
     (:meth:`some_rank_moved`)."""
+    seen: StepGradients = field(default_factory=lambda: StepGradients())
+    """What the optimizer's step received, watched while a run of still updates lasts (:meth:`follow_step`)."""
+
+    def follow_step(self, optimizer: Any, params: TrainableParameters) -> None:
+        """Watch what ``optimizer.step()`` receives while a run of still updates is counted and not yet
+        reported (the diagnosis reads it); otherwise pause the watch. The hook goes on at the first call
+        (the first monitored step, before the user's step is ever compiled) and stays to close: put on
+        and taken off, it recompiled a ``torch.compile``'d step each time."""
+        if self.updates and not self.flagged and optimizer is not None:
+            self.seen.watch(optimizer, params)
+        elif self.seen.active:
+            self.seen.pause()
+        elif self.seen.unplaced and optimizer is not None:
+            self.seen.watch(optimizer, params, active=False)
 
     def update(
         self,
@@ -142,9 +170,105 @@ class StallWatch:
         self.updates, self.flagged = 0, False
 
 
-def diagnose(optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan) -> dict[str, Any]:
+class StepGradients:
+    """What the last ``optimizer.step()`` received for the watched parameters the optimizer holds: how many
+    had no gradient (``None``) and the norm of the others, kept on the device (read once, by a report). A
+    step pre-hook, put on the optimizer once (the first monitored step) and reading only while
+    :class:`StallWatch` counts still updates (:attr:`active`); it never raises into the user's step (a
+    failure leaves nothing seen). A hook added or removed between steps recompiles a ``torch.compile``'d
+    ``optimizer.step()`` (its guards hold the step's hooks), so it stays on, and compiled it reads nothing:
+    the diagnosis is then the one without a step's reading.
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    >>> seen = StepGradients()
+    >>> seen.watch(optimizer, TrainableParameters.of(layer))
+    >>> layer(torch.ones(2)).sum().backward()
+    >>> layer.weight.grad = None  # cleared; the bias's gradient is ones
+    >>> optimizer.step()
+    >>> found = seen.read()
+    >>> found["held_at_step"], found["cleared_at_step"], round(found["grad_norm_at_step"], 4)
+    (2, 1, 1.4142)
+    >>> seen.stop(); seen.handle is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        self.optimizer: weakref.ref | None = None
+        """The optimizer the hook is on (weakly: a user's optimizer replaced mid-run is not kept)."""
+        self.params: TrainableParameters | None = None
+        self.unplaced = True
+        """No :meth:`watch` yet: the first puts the hook on, even while nothing is still."""
+        self.active = False
+        """The hook reads the step (a run of still updates is counted)."""
+        self.held: list[int] = []
+        """The indices (in ``params``) of the watched parameters the optimizer holds."""
+        self.cleared = -1
+        """How many of them had no gradient at the last step (-1: no step seen)."""
+        self.norms: torch.Tensor | None = None
+
+    def watch(self, optimizer: Any, params: TrainableParameters, active: bool = True) -> None:
+        """Put the hook on ``optimizer`` (the torch one inside a wrapper), once (another optimizer moves
+        it), and read its steps from now (``active``), the parameters it holds listed then (a group added
+        mid-run counts)."""
+        self.unplaced = False
+        inner = raw_optimizer(optimizer)
+        if self.handle is None or self.optimizer is None or self.optimizer() is not inner:
+            self.stop()
+            self.unplaced = False
+            groups = param_groups(inner)
+            if groups is None or params.deepspeed is not None or not hasattr(inner, "register_step_pre_hook"):
+                return
+            self.optimizer, self.params = weakref.ref(inner), params
+            self.handle = inner.register_step_pre_hook(self._stepping)
+        if active and not self.active:
+            held = {id(p) for g in param_groups(inner) or () for p in g["params"]}
+            self.held = [i for i, p in enumerate(params.params) if id(p) in held]
+            self.active = bool(self.held)  # (FSDP1's flat parameters: the watched ones are not the optimizer's)
+
+    def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_dynamo_compiling() or not self.active:  # first: no guard on ``active`` when compiled
+            return
+        try:
+            assert self.params is not None
+            grads = self.params.local_gradients()
+            held = [grads[i] for i in self.held]
+            self.cleared = sum(g is None for g in held)
+            chosen = set(self.held)
+            only = [g if i in chosen else None for i, g in enumerate(grads)]
+            self.norms = gradients.grad_norms(self.params, self.params.params[0].device, only)
+        except Exception:  # the user's step goes on: nothing seen
+            self.cleared, self.norms = -1, None
+
+    def read(self) -> dict[str, Any] | None:
+        """What the last step received (None: no step seen): ``held_at_step``, ``cleared_at_step`` (of
+        them, how many had no gradient) and ``grad_norm_at_step`` (the others' norm). One host read."""
+        if self.cleared < 0 or self.norms is None:
+            return None
+        norms = read_now(self.norms.double())
+        norm = math.sqrt(sum(norms[i] ** 2 for i in self.held))
+        return {"held_at_step": len(self.held), "cleared_at_step": self.cleared, "grad_norm_at_step": norm}
+
+    def pause(self) -> None:
+        """Read no step from now, and forget what was seen (the hook stays on)."""
+        self.active, self.norms, self.cleared, self.held = False, None, -1, []
+
+    def stop(self) -> None:
+        """Take the hook off and forget what it saw."""
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
+        self.optimizer = self.params = None
+        self.pause()
+
+
+def diagnose(
+    optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan, seen: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Which cause a stalled run looks like (``reason``), with what the optimizer shows
-    (``grad_norm``: the gradients' norm over the stalled updates)."""
+    (``grad_norm``: the gradients' norm over the stalled updates; ``seen``: what its last step
+    received, :meth:`StepGradients.read`)."""
     scaling = getattr(getattr(params, "deepspeed", None), "scaling", None)
     unscaled = scaling.unscaled() if scaling is not None else None
     if unscaled is not None:  # DeepSpeed fp16 without ZeRO: every update loss_scale x too small
@@ -178,13 +302,21 @@ def diagnose(optimizer: Any, params: TrainableParameters, grad_norm: float = mat
         evidence["step_ratio"] = evidence["lr"] * grad_norm / weight_norm if weight_norm > 0 else math.inf
         if evidence["step_ratio"] < resolution:  # lr x |g| / |w|: a plain gradient step rounds away
             return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
-    return {"reason": "gradients_cleared", **evidence}
+    if seen is None:  # no step seen: an optimizer without state for them saw no gradient (SGD keeps none anyway)
+        return {"reason": "gradients_cleared", **evidence}
+    evidence.update(seen)
+    if seen["cleared_at_step"] == seen["held_at_step"]:
+        return {"reason": "gradients_cleared", **evidence}
+    monitored = grad_norm if math.isfinite(grad_norm) else 0.0  # none known: zeroed means exactly 0
+    if seen["grad_norm_at_step"] <= ZEROED_RATIO * monitored:
+        return {"reason": "gradients_zeroed", **evidence}
+    return {"reason": "undone_after_step", **evidence}
 
 
 def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params: TrainableParameters) -> list[Anomaly]:
     """``not_learning`` at ``step``, the monitored step whose reading made the stall clear."""
     details = {
-        **diagnose(optimizer, params, watch.grad_norm),
+        **diagnose(optimizer, params, watch.grad_norm, watch.seen.read()),
         "first_step": watch.first_step,
         "last_step": watch.last_step,
         "updates": watch.updates,

@@ -81,6 +81,7 @@ class RankExchange:
         checksums: Callable[[], torch.Tensor],
         params: TrainableParameters,
         before_details: Callable[[], None] = lambda: None,
+        stalled: bool = False,
     ) -> tuple[RankSummary, Details | None]:
         """The step's exchange: the reduce; on a detail step (some rank flagged, or a replica-check
         step) every rank's details, and on a replica-check step whose checksums differ every rank's
@@ -88,8 +89,9 @@ class RankExchange:
         ORed, and on a detail step every rank's anomalies. Every branch is taken from what every
         rank received. ``before_details`` runs after the reduce (``judged.flags`` ORed) on every
         rank, before the details are gathered: work every rank does together or none does, whose
-        findings the details then carry."""
-        summary = self.summarize(own, judged.anomalies, judged.flags, failed=not own.measured)
+        findings the details then carry. ``stalled``: this rank's anomalies are its stall alone
+        (``LocalJudge.stall_alone``), which asks for the details only where no rank's weights moved."""
+        summary = self.summarize(own, judged.anomalies, judged.flags, failed=not own.measured, stalled=stalled)
         for name in dataclasses.asdict(judged.flags):  # the step counts: the same on every rank
             setattr(judged.flags, name, summary.flags[name])
         before_details()
@@ -109,14 +111,17 @@ class RankExchange:
             judged.anomalies += rank_desync.judge_checksums(details.rows, desync, per_param, index, params)
         return summary, details
 
-    def summarize(self, own: StepRow, anomalies: list[Anomaly], flags: StepFlags, failed: bool) -> RankSummary:
-        """The step's one collective: every rank learns whether any found something, the flags
-        ORed, and the extremes of :data:`~.summary.AGGREGATED` with their ranks."""
+    def summarize(
+        self, own: StepRow, anomalies: list[Anomaly], flags: StepFlags, failed: bool, stalled: bool = False
+    ) -> RankSummary:
+        """The step's one collective: every rank learns whether any found something (a stall alone,
+        ``stalled``, apart), the flags ORed, and the extremes of :data:`~.summary.AGGREGATED` with their ranks."""
         values = {name: own.pre_clip_norm if name == "grad_norm" else getattr(own, name) for name in AGGREGATED}
         values = values if own.measured else {}
         if values and not own.loss_count:  # no call of the step gave a loss (NO_LOSS: a pipeline stage's
             del values["loss"]  # backward): its row's NaN is no loss, so not the step's largest one
-        flag_values = {**dataclasses.asdict(flags), "anomalies": bool(anomalies), "failed": failed}
+        found = {"anomalies": bool(anomalies) and not stalled, "stalled": stalled, "failed": failed}
+        flag_values = {**dataclasses.asdict(flags), **found}
         packed = self.layout.pack(values, flag_values, self.ctx.rank)
         return self.layout.unpack(self.ctx.all_reduce_max(packed))
 

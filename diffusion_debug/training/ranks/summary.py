@@ -38,7 +38,13 @@ FLAGS = ("anomalies", "failed", "loss", "nonfinite_loss", "explosion", "vanishin
 """``anomalies``: the rank judged anything in its own row (then every rank exchanges its details);
 ``failed``: it could not measure or judge; the rest are ``checks.StepFlags``, OR-ed over ranks
 (``weights_moved``: some rank's weights moved in the update the step read: a stall is the whole
-model's, not one rank's shards')."""
+model's, not one rank's shards'). A rank whose one finding is its stall (``not_learning``) packs the flag
+``stalled`` instead, in the ``anomalies`` slot as its lower level (:data:`_STALL_ALONE`: no slot more):
+it needs the details only where the stall stands, no rank's weights having moved."""
+_STALL_ALONE, _FOUND = 1, 2
+"""The ``anomalies`` slot's levels: a stall alone, anything else; MAX keeps the highest rank's."""
+_ANOMALIES = 2 * len(AGGREGATED)
+"""The ``anomalies`` slot (``FLAGS[0]``, after the extremes)."""
 WIDTH = 2 * len(AGGREGATED) + len(FLAGS)
 
 _SIGN_FREE = 0x7FFFFFFFFFFFFFFF
@@ -74,8 +80,11 @@ class RankSummary:
 
     @property
     def needs_detail(self) -> bool:
-        """Some rank judged something or failed: every rank sends its details."""
-        return self.flags.get("anomalies", False) or self.flags.get("failed", False)
+        """Some rank judged something or failed, or some rank's stall alone stands (no rank's weights
+        moved: a stall withdrawn costs no exchange): every rank sends its details."""
+        flags = self.flags
+        stands = flags.get("stalled", False) and not flags.get("weights_moved", False)
+        return flags.get("anomalies", False) or flags.get("failed", False) or stands
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,9 @@ class ReduceLayout:
             value = float(value)
             out.append((order_key(value) & ~mask) | tag)  # a NaN loss or norm is the largest
             out.append(_MISSING if math.isnan(value) else (order_key(-value) & ~mask) | tag)
-        return out + [int(bool(flags.get(name, False))) for name in FLAGS]
+        out += [int(bool(flags.get(name, False))) for name in FLAGS]
+        out[_ANOMALIES] = _FOUND if flags.get("anomalies") else _STALL_ALONE * bool(flags.get("stalled"))
+        return out
 
     def unpack(self, reduced: Sequence[int]) -> RankSummary:
         """Every rank's summary, from the reduced (element-wise MAX) values."""
@@ -120,6 +131,8 @@ class ReduceLayout:
                 "max_rank": mask - (high & mask),
             }
         flags = {name: bool(reduced[2 * len(AGGREGATED) + j]) for j, name in enumerate(FLAGS)}
+        level = reduced[_ANOMALIES]
+        flags["anomalies"], flags["stalled"] = level >= _FOUND, level == _STALL_ALONE
         return RankSummary(flags, aggregates)
 
 
