@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -132,6 +133,33 @@ def by_scenario(stdout: str, scenarios: tuple[str, ...]) -> dict[str, str]:
         if scenario in out:
             out[scenario] += rest
     return out
+
+
+PLANTED_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)"
+"""The message of :func:`~diffusion_debug.testing.faults.plant_oom`'s error."""
+
+
+def check_step_0_oom_on_two_ranks(done: subprocess.CompletedProcess, run: Any) -> None:
+    """Assert what a 2-rank launch whose ``conv_in`` raised :data:`PLANTED_OOM` in step 0's forward on
+    both ranks (``--steps 1 --oom-at 0``) left: ``out_of_memory`` at the module, step 0, rank 0 (rank 1's
+    too where torchrun let it save before stopping it), the run ended as the script did, each rank said
+    it, and each rank's script raised the planted error itself, from the planted hook. ``run``: the
+    loaded run."""
+    assert done.returncode == 1, done.stderr[-3000:]  # both ranks raised
+    found = sorted((a.kind, a.component, a.module, a.step, a.rank) for a in run.anomalies)
+    assert found[0] == ("out_of_memory", "model", "conv_in", 0, 0)
+    assert set(found) <= {("out_of_memory", "model", "conv_in", 0, rank) for rank in (0, 1)}
+    assert run.summary["end"]["status"] == "raised" and run.summary["end"]["exception"] == "OutOfMemoryError"
+    assert run.summary["end"]["message"] == PLANTED_OOM
+    assert "out_of_memory at model conv_in, step 0: " in done.stderr
+    assert "out_of_memory at model conv_in, step 0, rank 1: " in done.stderr
+    assert "nothing was watched" not in done.stderr and "not watching" not in done.stderr
+    lines = done.stderr.splitlines()
+    raised = [i for i, line in enumerate(lines) if line == f"torch.OutOfMemoryError: {PLANTED_OOM}"]
+    assert len(raised) == 2  # one traceback a rank, its last frame plant_oom's hook
+    for i in raised:
+        frame = next(line for line in reversed(lines[:i]) if line.startswith("  File "))
+        assert frame.endswith(", in hook") and "diffusion_debug/testing/faults.py" in frame
 
 
 def first_row_where(terminal: str) -> str:

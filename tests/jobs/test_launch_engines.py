@@ -28,7 +28,7 @@ import pytest
 
 from diffusion_debug.cli import main
 from diffusion_debug.record import by_cause, load_run
-from diffusion_debug.testing.launch import first_row_where
+from diffusion_debug.testing.launch import check_step_0_oom_on_two_ranks, first_row_where
 
 pytestmark = pytest.mark.xdist_group("launches")
 
@@ -216,9 +216,6 @@ def test_fsdp2_a_nan_made_in_step_0s_backward_names_rank_1_which_made_it(launche
     assert run.summary["headline"]["where"] == f"model {PARAMETER}, step 0, rank 1"
 
 
-PLANTED_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (planted by diffusion_debug.testing)"
-
-
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
 def test_an_out_of_memory_error_in_step_0s_forward_is_recorded_on_each_rank_and_goes_up_unchanged(
     engine, launched_in_job
@@ -233,24 +230,8 @@ def test_an_out_of_memory_error_in_step_0s_forward_is_recorded_on_each_rank_and_
     if engine == "zero3" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'diffusion-debug[deepspeed]'; make test tries it)")
     done = launched_in_job(f"launched_{engine}_oom0")  # --steps 1 --oom-at 0, DIFFUSION_DEBUG_NO_HTML=1
-    assert done.returncode == 1  # both ranks raised
     (run_dir,) = (done.args / "runs").iterdir()
-    run = load_run(run_dir)
-    found = sorted((a.kind, a.component, a.module, a.step, a.rank) for a in run.anomalies)
-    assert found[0] == ("out_of_memory", "model", "conv_in", 0, 0)
-    assert set(found) <= {("out_of_memory", "model", "conv_in", 0, rank) for rank in (0, 1)}
-    assert run.summary["end"]["status"] == "raised" and run.summary["end"]["exception"] == "OutOfMemoryError"
-    assert run.summary["end"]["message"] == PLANTED_OOM
-    # each rank said it, and each rank's script raised the planted error itself, from the planted hook
-    assert "out_of_memory at model conv_in, step 0: " in done.stderr
-    assert "out_of_memory at model conv_in, step 0, rank 1: " in done.stderr
-    assert "nothing was watched" not in done.stderr and "not watching" not in done.stderr
-    lines = done.stderr.splitlines()
-    raised = [i for i, line in enumerate(lines) if line == f"torch.OutOfMemoryError: {PLANTED_OOM}"]
-    assert len(raised) == 2  # one traceback a rank, its last frame plant_oom's hook
-    for i in raised:
-        frame = next(line for line in reversed(lines[:i]) if line.startswith("  File "))
-        assert frame.endswith(", in hook") and "diffusion_debug/testing/faults.py" in frame
+    check_step_0_oom_on_two_ranks(done, load_run(run_dir))
 
 
 MULTIPROCESS_JOB_SCENARIOS = (
