@@ -293,6 +293,10 @@ def _nothing_global_leaked():
     if any(after[name] != before[name] for name in _HELD_BY_DEBUGGERS):
         gc.collect()  # a debugger in a reference cycle, unreachable: its finalizer lets go (only then: no cost)
         after = _global_state()
+        if after["probes.copies holders"] < before["probes.copies holders"]:
+            # an earlier test's debugger, unreachable, collected during this one: its hold let go, no leak of this
+            # test's (seen in the suite: the error fell on whichever test the collector ran in)
+            before = {**before, **{name: after[name] for name in _HELD_BY_DEBUGGERS}}
     leaked = [name for name in before if after[name] != before[name]]
     if leaked:
         pytest.fail(f"the test left global state changed: {', '.join(leaked)}", pytrace=False)
