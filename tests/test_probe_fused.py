@@ -419,7 +419,7 @@ def test_paused_hooks_keep_every_order_a_prepend_and_two_of_ours_on_one_module()
     shared, seen = nn.Linear(2, 2), []
     shared.register_forward_hook(lambda *a: seen.append("theirs"))
     ours = [(shared, OwnHook(lambda *a: seen.append("ours")))]
-    ForwardHooks(ours)
+    made = [ForwardHooks(ours)]  # removed at the end: each holds probes.copies' patch until then
     paused = PausedHooks(ours)
     paused.pause()
     shared.register_forward_hook(lambda *a: seen.append("prepended"), prepend=True)
@@ -430,13 +430,15 @@ def test_paused_hooks_keep_every_order_a_prepend_and_two_of_ours_on_one_module()
     for between in (False, True):
         both, seen = nn.Linear(2, 2), []
         first, last = OwnHook(lambda *a: seen.append("first")), OwnHook(lambda *a: seen.append("last"))
-        ForwardHooks([(both, first)])
+        made.append(ForwardHooks([(both, first)]))
         if between:
             both.register_forward_hook(lambda *a: seen.append("theirs"))
-        ForwardHooks([(both, last)])
+        made.append(ForwardHooks([(both, last)]))
         paused = PausedHooks([(both, first), (both, last)])
         paused.pause()
         assert not both._forward_hooks or between
         paused.resume()
         both(torch.ones(2))
         assert seen == (["first", "theirs", "last"] if between else ["first", "last"])
+    for hooks in made:
+        hooks.remove()
