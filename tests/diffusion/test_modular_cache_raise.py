@@ -36,16 +36,9 @@ def cosmos_ended_ltx():
 
     components = {k: v for k, v in tiny_pipeline("ltx").components.items() if v is not None}
     torch.manual_seed(0)
-    components["transformer"] = LTXVideoTransformer3DModel(
-        in_channels=8,
-        out_channels=8,
-        patch_size=1,
-        patch_size_t=1,
-        num_attention_heads=4,
-        attention_head_dim=8,
-        cross_attention_dim=32,
-        num_layers=2,
-        caption_channels=32,
+    # the zoo's tiny LTX transformer with a second block (the first block and the cached tail)
+    components["transformer"] = LTXVideoTransformer3DModel.from_config(
+        {**components["transformer"].config, "num_layers": 2}
     )
     pipe = CosmosEndedLTX(blocks=LTXBlocks())
     pipe.update_components(**components)
