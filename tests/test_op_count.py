@@ -625,11 +625,11 @@ def test_a_monitored_training_step_adds_a_pinned_number_of_python_calls():
     146 (147 on the floor) once the loss-spike check read its early level as an attribute; 145 (146 on the
     floor) once the step's norms took the gradients its swap check listed (no ``local_gradients`` call);
     143 (144 on the floor) once a scalar loss's timestep buckets ran no ``1.0 - finite`` (``Tensor.__rsub__``);
-    145 since not_learning's step pre-hook stays on the optimizer from the first step (its two calls in
-    ``optimizer.step()``: put on and off, it recompiled a compiled step).
+    145 (146 on the floor) since not_learning's step pre-hook stays on the optimizer from the first step
+    (its two calls in ``optimizer.step()``: put on and off, it recompiled a compiled step).
     Its ops: 24 until the global norm was one ``vector_norm`` of the float64 norms (cost24), 22 since."""
     calls = op_counts.training_python_calls(tiny_pipeline("sd").unet.train())
-    assert calls["added"] <= 145, calls
+    assert calls["added"] <= 146, calls
     # tests/training/test_step_counts.py's PINNED["fp16"] (its fp16 case without a clip is this count)
     assert calls["added_ops_per_step"] == 22, calls
 
