@@ -135,6 +135,56 @@ def test_a_freeinit_calls_runs_share_its_origin_but_the_next_call_of_the_attach_
     dbg.close()
 
 
+def freeinit_pipe():
+    """The tiny AnimateDiff with FreeInit's two passes (each a run of its own) and a call of it."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+
+    def call(**kwargs):
+        kwargs.update(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+        return pipe("a cat", generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+    return pipe, call
+
+
+@pytest.mark.parametrize("nan_at", [0, 1])
+def test_a_nan_the_callback_returns_at_the_end_of_freeinits_first_pass_is_the_callbacks(tmp_path, nan_at):
+    """A step-end callback that puts NaN into the latents is named the callback's at the step it ended,
+    the first pass's last step too: FreeInit's second pass begins with those latents (its step 0), where
+    the callback rule had no step before to blame and named the pipeline's own code. A callback that
+    returns nothing leaves the FreeInit call quiet."""
+    pipe, call = freeinit_pipe()
+    ended = []
+
+    def callback(p, i, t, kwargs):
+        ended.append(i)
+        if len(ended) == nan_at + 1:  # the first pass's step nan_at (1: its last)
+            return {"latents": torch.full_like(kwargs["latents"], float("nan"))}
+        return {}
+
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        call(callback_on_step_end=lambda p, i, t, kwargs: {}, callback_on_step_end_tensor_inputs=["latents"])
+    assert [a.kind for a in dbg.report().anomalies] == ["scheduler_config"]  # (the tiny schedule's 2 steps)
+    with dbg:
+        call(callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"])
+    assert ended == [0, 1, 0, 1]
+    report = dbg.report()
+    (error,) = errors(report)
+    where = ("nonfinite", "callback", "callback_on_step_end", nan_at)
+    assert (error.kind, error.component, error.module, error.step) == where
+    assert (error.details["run"], error.details["seen_at_step"]) == (3, (nan_at + 1) % 2)  # the first pass's run
+    assert report.headline is error
+    later = [a for a in report.anomalies if a.kind == "nonfinite" and a is not error]
+    assert {a.component for a in later} == {"unet", "vae"}
+    assert all(a.severity == "warning" and a.details["origin"] == error.where() for a in later)
+    assert error.where() == f"callback callback_on_step_end, step {nan_at}"
+    seen = "at step 0 of the next pass;" if nan_at else "at step 1;"  # the second pass's step 0, or the next step
+    assert f"into the loop at the end of step {nan_at}: scheduler.step returned finite latents" in error.message
+    assert f"and unet received non-finite values {seen}" in error.message
+    dbg.close()
+
+
 def test_each_debugger_sees_only_its_own_pipelines_calls_when_components_are_shared(pipes, tmp_path):
     from diffusers import StableDiffusionImg2ImgPipeline
 
