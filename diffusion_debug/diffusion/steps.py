@@ -156,7 +156,8 @@ class StepPipeline(CallEvents):
             self.runs += 1
             frames, inputs = self.frames, self.localizer.inputs
             call = frames.call if frames is not None and frames.frame is not None else None
-            if call is not None and call == self.inputs_call and inputs.passed is not None:
+            same_call = call is not None and call == self.inputs_call and inputs.passed is not None
+            if same_call:
                 # a second run in one call (FreeInit denoises its latents again): the user's arguments as its first
                 # run took them, not the frame's locals the loop reassigned since (its latents are not an input),
                 # and whether its last step's latents were finite (the callback rule's: the next pass starts from them)
@@ -168,7 +169,8 @@ class StepPipeline(CallEvents):
             self.inputs_call = call
             if self.probes.probes:  # what another pipeline sharing a component left queued
                 self.probes.reset(but=calling)
-            self.sink.new_window()  # repeats fold within one pipeline run
+            if not same_call:  # repeats fold within one pipeline call (FreeInit's passes: as one loop's steps)
+                self.sink.new_window()
             self.record.add_event("run_start", flush=False, run=self.runs)  # with the first step's row
 
     def sample_call_memory(self) -> None:

@@ -81,7 +81,8 @@ def test_freeinits_second_pass_in_one_call_is_not_an_input_and_follows_the_first
     """AnimateDiff's FreeInit denoises the call's latents a second time in the same call (a second
     ``set_timesteps``: a second run): a NaN the UNet made in the first pass reaches the second through
     the loop's latents, which the user never passed. The UNet's module stays the one error and the
-    headline; the second pass's findings point at it (it had named ``input latents`` the headline)."""
+    headline; the second pass's findings count at it or point at it (it had named ``input latents`` the
+    headline)."""
     pipe = tiny_pipeline("animatediff")
     pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
 
@@ -100,8 +101,9 @@ def test_freeinits_second_pass_in_one_call_is_not_an_input_and_follows_the_first
     report = dbg.report()
     assert [(a.component, a.module, a.step, a.details["run"]) for a in errors(report)] == [("unet", conv, 1, 3)]
     assert (report.headline.component, report.headline.module) == ("unet", conv)
+    assert (errors(report)[0].details["count"], errors(report)[0].details["last_step"]) == (3, 1)  # + pass 2's
     second = [a for a in report.anomalies if a.kind == "nonfinite" and a.details["run"] == 4]
-    assert {a.component for a in second} == {"unet", "vae"}
+    assert {a.component for a in second} == {"vae"}  # (the UNet's: counted at the origin, as a later step's)
     assert all(a.details["origin"] == f"unet {conv}, step 1 (t=1)" for a in second)
     assert torch.equal(call(), expected)
     dbg.close()
@@ -182,6 +184,31 @@ def test_a_nan_the_callback_returns_at_the_end_of_freeinits_first_pass_is_the_ca
     seen = "at step 0 of the next pass;" if nan_at else "at step 1;"  # the second pass's step 0, or the next step
     assert f"into the loop at the end of step {nan_at}: scheduler.step returned finite latents" in error.message
     assert f"and unet received non-finite values {seen}" in error.message
+    dbg.close()
+
+
+def test_freeinits_second_pass_folds_under_the_first_passs_origin_in_by_cause_as_within_one_loop(tmp_path):
+    """What the UNet's NaN does in FreeInit's second pass counts at the first pass's origin, as a
+    later step's does within one loop (one entry, its count and last step), not as entries of its
+    own: by_cause holds the origin, the VAE's decode (after the last pass) and the latents' jump once."""
+    pipe, call = freeinit_pipe()
+    conv = "up_blocks.1.resnets.0.conv2"
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with plant_nonfinite(pipe.unet.get_submodule(conv), from_call=1), dbg:  # the first pass's step 1 on
+        call()
+    report = dbg.report()
+    found = [
+        (a.kind, a.severity, a.component, a.module, a.step, a.details.get("run"), a.details["count"])
+        for a in report.by_cause()
+    ]
+    assert found == [
+        ("nonfinite", "error", "unet", conv, 1, 1, 3),  # pass 1's step 1, pass 2's steps 0 and 1
+        ("nonfinite", "warning", "vae", "", None, 2, 1),
+        ("scheduler_config", "warning", "", "", None, None, 1),
+        ("latent_divergence", "warning", "", "", 1, 1, 3),
+    ]
+    assert report.headline.details["last_step"] == 1
+    assert report.by_cause()[1].details["origin"] == f"unet {conv}, step 1 (t=1)"
     dbg.close()
 
 
