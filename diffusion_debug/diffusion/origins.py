@@ -316,8 +316,7 @@ class RunInputs:
         return next((name for name in CALLBACK_NAMES if passed.get(name) is not None), None)
 
     def callback_step(self, step: int | None) -> tuple[int | None, int] | None:
-        """``(run, step)`` (run None: this one) of the step-end callback that ran last before ``step`` on
-        finite latents (None: no callback passed, or no such step: a call's first step)."""
+        """``(run, step)`` (run None: this one) of the step-end callback that last ran on finite latents before it."""
         if step is None or self.callback is None or not self.latents_finite:
             return None
         return (None, step - 1) if step else self.before
