@@ -1,5 +1,7 @@
 """Origins that are true: ``input`` only for what the user passed, the user's step-end callback
-for what it put into the loop, and a debugger that sees only its own pipeline's calls."""
+for what it put into the loop, and a debugger that sees only its own pipeline's calls.
+
+Long because FreeInit's passes (two runs of one call) have their origin cases here beside one loop's."""
 
 from __future__ import annotations
 
@@ -209,6 +211,39 @@ def test_freeinits_second_pass_folds_under_the_first_passs_origin_in_by_cause_as
     ]
     assert report.headline.details["last_step"] == 1
     assert report.by_cause()[1].details["origin"] == f"unet {conv}, step 1 (t=1)"
+    dbg.close()
+
+
+def test_a_freeinit_origins_repeat_in_the_second_pass_says_its_run_beside_its_last_step(tmp_path):
+    """A repeat in FreeInit's second pass folds under the first pass's origin with the second pass's step
+    number; the entry says that step's run (``last_run``), in summary.json and report.html too: a callback
+    that cleans the latents, the UNet's NaN at the first pass's step 1 and again at the second pass's step 0
+    read "first at step 1, last at step 0" (backwards, in one run as far as the entry said)."""
+    from diffusion_debug.record.run_dir import rebuild_summary
+    from diffusion_debug.report.html_anomalies import _repeats
+
+    pipe, call = freeinit_pipe()
+    conv, ended = "up_blocks.1.resnets.0.conv2", []
+
+    def nan_at_step_1_and_pass_2s_step_0(module, args, output):
+        if len(ended) in (1, 2):  # (the step-end callbacks so far: the step it is)
+            return torch.full_like(output, float("nan"))
+
+    def clean(p, i, t, kwargs):
+        ended.append(i)
+        return {"latents": torch.nan_to_num(kwargs["latents"], nan=0.0)}
+
+    handle = pipe.unet.get_submodule(conv).register_forward_hook(nan_at_step_1_and_pass_2s_step_0)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", probes="full"))
+    with dbg:
+        call(callback_on_step_end=clean, callback_on_step_end_tensor_inputs=["latents"])
+    handle.remove()
+    (error,) = errors(report := dbg.report())
+    assert (error.module, error.step, error.details["run"]) == (conv, 1, 1)
+    assert (error.details["count"], error.details["last_step"], error.details["last_run"]) == (2, 0, 2)
+    assert _repeats(error) == " · seen 2 times, last at step 0 of run 2"
+    rebuilt = [a["details"] for a in rebuild_summary(report.save())["anomalies"] if a["severity"] == "error"]
+    assert [(d["count"], d["last_step"], d["last_run"]) for d in rebuilt] == [(2, 0, 2)]  # (from events.jsonl)
     dbg.close()
 
 
