@@ -23,7 +23,8 @@ class AnomalySink:
     """Folds, records, logs, warns and queues every anomaly of one run.
 
     Folding: an anomaly whose key matches one still *open* is not recorded again; the first one's
-    ``details["count"]`` and ``details["last_step"]`` follow the repeats, and ``events.jsonl``
+    ``details["count"]`` and ``details["last_step"]`` follow the repeats (``last_run`` too, a repeat in a
+    later run of the window: its step counts from 0 again), and ``events.jsonl``
     gets a one-line ``anomaly_repeated`` event. What keeps a key open is the front-end's window:
     :meth:`end_step` closes the keys not seen since the last call (training: repeats on
     consecutive steps fold), :meth:`new_window` closes all of them (inference: one pipeline run).
@@ -63,6 +64,10 @@ class AnomalySink:
             first.details["count"] = first.details.get("count", 1) + 1
             if anomaly.step is not None:
                 first.details["last_step"] = anomaly.step
+            run = anomaly.details.get("run")
+            later_run = run is not None and run != first.details.get("run")  # (FreeInit's next pass: its steps anew)
+            if later_run:
+                first.details["last_run"] = run
             self.record.add_event(
                 "anomaly_repeated",
                 kind=first.kind,
@@ -72,6 +77,7 @@ class AnomalySink:
                 parameter=first.parameter,
                 step=anomaly.step,
                 count=first.details["count"],
+                **({"run": run} if later_run else {}),
             )
             if anomaly.severity == "error":
                 self.errors.append(first)

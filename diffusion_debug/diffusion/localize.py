@@ -61,18 +61,17 @@ class Localizer:
 
     With full probes the readings already name the module; at block level a leaf producer is
     named as is, and a block is replayed with full probes on the call's kept arguments to find
-    the module inside it (within the run's ``debug_timeout`` of replays). Per run, a
-    component's first NaN/Inf is localised once (later ones count there).
+    the module inside it (within the run's ``debug_timeout`` of replays). Per run (the runs of one
+    call as one: FreeInit's passes), a component's first NaN/Inf is localised once (later ones count there).
 
-    One origin per run: the first NaN/Inf error is the run's :attr:`origin`; a component that
+    One origin per run (so too): the first NaN/Inf error is the run's :attr:`origin`; a component that
     received non-finite input before any origin is known is explained by :mod:`origins` from
     the run's :attr:`inputs` and the call's kept arguments as passed (an input, the user's
-    callback, the pipeline's code, or the component's own state: a cache it filled in an earlier
-    call, never taken for an input; an input a watched component made in an earlier run: that component,
-    :mod:`.components.made`) and that becomes the origin; every later
-    ``nonfinite`` is a warning pointing at the origin's ``where()``. Where a block-level
-    overflow was localised is kept across runs (the same weights overflow in the same place)
-    until :meth:`clear`.
+    callback, the pipeline's code, or the component's own state: a cache it filled in an earlier call,
+    never taken for an input; an input a watched component made in an earlier run: that component,
+    :mod:`.components.made`) and that becomes the origin; every later ``nonfinite`` is a warning
+    pointing at the origin's ``where()``. Where a block-level overflow was localised is kept across
+    runs (the same weights overflow in the same place) until :meth:`clear`.
 
     Limits: a replay sees the call's arguments as kept at the call (its lists and dicts copied
     then, so a cache the call fills is seen as it was passed); a module that changed a tensor
@@ -129,14 +128,15 @@ class Localizer:
         return self.levels.get(component, self.config.probes) == "full"
 
     def new_run(self, inputs: origins.RunInputs | None = None, *, same_call: bool = False) -> None:
-        """``same_call``: a run begun in the call of the run before (FreeInit) keeps that run's NaN/Inf origin."""
+        """``same_call``: a run in the run before's call (FreeInit) keeps its NaN/Inf origin and replays' memory."""
         self.inputs = inputs if inputs is not None else origins.RunInputs()
-        self.origin = self.origin if same_call else None
         if self.inputs.pipe is not None:
             self.made.pipe = self.inputs.pipe
         if self.made.pending:  # a method that made a NaN/Inf in the run before: what it returned, kept weakly
             self.made.settle()
-        self.memory.new_run()
+        if not same_call:
+            self.origin = None
+            self.memory.new_run()
         self.first_unwatched.clear()
         self.unwatched_since = None
 

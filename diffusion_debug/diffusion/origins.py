@@ -18,9 +18,9 @@ encoder call), so a value the loop reassigns later (``latents``) or a callback r
 taken for the user's; an argument the pipeline reassigned before that first event is seen as
 reassigned; a pipeline run through another method than ``__call__`` has no inputs to read; an
 input is seen only as a tensor, a float, a numpy array or a list / tuple / dict of those (PIL
-images cannot hold NaN). A NaN/Inf that first reaches the denoiser between two steps, while a
-step-end callback was passed, is the callback's: the pipeline's own code between steps is
-rarely the cause then, and is named only without a callback. A NaN/Inf a component gets back
+images cannot hold NaN). A NaN/Inf that first reaches the denoiser between two steps (two FreeInit
+passes' too), while a step-end callback was passed, is the callback's: the pipeline's own code
+between steps is rarely the cause then, and is named only without a callback. A NaN/Inf a component gets back
 through its own state is named at the component, not at the module that wrote it in an earlier
 call (only the call being checked is kept); a module whose NaN/Inf reaches the call's output is
 named at once, by the replay of that call. Values the user passed past the overflow warning's share
@@ -294,6 +294,9 @@ class RunInputs:
     """The ``__call__`` arguments as passed; None: not taken (read from the frame when asked)."""
     latents_finite: bool | None = None
     """Whether the last recorded step's new latents were finite (None before the first step)."""
+    before: tuple[int, int] | None = None
+    """A run begun in the call of the run before (FreeInit's next pass): ``(that run, its last step)``, whose
+    step-end callback ran last before this run's step 0 (``latents_finite`` carried from that step)."""
 
     @classmethod
     def capture(cls, pipe: Any) -> "RunInputs":
@@ -311,6 +314,12 @@ class RunInputs:
         """The name of the step-end callback the user passed, if any."""
         passed = self.passed or {}
         return next((name for name in CALLBACK_NAMES if passed.get(name) is not None), None)
+
+    def callback_step(self, step: int | None) -> tuple[int | None, int] | None:
+        """``(run, step)`` (run None: this one) of the step-end callback that last ran on finite latents before it."""
+        if step is None or self.callback is None or not self.latents_finite:
+            return None
+        return (None, step - 1) if step else self.before
 
     def nonfinite(self) -> list[str]:
         """The names of the passed values (and the guidance scales) that hold a NaN/Inf."""
@@ -478,18 +487,20 @@ def downstream(anomaly: Anomaly, origin: Anomaly) -> Anomaly:
     return rebuilt(anomaly, severity="warning", details={**anomaly.details, "origin": origin.where()})
 
 
-def callback_origin(callback: str, *, seen_in: str, step: int, timestep: float | None, phase: str) -> Anomaly:
-    """The one error for NaN/Inf that the user's step-end ``callback`` put into the loop: the
-    latents ``scheduler.step`` returned at ``step - 1`` were finite, and what ``seen_in`` received
-    at ``step`` was not."""
+def callback_origin(callback: str, ended: tuple[int | None, int], *, seen_in: str, step: int, phase: str) -> Anomaly:
+    """The one error for NaN/Inf that the user's step-end ``callback`` put into the loop: the latents
+    ``scheduler.step`` returned at the step it ``ended`` (:meth:`RunInputs.callback_step`) were finite,
+    and what ``seen_in`` received at ``step`` was not."""
+    run, made = ended
+    details = {"localized_by": "step-end callback", "seen_in": seen_in, "seen_at_step": step, "phase": phase}
     return make_anomaly(
         kind="nonfinite",
         severity="error",
         component="callback",
         module=callback,
-        step=step - 1,
+        step=made,
         timestep=None,
-        details={"localized_by": "step-end callback", "seen_in": seen_in, "seen_at_step": step, "phase": phase},
+        details=details if run is None else {**details, "run": run, "seen_in_next_pass": True},
     )
 
 
@@ -527,9 +538,9 @@ def explain_received(
     bad_inputs = inputs.nonfinite()
     if bad_inputs:
         return input_origin(bad_inputs, seen_in=component, step=step, timestep=timestep, phase=phase)
-    callback = inputs.callback
-    if callback is not None and step and phase == "denoise" and inputs.latents_finite:
-        return callback_origin(callback, seen_in=component, step=step, timestep=timestep, phase=phase)
+    ended = inputs.callback_step(step) if phase == "denoise" else None
+    if ended is not None:
+        return callback_origin(inputs.callback, ended, seen_in=component, step=step, phase=phase)
     if state and not received:
         return state_origin(state, component=component, step=step, timestep=timestep, phase=phase)
     near_max = inputs.near_max(fraction)  # (a fault's path: host reads)
@@ -552,9 +563,9 @@ def explain_latents(
     """The origin of latents that became non-finite in a step whose denoiser output was finite,
     from that ``scheduler.step`` call's ``sample`` and ``model_output`` and the run's inputs (those
     at ``fraction`` of their dtype's max or beyond: the input's)."""
-    if step and inputs.latents_finite and inputs.callback is not None and is_nonfinite(sample):
-        callback = inputs.callback
-        return callback_origin(callback, seen_in="scheduler.step", step=step, timestep=timestep, phase="scheduler")
+    ended = inputs.callback_step(step)
+    if ended is not None and is_nonfinite(sample):
+        return callback_origin(inputs.callback, ended, seen_in="scheduler.step", step=step, phase="scheduler")
     return scheduler_origin(
         denoiser=denoiser,
         model_output_finite=not is_nonfinite(model_output),

@@ -156,16 +156,21 @@ class StepPipeline(CallEvents):
             self.runs += 1
             frames, inputs = self.frames, self.localizer.inputs
             call = frames.call if frames is not None and frames.frame is not None else None
-            if call is not None and call == self.inputs_call and inputs.passed is not None:
+            same_call = call is not None and call == self.inputs_call and inputs.passed is not None
+            if same_call:
                 # a second run in one call (FreeInit denoises its latents again): the user's arguments as its first
-                # run took them, not the frame's locals the loop reassigned since (its latents are not an input)
-                self.new_run_state(origins.RunInputs(self.pipe, inputs.passed), same_call=True)
+                # run took them, not the frame's locals the loop reassigned since (its latents are not an input),
+                # and whether its last step's latents were finite (the callback rule's: the next pass starts from them)
+                ended = (self.runs - 1, self.run.step - 1) if self.run.stepped else None  # (run.step: the next)
+                carried = origins.RunInputs(self.pipe, inputs.passed, inputs.latents_finite, ended)
+                self.new_run_state(carried, same_call=True)
             else:
                 self.new_run_state(origins.RunInputs.capture(self.pipe))
             self.inputs_call = call
             if self.probes.probes:  # what another pipeline sharing a component left queued
                 self.probes.reset(but=calling)
-            self.sink.new_window()  # repeats fold within one pipeline run
+            if not same_call:  # repeats fold within one pipeline call (FreeInit's passes: as one loop's steps)
+                self.sink.new_window()
             self.record.add_event("run_start", flush=False, run=self.runs)  # with the first step's row
 
     def sample_call_memory(self) -> None:

@@ -143,7 +143,7 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"check {component}'s dtype and weights."
         )
     if how == "step-end callback":
-        made, seen = anomaly.step, d["seen_at_step"]
+        made, seen = anomaly.step, f"{d['seen_at_step']}" + (" of the next pass" if d.get("seen_in_next_pass") else "")
         return (
             f"The {anomaly.module} passed to the pipeline put NaN/Inf into the loop at the end of step {made}: "
             f"scheduler.step returned finite latents, and {d['seen_in']} received non-finite values at step {seen}; "

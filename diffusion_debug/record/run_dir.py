@@ -282,6 +282,8 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
                 if first is not None and isinstance(first.get("details"), dict):
                     first["details"]["count"] = row.get("count", first["details"].get("count", 1))
                     first["details"]["last_step"] = row.get("step")
+                    if row.get("run") is not None:  # a later run's repeat (the sink's last_run)
+                        first["details"]["last_run"] = row["run"]
             elif kind == "anomaly_bundle":  # saved after the anomaly's event (why checks the path)
                 first = by_key.get(_fold_key(row))
                 if first is not None and isinstance(first.get("details"), dict) and isinstance(row.get("bundle"), str):

@@ -82,12 +82,13 @@ def step_ranges(steps: Iterable[int]) -> str:
 
 
 def _repeats(a: Anomaly) -> str:
-    """What the debugger itself folded into one anomaly (``details.count``, ``last_step``)."""
+    """What the debugger itself folded into one anomaly (``details.count``, ``last_step``, ``last_run``)."""
     count = number(a.details.get("count")) if isinstance(a.details, dict) else math.nan
     if not math.isfinite(count) or count <= 1:
         return ""
-    last = a.details.get("last_step")
-    return f" · seen {int(count)} times" + (f", last at step {last}" if last is not None else "")
+    last, run = a.details.get("last_step"), a.details.get("last_run")
+    of_run = f" of run {run}" if run is not None else ""  # a later run's step (FreeInit's next pass)
+    return f" · seen {int(count)} times" + (f", last at step {last}{of_run}" if last is not None else "")
 
 
 def _card(cluster: Sequence[Anomaly], show_rank: bool, under: Sequence[Anomaly] = ()) -> dict[str, Any]:

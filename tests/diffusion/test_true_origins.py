@@ -1,5 +1,7 @@
 """Origins that are true: ``input`` only for what the user passed, the user's step-end callback
-for what it put into the loop, and a debugger that sees only its own pipeline's calls."""
+for what it put into the loop, and a debugger that sees only its own pipeline's calls.
+
+Long because FreeInit's passes (two runs of one call) have their origin cases here beside one loop's."""
 
 from __future__ import annotations
 
@@ -81,7 +83,8 @@ def test_freeinits_second_pass_in_one_call_is_not_an_input_and_follows_the_first
     """AnimateDiff's FreeInit denoises the call's latents a second time in the same call (a second
     ``set_timesteps``: a second run): a NaN the UNet made in the first pass reaches the second through
     the loop's latents, which the user never passed. The UNet's module stays the one error and the
-    headline; the second pass's findings point at it (it had named ``input latents`` the headline)."""
+    headline; the second pass's findings count at it or point at it (it had named ``input latents`` the
+    headline)."""
     pipe = tiny_pipeline("animatediff")
     pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
 
@@ -100,8 +103,9 @@ def test_freeinits_second_pass_in_one_call_is_not_an_input_and_follows_the_first
     report = dbg.report()
     assert [(a.component, a.module, a.step, a.details["run"]) for a in errors(report)] == [("unet", conv, 1, 3)]
     assert (report.headline.component, report.headline.module) == ("unet", conv)
+    assert (errors(report)[0].details["count"], errors(report)[0].details["last_step"]) == (3, 1)  # + pass 2's
     second = [a for a in report.anomalies if a.kind == "nonfinite" and a.details["run"] == 4]
-    assert {a.component for a in second} == {"unet", "vae"}
+    assert {a.component for a in second} == {"vae"}  # (the UNet's: counted at the origin, as a later step's)
     assert all(a.details["origin"] == f"unet {conv}, step 1 (t=1)" for a in second)
     assert torch.equal(call(), expected)
     dbg.close()
@@ -132,6 +136,114 @@ def test_a_freeinit_calls_runs_share_its_origin_but_the_next_call_of_the_attach_
     assert found == [("unet", conv, 0, 2), ("input", "latents", 0, 3)]
     later = [a.details["origin"] for a in report.anomalies if a.kind == "nonfinite" and a.details["run"] == 4]
     assert later and set(later) == {"input latents, step 0 (t=501)"}
+    dbg.close()
+
+
+def freeinit_pipe():
+    """The tiny AnimateDiff with FreeInit's two passes (each a run of its own) and a call of it."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+
+    def call(**kwargs):
+        kwargs.update(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+        return pipe("a cat", generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+    return pipe, call
+
+
+@pytest.mark.parametrize("nan_at", [0, 1])
+def test_a_nan_the_callback_returns_at_the_end_of_freeinits_first_pass_is_the_callbacks(tmp_path, nan_at):
+    """A step-end callback that puts NaN into the latents is named the callback's at the step it ended,
+    the first pass's last step too: FreeInit's second pass begins with those latents (its step 0), where
+    the callback rule had no step before to blame and named the pipeline's own code. A callback that
+    returns nothing leaves the FreeInit call quiet."""
+    pipe, call = freeinit_pipe()
+    ended = []
+
+    def callback(p, i, t, kwargs):
+        ended.append(i)
+        if len(ended) == nan_at + 1:  # the first pass's step nan_at (1: its last)
+            return {"latents": torch.full_like(kwargs["latents"], float("nan"))}
+        return {}
+
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        call(callback_on_step_end=lambda p, i, t, kwargs: {}, callback_on_step_end_tensor_inputs=["latents"])
+    assert [a.kind for a in dbg.report().anomalies] == ["scheduler_config"]  # (the tiny schedule's 2 steps)
+    with dbg:
+        call(callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"])
+    assert ended == [0, 1, 0, 1]
+    report = dbg.report()
+    (error,) = errors(report)
+    where = ("nonfinite", "callback", "callback_on_step_end", nan_at)
+    assert (error.kind, error.component, error.module, error.step) == where
+    assert (error.details["run"], error.details["seen_at_step"]) == (3, (nan_at + 1) % 2)  # the first pass's run
+    assert report.headline is error
+    later = [a for a in report.anomalies if a.kind == "nonfinite" and a is not error]
+    assert {a.component for a in later} == {"unet", "vae"}
+    assert all(a.severity == "warning" and a.details["origin"] == error.where() for a in later)
+    assert error.where() == f"callback callback_on_step_end, step {nan_at}"
+    seen = "at step 0 of the next pass;" if nan_at else "at step 1;"  # the second pass's step 0, or the next step
+    assert f"into the loop at the end of step {nan_at}: scheduler.step returned finite latents" in error.message
+    assert f"and unet received non-finite values {seen}" in error.message
+    dbg.close()
+
+
+def test_freeinits_second_pass_folds_under_the_first_passs_origin_in_by_cause_as_within_one_loop(tmp_path):
+    """What the UNet's NaN does in FreeInit's second pass counts at the first pass's origin, as a
+    later step's does within one loop (one entry, its count and last step), not as entries of its
+    own: by_cause holds the origin, the VAE's decode (after the last pass) and the latents' jump once."""
+    pipe, call = freeinit_pipe()
+    conv = "up_blocks.1.resnets.0.conv2"
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with plant_nonfinite(pipe.unet.get_submodule(conv), from_call=1), dbg:  # the first pass's step 1 on
+        call()
+    report = dbg.report()
+    found = [
+        (a.kind, a.severity, a.component, a.module, a.step, a.details.get("run"), a.details["count"])
+        for a in report.by_cause()
+    ]
+    assert found == [
+        ("nonfinite", "error", "unet", conv, 1, 1, 3),  # pass 1's step 1, pass 2's steps 0 and 1
+        ("nonfinite", "warning", "vae", "", None, 2, 1),
+        ("scheduler_config", "warning", "", "", None, None, 1),
+        ("latent_divergence", "warning", "", "", 1, 1, 3),
+    ]
+    assert report.headline.details["last_step"] == 1
+    assert report.by_cause()[1].details["origin"] == f"unet {conv}, step 1 (t=1)"
+    dbg.close()
+
+
+def test_a_freeinit_origins_repeat_in_the_second_pass_says_its_run_beside_its_last_step(tmp_path):
+    """A repeat in FreeInit's second pass folds under the first pass's origin with the second pass's step
+    number; the entry says that step's run (``last_run``), in summary.json and report.html too: a callback
+    that cleans the latents, the UNet's NaN at the first pass's step 1 and again at the second pass's step 0
+    read "first at step 1, last at step 0" (backwards, in one run as far as the entry said)."""
+    from diffusion_debug.record.run_dir import rebuild_summary
+    from diffusion_debug.report.html_anomalies import _repeats
+
+    pipe, call = freeinit_pipe()
+    conv, ended = "up_blocks.1.resnets.0.conv2", []
+
+    def nan_at_step_1_and_pass_2s_step_0(module, args, output):
+        if len(ended) in (1, 2):  # (the step-end callbacks so far: the step it is)
+            return torch.full_like(output, float("nan"))
+
+    def clean(p, i, t, kwargs):
+        ended.append(i)
+        return {"latents": torch.nan_to_num(kwargs["latents"], nan=0.0)}
+
+    handle = pipe.unet.get_submodule(conv).register_forward_hook(nan_at_step_1_and_pass_2s_step_0)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", probes="full"))
+    with dbg:
+        call(callback_on_step_end=clean, callback_on_step_end_tensor_inputs=["latents"])
+    handle.remove()
+    (error,) = errors(report := dbg.report())
+    assert (error.module, error.step, error.details["run"]) == (conv, 1, 1)
+    assert (error.details["count"], error.details["last_step"], error.details["last_run"]) == (2, 0, 2)
+    assert _repeats(error) == " · seen 2 times, last at step 0 of run 2"
+    rebuilt = [a["details"] for a in rebuild_summary(report.save())["anomalies"] if a["severity"] == "error"]
+    assert [(d["count"], d["last_step"], d["last_run"]) for d in rebuilt] == [(2, 0, 2)]  # (from events.jsonl)
     dbg.close()
 
 
