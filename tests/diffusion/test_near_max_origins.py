@@ -254,6 +254,35 @@ def test_why_and_the_bundle_replay_name_the_module_that_made_the_near_max_values
     dbg.close()
 
 
+def test_why_and_the_bundle_replay_decide_at_the_runs_overflow_fraction(bf16_sd, tmp_path):
+    """A run configured with ``overflow_fraction=0.2`` names a conv planted at 0.3 of bf16's max as the
+    maker; its bundle keeps the fraction, so ``why()`` and the bundle replay name the same conv (before:
+    both decided at the default 0.5 and named the norm). A bundle saved before the key existed replays
+    at the default."""
+    import json
+
+    from diffusion_debug.diffusion import replay
+
+    dbg = warmed(bf16_sd, tmp_path, overflow_fraction=0.2)
+    with plant_overflow(bf16_sd.vae.get_submodule(CONV), fraction=0.3):
+        with dbg:
+            run(bf16_sd, steps=1)
+        result = dbg.report().why()
+        (error,) = [a for a in later(dbg, "nonfinite") if a.severity == "error"]
+        bundle = dbg.report().save() / error.details["bundle"]
+        replayed = replay(bundle, bf16_sd.vae)
+        meta = json.loads((bundle / "meta.json").read_text())
+        del meta["overflow_fraction"]  # as a bundle of an older version holds it
+        (bundle / "meta.json").write_text(json.dumps(meta))
+        old = replay(bundle, bf16_sd.vae)
+    assert (error.module, error.details["overflowed_in"]) == (CONV, NORM)
+    assert replayed["meta"]["overflow_fraction"] == 0.2
+    assert (replayed["module"], replayed["overflowed_in"], replayed["first_nonfinite"]) == (CONV, NORM, NORM)
+    assert (result.component, result.module, result.baseline.finite) == ("vae", CONV, False)
+    assert (old["module"], old["overflowed_in"]) == (NORM, None)  # 0.3 is below the default 0.5
+    dbg.close()
+
+
 # -- whose values: the producer's own inputs, followed back, never an unrelated module ----------------
 UNRELATED = "decoder.mid_block.resnets.0.conv1"  # near-max too, but only its resnet's norm2 (upcast in fp16) reads it
 
