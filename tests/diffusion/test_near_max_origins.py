@@ -110,7 +110,16 @@ def test_a_bf16_unet_conv_near_the_max_is_named_at_its_step(bf16_sd, tmp_path):
     assert (error.details["overflowed_in"], error.details["localized_by"]) == (norm, REPLAYED)
     (made,) = [a for a in anomalies if a.module == norm]
     assert (made.severity, made.step, made.details["follows"]["module"]) == ("warning", 2, conv)
-    assert [(a.kind, a.component) for a in anomalies if a.details.get("passed_on")] == [("nonfinite", "vae")]
+    (passed,) = [a for a in anomalies if a.details.get("passed_on")]
+    assert (passed.kind, passed.component, passed.details["origin"]) == (
+        "nonfinite",
+        "vae",
+        f"unet {conv}, step 2 (t=1)",
+    )
+    assert passed.message == (  # the cause the headline names (the maker), not the norm that overflowed
+        f"vae received non-finite input and passed it on; fix the first NaN/Inf at unet {conv}, step 2 (t=1) "
+        "rather than vae."
+    )
     assert all(a.severity == "warning" for a in anomalies if a is not error)
     headline = dbg.report().headline
     assert (headline.component, headline.module, headline.step) == ("unet", conv, 2)
