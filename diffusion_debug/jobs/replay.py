@@ -38,8 +38,12 @@ def replay_bundle(
         bar.update(1)
     finally:
         bar.close()
-    step = meta.get("step")  # None: a call outside the denoising loop (a VAE's, a text encoder's)
-    where = f" (step {step}, timestep {meta.get('timestep')})" if step is not None else ""
+    # None: a call outside the denoising loop (a VAE's, a text encoder's); a timestep None: a denoiser
+    # called with no scheduler step (a loop of its own)
+    step, timestep = meta.get("step"), meta.get("timestep")
+    shown = [f"step {step}"] if step is not None else []
+    shown += [f"timestep {timestep}"] if timestep is not None else []
+    where = f" ({', '.join(shown)})" if shown else ""
     if result.get("overflowed_in"):  # made from the module's near-max values: that module first
         print(
             f"values near the dtype's max made by: {component} {result['module']}, on which {component} "
