@@ -98,6 +98,18 @@ def test_a_denoiser_near_overflow_is_advised_by_the_dtype_it_ran_in(dtype, absma
     )
 
 
+def test_the_report_guide_next_to_an_overflow_risk_advises_by_dtype_as_its_message_does():
+    """The HTML report shows the kind's "what to do" beside each overflow_risk group: it told a bf16
+    component to run in float32 or bfloat16, which its message says gives these values no more room."""
+    from diffusion_debug.record import kind_info
+
+    assert kind_info("overflow_risk").action == (
+        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE); "
+        "in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and the "
+        "scale of its inputs."
+    )
+
+
 # -- prompts, scheduler, dtype, VAE saturation ----------------------------------------------------
 
 
