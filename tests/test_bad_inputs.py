@@ -219,6 +219,8 @@ def _damaged(bundle: Path, tmp_path: Path, damage: str) -> Path:
         meta["call"]["args"] = {"__tuple__": [{"__tensor__": "args.9"}]}
     elif damage == "call-not-packed":
         meta["call"] = "x"
+    elif damage == "bad-overflow-fraction":
+        meta["overflow_fraction"] = "0.5"
     (copy / "meta.json").write_text(json.dumps(meta))
     return copy
 
@@ -238,6 +240,7 @@ def _damaged(bundle: Path, tmp_path: Path, damage: str) -> Path:
         ("unknown-component", "The pipeline has no component '__class__'"),
         ("tensor-not-in-file", "meta.json's call names tensor 'args.9'; inputs.safetensors lacks it."),
         ("call-not-packed", "meta.json field 'call' is 'x'"),
+        ("bad-overflow-fraction", "meta.json field 'overflow_fraction' is '0.5', expected a number in (0, 1]."),
     ],
 )
 def test_a_damaged_bundle_is_one_line(capsys, tmp_path, good_bundle, damage, message):

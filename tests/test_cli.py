@@ -99,6 +99,59 @@ def test_replay_a_bundle_names_the_producer(capsys, tmp_path, faulty_pipeline):
     assert out.startswith(f"first non-finite value: unet {FAULTY_MODULE} (step 0")
 
 
+def test_replay_a_near_max_bundle_names_the_maker_and_where_it_overflowed(capsys, tmp_path, monkeypatch):
+    """A bf16 VAE conv planted at 0.9 of bf16's max makes the next GroupNorm overflow: the run's bundle,
+    replayed by the command on the same (planted) VAE, names the conv that made the values and the norm
+    that overflowed on them; a VAE call has no denoising step, so none is named (before: "(step None,
+    timestep None)")."""
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.jobs import pipeline_loading
+    from diffusion_debug.testing import plant_overflow
+
+    conv, norm = "decoder.up_blocks.1.resnets.0.conv2", "decoder.up_blocks.1.resnets.1.norm1"
+    pipe = tiny_pipeline("sd", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    monkeypatch.setattr(pipeline_loading, "load_pipeline", lambda model, kind, dtype, device: pipe)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with plant_overflow(pipe.vae.get_submodule(conv), fraction=0.9):
+        with dbg:
+            pipe("a cat", num_inference_steps=1, output_type="np")
+        (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+        bundle = dbg.report().save() / error.details["bundle"]
+        code, out, err = run_cli(capsys, "replay", bundle, "--quiet")
+    dbg.close()
+    assert (error.component, error.module, error.details["overflowed_in"]) == ("vae", conv, norm)
+    assert (code, err) == (0, "")
+    assert out == f"values near the dtype's max made by: vae {conv}, on which vae {norm} made NaN/Inf\n"
+
+
+def test_replay_of_a_bundle_from_direct_denoiser_calls_names_the_step_alone(capsys, tmp_path, monkeypatch):
+    """A loop that calls the UNet itself (no scheduler step) numbers its calls but has no timestep: the
+    bundle's meta.json holds step 0, timestep null, and the line names the step alone (before:
+    "(step 0, timestep None)")."""
+    from diffusion_debug import DebugConfig, DiffusionModelDebugger
+    from diffusion_debug.jobs import pipeline_loading
+
+    pipe = tiny_pipeline("sd", seed=3)
+    with torch.no_grad():
+        pipe.unet.get_submodule(FAULTY_MODULE).weight.view(-1)[0] = float("inf")
+    monkeypatch.setattr(pipeline_loading, "load_pipeline", lambda model, kind, dtype, device: pipe)
+    unet = pipe.unet
+    latents = torch.randn(1, unet.config.in_channels, 8, 8)
+    prompt = torch.randn(1, 4, unet.config.cross_attention_dim)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        unet(latents, 10, encoder_hidden_states=prompt)
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    bundle = dbg.report().save() / error.details["bundle"]
+    dbg.close()
+    meta = load_json(bundle / "meta.json")
+    assert (meta["step"], meta["timestep"]) == (0, None)
+    code, out, err = run_cli(capsys, "replay", bundle, "--quiet")
+    assert (code, err) == (0, "")
+    assert out == f"first non-finite value: unet {FAULTY_MODULE} (step 0)\n"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -481,6 +481,7 @@ class StepPipeline(CallEvents):
             args, kwargs = self.calls.kept_call(site)
             module = next(c.module for c in self.components if c.name == anomaly.component)
             kept = dict(call_prefix=site.prefix, component_module=module, args=args, kwargs=kwargs)
+            kept.update(overflow_fraction=self.config.overflow_fraction)  # a replay names the maker the run did
             kept.update(self.calls.bundle_context(site, module))  # a caching hook's context, a guider's hooks
             self.bundles.append(str(save_anomaly_bundle(self.record, anomaly, **kept)))
 

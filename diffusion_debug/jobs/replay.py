@@ -38,20 +38,25 @@ def replay_bundle(
         bar.update(1)
     finally:
         bar.close()
-    where = f"(step {meta.get('step')}, timestep {meta.get('timestep')})"
+    # None: a call outside the denoising loop (a VAE's, a text encoder's); a timestep None: a denoiser
+    # called with no scheduler step (a loop of its own)
+    step, timestep = meta.get("step"), meta.get("timestep")
+    shown = [f"step {step}"] if step is not None else []
+    shown += [f"timestep {timestep}"] if timestep is not None else []
+    where = f" ({', '.join(shown)})" if shown else ""
     if result.get("overflowed_in"):  # made from the module's near-max values: that module first
         print(
             f"values near the dtype's max made by: {component} {result['module']}, on which {component} "
-            f"{result['overflowed_in']} made NaN/Inf {where}"
+            f"{result['overflowed_in']} made NaN/Inf{where}"
         )
         return 0
     if result["module"] is not None:
-        print(f"first non-finite value: {component} {result['module'] or '(its own forward)'} {where}")
+        print(f"first non-finite value: {component} {result['module'] or '(its own forward)'}{where}")
         return 0
     if result["first_nonfinite"] is not None:
         print(
             f"the saved inputs are already non-finite; first module passing it on: {component} "
-            f"{result['first_nonfinite']} {where}"
+            f"{result['first_nonfinite']}{where}"
         )
         return 0
     print("the replay stayed finite: the fault does not reproduce with these weights (pass the --model it came from)")

@@ -74,6 +74,27 @@ def near_max_advice(where: str, details: dict[str, Any]) -> str:
     return "compute this component in bfloat16 or float32"
 
 
+def overflow_advice(where: str, details: dict[str, Any]) -> str:
+    """What to do about values ``where`` (``component.module``, or the component) made near the max of the
+    dtype it ran in (``details``: the ``overflow_risk``'s ``dtype``, ``vae_role``, ``sd_vae``). A wider dtype
+    holds fp16's values; bfloat16's largest value is float32's, so no dtype gives bf16's more room: their
+    scale is what to change (as :func:`near_max_advice` says of a NaN/Inf made from them).
+
+    >>> overflow_advice("unet.conv_out", {"dtype": "float16"})
+    'run this component in bfloat16 or float32, or upcast this module'
+    >>> overflow_advice("unet.conv_out", {"dtype": "bfloat16"}).split(":")[0]
+    "bfloat16 holds float32's range, so float32 gives these values no more room"
+    """
+    if details.get("dtype") == "bfloat16":
+        return (
+            "bfloat16 holds float32's range, so float32 gives these values no more room: "
+            f"check {where}'s weights and the scale of its inputs"
+        )
+    if details.get("vae_role"):
+        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), details.get("dtype"))
+    return "run this component in bfloat16 or float32, or upcast this module"
+
+
 def _after_origin(anomaly: Anomaly, text: str) -> str:
     """``text`` pointing at the run's first NaN/Inf (``details["origin"]``, set when a later error
     became its consequence), else as it is."""
@@ -231,11 +252,6 @@ def _nonfinite(anomaly: Anomaly) -> str:
 
 def overflow_risk(anomaly: Anomaly) -> str:
     d = anomaly.details
-    advice = (
-        vae_advice(anomaly.component, d.get("sd_vae", False), d.get("dtype"))
-        if d.get("vae_role")
-        else "run this component in bfloat16 or float32, or upcast this module"
-    )
     if d.get("localized_by") == "pipeline inputs":  # the values the user passed (checks.input_overflow_risk)
         listed = ", ".join(f"{n}=" for n in d["inputs"])
         return (
@@ -244,6 +260,7 @@ def overflow_risk(anomaly: Anomaly) -> str:
             "range, or run the pipeline in bfloat16 or float32."
         )
     where = f"{anomaly.component}.{anomaly.module}" if anomaly.module else anomaly.component  # "": its output
+    advice = overflow_advice(where, d)
     if d.get("before"):  # its own forward built them between two of its modules (decide.overflow_between)
         return (
             f"{where}'s own forward, between its modules, made values at {d['dtype_max_fraction']:.0%} of the "

@@ -58,7 +58,11 @@ register_kind(
     severity="warning",
     colour="#ff7f0e",
     meaning="An activation came close to the largest value its dtype can hold; one more step up and it becomes Inf.",
-    action="Run that component in float32 or bfloat16 (SDXL VAE: force_upcast or the fp16-fix VAE).",
+    action=(  # the message's advice, by the dtype it ran in (inference_messages.overflow_advice)
+        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE); "
+        "in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and the "
+        "scale of its inputs."
+    ),
     stable=True,
     fold_key=lambda a: (a.kind, a.component, a.module),  # one a module, whatever the step
     message=inference_messages.overflow_risk,

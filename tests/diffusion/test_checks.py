@@ -54,9 +54,16 @@ def test_planted_fp16_vae_overflow_is_named_with_vae_advice(fp16_sd, tmp_path):
     assert "float32" in risks[0].message and "sdxl-vae-fp16-fix" in risks[0].message
 
 
-def test_a_bf16_vae_near_overflow_is_told_float32_not_the_fp16_advice():
+BF16_ADVICE = (
+    "bfloat16 holds float32's range, so float32 gives these values no more room: check {where}'s weights and the "
+    "scale of its inputs."
+)
+
+
+def test_a_bf16_vae_near_overflow_is_told_to_check_its_values_not_the_fp16_advice():
     """The overflow advice reads the dtype the module ran in: Stable Diffusion's VAE near bfloat16's
-    maximum was told fp16's (force_upcast, the fp16-fixed VAE), which do not apply to a bf16 VAE."""
+    maximum was told fp16's (force_upcast, the fp16-fixed VAE), which do not apply to a bf16 VAE; nor
+    does float32, whose largest value is bfloat16's (before: "run the VAE in float32")."""
     from diffusion_debug.probes import ModuleReading
 
     reading = ModuleReading("decoder.conv_out", 0, "bfloat16", 1.0, 3.2e38, "bfloat16", "absmax")
@@ -65,7 +72,41 @@ def test_a_bf16_vae_near_overflow_is_told_float32_not_the_fp16_advice():
     )
     assert risk.message == (
         f"vae.decoder.conv_out output reached {risk.details['dtype_max_fraction']:.0%} of the bfloat16 maximum "
-        "(|x|=3.2e+38); run the VAE in float32: pipe.vae.to(torch.float32)."
+        "(|x|=3.2e+38); " + BF16_ADVICE.format(where="vae.decoder.conv_out")
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype, absmax, advice",
+    [
+        ("float16", 6e4, "(|x|=6e+04); run this component in bfloat16 or float32, or upcast this module."),
+        ("bfloat16", 3.2e38, "(|x|=3.2e+38); " + BF16_ADVICE.format(where="unet.up_blocks.0.resnets.0.conv2")),
+    ],
+)
+def test_a_denoiser_near_overflow_is_advised_by_the_dtype_it_ran_in(dtype, absmax, advice):
+    """fp16: a wider dtype (bf16 or float32) holds the values; bf16: none does (before: "run this component
+    in bfloat16 or float32" for a bf16 component already in bfloat16)."""
+    from diffusion_debug.probes import ModuleReading
+
+    reading = ModuleReading("up_blocks.0.resnets.0.conv2", 0, dtype, 1.0, absmax, dtype, "absmax")
+    (risk,) = checks.overflow_risk(
+        "unet", reading, step=3, timestep=None, fraction=0.5, localized_by="sentinel", role="denoiser"
+    )
+    share = f"{risk.details['dtype_max_fraction']:.0%}"
+    assert risk.message == (
+        f"unet.up_blocks.0.resnets.0.conv2 output reached {share} of the {dtype} maximum " + advice
+    )
+
+
+def test_the_report_guide_next_to_an_overflow_risk_advises_by_dtype_as_its_message_does():
+    """The HTML report shows the kind's "what to do" beside each overflow_risk group: it told a bf16
+    component to run in float32 or bfloat16, which its message says gives these values no more room."""
+    from diffusion_debug.record import kind_info
+
+    assert kind_info("overflow_risk").action == (
+        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE); "
+        "in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and the "
+        "scale of its inputs."
     )
 
 

@@ -110,7 +110,16 @@ def test_a_bf16_unet_conv_near_the_max_is_named_at_its_step(bf16_sd, tmp_path):
     assert (error.details["overflowed_in"], error.details["localized_by"]) == (norm, REPLAYED)
     (made,) = [a for a in anomalies if a.module == norm]
     assert (made.severity, made.step, made.details["follows"]["module"]) == ("warning", 2, conv)
-    assert [(a.kind, a.component) for a in anomalies if a.details.get("passed_on")] == [("nonfinite", "vae")]
+    (passed,) = [a for a in anomalies if a.details.get("passed_on")]
+    assert (passed.kind, passed.component, passed.details["origin"]) == (
+        "nonfinite",
+        "vae",
+        f"unet {conv}, step 2 (t=1)",
+    )
+    assert passed.message == (  # the cause the headline names (the maker), not the norm that overflowed
+        f"vae received non-finite input and passed it on; fix the first NaN/Inf at unet {conv}, step 2 (t=1) "
+        "rather than vae."
+    )
     assert all(a.severity == "warning" for a in anomalies if a is not error)
     headline = dbg.report().headline
     assert (headline.component, headline.module, headline.step) == ("unet", conv, 2)
@@ -251,6 +260,35 @@ def test_why_and_the_bundle_replay_name_the_module_that_made_the_near_max_values
     assert (result.component, result.module, result.baseline.finite, result.fix) == ("vae", CONV, False, None)
     assert {r.factor: r.finite for r in result.replays}["vae upcast (float32)"] is False
     assert result.markdown().startswith(f"# why: vae {CONV}\n")
+    dbg.close()
+
+
+def test_why_and_the_bundle_replay_decide_at_the_runs_overflow_fraction(bf16_sd, tmp_path):
+    """A run configured with ``overflow_fraction=0.2`` names a conv planted at 0.3 of bf16's max as the
+    maker; its bundle keeps the fraction, so ``why()`` and the bundle replay name the same conv (before:
+    both decided at the default 0.5 and named the norm). A bundle saved before the key existed replays
+    at the default."""
+    import json
+
+    from diffusion_debug.diffusion import replay
+
+    dbg = warmed(bf16_sd, tmp_path, overflow_fraction=0.2)
+    with plant_overflow(bf16_sd.vae.get_submodule(CONV), fraction=0.3):
+        with dbg:
+            run(bf16_sd, steps=1)
+        result = dbg.report().why()
+        (error,) = [a for a in later(dbg, "nonfinite") if a.severity == "error"]
+        bundle = dbg.report().save() / error.details["bundle"]
+        replayed = replay(bundle, bf16_sd.vae)
+        meta = json.loads((bundle / "meta.json").read_text())
+        del meta["overflow_fraction"]  # as a bundle of an older version holds it
+        (bundle / "meta.json").write_text(json.dumps(meta))
+        old = replay(bundle, bf16_sd.vae)
+    assert (error.module, error.details["overflowed_in"]) == (CONV, NORM)
+    assert replayed["meta"]["overflow_fraction"] == 0.2
+    assert (replayed["module"], replayed["overflowed_in"], replayed["first_nonfinite"]) == (CONV, NORM, NORM)
+    assert (result.component, result.module, result.baseline.finite) == ("vae", CONV, False)
+    assert (old["module"], old["overflowed_in"]) == (NORM, None)  # 0.3 is below the default 0.5
     dbg.close()
 
 

@@ -1,9 +1,9 @@
 """Repro bundles: the inputs of one failing component call, saved for an offline replay.
 
 A bundle is a folder ``bundles/<name>/`` with ``inputs.safetensors`` (every tensor argument)
-and ``meta.json`` (component, class and config, step, timestep, module, dtypes, versions, and the
-structure of the arguments).  The component's weights are NOT saved: :func:`replay` takes the
-model (load the same checkpoint, or keep the pipeline around).
+and ``meta.json`` (component, class and config, step, timestep, module, dtypes, versions, the run's
+``overflow_fraction``, and the structure of the arguments).  The component's weights are NOT saved:
+:func:`replay` takes the model (load the same checkpoint, or keep the pipeline around).
 
 >>> # replay("debug_output/run-.../bundles/unet-step3", pipe.unet)["module"]
 >>> # 'up_blocks.1.resnets.0.conv2'
@@ -112,9 +112,11 @@ def save_bundle(
     anomaly_kind: str,
     cache_context: Any = None,
     guider_hooks: dict[str, list[str]] | None = None,
+    overflow_fraction: float = DebugConfig.overflow_fraction,
 ) -> Path:
     """Write ``inputs.safetensors`` and ``meta.json``; return the folder. ``guider_hooks``: per module,
-    the hooks a guider placed for the call only (:func:`~..components.cache_hooks.placed_for_the_call`)."""
+    the hooks a guider placed for the call only (:func:`~..components.cache_hooks.placed_for_the_call`);
+    ``overflow_fraction``: the run's, so a replay names the near-max maker the run named."""
     from safetensors.torch import save_file
 
     bundle_dir = Path(bundle_dir)
@@ -131,6 +133,7 @@ def save_bundle(
         "timestep": timestep,
         "module": module,
         "anomaly_kind": anomaly_kind,
+        "overflow_fraction": overflow_fraction,
         "cache_context": context_fields(cache_context),
         "guider_hooks": dict(guider_hooks or {}),
         "dtypes": {k: dtype_name(v.dtype) for k, v in tensors.items()},
@@ -154,6 +157,7 @@ def save_anomaly_bundle(
     kwargs: dict,
     cache_context: Any = None,
     guider_hooks: dict[str, list[str]] | None = None,
+    overflow_fraction: float = DebugConfig.overflow_fraction,
 ) -> Path:
     """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``
     of ``record``'s run; ``anomaly.details["bundle"]`` then names it (relative to the run directory),
@@ -174,6 +178,7 @@ def save_anomaly_bundle(
         anomaly_kind=anomaly.kind,
         cache_context=cache_context,
         guider_hooks=guider_hooks,
+        overflow_fraction=overflow_fraction,
     )
     anomaly.details["bundle"] = f"bundles/{label}"
     place = {key: getattr(anomaly, key) for key in ("kind", "rank", "component", "module", "parameter")}
@@ -225,6 +230,7 @@ def read_bundle(bundle_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
         ("call_prefix", isinstance(meta.get("call_prefix", ""), (str, type(None))), "a module path or empty"),
         ("parameter_dtype", meta.get("parameter_dtype") in (None, *PARAMETER_DTYPES), ", ".join(PARAMETER_DTYPES)),
         ("dtypes", isinstance(meta.get("dtypes", {}), dict), "an object of dtype names"),
+        ("overflow_fraction", _is_fraction(meta.get("overflow_fraction", 1)), "a number in (0, 1]"),
     ):
         if not ok:
             shown = repr(meta.get(field))[:60]
@@ -254,6 +260,20 @@ def read_bundle(bundle_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
                 f"inputs.safetensors holds {dtype_name(tensors[key].dtype)}."
             )
     return meta, tensors
+
+
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+
+def bundle_fraction(meta: dict[str, Any]) -> float:
+    """The ``overflow_fraction`` the bundle's run had (read_bundle checked it); a bundle saved before
+    meta.json held it: the default.
+
+    >>> bundle_fraction({"overflow_fraction": 0.2}), bundle_fraction({})
+    (0.2, 0.5)
+    """
+    return float(meta.get("overflow_fraction", DebugConfig.overflow_fraction))
 
 
 def load_call(
@@ -289,11 +309,12 @@ def replay(
     "overflowed_in": name or None, "meta": meta.json}``; ``module`` is the first module whose output is
     non-finite while its inputs were finite, named inside the component as in the anomaly: where that
     module (then ``overflowed_in``) made it from finite values near the dtype's max, the module that made
-    those (:func:`~.decide.near_max_maker`, at the default ``overflow_fraction``). A damaged bundle is one
-    DiffusionDebugError (see :func:`read_bundle`). ``model``'s stateful diffusers hooks (caches) run in
-    the bundled call's cache context (``meta.json``'s ``cache_context``: the pipeline's ``cache_context``
-    has ended, and TaylorSeer or FirstBlockCache refuse a call outside one) from their live state, and
-    are left as the replay found them: the next pipeline call does not start from the replay's.
+    those (:func:`~.decide.near_max_maker`, at the run's ``overflow_fraction``: :func:`bundle_fraction`).
+    A damaged bundle is one DiffusionDebugError (see :func:`read_bundle`). ``model``'s stateful diffusers
+    hooks (caches) run in the bundled call's cache context (``meta.json``'s ``cache_context``: the
+    pipeline's ``cache_context`` has ended, and TaylorSeer or FirstBlockCache refuse a call outside one)
+    from their live state, and are left as the replay found them: the next pipeline call does not start
+    from the replay's.
     """
     meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
@@ -309,7 +330,7 @@ def replay(
     producer = find_producer(readings)
     first = first_nonfinite(readings)
     top = [r for r in readings if r.module == prefix]
-    near = near_max_maker(readings, producer, DebugConfig.overflow_fraction) if producer else None
+    near = near_max_maker(readings, producer, bundle_fraction(meta)) if producer else None
     return {
         "module": (near or producer).module if producer else None,
         "first_nonfinite": first.module if first else None,

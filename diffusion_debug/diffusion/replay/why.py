@@ -273,6 +273,7 @@ def explain(
     reference_s: float | None = None,
     placement: Placement = (),
     guider_hooks: dict[str, list[str]] | None = None,
+    overflow_fraction: float = DebugConfig.overflow_fraction,
 ) -> WhyResult:
     """Replay ``call`` as it was, then with each applicable factor changed alone. ``reference_s``:
     the run's own time for one call of the component; an as-is replay slower than
@@ -280,9 +281,10 @@ def explain(
     one DiffusionDebugError before any other replay. ``placement``: the hooks the component's
     registries held as the call began (a guider's layer hooks), held again through every replay (a
     copy is made with them); ``guider_hooks``: those the call had, by name, for the verdict of a
-    replay without them (from a bundle alone)."""
+    replay without them (from a bundle alone); ``overflow_fraction``: the run's, for the near-max maker
+    (:func:`~.decide.near_max_maker`) named as the run named it."""
     with placement_kept(placement), _as_it_ran(call):
-        return _explain(call, step, reference_s, None if placement else guider_hooks)
+        return _explain(call, step, reference_s, None if placement else guider_hooks, overflow_fraction)
 
 
 @contextlib.contextmanager
@@ -314,7 +316,11 @@ def _as_it_ran(call: OriginCall):
 
 
 def _explain(
-    call: OriginCall, step: int | None, reference_s: float | None, guider_hooks: dict[str, list[str]] | None
+    call: OriginCall,
+    step: int | None,
+    reference_s: float | None,
+    guider_hooks: dict[str, list[str]] | None,
+    fraction: float,
 ) -> WhyResult:
     baseline = run_variant(call, Variant(call.module, call.args, call.kwargs), "as it was", "nothing")
     if reference_s is not None:
@@ -325,8 +331,8 @@ def _explain(
     except Exception:  # the as-is row shows the error; the table is still worth having
         readings = []
     producer = find_producer(readings)
-    # made from another module's near-max values: that module, as the run named it (at the default fraction)
-    near = near_max_maker(readings, producer, DebugConfig.overflow_fraction) if producer else None
+    # made from another module's near-max values: that module, as the run named it (at the run's fraction)
+    near = near_max_maker(readings, producer, fraction) if producer else None
     module = (near or producer).module if producer else None
     replays = [_replay_factor(call, factor) for factor in factors_for(call)]
     weights = module_with_nonfinite_weights(eager_module(call.module), module)
@@ -365,7 +371,7 @@ def explain_bundle(
     call's hooks as it began, when the live pipeline is at hand (bundles hold no hooks). A ``call_prefix`` that
     names no submodule of ``component`` is one DiffusionDebugError, as ``replay`` says it."""
     from ...errors import DiffusionDebugError
-    from .bundle import load_call
+    from .bundle import bundle_fraction, load_call
 
     meta, args, kwargs = load_call(bundle_dir, component)
     prefix = meta.get("call_prefix") or ""
@@ -383,7 +389,7 @@ def explain_bundle(
     named = meta.get("guider_hooks")  # a crafted file is data: names only
     named = named if isinstance(named, dict) else {}
     guider_hooks = {str(k): [str(h) for h in v] for k, v in named.items() if isinstance(v, list)}
-    return explain(call, meta.get("step"), reference_s, placement, guider_hooks)
+    return explain(call, meta.get("step"), reference_s, placement, guider_hooks, bundle_fraction(meta))
 
 
 def write_why(run_dir: str | os.PathLike, result: WhyResult) -> Path:
