@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from torch.nn.functional import softplus
 
 from diffusion_debug import DebugConfig
 from diffusion_debug.record import severity_rank
@@ -470,3 +471,60 @@ def test_the_steps_watch_recompiles_no_compiled_optimizer_step():
         watch.seen.stop()
         torch._dynamo.reset()
     assert not optimizer._optimizer_step_pre_hooks
+
+
+def _gan_that_stalls(tmp_path, steps=7):
+    """A GAN's loop (``test_several_optimizers``'s shape) on one debugger, each model under its own SGD
+    without momentum, monitored after each backward with the optimizer that steps next: the discriminator's
+    lr is 0 and the generator's gradients are cleared (``zero_grad()`` before its step), so no update moves a
+    weight. The debugger (closed) and the two optimizers."""
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.0)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-2)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data = torch.Generator().manual_seed(1)
+    hooked = []
+    for it in range(steps):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        opt_d.zero_grad()
+        loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+        loss_d.backward()
+        tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
+        opt_d.step()
+        opt_g.zero_grad()
+        loss_g = softplus(-discriminator(fake)).mean()
+        loss_g.backward()
+        tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1)
+        opt_g.zero_grad()  # the fault: the generator's gradients gone before its step
+        opt_g.step()
+        hooked.append((len(opt_d._optimizer_step_pre_hooks), len(opt_g._optimizer_step_pre_hooks)))
+    tdbg.close()
+    return tdbg, opt_d, opt_g, hooked
+
+
+def test_each_of_a_gans_optimizers_carries_the_step_hook_and_the_stall_names_the_one_that_stepped(tmp_path):
+    # one hook, moved to the optimizer of each monitored step, was on the generator's optimizer when the
+    # stall was reported (step 5) while the update read there was the discriminator's step (step 4): its lr 0
+    # was diagnosed with the generator's optimizer and the discriminator's step reading, "undone_after_step"
+    tdbg, opt_d, opt_g, hooked = _gan_that_stalls(tmp_path)
+    assert set(hooked[1:]) == {(1, 1)}  # each one's from its first step judged (step 1, step 2), staying on
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["first_step"], d["last_step"]) == (
+        "not_learning",
+        5,
+        "lr_zero",
+        0,
+        4,
+    )
+    assert (d["lr"], d["held_by_optimizer"], d["watched_parameters"], d["stepped_optimizer"]) == (
+        0.0,
+        4,
+        8,
+        "SGD holding discriminator.0.weight and 3 more",
+    )
+    assert not opt_d._optimizer_step_pre_hooks and not opt_g._optimizer_step_pre_hooks  # off at close
