@@ -528,3 +528,49 @@ def test_each_of_a_gans_optimizers_carries_the_step_hook_and_the_stall_names_the
         "SGD holding discriminator.0.weight and 3 more",
     )
     assert not opt_d._optimizer_step_pre_hooks and not opt_g._optimizer_step_pre_hooks  # off at close
+
+
+def test_a_closure_optimizers_step_is_read_after_its_closure_made_the_gradients(tmp_path):
+    """``torch.optim.LBFGS`` steps with ``step(closure)``: its closure makes the gradients the step applies, so
+    what the step received is read after the closure's first call, not before the step. The loop clears the
+    gradients before ``step()`` (harmless there) and puts the weights back after it: the run is undone after
+    its steps. Read before the closure, no gradient reached the step: ``gradients_cleared``, advising to move a
+    ``zero_grad()`` that changed nothing."""
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    started = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.ones(16, 1)
+    tdbg = TrainingDebugger(model, config=_config(tmp_path))
+    received = []
+
+    def closure():
+        optimizer.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        received.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
+        return loss
+
+    for step in range(7):
+        loss = closure()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.zero_grad()  # LBFGS's closure makes the step's gradients again
+        optimizer.step(closure)
+        with torch.no_grad():
+            for p, kept in zip(model.parameters(), started):
+                p.copy_(kept)
+    tdbg.close()
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["first_step"], d["last_step"]) == (
+        "not_learning",
+        5,
+        "undone_after_step",
+        0,
+        4,
+    )
+    assert (d["held_at_step"], d["cleared_at_step"], d["state_empty"]) == (4, 0, False)
+    # the first of its closure's calls in step 4's step() (3 a step: the loop's, then max_iter 2): as the monitor read
+    assert d["grad_norm_at_step"] == pytest.approx(received[13], rel=1e-6) == pytest.approx(d["grad_norm"], rel=1e-6)

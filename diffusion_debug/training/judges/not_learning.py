@@ -180,7 +180,8 @@ class StepGradients:
     :class:`StallWatch` counts still updates (:attr:`active`); it never raises into the user's step (a
     failure leaves nothing seen). A hook added or removed between steps recompiles a ``torch.compile``'d
     ``optimizer.step()`` (its guards hold the step's hooks), so it stays on, and compiled it reads nothing:
-    the diagnosis is then the one without a step's reading.
+    the diagnosis is then the one without a step's reading. A step given a closure (``torch.optim.LBFGS``'s
+    ``step(closure)``) applies the gradients its closure makes: they are read after its first call.
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
@@ -252,13 +253,34 @@ class StepGradients:
         assert self.params is not None
         return [i for i, p in enumerate(self.params.params) if id(p) in held]
 
-    def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if torch.compiler.is_dynamo_compiling() or not self.active:  # first: no guard on ``active`` when compiled
-            return
+            return None
         self.stepped, self.cleared, self.norms = weakref.ref(optimizer), -1, None
         self.held = self.holds.get(id(optimizer), [])
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer)
         if not self.held:  # an optimizer that holds none of them: nothing to read
-            return
+            return None
+        if closure is None:
+            self._read()
+            return None
+        # step(closure) (LBFGS): the closure makes the gradients the step applies; before it, they may be gone
+        # (a zero_grad() that changes nothing there): read after its first call
+        calls = [closure]
+
+        def read_after(*a: Any, **k: Any) -> Any:
+            loss = calls[0](*a, **k)
+            if len(calls) == 1:
+                calls.append(None)
+                self._read()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": read_after}
+        return (args[0], read_after, *args[2:]), kwargs
+
+    def _read(self) -> None:
+        """The watched gradients as the step receives them (never raises: a failure leaves nothing seen)."""
         try:
             assert self.params is not None
             grads = self.params.local_gradients()
