@@ -574,3 +574,49 @@ def test_a_closure_optimizers_step_is_read_after_its_closure_made_the_gradients(
     assert (d["held_at_step"], d["cleared_at_step"], d["state_empty"]) == (4, 0, False)
     # the first of its closure's calls in step 4's step() (3 a step: the loop's, then max_iter 2): as the monitor read
     assert d["grad_norm_at_step"] == pytest.approx(received[13], rel=1e-6) == pytest.approx(d["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("stage, lr", [(1, 0.01), (2, 0.01), (2, 0.0)])
+def test_under_deepspeed_zero_a_stall_names_no_cause_the_engines_optimizer_cannot_show(
+    one_rank_group, deepspeed_engine, tmp_path, stage, lr
+):
+    """ZeRO-1/2 (one CPU rank in this process): the engine's ``step()`` steps a torch optimizer of flat float32
+    partitions, whose step pre-hook fires but holds none of the watched parameters, whose ``.grad`` ZeRO has
+    taken into its buckets by then: what the step received cannot be read, so no hook goes on. Weights put back
+    after each ``engine.step()`` were told 'the optimizer holds none of the watched model's parameters'
+    (``optimizer_params``: the partitions are not the watched tensors); the diagnosis now says only what it
+    can read there (an lr of 0), else that the cause is unknown."""
+    from diffusion_debug import TrainingDebugger
+    from diffusion_debug.training.measure.optimizer_state import raw_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    engine, optimizer = deepspeed_engine(model, stage, {"optimizer": {"type": "SGD", "params": {"lr": lr}}})
+    kept = [p.detach().clone() for p in engine.module.parameters()]
+    tdbg = TrainingDebugger(engine, config=_config(tmp_path))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for step in range(7):
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        engine.step()
+        hooked = len(raw_optimizer(optimizer)._optimizer_step_pre_hooks)
+        with torch.no_grad():
+            for p, k in zip(engine.module.parameters(), kept):
+                p.copy_(k)
+    tdbg.close()
+    assert hooked == 0
+    (found,) = _serious(tdbg)
+    d = found.details
+    reason = "lr_zero" if lr == 0 else "unknown"
+    assert (found.kind, found.step, d["reason"], d["first_step"], d["last_step"], d["lr"]) == (
+        "not_learning",
+        5,
+        reason,
+        0,
+        4,
+        lr,
+    )
+    assert "held_at_step" not in d and d["held_by_optimizer"] == 0 and d["watched_parameters"] == 4
+    if reason == "unknown":
+        assert found.message.endswith("the cause is unknown: check the optimizer and the loop's order.")

@@ -17,9 +17,10 @@ gradient at all (``gradients_cleared``: ``zero_grad()`` between ``backward()`` a
 ones (``gradients_zeroed``: a mask or hook between the monitor and the step zeroed the rows that should
 learn, as a textual-inversion mask that misses the placeholder token), or the gradients the monitor read
 (``undone_after_step``: the step applied them and something after it put the weights back). Where no
-step was seen (an optimizer without step hooks, DeepSpeed's engine) an optimizer without state for the
-watched parameters is read as cleared gradients, as AdamW's is; SGD without momentum keeps none
-whatever happens, so there only the step's hook tells.
+step was seen (an optimizer without step hooks) an optimizer without state for the watched parameters is
+read as cleared gradients, as AdamW's is; SGD without momentum keeps none whatever happens, so there only
+the step's hook tells. DeepSpeed's engine steps copies of the watched tensors (ZeRO-1/2's flat partitions,
+whose step hook fires but reads nothing of theirs): past an lr of 0 the cause is ``unknown`` there.
 
 >>> watch = StallWatch()
 >>> [watch.update(step, {"a": 0.0, "b": 0.0}, grad_norm=0.5, skipped=False) for step in range(5)]
@@ -348,13 +349,18 @@ def diagnose(
         "held_by_optimizer": len(held),
         "other_parameters": sum(1 for g in groups for p in g["params"] if id(p) not in watched),
     }
-    if not holding:
+    # DeepSpeed's engine trains copies of the watched tensors (ZeRO's flat partitions, fp16/bf16's float32
+    # masters): none held, yet its step's gradients and its state are theirs, not to be read for the watched
+    copies = not holding and getattr(params, "deepspeed", None) is not None
+    if not holding and not copies:
         return {"reason": "optimizer_params", **evidence}
     # a group's lr None is an optimizer that makes its own (transformers' Adafactor, relative_step)
-    known = [float(g["lr"]) for g in holding if g.get("lr") is not None]
+    known = [float(g["lr"]) for g in holding or groups if g.get("lr") is not None]
     evidence["lr"] = max(known) if known else None
-    if evidence["lr"] == 0 and len(known) == len(holding):
+    if evidence["lr"] == 0 and len(known) == len(holding or groups):
         return {"reason": "lr_zero", **evidence}
+    if copies:  # no cause told rather than a wrong one
+        return {"reason": "unknown", **evidence}
     state = getattr(raw_optimizer(optimizer), "state", {})
     evidence["state_empty"] = all(not state.get(p) for p in held)
     low = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.dtype in _LOW_PRECISION})
