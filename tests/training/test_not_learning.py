@@ -1,7 +1,11 @@
 """A run that does not learn (issue 21, item 3): the optimizer steps move no weight although the
 gradients are normal. lr=0, an optimizer holding another model's parameters and zero_grad()
 between backward() and step() are each named at the step the fifth still update is read (step 5:
-the updates of steps 0-4), with the evidence; the clean loop of the same shape stays quiet."""
+the updates of steps 0-4), with the evidence; the clean loop of the same shape stays quiet.
+
+Long because each cause the diagnosis tells is planted in a real loop of its own (a UNet's, textual
+inversion's, a GAN's two optimizers, LBFGS's closure, DeepSpeed ZeRO's engine) beside the clean one it must
+not be told in, and these share the module's helpers."""
 
 import copy
 import math
