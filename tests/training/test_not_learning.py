@@ -624,3 +624,37 @@ def test_under_deepspeed_zero_a_stall_names_no_cause_the_engines_optimizer_canno
     assert "held_at_step" not in d and d["held_by_optimizer"] == 0 and d["watched_parameters"] == 4
     if reason == "unknown":
         assert found.message.endswith("the cause is unknown: check the optimizer and the loop's order.")
+
+
+def test_two_optimizers_compiled_steps_are_not_recompiled_by_the_steps_watch():
+    """A GAN's two ``torch.compile``'d steps, each optimizer followed in turn: one hook moved to each step's
+    optimizer was taken off the other's and put back at its next step, a recompile of each step every time
+    a run of still updates lasted. Each carries its own hook from its first follow, both staying."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    models = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    params, watch = TrainableParameters.of(torch.nn.ModuleList(models)), StallWatch()
+    steps = [torch.compile(lambda o=o: o.step(), backend="eager") for o in optimizers]
+
+    def one(which, updates):
+        models[which](torch.ones(1, 4)).sum().backward()
+        watch.updates = updates
+        watch.follow_step(optimizers[which], params)
+        steps[which]()
+        optimizers[which].zero_grad()
+
+    try:
+        for which in (0, 1, 0, 1):  # each one's first steps (SGD's momentum buffers: their own recompiles)
+            one(which, 0)
+        frames = counters["frames"]["total"]  # (the steps share torch's wrapper: past 8 compiles, none counted)
+        for updates in (1, 1, 2, 2, 0, 0, 1, 1):
+            one(0, updates)
+            one(1, updates)
+        assert counters["frames"]["total"] == frames  # before: 7 more, the last past the recompile limit
+        assert [len(o._optimizer_step_pre_hooks) for o in optimizers] == [1, 1]
+    finally:
+        watch.seen.stop()
+        torch._dynamo.reset()
+    assert not any(o._optimizer_step_pre_hooks for o in optimizers)
