@@ -233,8 +233,8 @@ class StepGradients:
         inner = raw_optimizer(optimizer)
         hooked = self.hooks.get(id(inner))
         if hooked is None or hooked[0]() is not inner:
-            if hooked is not None:
-                hooked[1].remove()
+            if hooked is not None:  # a gone optimizer's id, given to this one
+                self.hooks.pop(id(inner))[1].remove()
             groups = param_groups(inner)
             if groups is None or params.deepspeed is not None or not hasattr(inner, "register_step_pre_hook"):
                 return
