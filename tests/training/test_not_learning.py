@@ -658,3 +658,26 @@ def test_two_optimizers_compiled_steps_are_not_recompiled_by_the_steps_watch():
         watch.seen.stop()
         torch._dynamo.reset()
     assert not any(o._optimizer_step_pre_hooks for o in optimizers)
+
+
+def test_a_steps_argument_that_is_no_closure_reaches_the_step_unchanged():
+    """An optimizer whose ``step()`` takes something other than a closure first (here a scale) gets it as
+    given: the pre-hook wrapped any second argument as a closure, so the step received a function in place of
+    the user's value."""
+    from diffusion_debug.training.judges.not_learning import StepGradients
+
+    class Scaled(torch.optim.SGD):
+        def step(self, scale=None):
+            super().step()
+            return scale
+
+    layer = torch.nn.Linear(2, 2)
+    optimizer, seen = Scaled(layer.parameters(), lr=0.1), StepGradients()
+    seen.watch(optimizer, TrainableParameters.of(layer))
+    layer(torch.ones(1, 2)).sum().backward()
+    try:
+        assert optimizer.step(2.0) == 2.0
+        assert optimizer.step(scale=3.0) == 3.0
+        assert seen.read()["held_at_step"] == 2  # read before the step, as a step without closure
+    finally:
+        seen.stop()

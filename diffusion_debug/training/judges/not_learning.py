@@ -262,7 +262,7 @@ class StepGradients:
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer)
         if not self.held:  # an optimizer that holds none of them: nothing to read
             return None
-        if closure is None:
+        if not callable(closure):  # no closure (or another argument in its place, passed on as given)
             self._read()
             return None
         # step(closure) (LBFGS): the closure makes the gradients the step applies; before it, they may be gone
