@@ -681,3 +681,28 @@ def test_a_steps_argument_that_is_no_closure_reaches_the_step_unchanged():
         assert seen.read()["held_at_step"] == 2  # read before the step, as a step without closure
     finally:
         seen.stop()
+
+
+def test_an_optimizer_replaced_mid_run_is_not_named_as_one_of_several():
+    """A user's optimizer dropped and replaced (a new phase, a resume) leaves one live optimizer: the stall
+    names none (``stepped_optimizer`` is for several); the gone one's hook entry counted it as a second."""
+    import gc
+
+    from diffusion_debug.training.judges.not_learning import StepGradients
+
+    layer = torch.nn.Linear(2, 2)
+    params, seen = TrainableParameters.of(layer), StepGradients()
+    first = torch.optim.SGD(layer.parameters(), lr=0.1)
+    seen.watch(first, params, active=False)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None  # the hook holds no optimizer alive
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    seen.watch(optimizer, params)
+    layer(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    try:
+        assert seen.stepped() is optimizer and seen.name() is None
+    finally:
+        seen.stop()

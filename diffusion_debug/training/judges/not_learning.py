@@ -306,7 +306,8 @@ class StepGradients:
         """Which optimizer stepped last, where several are hooked (else None): its class and the first watched
         parameter it holds (``"SGD holding discriminator.0.weight and 3 more"``)."""
         stepped = self.stepped()
-        if len(self.hooks) < 2 or stepped is None or self.params is None:
+        live = sum(ref() is not None for ref, _ in self.hooks.values())  # (a replaced optimizer's entry stays)
+        if live < 2 or stepped is None or self.params is None:
             return None
         if not self.held:
             return f"{type(stepped).__name__} holding none of them"
