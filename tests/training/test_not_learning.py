@@ -1,7 +1,11 @@
 """A run that does not learn (issue 21, item 3): the optimizer steps move no weight although the
 gradients are normal. lr=0, an optimizer holding another model's parameters and zero_grad()
 between backward() and step() are each named at the step the fifth still update is read (step 5:
-the updates of steps 0-4), with the evidence; the clean loop of the same shape stays quiet."""
+the updates of steps 0-4), with the evidence; the clean loop of the same shape stays quiet.
+
+Long because each cause the diagnosis tells is planted in a real loop of its own (a UNet's, textual
+inversion's, a GAN's two optimizers, LBFGS's closure, DeepSpeed ZeRO's engine) beside the clean one it must
+not be told in, and these share the module's helpers."""
 
 import copy
 import math
@@ -9,6 +13,7 @@ import weakref
 
 import pytest
 import torch
+from torch.nn.functional import softplus
 
 from diffusion_debug import DebugConfig
 from diffusion_debug.record import severity_rank
@@ -470,3 +475,234 @@ def test_the_steps_watch_recompiles_no_compiled_optimizer_step():
         watch.seen.stop()
         torch._dynamo.reset()
     assert not optimizer._optimizer_step_pre_hooks
+
+
+def _gan_that_stalls(tmp_path, steps=7):
+    """A GAN's loop (``test_several_optimizers``'s shape) on one debugger, each model under its own SGD
+    without momentum, monitored after each backward with the optimizer that steps next: the discriminator's
+    lr is 0 and the generator's gradients are cleared (``zero_grad()`` before its step), so no update moves a
+    weight. The debugger (closed) and the two optimizers."""
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.0)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-2)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data = torch.Generator().manual_seed(1)
+    hooked = []
+    for it in range(steps):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        opt_d.zero_grad()
+        loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+        loss_d.backward()
+        tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
+        opt_d.step()
+        opt_g.zero_grad()
+        loss_g = softplus(-discriminator(fake)).mean()
+        loss_g.backward()
+        tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1)
+        opt_g.zero_grad()  # the fault: the generator's gradients gone before its step
+        opt_g.step()
+        hooked.append((len(opt_d._optimizer_step_pre_hooks), len(opt_g._optimizer_step_pre_hooks)))
+    tdbg.close()
+    return tdbg, opt_d, opt_g, hooked
+
+
+def test_each_of_a_gans_optimizers_carries_the_step_hook_and_the_stall_names_the_one_that_stepped(tmp_path):
+    # one hook, moved to the optimizer of each monitored step, was on the generator's optimizer when the
+    # stall was reported (step 5) while the update read there was the discriminator's step (step 4): its lr 0
+    # was diagnosed with the generator's optimizer and the discriminator's step reading, "undone_after_step"
+    tdbg, opt_d, opt_g, hooked = _gan_that_stalls(tmp_path)
+    assert set(hooked[1:]) == {(1, 1)}  # each one's from its first step judged (step 1, step 2), staying on
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["first_step"], d["last_step"]) == (
+        "not_learning",
+        5,
+        "lr_zero",
+        0,
+        4,
+    )
+    assert (d["lr"], d["held_by_optimizer"], d["watched_parameters"], d["stepped_optimizer"]) == (
+        0.0,
+        4,
+        8,
+        "SGD holding discriminator.0.weight and 3 more",
+    )
+    assert not opt_d._optimizer_step_pre_hooks and not opt_g._optimizer_step_pre_hooks  # off at close
+
+
+def test_a_closure_optimizers_step_is_read_after_its_closure_made_the_gradients(tmp_path):
+    """``torch.optim.LBFGS`` steps with ``step(closure)``: its closure makes the gradients the step applies, so
+    what the step received is read after the closure's first call, not before the step. The loop clears the
+    gradients before ``step()`` (harmless there) and puts the weights back after it: the run is undone after
+    its steps. Read before the closure, no gradient reached the step: ``gradients_cleared``, advising to move a
+    ``zero_grad()`` that changed nothing."""
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    started = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.ones(16, 1)
+    tdbg = TrainingDebugger(model, config=_config(tmp_path))
+    received = []
+
+    def closure():
+        optimizer.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        received.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
+        return loss
+
+    for step in range(7):
+        loss = closure()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.zero_grad()  # LBFGS's closure makes the step's gradients again
+        optimizer.step(closure)
+        with torch.no_grad():
+            for p, kept in zip(model.parameters(), started):
+                p.copy_(kept)
+    tdbg.close()
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["first_step"], d["last_step"]) == (
+        "not_learning",
+        5,
+        "undone_after_step",
+        0,
+        4,
+    )
+    assert (d["held_at_step"], d["cleared_at_step"], d["state_empty"]) == (4, 0, False)
+    # the first of its closure's calls in step 4's step() (3 a step: the loop's, then max_iter 2): as the monitor read
+    assert d["grad_norm_at_step"] == pytest.approx(received[13], rel=1e-6) == pytest.approx(d["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("stage, lr", [(1, 0.01), (2, 0.01), (2, 0.0)])
+def test_under_deepspeed_zero_a_stall_names_no_cause_the_engines_optimizer_cannot_show(
+    one_rank_group, deepspeed_engine, tmp_path, stage, lr
+):
+    """ZeRO-1/2 (one CPU rank in this process): the engine's ``step()`` steps a torch optimizer of flat float32
+    partitions, whose step pre-hook fires but holds none of the watched parameters, whose ``.grad`` ZeRO has
+    taken into its buckets by then: what the step received cannot be read, so no hook goes on. Weights put back
+    after each ``engine.step()`` were told 'the optimizer holds none of the watched model's parameters'
+    (``optimizer_params``: the partitions are not the watched tensors); the diagnosis now says only what it
+    can read there (an lr of 0), else that the cause is unknown."""
+    from diffusion_debug import TrainingDebugger
+    from diffusion_debug.training.measure.optimizer_state import raw_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    engine, optimizer = deepspeed_engine(model, stage, {"optimizer": {"type": "SGD", "params": {"lr": lr}}})
+    kept = [p.detach().clone() for p in engine.module.parameters()]
+    tdbg = TrainingDebugger(engine, config=_config(tmp_path))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for step in range(7):
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        engine.step()
+        hooked = len(raw_optimizer(optimizer)._optimizer_step_pre_hooks)
+        with torch.no_grad():
+            for p, k in zip(engine.module.parameters(), kept):
+                p.copy_(k)
+    tdbg.close()
+    assert hooked == 0
+    (found,) = _serious(tdbg)
+    d = found.details
+    reason = "lr_zero" if lr == 0 else "unknown"
+    assert (found.kind, found.step, d["reason"], d["first_step"], d["last_step"], d["lr"]) == (
+        "not_learning",
+        5,
+        reason,
+        0,
+        4,
+        lr,
+    )
+    assert "held_at_step" not in d and d["held_by_optimizer"] == 0 and d["watched_parameters"] == 4
+    if reason == "unknown":
+        assert found.message.endswith("the cause is unknown: check the optimizer and the loop's order.")
+
+
+def test_two_optimizers_compiled_steps_are_not_recompiled_by_the_steps_watch():
+    """A GAN's two ``torch.compile``'d steps, each optimizer followed in turn: one hook moved to each step's
+    optimizer was taken off the other's and put back at its next step, a recompile of each step every time
+    a run of still updates lasted. Each carries its own hook from its first follow, both staying."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    models = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    params, watch = TrainableParameters.of(torch.nn.ModuleList(models)), StallWatch()
+    steps = [torch.compile(lambda o=o: o.step(), backend="eager") for o in optimizers]
+
+    def one(which, updates):
+        models[which](torch.ones(1, 4)).sum().backward()
+        watch.updates = updates
+        watch.follow_step(optimizers[which], params)
+        steps[which]()
+        optimizers[which].zero_grad()
+
+    try:
+        for which in (0, 1, 0, 1):  # each one's first steps (SGD's momentum buffers: their own recompiles)
+            one(which, 0)
+        frames = counters["frames"]["total"]  # (the steps share torch's wrapper: past 8 compiles, none counted)
+        for updates in (1, 1, 2, 2, 0, 0, 1, 1):
+            one(0, updates)
+            one(1, updates)
+        assert counters["frames"]["total"] == frames  # before: 7 more, the last past the recompile limit
+        assert [len(o._optimizer_step_pre_hooks) for o in optimizers] == [1, 1]
+    finally:
+        watch.seen.stop()
+        torch._dynamo.reset()
+    assert not any(o._optimizer_step_pre_hooks for o in optimizers)
+
+
+def test_a_steps_argument_that_is_no_closure_reaches_the_step_unchanged():
+    """An optimizer whose ``step()`` takes something other than a closure first (here a scale) gets it as
+    given: the pre-hook wrapped any second argument as a closure, so the step received a function in place of
+    the user's value."""
+    from diffusion_debug.training.judges.not_learning import StepGradients
+
+    class Scaled(torch.optim.SGD):
+        def step(self, scale=None):
+            super().step()
+            return scale
+
+    layer = torch.nn.Linear(2, 2)
+    optimizer, seen = Scaled(layer.parameters(), lr=0.1), StepGradients()
+    seen.watch(optimizer, TrainableParameters.of(layer))
+    layer(torch.ones(1, 2)).sum().backward()
+    try:
+        assert optimizer.step(2.0) == 2.0
+        assert optimizer.step(scale=3.0) == 3.0
+        assert seen.read()["held_at_step"] == 2  # read before the step, as a step without closure
+    finally:
+        seen.stop()
+
+
+def test_an_optimizer_replaced_mid_run_is_not_named_as_one_of_several():
+    """A user's optimizer dropped and replaced (a new phase, a resume) leaves one live optimizer: the stall
+    names none (``stepped_optimizer`` is for several); the gone one's hook entry counted it as a second."""
+    import gc
+
+    from diffusion_debug.training.judges.not_learning import StepGradients
+
+    layer = torch.nn.Linear(2, 2)
+    params, seen = TrainableParameters.of(layer), StepGradients()
+    first = torch.optim.SGD(layer.parameters(), lr=0.1)
+    seen.watch(first, params, active=False)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None  # the hook holds no optimizer alive
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    seen.watch(optimizer, params)
+    layer(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    try:
+        assert seen.stepped() is optimizer and seen.name() is None
+    finally:
+        seen.stop()

@@ -237,7 +237,8 @@ class LocalJudge:
         if clear:
             found = judge_stall(self.rank, watch, index, optimizer, self.params)
             judged.anomalies += found
-        if watch.updates or watch.seen.active or watch.seen.unplaced:  # a clean run: one call, at its first step
+        # a clean run: one call at each optimizer's first step judged (``id``: no Python call)
+        if watch.updates or watch.seen.active or id(optimizer) not in watch.seen.followed:
             watch.follow_step(optimizer, self.params)  # what the optimizer's step receives, while still
 
     def judge_across_ranks(self, judged: Judgement) -> None:

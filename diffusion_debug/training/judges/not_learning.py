@@ -10,15 +10,17 @@ optimizer, once: it holds none of the watched parameters, or its learning rate i
 the weights are fp16/bf16 and every update rounds away (the optimizer keeps state for them, or
 it keeps none, as SGD without momentum, and a plain step ``lr x |g| / |w|`` is below half the
 dtype's epsilon), else what ``optimizer.step()`` itself received (:class:`StepGradients`, a step
-pre-hook on the optimizer from the first monitored step, reading only while a run of still updates
-lasts; a compiled step reads nothing): no
+pre-hook on each optimizer the debugger is given, from its first step judged, reading only while a run of
+still updates lasts; a compiled step reads nothing; of several optimizers, the one that stepped last is
+diagnosed and named, ``stepped_optimizer``): no
 gradient at all (``gradients_cleared``: ``zero_grad()`` between ``backward()`` and ``step()``), zeroed
 ones (``gradients_zeroed``: a mask or hook between the monitor and the step zeroed the rows that should
 learn, as a textual-inversion mask that misses the placeholder token), or the gradients the monitor read
 (``undone_after_step``: the step applied them and something after it put the weights back). Where no
-step was seen (an optimizer without step hooks, DeepSpeed's engine) an optimizer without state for the
-watched parameters is read as cleared gradients, as AdamW's is; SGD without momentum keeps none
-whatever happens, so there only the step's hook tells.
+step was seen (an optimizer without step hooks) an optimizer without state for the watched parameters is
+read as cleared gradients, as AdamW's is; SGD without momentum keeps none whatever happens, so there only
+the step's hook tells. DeepSpeed's engine steps copies of the watched tensors (ZeRO-1/2's flat partitions,
+whose step hook fires but reads nothing of theirs): past an lr of 0 the cause is ``unknown`` there.
 
 >>> watch = StallWatch()
 >>> [watch.update(step, {"a": 0.0, "b": 0.0}, grad_norm=0.5, skipped=False) for step in range(5)]
@@ -114,15 +116,16 @@ class StallWatch:
 
     def follow_step(self, optimizer: Any, params: TrainableParameters) -> None:
         """Watch what ``optimizer.step()`` receives while a run of still updates is counted and not yet
-        reported (the diagnosis reads it); otherwise pause the watch. The hook goes on at the first call
-        (the first monitored step, before the user's step is ever compiled) and stays to close: put on
-        and taken off, it recompiled a ``torch.compile``'d step each time."""
-        if self.updates and not self.flagged and optimizer is not None:
-            self.seen.watch(optimizer, params)
-        elif self.seen.active:
+        reported (the diagnosis reads it); otherwise pause the watch. The hook goes on ``optimizer`` at the
+        first call with it (its first step judged, before the user's step is ever compiled) and stays to
+        close, beside each other optimizer's: put on and taken off, it recompiled a ``torch.compile``'d step
+        each time."""
+        if optimizer is None:
+            return
+        still = bool(self.updates) and not self.flagged
+        if self.seen.active and not still:
             self.seen.pause()
-        elif self.seen.unplaced and optimizer is not None:
-            self.seen.watch(optimizer, params, active=False)
+        self.seen.watch(optimizer, params, active=still)
 
     def update(
         self,
@@ -171,13 +174,15 @@ class StallWatch:
 
 
 class StepGradients:
-    """What the last ``optimizer.step()`` received for the watched parameters the optimizer holds: how many
+    """What the last ``optimizer.step()`` received for the watched parameters its optimizer holds: how many
     had no gradient (``None``) and the norm of the others, kept on the device (read once, by a report). A
-    step pre-hook, put on the optimizer once (the first monitored step) and reading only while
+    step pre-hook on each optimizer the debugger is given (a GAN's two: the stall's update is the step of
+    the one that stepped last), put on once (its first step judged) and reading only while
     :class:`StallWatch` counts still updates (:attr:`active`); it never raises into the user's step (a
     failure leaves nothing seen). A hook added or removed between steps recompiles a ``torch.compile``'d
     ``optimizer.step()`` (its guards hold the step's hooks), so it stays on, and compiled it reads nothing:
-    the diagnosis is then the one without a step's reading.
+    the diagnosis is then the one without a step's reading. A step given a closure (``torch.optim.LBFGS``'s
+    ``step(closure)``) applies the gradients its closure makes: they are read after its first call.
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
@@ -189,47 +194,94 @@ class StepGradients:
     >>> found = seen.read()
     >>> found["held_at_step"], found["cleared_at_step"], round(found["grad_norm_at_step"], 4)
     (2, 1, 1.4142)
-    >>> seen.stop(); seen.handle is None
-    True
+    >>> seen.stepped() is optimizer, seen.name()  # one optimizer: no name needed
+    (True, None)
+    >>> seen.stop(); seen.hooks
+    {}
     """
 
     def __init__(self) -> None:
-        self.handle: Any = None
-        self.optimizer: weakref.ref | None = None
-        """The optimizer the hook is on (weakly: a user's optimizer replaced mid-run is not kept)."""
+        self.hooks: dict[int, tuple[weakref.ref, Any]] = {}
+        """Each hooked torch optimizer's (by id; weakly: a user's optimizer replaced mid-run is not kept) and
+        its hook's handle, in the order they were put on."""
+        self.followed: dict[int, Any] = {id(None): None}
+        """The optimizers :meth:`watch` was given (by id, weakly; None's: a step without one asks nothing):
+        a monitored step asks for the hook only with one not in it (no call on a clean run's step)."""
         self.params: TrainableParameters | None = None
-        self.unplaced = True
-        """No :meth:`watch` yet: the first puts the hook on, even while nothing is still."""
         self.active = False
-        """The hook reads the step (a run of still updates is counted)."""
+        """The hooks read the step (a run of still updates is counted)."""
+        self.holds: dict[int, list[int]] = {}
+        """While active, the indices (in ``params``) of the watched parameters each hooked optimizer holds."""
         self.held: list[int] = []
-        """The indices (in ``params``) of the watched parameters the optimizer holds."""
+        """Those of the optimizer whose step was read last."""
+        self.stepped: Callable[[], Any] = lambda: None
+        """The torch optimizer whose step was read last (while active; weakly)."""
         self.cleared = -1
         """How many of them had no gradient at the last step (-1: no step seen)."""
         self.norms: torch.Tensor | None = None
 
     def watch(self, optimizer: Any, params: TrainableParameters, active: bool = True) -> None:
-        """Put the hook on ``optimizer`` (the torch one inside a wrapper), once (another optimizer moves
-        it), and read its steps from now (``active``), the parameters it holds listed then (a group added
-        mid-run counts)."""
-        self.unplaced = False
+        """Put the hook on ``optimizer`` (the torch one inside a wrapper) once, where it stays beside any
+        other optimizer's, and read the steps of every hooked optimizer from now (``active``), the parameters
+        each holds listed then (a group added mid-run counts)."""
+        if id(optimizer) not in self.followed:
+            try:  # its id leaves with it (another optimizer may get it)
+                key, followed = id(optimizer), self.followed
+                followed[key] = weakref.ref(optimizer, lambda _, key=key: followed.pop(key, None))
+            except TypeError:  # no weak reference: its id stays
+                self.followed[id(optimizer)] = None
         inner = raw_optimizer(optimizer)
-        if self.handle is None or self.optimizer is None or self.optimizer() is not inner:
-            self.stop()
-            self.unplaced = False
+        hooked = self.hooks.get(id(inner))
+        if hooked is None or hooked[0]() is not inner:
+            if hooked is not None:  # a gone optimizer's id, given to this one
+                self.hooks.pop(id(inner))[1].remove()
             groups = param_groups(inner)
             if groups is None or params.deepspeed is not None or not hasattr(inner, "register_step_pre_hook"):
                 return
-            self.optimizer, self.params = weakref.ref(inner), params
-            self.handle = inner.register_step_pre_hook(self._stepping)
+            self.params = params
+            self.hooks[id(inner)] = (weakref.ref(inner), inner.register_step_pre_hook(self._stepping))
+            if self.active:
+                self.holds[id(inner)] = self._held_by(inner)
         if active and not self.active:
-            held = {id(p) for g in param_groups(inner) or () for p in g["params"]}
-            self.held = [i for i, p in enumerate(params.params) if id(p) in held]
-            self.active = bool(self.held)  # (FSDP1's flat parameters: the watched ones are not the optimizer's)
+            for key, (ref, _) in self.hooks.items():
+                self.holds[key] = self._held_by(ref())
+            self.active = any(self.holds.values())  # (FSDP1's flat parameters: the watched ones are not its own)
 
-    def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _held_by(self, inner: Any) -> list[int]:
+        """The indices (in ``params``) of the watched parameters ``inner`` holds (none where it is gone)."""
+        groups = (param_groups(inner) if inner is not None else None) or ()
+        held = {id(p) for g in groups for p in g["params"]}
+        assert self.params is not None
+        return [i for i, p in enumerate(self.params.params) if id(p) in held]
+
+    def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if torch.compiler.is_dynamo_compiling() or not self.active:  # first: no guard on ``active`` when compiled
-            return
+            return None
+        self.stepped, self.cleared, self.norms = weakref.ref(optimizer), -1, None
+        self.held = self.holds.get(id(optimizer), [])
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer)
+        if not self.held:  # an optimizer that holds none of them: nothing to read
+            return None
+        if not callable(closure):  # no closure (or another argument in its place, passed on as given)
+            self._read()
+            return None
+        # step(closure) (LBFGS): the closure makes the gradients the step applies; before it, they may be gone
+        # (a zero_grad() that changes nothing there): read after its first call
+        calls = [closure]
+
+        def read_after(*a: Any, **k: Any) -> Any:
+            loss = calls[0](*a, **k)
+            if len(calls) == 1:
+                calls.append(None)
+                self._read()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": read_after}
+        return (args[0], read_after, *args[2:]), kwargs
+
+    def _read(self) -> None:
+        """The watched gradients as the step receives them (never raises: a failure leaves nothing seen)."""
         try:
             assert self.params is not None
             grads = self.params.local_gradients()
@@ -250,16 +302,30 @@ class StepGradients:
         norm = math.sqrt(sum(norms[i] ** 2 for i in self.held))
         return {"held_at_step": len(self.held), "cleared_at_step": self.cleared, "grad_norm_at_step": norm}
 
+    def name(self) -> str | None:
+        """Which optimizer stepped last, where several are hooked (else None): its class and the first watched
+        parameter it holds (``"SGD holding discriminator.0.weight and 3 more"``)."""
+        stepped = self.stepped()
+        live = sum(ref() is not None for ref, _ in self.hooks.values())  # (a replaced optimizer's entry stays)
+        if live < 2 or stepped is None or self.params is None:
+            return None
+        if not self.held:
+            return f"{type(stepped).__name__} holding none of them"
+        more = f" and {len(self.held) - 1} more" if len(self.held) > 1 else ""
+        return f"{type(stepped).__name__} holding {self.params.names[self.held[0]]}{more}"
+
     def pause(self) -> None:
-        """Read no step from now, and forget what was seen (the hook stays on)."""
-        self.active, self.norms, self.cleared, self.held = False, None, -1, []
+        """Read no step from now, and forget what was seen (the hooks stay on)."""
+        self.active, self.norms, self.cleared, self.held, self.holds = False, None, -1, [], {}
+        self.stepped = lambda: None
 
     def stop(self) -> None:
-        """Take the hook off and forget what it saw."""
-        handle, self.handle = self.handle, None
-        if handle is not None:
+        """Take the hooks off and forget what they saw."""
+        hooks, self.hooks = self.hooks, {}
+        for _, handle in hooks.values():
             handle.remove()
-        self.optimizer = self.params = None
+        self.followed = {id(None): None}
+        self.params = None
         self.pause()
 
 
@@ -284,13 +350,18 @@ def diagnose(
         "held_by_optimizer": len(held),
         "other_parameters": sum(1 for g in groups for p in g["params"] if id(p) not in watched),
     }
-    if not holding:
+    # DeepSpeed's engine trains copies of the watched tensors (ZeRO's flat partitions, fp16/bf16's float32
+    # masters): none held, yet its step's gradients and its state are theirs, not to be read for the watched
+    copies = not holding and getattr(params, "deepspeed", None) is not None
+    if not holding and not copies:
         return {"reason": "optimizer_params", **evidence}
     # a group's lr None is an optimizer that makes its own (transformers' Adafactor, relative_step)
-    known = [float(g["lr"]) for g in holding if g.get("lr") is not None]
+    known = [float(g["lr"]) for g in holding or groups if g.get("lr") is not None]
     evidence["lr"] = max(known) if known else None
-    if evidence["lr"] == 0 and len(known) == len(holding):
+    if evidence["lr"] == 0 and len(known) == len(holding or groups):
         return {"reason": "lr_zero", **evidence}
+    if copies:  # no cause told rather than a wrong one
+        return {"reason": "unknown", **evidence}
     state = getattr(raw_optimizer(optimizer), "state", {})
     evidence["state_empty"] = all(not state.get(p) for p in held)
     low = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.dtype in _LOW_PRECISION})
@@ -315,14 +386,17 @@ def diagnose(
 
 def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params: TrainableParameters) -> list[Anomaly]:
     """``not_learning`` at ``step``, the monitored step whose reading made the stall clear."""
+    stepped = watch.seen.stepped()  # the optimizer whose step the last still update was (a GAN's two: either)
     details = {
-        **diagnose(optimizer, params, watch.grad_norm, watch.seen.read()),
+        **diagnose(optimizer if stepped is None else stepped, params, watch.grad_norm, watch.seen.read()),
         "first_step": watch.first_step,
         "last_step": watch.last_step,
         "updates": watch.updates,
         "max_update_ratio": watch.largest,
         "grad_norm": watch.grad_norm,
     }
+    if name := watch.seen.name():
+        details["stepped_optimizer"] = name
     return [
         make_anomaly(
             kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details
