@@ -700,6 +700,7 @@ def test_an_optimizer_replaced_mid_run_is_not_named_as_one_of_several():
     assert gone() is None  # the hook holds no optimizer alive
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     seen.watch(optimizer, params)
+    assert len(seen.hooks) == 1  # the gone one's entry dropped as the new one goes on (an optimizer an epoch)
     layer(torch.ones(1, 2)).sum().backward()
     optimizer.step()
     try:

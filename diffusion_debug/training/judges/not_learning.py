@@ -233,8 +233,9 @@ class StepGradients:
         inner = raw_optimizer(optimizer)
         hooked = self.hooks.get(id(inner))
         if hooked is None or hooked[0]() is not inner:
-            if hooked is not None:  # a gone optimizer's id, given to this one
-                self.hooks.pop(id(inner))[1].remove()
+            for key in [key for key, (ref, _) in self.hooks.items() if ref() is None]:  # gone optimizers'
+                self.hooks.pop(key)[1].remove()  # (a loop making an optimizer an epoch piles up none)
+                self.holds.pop(key, None)
             groups = param_groups(inner)
             if groups is None or params.deepspeed is not None or not hasattr(inner, "register_step_pre_hook"):
                 return
