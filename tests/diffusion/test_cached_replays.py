@@ -232,3 +232,38 @@ def test_a_cache_that_reads_the_pipelines_current_timestep_is_compared_to_the_ch
     assert a.current_timestep is None and b.current_timestep is None
     later = a("a cat", generator=generator(), **CALL).images
     torch.testing.assert_close(later, twin("a cat", generator=generator(), **CALL).images, rtol=0, atol=0)
+
+
+def test_a_cached_b_whose_second_call_stops_early_is_reported_as_not_reached():
+    """B's second recording (for the replay, its cache's state as the diverging call began) ends before
+    that call: B was replayed with no cache context, and diffusers' "No cache context is set" became the
+    comparison's cause. Now the comparison says plainly that B's second call did not reach it."""
+    pipe_a, pipe_b = cached_flux(_first_block_cache), cached_flux(_first_block_cache)
+    applied = []
+
+    def b(pipe):  # the step-1 call changed; B's second call interrupted after step 0 (not deterministic)
+        applied.append(1)
+        calls = []
+
+        def scaled(module, args, output):
+            calls.append(1)
+            return output * 1.5 if len(calls) > 1 else output
+
+        def interrupt(module, args, output):
+            pipe._interrupt = True
+
+        handles = [pipe.transformer.get_submodule(MODULE).register_forward_hook(scaled)]
+        if len(applied) == 2:
+            handles.append(pipe.transformer.register_forward_hook(interrupt))
+
+        def undo():
+            for handle in handles:
+                handle.remove()
+            pipe._interrupt = False
+
+        return undo
+
+    d = compare_pipelines(pipe_a, pipe_b, seed=0, b=b, prompt="a cat", **CALL).first_divergence
+    assert (d.component, d.module, d.step, d.made_here) == ("transformer", "", 1, True)
+    assert d.cause == "B's second call did not reach this call again: not deterministic"
+    assert len(applied) == 2
