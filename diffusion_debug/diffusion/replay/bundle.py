@@ -24,8 +24,9 @@ from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
 from ..checks import find_producer, first_nonfinite
 from ..components.cache_hooks import hook_state_kept
+from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
-from .copies import context_fields, context_from_fields, layerwise_casting
+from .copies import context_fields, context_from_fields, isolated_copy, layerwise_casting
 from .decide import near_max_maker
 
 _TENSOR = "__tensor__"
@@ -286,14 +287,18 @@ def replay(
     weights) on the saved inputs with full probes.
 
     Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
-    "overflowed_in": name or None, "meta": meta.json}``; ``module`` is the first module whose output is
+    "overflowed_in": name or None, "note": str, "meta": meta.json}``; ``module`` is the first module whose output is
     non-finite while its inputs were finite, named inside the component as in the anomaly: where that
     module (then ``overflowed_in``) made it from finite values near the dtype's max, the module that made
     those (:func:`~.decide.near_max_maker`, at the default ``overflow_fraction``). A damaged bundle is one
     DiffusionDebugError (see :func:`read_bundle`). ``model``'s stateful diffusers hooks (caches) run in
     the bundled call's cache context (``meta.json``'s ``cache_context``: the pipeline's ``cache_context``
     has ended, and TaylorSeer or FirstBlockCache refuse a call outside one) from their live state, and
-    are left as the replay found them: the next pipeline call does not start from the replay's.
+    are left as the replay found them: the next pipeline call does not start from the replay's. A
+    caching hook's ``current_timestep_callback`` (PyramidAttentionBroadcast, FasterCache: ``lambda:
+    pipe.current_timestep``, None once the call ended) answers the bundled step's ``timestep`` during the
+    replay (:func:`~..components.cache_timestep.timestep_kept`); a bundle without one is replayed on a copy
+    without the caching hooks, and ``note`` says so ("" otherwise).
     """
     meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
@@ -304,8 +309,14 @@ def replay(
             f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(model).__name__} does not have."
         ) from None
     context = context_from_fields(meta.get("cache_context"))
-    with hook_state_kept(eager_module(model), context):  # a live component's caches as its last call left them
-        readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
+    note = ""
+    with timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable:
+        if not replayable:
+            note = uncached_note(str(meta.get("component")))
+            model = isolated_copy(model, drop_hooks="caching")
+            target = model.get_submodule(prefix) if prefix else model
+        with hook_state_kept(eager_module(model), context):  # a live component's caches as its last call left them
+            readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
     producer = find_producer(readings)
     first = first_nonfinite(readings)
     top = [r for r in readings if r.module == prefix]
@@ -315,5 +326,21 @@ def replay(
         "first_nonfinite": first.module if first else None,
         "output_finite": all(r.output_finite for r in top) if top else first is None,
         "overflowed_in": producer.module if near else None,
+        "note": note,
         "meta": meta,
     }
+
+
+def bundled_timestep(meta: dict[str, Any]) -> float | None:
+    """The bundled call's timestep (``meta.json``'s ``timestep``: the pipeline's ``current_timestep`` of
+    that step), None when it holds no number (a crafted file is data)."""
+    value = meta.get("timestep")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def uncached_note(component: str) -> str:
+    """The one sentence of a replay run without the component's caching hooks."""
+    return (
+        f"{component} was replayed without its caching hooks: they ask the pipeline's current timestep, "
+        "which is unset once its call has ended, and the bundle holds none"
+    )

@@ -36,8 +36,9 @@ from ...stats import dtype_max, dtype_name, tensors_in
 from ...stats.quantized import dequantized, is_quantized
 from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
+from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
-from .copies import context_from_fields
+from .copies import context_from_fields, isolated_copy
 from .decide import near_max_maker
 from .factors import (
     Factor,
@@ -87,6 +88,8 @@ class WhyResult:
     """The first module whose own weights hold NaN/Inf."""
     inputs: list[str] = field(default_factory=list)
     """The call's floating arguments that hold NaN/Inf."""
+    note: str = ""
+    """What the replays could not reproduce of the call ("" when nothing): one sentence."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +107,8 @@ class WhyResult:
     def markdown(self) -> str:
         where = f"{self.component} {self.module or ''}".strip()
         where += f", step {self.step}" if self.step is not None else ""
-        return f"# why: {where}\n\n{self.table()}\n\n{self.verdict}\n"
+        note = f"\n{self.note}\n" if self.note else ""
+        return f"# why: {where}\n\n{self.table()}\n\n{self.verdict}\n{note}"
 
     def __str__(self) -> str:
         """``print(report.why())``: the table and the verdict (:meth:`markdown`), not the fields."""
@@ -365,7 +369,7 @@ def explain_bundle(
     call's hooks as it began, when the live pipeline is at hand (bundles hold no hooks). A ``call_prefix`` that
     names no submodule of ``component`` is one DiffusionDebugError, as ``replay`` says it."""
     from ...errors import DiffusionDebugError
-    from .bundle import load_call
+    from .bundle import bundled_timestep, load_call, uncached_note
 
     meta, args, kwargs = load_call(bundle_dir, component)
     prefix = meta.get("call_prefix") or ""
@@ -377,13 +381,18 @@ def explain_bundle(
         ) from None
     vae = prefix in ("decoder", "encoder")
     context = context_from_fields(meta.get("cache_context"))
-    call = OriginCall(
-        meta["component"], component, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
-    )
     named = meta.get("guider_hooks")  # a crafted file is data: names only
     named = named if isinstance(named, dict) else {}
     guider_hooks = {str(k): [str(h) for h in v] for k, v in named.items() if isinstance(v, list)}
-    return explain(call, meta.get("step"), reference_s, placement, guider_hooks)
+    with timestep_kept(eager_module(component), bundled_timestep(meta)) as replayable:  # the callbacks put back after
+        replayed = component if replayable else isolated_copy(component, drop_hooks="caching")
+        call = OriginCall(
+            meta["component"], replayed, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
+        )
+        result = explain(call, meta.get("step"), reference_s, placement, guider_hooks)
+    if not replayable:
+        result.note = uncached_note(meta["component"])
+    return result
 
 
 def write_why(run_dir: str | os.PathLike, result: WhyResult) -> Path:
@@ -433,13 +442,17 @@ def explain_run(
     reference_s: float | None = None,
     placement: Placement = (),
     raised_states: dict | None = None,
+    began_states: dict | None = None,
 ) -> WhyResult:
     """:func:`explain_bundle` on the run's origin with the pipeline's component; writes
     ``why.json`` and ``why.md`` into ``run_dir``. The bundle must lie inside ``run_dir``
     (:func:`bundle_in_run`); ``reference_s`` bounds the replays (:func:`explain`); ``placement``:
     the origin call's hooks as it began (the live debugger's, :func:`explain`); ``raised_states``: the
-    caches a call ended by policy ``raise`` left, by component (reset since, as the call's end would):
-    the replays run from them, and the component's hooks are as before afterwards."""
+    caches a call ended by policy ``raise`` left, by component (reset since, as the call's end would);
+    ``began_states``: the bundled call's hooks' state as it began, by component (the live debugger's): the
+    replays run from it, that call as it ran (from the raised call's state, where the began one holds none or
+    lost a tensor it replaced: :func:`~..components.cache_hooks.hook_state_kept`), and the component's
+    hooks are as before afterwards."""
     from ...errors import DiffusionDebugError
 
     origin = origin_bundle(anomalies)
@@ -453,7 +466,8 @@ def explain_run(
     if not isinstance(component, nn.Module):
         raise DiffusionDebugError(f"The pipeline has no component {name[:80]!r} to replay the bundle on.")
     folder = bundle_in_run(run_dir, bundle)
-    with hook_state_kept(component, None, (raised_states or {}).get(component)):
+    left, began = ((states or {}).get(component) for states in (raised_states, began_states))
+    with hook_state_kept(component, None, left), hook_state_kept(component, None, began):
         result = explain_bundle(folder, component, unhooked=unhooked, reference_s=reference_s, placement=placement)
     write_why(run_dir, result)
     if (Path(run_dir) / "summary.json").is_file():  # a saved run: its report links to the table
