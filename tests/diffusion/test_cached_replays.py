@@ -290,6 +290,14 @@ def _pab_flux():
     return pipe
 
 
+def _faster_cache_flux():
+    """A Flux under FasterCache (:func:`_faster_cache`: its callback reads ``pipe.current_timestep``): at
+    step 1 block 0's attention is approximated from its cache of steps 0 (computed outside the range)."""
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(_faster_cache(pipe))
+    return pipe
+
+
 def _finite_max(output: torch.Tensor) -> float:
     values = output.detach().float()
     return float(values.abs().where(values.isfinite(), 0.0).amax())
@@ -313,25 +321,29 @@ def _watched(pipe, tmp_path, policy: str):
     return dbg, _finite_max(outputs[1]), (callbacks, pipe.current_timestep)
 
 
-def _leaves_the_pipeline_as_it_was(pipe, kept):
+def _leaves_the_pipeline_as_it_was(pipe, kept, make=_pab_flux):
     from diffusion_debug.diffusion.components.cache_hooks import stateful_hooks
 
     callbacks, timestep = kept
     assert pipe.current_timestep is timestep
     assert [hook.current_timestep_callback for hook in stateful_hooks(pipe.transformer)] == callbacks
-    later, twin = pipe("a cat", generator=generator(), **CALL).images, _pab_flux()
+    later, twin = pipe("a cat", generator=generator(), **CALL).images, make()
     torch.testing.assert_close(later, twin("a cat", generator=generator(), **CALL).images, rtol=0, atol=0)
 
 
-def test_a_bundle_and_why_after_a_normal_end_replay_the_call_a_timestep_cache_made(tmp_path):
+@pytest.mark.parametrize("make", [_pab_flux, _faster_cache_flux], ids=["pyramid_attention", "faster_cache"])
+def test_a_bundle_and_why_after_a_normal_end_replay_the_call_a_timestep_cache_made(tmp_path, make):
     """After a call that ended normally ``pipe.current_timestep`` is None: ``replay(bundle, component)``
     raised diffusers' TypeError ("'<' not supported between instances of 'int' and 'NoneType'") and every
     row of ``why()`` but "caching off" failed (nothing could be concluded). Now the hooks' callback
     answers the bundled step's timestep during the replays, and ``why()`` replays from the cache as the
-    call began: its as-is output is the run's, to the bit."""
+    call began: its as-is output is the run's, to the bit. A bundle holds no cache: FasterCache's, reset at
+    the call's end, fails the block that approximated (diffusers reads its empty cache), so the bundle's
+    replay runs without the caching hooks and says so."""
     from diffusion_debug.diffusion import replay
+    from diffusion_debug.diffusion.replay.why import explain_run
 
-    pipe = _pab_flux()
+    pipe = make()
     with plant_nonfinite(pipe.transformer.proj_out, from_call=1, value=float("nan")):  # from step 1 on
         dbg, run_max, kept = _watched(pipe, tmp_path, "record")
         report = dbg.report()
@@ -340,11 +352,18 @@ def test_a_bundle_and_why_after_a_normal_end_replay_the_call_a_timestep_cache_ma
         assert where == ("proj_out", 1, "bundles/transformer-step1")
         found = replay(report.save() / anomaly.details["bundle"], pipe.transformer)
         result = report.why()
+        bare = explain_run(report.run_dir, report.anomalies, pipe)  # the command's: no cache kept
     dbg.close()
-    assert (found["module"], found["output_finite"], found["note"]) == ("proj_out", False, "")
+    note = (
+        "transformer was replayed without its caching hooks: the replay from the cache they hold now failed "
+        "(TypeError: 'NoneType' object is not subscriptable), and a bundle holds no cache"
+    )
+    assert (found["module"], found["output_finite"]) == ("proj_out", False)
+    assert found["note"] == (note if make is _faster_cache_flux else "")
     assert (result.module, result.step, result.baseline.finite, result.note) == ("proj_out", 1, False, "")
     assert result.baseline.max_abs == run_max
-    _leaves_the_pipeline_as_it_was(pipe, kept)
+    assert (bare.module, bare.baseline.finite, bare.note) == ("proj_out", False, found["note"])
+    _leaves_the_pipeline_as_it_was(pipe, kept, make)
 
 
 def test_why_after_a_raise_replays_the_cache_as_the_kept_call_began(tmp_path):

@@ -26,7 +26,7 @@ from ..checks import find_producer, first_nonfinite
 from ..components.cache_hooks import hook_state_kept
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
-from .copies import context_fields, context_from_fields, isolated_copy, layerwise_casting
+from .copies import context_fields, context_from_fields, hook_groups, isolated_copy, layerwise_casting
 from .decide import near_max_maker
 
 _TENSOR = "__tensor__"
@@ -297,8 +297,9 @@ def replay(
     are left as the replay found them: the next pipeline call does not start from the replay's. A
     caching hook's ``current_timestep_callback`` (PyramidAttentionBroadcast, FasterCache: ``lambda:
     pipe.current_timestep``, None once the call ended) answers the bundled step's ``timestep`` during the
-    replay (:func:`~..components.cache_timestep.timestep_kept`); a bundle without one is replayed on a copy
-    without the caching hooks, and ``note`` says so ("" otherwise).
+    replay (:func:`~..components.cache_timestep.timestep_kept`). A bundle without one, or whose replay from
+    the live cache fails (a bundle holds no cache: FasterCache's, reset at the call's end, fails a block that
+    approximates), is replayed on a copy without the caching hooks, and ``note`` says so ("" otherwise).
     """
     meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
@@ -309,13 +310,20 @@ def replay(
             f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(model).__name__} does not have."
         ) from None
     context = context_from_fields(meta.get("cache_context"))
-    note = ""
+    note, name = "", str(meta.get("component"))
     with timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable:
-        if not replayable:
-            note = uncached_note(str(meta.get("component")))
+        try:
+            if not replayable:
+                raise _Uncached(uncached_note(name))
+            with hook_state_kept(eager_module(model), context):  # a live component's caches as its last call left
+                readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
+        except Exception as error:
+            if "caching" not in hook_groups(eager_module(model)):
+                raise
+            failed = "" if isinstance(error, _Uncached) else f"{type(error).__name__}: {error}"
+            note = uncached_note(name, failed)
             model = isolated_copy(model, drop_hooks="caching")
             target = model.get_submodule(prefix) if prefix else model
-        with hook_state_kept(eager_module(model), context):  # a live component's caches as its last call left them
             readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
     producer = find_producer(readings)
     first = first_nonfinite(readings)
@@ -338,9 +346,20 @@ def bundled_timestep(meta: dict[str, Any]) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def uncached_note(component: str) -> str:
-    """The one sentence of a replay run without the component's caching hooks."""
+class _Uncached(Exception):
+    """The bundle's call cannot be replayed with the component's caching hooks (its message: why)."""
+
+
+def uncached_note(component: str, failed: str = "") -> str:
+    """The one sentence of a replay run without the component's caching hooks: they ask a timestep the
+    bundle does not hold, or the replay from the cache they hold now (``failed``) raised (a bundle holds
+    no cache: after a call's end, FasterCache's reset cache fails a block that approximates)."""
+    if not failed:
+        return (
+            f"{component} was replayed without its caching hooks: they ask the pipeline's current timestep, "
+            "which is unset once its call has ended, and the bundle holds none"
+        )
     return (
-        f"{component} was replayed without its caching hooks: they ask the pipeline's current timestep, "
-        "which is unset once its call has ended, and the bundle holds none"
+        f"{component} was replayed without its caching hooks: the replay from the cache they hold now "
+        f"failed ({failed[:160]}), and a bundle holds no cache"
     )

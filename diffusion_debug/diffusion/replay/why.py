@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
-from .copies import context_from_fields, isolated_copy
+from .copies import context_from_fields, hook_groups, isolated_copy
 from .decide import near_max_maker
 from .factors import (
     Factor,
@@ -390,6 +390,12 @@ def explain_bundle(
             meta["component"], replayed, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
         )
         result = explain(call, meta.get("step"), reference_s, placement, guider_hooks)
+        failed = result.baseline.error if replayable and result.baseline.finite is None else ""
+        if failed and "caching" in hook_groups(eager_module(component)):
+            # a live cache that cannot take this call (FasterCache's, reset at the call's end): without it
+            uncached = replace(call, module=isolated_copy(component, drop_hooks="caching"))
+            result = explain(uncached, meta.get("step"), reference_s, placement, guider_hooks)
+            result.note = uncached_note(meta["component"], failed)
     if not replayable:
         result.note = uncached_note(meta["component"])
     return result
