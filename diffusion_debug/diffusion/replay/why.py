@@ -10,8 +10,10 @@ Every replay is isolated: one that changes the module runs on a copy, one that d
 live module under ``torch.no_grad``, a forked RNG and its diffusers hook state put back after.
 
 Limits: a replay re-runs one component call, not the pipeline: a fault that needs an earlier step
-(a cache filled by the step before) shows only as far as the live state holds it (a pipeline
-clears its caches when it ends; policy ``raise`` stops it before). Replays of a compiled copy
+(a cache filled by the step before) shows only as far as the cache it replays from holds it:
+``report.why()`` replays from the caching hooks' state as the bundled call began (the live debugger keeps
+it; its tensors beyond ``KEPT_BYTES`` by weak reference), a bundle alone from the live cache (reset at a
+call's end: a FasterCache that cannot take the call is replayed without, saying so). Replays of a compiled copy
 compile again (seconds on the tiny pipelines, longer on a real model). A copy shares the user's
 own forward hooks with the live module (a function is not copied): a hook that counts calls
 counts the replays too.
