@@ -408,3 +408,57 @@ def test_a_bundle_without_a_timestep_is_replayed_without_its_caching_hooks_and_s
     assert (result.module, result.baseline.finite, result.note) == ("proj_out", False, note)
     assert result.markdown().endswith(f"\n{note}\n")
     _leaves_the_pipeline_as_it_was(pipe, kept)
+
+
+def test_a_bundle_replayed_without_its_caching_hooks_copies_no_component_and_puts_them_back(tmp_path, monkeypatch):
+    """review26b: ``replay(bundle, component)`` replayed a FasterCache component whose live cache cannot take
+    the call on a deep copy of the whole component (twice its weights: a 12B transformer's copy is out of
+    memory where its run fit), and ``why()`` held such a copy beside each row's own copy of it (three times
+    its weights). Both now run the live component with its caching hooks passed through (a row's copy leaves
+    them off), and each hook's link is put back after, even when the replay raises."""
+    import copy
+    import gc
+    import weakref
+
+    from diffusion_debug.diffusion import replay
+    from diffusion_debug.diffusion.components.cache_hooks import stateful_hooks
+    from diffusion_debug.diffusion.replay.why import explain_run
+
+    pipe = _faster_cache_flux()
+    with plant_nonfinite(pipe.transformer.proj_out, from_call=1, value=float("nan")):
+        dbg, _, kept = _watched(pipe, tmp_path, "record")
+        report = dbg.report()
+        bundle = report.save() / "bundles/transformer-step1"
+        copies, most, deepcopy = [], [0], copy.deepcopy
+
+        def spied(value, *args, **kwargs):  # how many copies of the component live as another is made
+            copied = deepcopy(value, *args, **kwargs)
+            if type(value) is type(pipe.transformer):
+                gc.collect()
+                most[0] = max(most[0], sum(ref() is not None for ref in copies))
+                copies.append(weakref.ref(copied))
+            return copied
+
+        monkeypatch.setattr(copy, "deepcopy", spied)
+        links = [vars(hook.fn_ref).copy() for hook in stateful_hooks(pipe.transformer)]
+        found = replay(bundle, pipe.transformer)
+        replayed_copies = len(copies)
+
+        def fail(module, args):
+            raise RuntimeError("planted")
+
+        handle = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="planted"):
+            replay(bundle, pipe.transformer)
+        handle.remove()
+        bare = explain_run(report.run_dir, report.anomalies, pipe)  # the command's: no cache kept
+        monkeypatch.undo()
+    dbg.close()
+    assert (found["module"], found["output_finite"]) == ("proj_out", False)
+    assert found["note"].startswith("transformer was replayed without its caching hooks: the replay from the cache")
+    assert replayed_copies == 0
+    assert (bare.module, bare.baseline.finite, bare.note) == ("proj_out", False, found["note"])
+    assert [r.factor for r in bare.replays] == ["SDPA math kernel", "bfloat16", "finite inputs"]
+    assert most[0] == 1  # (a row's copy is made while the last row's is held, as for any component)
+    assert [vars(hook.fn_ref) for hook in stateful_hooks(pipe.transformer)] == links
+    _leaves_the_pipeline_as_it_was(pipe, kept, _faster_cache_flux)

@@ -26,7 +26,14 @@ from ..checks import find_producer, first_nonfinite
 from ..components.cache_hooks import hook_state_kept
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
-from .copies import context_fields, context_from_fields, hook_groups, isolated_copy, layerwise_casting
+from .copies import (
+    context_fields,
+    context_from_fields,
+    hook_groups,
+    hooks_passed,
+    isolated_copy,
+    layerwise_casting,
+)
 from .decide import near_max_maker
 
 _TENSOR = "__tensor__"
@@ -299,7 +306,8 @@ def replay(
     pipe.current_timestep``, None once the call ended) answers the bundled step's ``timestep`` during the
     replay (:func:`~..components.cache_timestep.timestep_kept`). A bundle without one, or whose replay from
     the live cache fails (a bundle holds no cache: FasterCache's, reset at the call's end, fails a block that
-    approximates), is replayed on a copy without the caching hooks, and ``note`` says so ("" otherwise).
+    approximates), is replayed with the caching hooks passed through (in place, no copy), and ``note`` says
+    so ("" otherwise).
     """
     meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
@@ -322,9 +330,11 @@ def replay(
                 raise
             failed = "" if isinstance(error, _Uncached) else f"{type(error).__name__}: {error}"
             note = uncached_note(name, failed)
-            model = isolated_copy(model, drop_hooks="caching")
-            target = model.get_submodule(prefix) if prefix else model
-            readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
+            with hooks_passed(eager_module(model), "caching") as passed:  # in place: a copy doubles its memory
+                if not passed:  # (a diffusers whose hooks hold no fn_ref)
+                    model = isolated_copy(model, drop_hooks="caching")
+                    target = model.get_submodule(prefix) if prefix else model
+                readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
     producer = find_producer(readings)
     first = first_nonfinite(readings)
     top = [r for r in readings if r.module == prefix]

@@ -26,7 +26,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
-from .copies import context_from_fields, hook_groups, isolated_copy
+from .copies import context_from_fields, hook_groups, hooks_passed, isolated_copy
 from .decide import near_max_maker
 from .factors import (
     Factor,
@@ -387,20 +387,31 @@ def explain_bundle(
     named = named if isinstance(named, dict) else {}
     guider_hooks = {str(k): [str(h) for h in v] for k, v in named.items() if isinstance(v, list)}
     with timestep_kept(eager_module(component), bundled_timestep(meta)) as replayable:  # the callbacks put back after
-        replayed = component if replayable else isolated_copy(component, drop_hooks="caching")
-        call = OriginCall(
-            meta["component"], replayed, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
-        )
-        result = explain(call, meta.get("step"), reference_s, placement, guider_hooks)
+        with _uncached(component, placement) if not replayable else contextlib.nullcontext(component) as replayed:
+            call = OriginCall(
+                meta["component"], replayed, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
+            )
+            result = explain(call, meta.get("step"), reference_s, placement, guider_hooks)
         failed = result.baseline.error if replayable and result.baseline.finite is None else ""
         if failed and "caching" in hook_groups(eager_module(component)):
             # a live cache that cannot take this call (FasterCache's, reset at the call's end): without it
-            uncached = replace(call, module=isolated_copy(component, drop_hooks="caching"))
-            result = explain(uncached, meta.get("step"), reference_s, placement, guider_hooks)
+            with _uncached(component, placement) as replayed:
+                uncached = replace(call, module=replayed)
+                result = explain(uncached, meta.get("step"), reference_s, placement, guider_hooks)
             result.note = uncached_note(meta["component"], failed)
     if not replayable:
         result.note = uncached_note(meta["component"])
     return result
+
+
+@contextlib.contextmanager
+def _uncached(component: nn.Module, placement: Placement) -> Iterator[nn.Module]:
+    """``component`` without its caching hooks for the block: passed through in place (:func:`~.copies.hooks_passed`;
+    each row's copy leaves them off), never a copy held beside the rows' own (a 12B transformer's weights three
+    times over); a copy without them where a guider's placement moves hooks (re-registered, they would act) or
+    the hooks cannot be passed."""
+    with hooks_passed(eager_module(component), "caching") if not placement else contextlib.nullcontext(False) as ok:
+        yield component if ok else isolated_copy(component, drop_hooks="caching")
 
 
 def write_why(run_dir: str | os.PathLike, result: WhyResult) -> Path:
