@@ -385,7 +385,7 @@ def test_why_after_a_raise_replays_the_cache_as_the_kept_call_began(tmp_path):
 
 def test_a_bundle_without_a_timestep_is_replayed_without_its_caching_hooks_and_says_so(tmp_path):
     """A bundle that holds no timestep (``meta.json``'s ``timestep`` null) on a component whose caching
-    hooks ask the ended pipeline's: replayed on a copy without them, with one sentence saying so."""
+    hooks ask the ended pipeline's: replayed with them passed through, with one sentence saying so."""
     import json
 
     from diffusion_debug.diffusion import replay
@@ -462,3 +462,27 @@ def test_a_bundle_replayed_without_its_caching_hooks_copies_no_component_and_put
     assert most[0] == 1  # (a row's copy is made while the last row's is held, as for any component)
     assert [vars(hook.fn_ref) for hook in stateful_hooks(pipe.transformer)] == links
     _leaves_the_pipeline_as_it_was(pipe, kept, _faster_cache_flux)
+
+
+def test_a_caching_hook_without_new_forward_is_passed_through_and_put_back():
+    """``hooks_passed`` on a caching hook that acts in ``pre_forward`` only (SeaCache's root hook: its link's
+    ``original_forward`` is None): the call is the module's own within the block, the hook's after."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    from diffusion_debug.diffusion.replay.copies import hooks_passed
+
+    class Doubled(ModelHook):
+        _is_stateful = True
+
+        def pre_forward(self, module, *args, **kwargs):
+            return tuple(a * 2 for a in args), kwargs
+
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(3, 3), torch.randn(2, 3)
+    plain = layer(x)
+    HookRegistry.check_if_exists_or_initialize(layer).register_hook(Doubled(), "sea_cache_root")
+    hooked = layer(x)
+    with hooks_passed(layer, "caching") as passed:
+        within = layer(x)
+    assert passed and torch.equal(within, plain) and not torch.equal(hooked, plain)
+    assert torch.equal(layer(x), hooked)
