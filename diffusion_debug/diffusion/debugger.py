@@ -611,6 +611,7 @@ class DiffusionModelDebugger(Lifecycle):
         steps.calls.runtime.clear()
         steps.bundles.clear()
         steps.calls.bundled_placement, steps.calls.raised_states = (), {}  # its registries hold the denoiser
+        steps.calls.bundled_state = {}
         steps.call_memory.clear()
         steps.localizer.clear()
         steps.probes.reset()
@@ -631,6 +632,7 @@ class DiffusionModelDebugger(Lifecycle):
             files=self._steps.previews.files(),
             placement=self._steps.calls.bundled_placement,
             raised_states=functools.partial(_raised_states, weakref.ref(self._steps.calls)),
+            began_states=functools.partial(_bundled_states, weakref.ref(self._steps.calls)),
         )
 
 
@@ -640,6 +642,12 @@ def _raised_states(calls: Callable[[], Any]) -> dict:
     state holds the transformer's bound forward and its timestep callback the pipeline)."""
     held = calls()
     return {} if held is None else held.raised_states
+
+
+def _bundled_states(calls: Callable[[], Any]) -> dict:
+    """The bundled call's hooks' state as it began (``CallSites.bundled_state``), held as :func:`_raised_states`."""
+    held = calls()
+    return {} if held is None else held.bundled_state
 
 
 class _PipelinePolicy:

@@ -51,11 +51,13 @@ def build_report(
     files: dict[str, bytes],
     placement: Placement = (),
     raised_states: Callable[[], dict] | None = None,
+    began_states: Callable[[], dict] | None = None,
 ) -> DebugReport:
     """The record so far, with every component (calls, time, memory) and the previews; ``placement``:
     the hooks the bundled call's registries held as it began (a guider's, for ``why()``);
     ``raised_states``: what gives the caches a call ended by policy ``raise`` left, by component, before
-    their reset (read when ``why()`` runs, not held by the report)."""
+    their reset (read when ``why()`` runs, not held by the report); ``began_states``: likewise, the bundled
+    call's hooks' state as it began."""
     analysis = analyze_pipeline(pipe)
     summary = record.summary()
     summary.update(
@@ -74,12 +76,16 @@ def build_report(
         components=component_report(components, analysis, runtime),
         files=files,
         record=record,
-        explain=_explainer(record, pipe, placement, raised_states or dict),
+        explain=_explainer(record, pipe, placement, raised_states or dict, began_states or dict),
     )
 
 
 def _explainer(
-    record: RunRecord, pipe: Any, placement: Placement, raised_states: Callable[[], dict]
+    record: RunRecord,
+    pipe: Any,
+    placement: Placement,
+    raised_states: Callable[[], dict],
+    began_states: Callable[[], dict],
 ) -> Callable[[], Any]:
     """``report.why()``'s replay on the live ``pipe``, held weakly: a report the user keeps (it is
     small) does not keep the pipeline and its components alive; once they are gone it says so. The
@@ -99,6 +105,13 @@ def _explainer(
                 "why() replays on the pipeline this report was made of, which is gone; "
                 f"run `diffusion-debug why {run_dir}` to replay on the pipeline the run directory names."
             )
-        return explain_run(run_dir, anomalies, live, placement=placed.get(live, ()), raised_states=raised_states())
+        return explain_run(
+            run_dir,
+            anomalies,
+            live,
+            placement=placed.get(live, ()),
+            raised_states=raised_states(),
+            began_states=began_states(),
+        )
 
     return explain

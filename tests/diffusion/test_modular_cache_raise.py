@@ -2,8 +2,8 @@
 call resets no cache at its end (two clean calls of a cached modular LTX differ, unwatched); Cosmos 3
 omni's ``__call__`` resets its transformer's in a ``finally``, which the policy's error passes through.
 So the debugger resets nothing there and leaves the next call to that end: clean, bitwise a fresh
-pipeline's. What it keeps is the raised call's cache, before that end resets it, for ``why()``: its
-replay read a fresh cache (the fault gone, "does not reproduce")."""
+pipeline's. ``why()`` replays the bundled call from its cache as that call began (kept by the debugger):
+it replayed a fresh cache, another call than the run's."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from diffusion_debug.testing.faults import plant_nonfinite
 from diffusion_debug.testing.features import HAS_CACHE_HOOKS, HAS_MODULAR
 
 pytestmark = pytest.mark.skipif(not (HAS_CACHE_HOOKS and HAS_MODULAR), reason="no caching hooks or modular pipelines")
-
-TAIL = "transformer_blocks.1.ff.net.2"  # in the last block: FirstBlockCache's cached residual from step 1 on
 
 
 def cosmos_ended_ltx():
@@ -55,23 +53,36 @@ def call(pipe):
 def test_a_raised_call_of_a_modular_pipeline_that_resets_its_caches_at_its_end_is_why_replayed_from_its_cache(
     tmp_path,
 ):
+    """A NaN planted in ``proj_out`` at step 1's first call (two calls a step: cond and uncond), which took the
+    tail from step 0's cached residual: ``why()`` replays that call from its cache as it began, not from the
+    fresh cache the call's end left (the tail computed again): its output is the run's to the bit. (The state
+    the raise left is the same here, a call that took the residual leaves it: test_cached_replays' PAB test
+    is where the two differ.)"""
     pipe, fresh = cosmos_ended_ltx(), cosmos_ended_ltx()
     expected = call(fresh)
     torch.testing.assert_close(call(fresh), expected, rtol=0, atol=0)  # its end resets: calls repeat
     config = DebugConfig(level="advanced", output_dir=tmp_path, log_level="error", policy="raise")
     dbg = DiffusionModelDebugger(pipe, config)
-    with plant_nonfinite(pipe.transformer.get_submodule(TAIL), from_call=0, value=float("nan")):
+    outputs = []
+    handle = pipe.transformer.register_forward_hook(lambda m, a, out: outputs.append(out[0]))
+    with plant_nonfinite(pipe.transformer.proj_out, from_call=2, value=float("nan")):  # why() too
         with dbg, pytest.raises(DiffusionDebugError) as raised:
             call(pipe)
-    assert (raised.value.anomaly.component, raised.value.anomaly.module, raised.value.anomaly.step) == (
+        handle.remove()
+        anomaly = raised.value.anomaly
+        assert (anomaly.component, anomaly.module, anomaly.step) == ("transformer", "proj_out", 1)
+        dbg.close()
+        result = dbg.report().why()
+    run = outputs[2].float()
+    run_max = float(run.abs().where(run.isfinite(), 0.0).amax())
+    assert (result.component, result.module, result.step, result.baseline.finite) == (
         "transformer",
-        TAIL,
-        0,
+        "proj_out",
+        1,
+        False,
     )
-    dbg.close()
-    result = dbg.report().why()  # the fault planted no more: only the raised call's cached residual holds it
-    assert (result.component, result.step, result.baseline.finite) == ("transformer", 0, False)
-    assert {r.factor: r.finite for r in result.replays}["caching off"] is True
-    assert result.fix == "caching off"
+    assert result.baseline.max_abs == run_max
+    uncached = {r.factor: r.max_abs for r in result.replays}["caching off"]
+    assert uncached != run_max  # (the tail computed: the fresh cache's replay was another call)
     later = call(pipe)  # the call's end reset its caches; why() put back the live ones it replayed over
     torch.testing.assert_close(later, expected, rtol=0, atol=0)

@@ -102,14 +102,18 @@ def _replayed(
     x: Event,
     y: Event,
     tolerance: float,
-) -> tuple[float | None, list, tuple[ModuleDivergence, ...]]:
+) -> tuple[float | None, list, tuple[ModuleDivergence, ...], str]:
     """A's call ``index`` (event ``x``; ``y`` is B's) replayed on its own kept inputs by both sides: the output error
-    given equal inputs, the drifting module calls (each with whether it made its drift) and the
-    modules ranked by the error each added."""
+    given equal inputs, the drifting module calls (each with whether it made its drift), the
+    modules ranked by the error each added, and the side ("A" or "B") whose second call did not reach
+    that call again ("" when both did; then nothing is replayed: B's cache as the call began is unknown,
+    and a cached call replayed outside its cache context fails in diffusers, which is not the cause)."""
     again = record_call(pipe_a, a, call_kwargs, seed, keep=index)
-    if again.kept is None:  # A's second call did not reach that call again (it is not deterministic)
-        return None, [], ()
+    if not _same_call(again, index, x):  # A's second call did not reach that call again (it is not deterministic)
+        return None, [], (), "A"
     b_again = record_call(pipe_b, b, call_kwargs, seed, keep=index) if y.caches else None
+    if b_again is not None and not _same_call(b_again, index, y):  # (an interrupted loop: the VAE's call there)
+        return None, [], (), "B"
     hooks_b = b_again.kept_hooks if b_again is not None else (None, None)
     timestep_b = b_again.kept_timestep if b_again is not None else MISSING
     out_a, readings_a = replay(
@@ -118,7 +122,15 @@ def _replayed(
     out_b, readings_b = replay(pipe_b, b, x.component, x.site, again.kept, y.dtypes, True, hooks_b, timestep_b)
     errors = module_errors(readings_a, readings_b)
     drifting = drifting_modules(errors, tolerance)
-    return errors_of(out_a, out_b), drifting, ranked_modules(x.component, errors, drifting)
+    return errors_of(out_a, out_b), drifting, ranked_modules(x.component, errors, drifting), ""
+
+
+def _same_call(recording: Any, index: int, event: Event) -> bool:
+    """Whether ``recording`` kept a call at ``index`` and it is ``event``'s (component, site and step)."""
+    if recording.kept is None:
+        return False
+    kept = recording.events[index]
+    return (kept.component, kept.site, kept.step) == (event.component, event.site, event.step)
 
 
 def ranked_modules(component: str, errors: list[ModuleError], drifting: list) -> tuple[ModuleDivergence, ...]:
@@ -192,7 +204,9 @@ def compare_pipelines(
             Divergence(x.component, "", x.step, x.timestep, error, True, cause=cause), steps, (), tolerance, names
         )
     try:
-        replayed, drifting, modules = _replayed(pipe_a, pipe_b, a, b, call_kwargs, seed, index, x, y, tolerance)
+        replayed, drifting, modules, unreached = _replayed(
+            pipe_a, pipe_b, a, b, call_kwargs, seed, index, x, y, tolerance
+        )
     except Exception as exc:  # the replay of a component on kept inputs failed: say so, keep what was found
         cause = f"replay failed: {type(exc).__name__}: {exc}"[:300]
         return Comparison(
@@ -202,7 +216,7 @@ def compare_pipelines(
     if replayed is None or replayed > tolerance:  # made there: the first module that drifts on agreeing inputs
         first = next((m for m, made in drifting if made), None)
         module, error = (first.module, first.output_error) if first else ("", error)
-        cause = "" if replayed is not None else "A's second call did not reach this call again: not deterministic"
+        cause = f"{unreached}'s second call did not reach this call again: not deterministic" if unreached else ""
         divergence = Divergence(x.component, module, x.step, x.timestep, error, True, cause=cause)
     elif _inputs_differ(x, y, tolerance):
         # received: its inputs differed while every earlier component call agreed

@@ -241,6 +241,10 @@ class CallSiteHooks:
         self.bundled_placement: Placement = ()
         """The hooks each registry held as the bundled call began (:meth:`bundle_context`), for ``report.why()``."""
         self.raised_states: dict = {}
+        self.bundled_state: dict = {}
+        """The bundled call's stateful hooks' state as it began (:meth:`bundle_context`), by component module,
+        for ``report.why()``: a replay from the state the call left (a raise's, or a reset at its end) is
+        not that call (a PyramidAttentionBroadcast counter moved on: the attention computed, not taken)."""
         """The caches a call ended by policy ``raise`` left, by component module, before their reset
         (:func:`~.cache_hooks.reset_as_a_call_ends`): ``report.why()`` replays from them (the first raise's)."""
         self.earlier: dict[tuple[str, str], list[tuple[tuple[tuple, dict], Any]]] = {}
@@ -508,9 +512,11 @@ class CallSiteHooks:
         """What a bundle of the kept call of ``site`` holds for a why replay: the diffusers cache context
         it ran in (None: none, or no stateful hook) and the hooks a guider placed for it only, by module
         (:func:`~.cache_hooks.placed_for_the_call`); the placement itself is kept as
-        :attr:`bundled_placement` (hooks are no file's content) until the next bundle."""
-        context, _, *placed = self.contexts.get((site.component, site.prefix)) or (None, None)
+        :attr:`bundled_placement` and the hooks' state as :attr:`bundled_state` (hooks are no file's content)
+        until the next bundle."""
+        context, state, *placed = self.contexts.get((site.component, site.prefix)) or (None, None)
         self.bundled_placement = placed[0] if placed else ()
+        self.bundled_state = {component: state} if state is not None else {}
         named = placed_for_the_call(self.bundled_placement, eager_module(component))
         return {"cache_context": context, "guider_hooks": named}
 

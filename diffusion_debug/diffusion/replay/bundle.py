@@ -24,8 +24,16 @@ from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
 from ..checks import find_producer, first_nonfinite
 from ..components.cache_hooks import hook_state_kept
+from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
-from .copies import context_fields, context_from_fields, layerwise_casting
+from .copies import (
+    context_fields,
+    context_from_fields,
+    hook_groups,
+    hooks_passed,
+    isolated_copy,
+    layerwise_casting,
+)
 from .decide import near_max_maker
 
 _TENSOR = "__tensor__"
@@ -306,15 +314,21 @@ def replay(
     weights) on the saved inputs with full probes.
 
     Returns ``{"module": producer or None, "first_nonfinite": name or None, "output_finite": bool,
-    "overflowed_in": name or None, "meta": meta.json}``; ``module`` is the first module whose output is
-    non-finite while its inputs were finite, named inside the component as in the anomaly: where that
-    module (then ``overflowed_in``) made it from finite values near the dtype's max, the module that made
-    those (:func:`~.decide.near_max_maker`, at the run's ``overflow_fraction``: :func:`bundle_fraction`).
-    A damaged bundle is one DiffusionDebugError (see :func:`read_bundle`). ``model``'s stateful diffusers
-    hooks (caches) run in the bundled call's cache context (``meta.json``'s ``cache_context``: the
-    pipeline's ``cache_context`` has ended, and TaylorSeer or FirstBlockCache refuse a call outside one)
-    from their live state, and are left as the replay found them: the next pipeline call does not start
-    from the replay's.
+    "overflowed_in": name or None, "note": str, "meta": meta.json}``; ``module`` is the first module
+    whose output is non-finite while its inputs were finite, named inside the component as in the
+    anomaly: where that module (then ``overflowed_in``) made it from finite values near the dtype's max,
+    the module that made those (:func:`~.decide.near_max_maker`, at the run's ``overflow_fraction``:
+    :func:`bundle_fraction`). A damaged bundle is one DiffusionDebugError (see :func:`read_bundle`).
+    ``model``'s stateful diffusers hooks (caches) run in the bundled call's cache context
+    (``meta.json``'s ``cache_context``: the pipeline's ``cache_context`` has ended, and TaylorSeer or
+    FirstBlockCache refuse a call outside one) from their live state, and are left as the replay found
+    them: the next pipeline call does not start from the replay's. A
+    caching hook's ``current_timestep_callback`` (PyramidAttentionBroadcast, FasterCache: ``lambda:
+    pipe.current_timestep``, None once the call ended) answers the bundled step's ``timestep`` during the
+    replay (:func:`~..components.cache_timestep.timestep_kept`). A bundle without one, or whose replay from
+    the live cache fails (a bundle holds no cache: FasterCache's, reset at the call's end, fails a block that
+    approximates), is replayed with the caching hooks passed through (in place, no copy), and ``note`` says
+    so ("" otherwise).
     """
     meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
@@ -325,8 +339,23 @@ def replay(
             f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(model).__name__} does not have."
         ) from None
     context = context_from_fields(meta.get("cache_context"))
-    with hook_state_kept(eager_module(model), context):  # a live component's caches as its last call left them
-        readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
+    note, name = "", str(meta.get("component"))
+    with timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable:
+        try:
+            if not replayable:
+                raise _Uncached(uncached_note(name))
+            with hook_state_kept(eager_module(model), context):  # a live component's caches as its last call left
+                readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
+        except Exception as error:
+            if "caching" not in hook_groups(eager_module(model)):
+                raise
+            failed = "" if isinstance(error, _Uncached) else f"{type(error).__name__}: {error}"
+            note = uncached_note(name, failed)
+            with hooks_passed(eager_module(model), "caching") as passed:  # in place: a copy doubles its memory
+                if not passed:  # (a diffusers whose hooks hold no fn_ref)
+                    model = isolated_copy(model, drop_hooks="caching")
+                    target = model.get_submodule(prefix) if prefix else model
+                readings = replay_readings(target, tuple(args), dict(kwargs), prefix)
     producer = find_producer(readings)
     first = first_nonfinite(readings)
     top = [r for r in readings if r.module == prefix]
@@ -336,5 +365,32 @@ def replay(
         "first_nonfinite": first.module if first else None,
         "output_finite": all(r.output_finite for r in top) if top else first is None,
         "overflowed_in": producer.module if near else None,
+        "note": note,
         "meta": meta,
     }
+
+
+def bundled_timestep(meta: dict[str, Any]) -> float | None:
+    """The bundled call's timestep (``meta.json``'s ``timestep``: the pipeline's ``current_timestep`` of
+    that step), None when it holds no number (a crafted file is data)."""
+    value = meta.get("timestep")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class _Uncached(Exception):
+    """The bundle's call cannot be replayed with the component's caching hooks (its message: why)."""
+
+
+def uncached_note(component: str, failed: str = "") -> str:
+    """The one sentence of a replay run without the component's caching hooks: they ask a timestep the
+    bundle does not hold, or the replay from the cache they hold now (``failed``) raised (a bundle holds
+    no cache: after a call's end, FasterCache's reset cache fails a block that approximates)."""
+    if not failed:
+        return (
+            f"{component} was replayed without its caching hooks: they ask the pipeline's current timestep, "
+            "which is unset once its call has ended, and the bundle holds none"
+        )
+    return (
+        f"{component} was replayed without its caching hooks: the replay from the cache they hold now "
+        f"failed ({failed[:160]}), and a bundle holds no cache"
+    )

@@ -22,8 +22,9 @@ the copy (a caching hook starts from the live cache).
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -85,8 +86,51 @@ def hook_groups(module: nn.Module) -> list[str]:
     for sub in module.modules():
         registry = _registry(sub)
         if registry is not None:
-            found.update(hook_group(name, hook) for name, hook in registry.hooks.items())
+            found.update(hook_group(name, hook) for name, hook in registry.hooks.items() if not passed(hook))
     return [group for group in HOOK_GROUPS if group in found]
+
+
+@contextlib.contextmanager
+def hooks_passed(module: nn.Module, group: str) -> Iterator[bool]:
+    """Within the block, ``module``'s diffusers hooks of the switch ``group`` pass each call through, on the
+    module itself: each hook's ``fn_ref`` (its link in the registry's chain) runs no pre- or post-forward and
+    calls the forward it wraps, so no hook reads or writes its state; no copy is made (a 12B transformer's
+    would double its memory). Every link is put back after, even when the block raises. Yields False, and
+    changes nothing, where a hook of ``group`` holds no ``fn_ref`` (a diffusers without one)."""
+    hooks = [
+        hook
+        for sub in module.modules()
+        if (registry := _registry(sub)) is not None
+        for name, hook in registry.hooks.items()
+        if hook_group(name, hook) == group
+    ]
+    refs = [vars(hook).get("fn_ref") for hook in hooks]
+    if not refs or any(ref is None for ref in refs):
+        yield False
+        return
+    kept = [(ref, vars(ref).copy()) for ref in refs]
+    try:
+        for ref in refs:
+            ref.pre_forward, ref.post_forward = _passed_in, _passed_out
+            ref.forward = getattr(ref, "original_forward", None) or ref.forward  # (None: a hook without new_forward)
+        yield True
+    finally:
+        for ref, attributes in kept:
+            vars(ref).clear()
+            vars(ref).update(attributes)
+
+
+def passed(hook: Any) -> bool:
+    """Whether ``hook`` is passed through now (:func:`hooks_passed`): a copy leaves it off."""
+    return getattr(vars(hook).get("fn_ref"), "pre_forward", None) is _passed_in
+
+
+def _passed_in(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    return args, kwargs
+
+
+def _passed_out(module: nn.Module, output: Any) -> Any:
+    return output
 
 
 def layerwise_casting(module: nn.Module) -> dict[str, str] | None:
@@ -113,6 +157,8 @@ def _rewire_hooks(copied: nn.Module, drop: str | None) -> None:
         registry.hooks, registry._hook_order, registry._fn_refs = {}, [], []
         registry._module_ref = sub
         for name, hook in hooks:
+            if passed(hook):  # passed through on the original (hooks_passed): not on the copy either
+                continue
             if drop is None or hook_group(name, hook) != drop:
                 copied_state = dict(vars(hook)) if getattr(hook, "_is_stateful", False) else {}
                 registry.register_hook(hook, name)  # (initialize_hook: a fresh state for some)
@@ -183,10 +229,10 @@ def cast_copy(copied: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def isolated_copy(component: nn.Module, *, drop_hooks: str | None = None) -> nn.Module:
     """A deep copy of ``component`` whose diffusers hooks act on the copy, without those of the
-    switch ``drop_hooks`` (see :func:`hook_group`); a ``torch.compile`` wrapper is rebuilt with the
-    same settings. Raises a ``RuntimeError`` that names the quantized weights a copy of them fails on
-    (GGUF's and quanto's refuse ``copy.deepcopy``; the floor's diffusers, 0.32.2, copies a GGUF weight
-    without its ``quant_type``)."""
+    switch ``drop_hooks`` (see :func:`hook_group`) nor those passed through (:func:`hooks_passed`); a
+    ``torch.compile`` wrapper is rebuilt with the same settings. Raises a ``RuntimeError`` that names the
+    quantized weights a copy of them fails on (GGUF's and quanto's refuse ``copy.deepcopy``; the floor's
+    diffusers, 0.32.2, copies a GGUF weight without its ``quant_type``)."""
     original = eager_module(component)
     try:
         copied = copy.deepcopy(original)

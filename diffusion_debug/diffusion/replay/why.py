@@ -10,11 +10,16 @@ Every replay is isolated: one that changes the module runs on a copy, one that d
 live module under ``torch.no_grad``, a forked RNG and its diffusers hook state put back after.
 
 Limits: a replay re-runs one component call, not the pipeline: a fault that needs an earlier step
-(a cache filled by the step before) shows only as far as the live state holds it (a pipeline
-clears its caches when it ends; policy ``raise`` stops it before). Replays of a compiled copy
+(a cache filled by the step before) shows only as far as the cache it replays from holds it:
+``report.why()`` replays from the caching hooks' state as the bundled call began (the live debugger keeps
+it; its tensors beyond ``KEPT_BYTES`` by weak reference), a bundle alone from the live cache (reset at a
+call's end: a FasterCache that cannot take the call is replayed without, saying so). Replays of a compiled copy
 compile again (seconds on the tiny pipelines, longer on a real model). A copy shares the user's
 own forward hooks with the live module (a function is not copied): a hook that counts calls
 counts the replays too.
+
+Long because a why is one path read together: the call replayed as it was and per factor, the
+verdict, a bundle's caches and timestep made replayable, and the files it writes.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -36,8 +41,9 @@ from ...stats import dtype_max, dtype_name, tensors_in
 from ...stats.quantized import dequantized, is_quantized
 from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
+from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
-from .copies import context_from_fields
+from .copies import context_from_fields, hook_groups, hooks_passed, isolated_copy
 from .decide import near_max_maker
 from .factors import (
     Factor,
@@ -87,6 +93,8 @@ class WhyResult:
     """The first module whose own weights hold NaN/Inf."""
     inputs: list[str] = field(default_factory=list)
     """The call's floating arguments that hold NaN/Inf."""
+    note: str = ""
+    """What the replays could not reproduce of the call ("" when nothing): one sentence."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +112,8 @@ class WhyResult:
     def markdown(self) -> str:
         where = f"{self.component} {self.module or ''}".strip()
         where += f", step {self.step}" if self.step is not None else ""
-        return f"# why: {where}\n\n{self.table()}\n\n{self.verdict}\n"
+        note = f"\n{self.note}\n" if self.note else ""
+        return f"# why: {where}\n\n{self.table()}\n\n{self.verdict}\n{note}"
 
     def __str__(self) -> str:
         """``print(report.why())``: the table and the verdict (:meth:`markdown`), not the fields."""
@@ -371,7 +380,7 @@ def explain_bundle(
     call's hooks as it began, when the live pipeline is at hand (bundles hold no hooks). A ``call_prefix`` that
     names no submodule of ``component`` is one DiffusionDebugError, as ``replay`` says it."""
     from ...errors import DiffusionDebugError
-    from .bundle import bundle_fraction, load_call
+    from .bundle import bundle_fraction, bundled_timestep, load_call, uncached_note
 
     meta, args, kwargs = load_call(bundle_dir, component)
     prefix = meta.get("call_prefix") or ""
@@ -383,13 +392,36 @@ def explain_bundle(
         ) from None
     vae = prefix in ("decoder", "encoder")
     context = context_from_fields(meta.get("cache_context"))
-    call = OriginCall(
-        meta["component"], component, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
-    )
     named = meta.get("guider_hooks")  # a crafted file is data: names only
     named = named if isinstance(named, dict) else {}
     guider_hooks = {str(k): [str(h) for h in v] for k, v in named.items() if isinstance(v, list)}
-    return explain(call, meta.get("step"), reference_s, placement, guider_hooks, bundle_fraction(meta))
+    fraction = bundle_fraction(meta)
+    with timestep_kept(eager_module(component), bundled_timestep(meta)) as replayable:  # the callbacks put back after
+        with _uncached(component, placement) if not replayable else contextlib.nullcontext(component) as replayed:
+            call = OriginCall(
+                meta["component"], replayed, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
+            )
+            result = explain(call, meta.get("step"), reference_s, placement, guider_hooks, fraction)
+        failed = result.baseline.error if replayable and result.baseline.finite is None else ""
+        if failed and "caching" in hook_groups(eager_module(component)):
+            # a live cache that cannot take this call (FasterCache's, reset at the call's end): without it
+            with _uncached(component, placement) as replayed:
+                uncached = replace(call, module=replayed)
+                result = explain(uncached, meta.get("step"), reference_s, placement, guider_hooks, fraction)
+            result.note = uncached_note(meta["component"], failed)
+    if not replayable:
+        result.note = uncached_note(meta["component"])
+    return result
+
+
+@contextlib.contextmanager
+def _uncached(component: nn.Module, placement: Placement) -> Iterator[nn.Module]:
+    """``component`` without its caching hooks for the block: passed through in place (:func:`~.copies.hooks_passed`;
+    each row's copy leaves them off), never a copy held beside the rows' own (a 12B transformer's weights three
+    times over); a copy without them where a guider's placement moves hooks (re-registered, they would act) or
+    the hooks cannot be passed."""
+    with hooks_passed(eager_module(component), "caching") if not placement else contextlib.nullcontext(False) as ok:
+        yield component if ok else isolated_copy(component, drop_hooks="caching")
 
 
 def write_why(run_dir: str | os.PathLike, result: WhyResult) -> Path:
@@ -439,13 +471,17 @@ def explain_run(
     reference_s: float | None = None,
     placement: Placement = (),
     raised_states: dict | None = None,
+    began_states: dict | None = None,
 ) -> WhyResult:
     """:func:`explain_bundle` on the run's origin with the pipeline's component; writes
     ``why.json`` and ``why.md`` into ``run_dir``. The bundle must lie inside ``run_dir``
     (:func:`bundle_in_run`); ``reference_s`` bounds the replays (:func:`explain`); ``placement``:
     the origin call's hooks as it began (the live debugger's, :func:`explain`); ``raised_states``: the
-    caches a call ended by policy ``raise`` left, by component (reset since, as the call's end would):
-    the replays run from them, and the component's hooks are as before afterwards."""
+    caches a call ended by policy ``raise`` left, by component (reset since, as the call's end would);
+    ``began_states``: the bundled call's hooks' state as it began, by component (the live debugger's): the
+    replays run from it, that call as it ran (from the raised call's state, where the began one holds none or
+    lost a tensor it replaced: :func:`~..components.cache_hooks.hook_state_kept`), and the component's
+    hooks are as before afterwards."""
     from ...errors import DiffusionDebugError
 
     origin = origin_bundle(anomalies)
@@ -459,7 +495,8 @@ def explain_run(
     if not isinstance(component, nn.Module):
         raise DiffusionDebugError(f"The pipeline has no component {name[:80]!r} to replay the bundle on.")
     folder = bundle_in_run(run_dir, bundle)
-    with hook_state_kept(component, None, (raised_states or {}).get(component)):
+    left, began = ((states or {}).get(component) for states in (raised_states, began_states))
+    with hook_state_kept(component, None, left), hook_state_kept(component, None, began):
         result = explain_bundle(folder, component, unhooked=unhooked, reference_s=reference_s, placement=placement)
     write_why(run_dir, result)
     if (Path(run_dir) / "summary.json").is_file():  # a saved run: its report links to the table
