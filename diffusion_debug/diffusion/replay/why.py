@@ -17,7 +17,8 @@ call's end: a FasterCache that cannot take the call is replayed without, saying 
 compiled component runs the user's compiled graphs where their guards pass and eagerly elsewhere (its caching
 hooks' callbacks or links swapped for the replay fail them): it compiles nothing, since a graph it added
 counted toward the user's recompile limit (not before torch 2.6). Replays of a compiled copy compile again
-(seconds on the tiny pipelines, longer on a real model), in the same code's cache. A copy shares the user's
+(seconds on the tiny pipelines, longer on a real model) in the same code's cache, toward the same limit
+(a user's next call may then compile again). A copy shares the user's
 own forward hooks with the live module (a function is not copied): a hook that counts calls
 counts the replays too.
 
