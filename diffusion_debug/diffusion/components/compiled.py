@@ -163,6 +163,22 @@ def eager(module: nn.Module) -> Iterator[None]:
             _put(holder, name, function)
 
 
+@contextlib.contextmanager
+def cached_graphs_only() -> Iterator[None]:
+    """Within the block, compiled code runs only where dynamo's cache already holds a graph whose guards
+    pass, and runs eagerly (the original Python) everywhere else, compiling nothing: a debugger's replay of
+    a live compiled component (``why()``'s as-is row, its caching hooks' links passed through or their
+    timestep callbacks answered, a copy in another dtype, which runs the same code) adds no graph to the
+    user's compiled functions. Each graph it added was an entry in their cache that counted toward
+    dynamo's ``recompile_limit``, past which torch runs the user's own later recompiles eagerly. Before
+    torch 2.6 (no ``set_stance``) the block changes nothing."""
+    if not HAS_SET_STANCE:
+        yield
+        return
+    with torch.compiler.set_stance("eager_on_recompile"):
+        yield
+
+
 def _compiled_method_slots(module: nn.Module) -> list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]]:
     """Each method compiled on an instance under ``module`` (:data:`~.structure.ROOT_METHODS`):
     ``(holder, name, compiled function, its original)``, the holder being the instance's

@@ -13,8 +13,12 @@ Limits: a replay re-runs one component call, not the pipeline: a fault that need
 (a cache filled by the step before) shows only as far as the cache it replays from holds it:
 ``report.why()`` replays from the caching hooks' state as the bundled call began (the live debugger keeps
 it; its tensors beyond ``KEPT_BYTES`` by weak reference), a bundle alone from the live cache (reset at a
-call's end: a FasterCache that cannot take the call is replayed without, saying so). Replays of a compiled copy
-compile again (seconds on the tiny pipelines, longer on a real model). A copy shares the user's
+call's end: a FasterCache that cannot take the call is replayed without, saying so). A replay of the live
+compiled component runs the user's compiled graphs where their guards pass and eagerly elsewhere (its caching
+hooks' callbacks or links swapped for the replay fail them): it compiles nothing, since a graph it added
+counted toward the user's recompile limit (not before torch 2.6). Replays of a compiled copy compile again
+(seconds on the tiny pipelines, longer on a real model) in the same code's cache, toward the same limit
+(a user's next call may then compile again). A copy shares the user's
 own forward hooks with the live module (a function is not copied): a hook that counts calls
 counts the replays too.
 
@@ -42,7 +46,7 @@ from ...stats.quantized import dequantized, is_quantized
 from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
 from ..components.cache_timestep import timestep_kept
-from ..components.compiled import eager_module, replay_readings
+from ..components.compiled import cached_graphs_only, eager_module, replay_readings
 from .copies import context_from_fields, hook_groups, hooks_passed, isolated_copy
 from .decide import near_max_maker
 from .factors import (
@@ -146,7 +150,8 @@ def run_variant(call: OriginCall, variant: Variant, factor: str, change: str, ra
             torch.no_grad(),
             kept,
             buffers_kept(module),
-            entered(variant.contexts),
+            cached_graphs_only() if variant.live else contextlib.nullcontext(),  # the live module's: no new graph
+            entered(variant.contexts),  # (inside: the eager row's force_eager holds)
         ):
             start = time.perf_counter()
             output = module(*variant.args, **variant.kwargs)
