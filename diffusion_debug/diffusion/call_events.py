@@ -623,6 +623,7 @@ class CallEvents:
                 role=self.localizer.roles.get(site.component, "other"),
                 sd_vae=site.component in self.localizer.sd_vaes,
                 compiled=compiled,
+                weights_dtype=self.localizer.weights_dtype(site.component, site.prefix),
             )
             self.emit([(anomaly, None) for anomaly in found])
 

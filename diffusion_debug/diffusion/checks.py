@@ -278,10 +278,13 @@ def overflow_risk(
     sd_vae: bool = False,
     between: dict[str, str] | None = None,
     compiled: bool = False,
+    weights_dtype: str | None = None,
 ) -> list[Anomaly]:
     """``between``: the modules the component's own forward built the values between
     (:func:`~.replay.decide.overflow_between`), ``reading`` being the component's; ``compiled``: the
-    reading is a compiled component's output, nothing inside it read (its message says so)."""
+    reading is a compiled component's output, nothing inside it read (its message says so);
+    ``weights_dtype``: the dtype of the module's weights, kept where it is not the output's (a float32
+    module's float16 output: it ran under ``torch.autocast``, whose advice differs)."""
     share = reading.dtype_max_fraction or 0.0
     return [
         make_anomaly(
@@ -300,6 +303,7 @@ def overflow_risk(
                 **_vae_details(role, sd_vae),
                 **(between or {}),
                 **({"compiled": True} if compiled else {}),
+                **({"weights_dtype": weights_dtype} if weights_dtype and weights_dtype != reading.dtype else {}),
             },
         )
     ]

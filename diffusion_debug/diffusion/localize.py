@@ -336,18 +336,17 @@ class Localizer:
             origin=self.origin.where() if self.origin is not None else None,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
-            dtype=self._dtype(component, module),
+            dtype=self.weights_dtype(component, module),
             near_max=near_max,
         )
         key = ("nonfinite", component, consequence)
         return [(self.settle(a), key + (a.module,) if "near_max_from" in a.details else key) for a in made]
 
-    def _dtype(self, component: str, module: str) -> str | None:
-        """The dtype ``component.module`` computes in now, read at the module, else at the nearest module
-        above it that holds floating weights (a component's dtypes may differ: diffusers < 0.36's
-        ``upcast_vae`` keeps the VAE's mid block in float16), fp8-stored weights' layerwise-casting compute
-        dtype; read on a NaN/Inf only, during the call (``force_upcast`` casts the VAE to float32 for the
-        decode alone)."""
+    def weights_dtype(self, component: str, module: str) -> str | None:
+        """The dtype ``component.module`` computes in now, read at the module, else at the nearest module above it
+        that holds floating weights (a component's dtypes may differ: diffusers < 0.36's ``upcast_vae`` keeps the
+        VAE's mid block in float16), fp8-stored weights' layerwise-casting compute dtype; read on a NaN/Inf or a
+        near-overflow only, during the call (``force_upcast`` casts the VAE to float32 for the decode alone)."""
         root = self.modules.get(component)
         if root is None:
             return None
@@ -437,6 +436,7 @@ class Localizer:
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
             between=plan.between,
+            weights_dtype=self.weights_dtype(component, reading.module),  # (a warning's)
         )
         return [(anomaly, None) for anomaly in made]  # the kind's fold key: the module
 

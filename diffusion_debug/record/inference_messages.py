@@ -84,7 +84,19 @@ def overflow_advice(where: str, details: dict[str, Any]) -> str:
     'run this component in bfloat16 or float32, or upcast this module'
     >>> overflow_advice("unet.conv_out", {"dtype": "bfloat16"}).split(":")[0]
     "bfloat16 holds float32's range, so float32 gives these values no more room"
+
+    A float16 output of a module whose weights are not (``weights_dtype``, kept where they differ) ran under
+    ``torch.autocast``: the component is float32 already, and its weights' dtype does not change what
+    autocast computes in.
+
+    >>> overflow_advice("unet.conv_out", {"dtype": "float16", "weights_dtype": "float32"}).split(":")[0]
+    'it ran under float16 autocast (its weights are float32)'
     """
+    if details.get("dtype") == "float16" and details.get("weights_dtype"):
+        return (
+            f"it ran under float16 autocast (its weights are {details['weights_dtype']}): autocast to bfloat16 "
+            f"instead (torch.autocast(..., dtype=torch.bfloat16)) or run {where} outside autocast"
+        )
     if details.get("dtype") == "bfloat16":
         return (
             "bfloat16 holds float32's range, so float32 gives these values no more room: "

@@ -105,8 +105,32 @@ def test_the_report_guide_next_to_an_overflow_risk_advises_by_dtype_as_its_messa
 
     assert kind_info("overflow_risk").action == (
         "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE); "
+        "under float16 autocast (float32 weights): autocast to bfloat16 instead, or run it outside autocast; "
         "in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and the "
         "scale of its inputs."
+    )
+
+
+def test_a_float32_pipeline_near_overflow_under_fp16_autocast_is_told_to_autocast_to_bfloat16(tmp_path):
+    """A float32 UNet run under ``torch.autocast(..., dtype=torch.float16)`` computes in float16: its near-max
+    output was told to "run this component in bfloat16 or float32, or upcast this module", though it is float32
+    already and its weights' dtype does not change what autocast computes in."""
+    pipe = tiny_pipeline("sd")
+    assert pipe.unet.dtype == torch.float32
+    with plant(pipe.unet.get_submodule(UNET_LEAF), 0, lambda out: out / out.abs().amax() * 60000):
+        # full probes: the sentinel reads the block, whose residual add gives float32 under autocast
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic", probes="full"))
+        with torch.autocast(device_type="cpu", dtype=torch.float16), dbg:  # (attached under it: probed as fp16)
+            run(pipe, steps=2, output_type="latent")
+    risks = [a for a in kinds(dbg.report(), "overflow_risk") if a.component == "unet"]
+    assert [(a.module, a.details["dtype"], a.details["weights_dtype"]) for a in risks] == [
+        (UNET_LEAF, "float16", "float32")
+    ]
+    share = f"{risks[0].details['dtype_max_fraction']:.0%}"
+    assert risks[0].message == (
+        f"unet.{UNET_LEAF} output reached {share} of the float16 maximum (|x|=6e+04); it ran under float16 "
+        "autocast (its weights are float32): autocast to bfloat16 instead (torch.autocast(..., "
+        f"dtype=torch.bfloat16)) or run unet.{UNET_LEAF} outside autocast."
     )
 
 
