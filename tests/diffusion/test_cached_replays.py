@@ -217,19 +217,7 @@ def test_a_cache_that_reads_the_pipelines_current_timestep_is_compared_to_the_ch
     inputs the pipeline's call has ended and set it to None ("'<' not supported between instances of
     'int' and 'NoneType'", the comparison's cause). Each side replays with its pipeline's timestep as
     the call began, put back after."""
-    from diffusers import PyramidAttentionBroadcastConfig
-
-    def cached(pipe):
-        pipe.transformer.enable_cache(
-            PyramidAttentionBroadcastConfig(
-                spatial_attention_block_skip_range=2,
-                spatial_attention_timestep_skip_range=(-1, 1001),
-                current_timestep_callback=lambda: pipe.current_timestep,
-            )
-        )
-        return pipe
-
-    a, b, twin = (cached(tiny_pipeline("flux")) for _ in range(3))
+    a, b, twin = (_pab_flux() for _ in range(3))
     scale(b, 1.5)
     d = compare_pipelines(a, b, seed=0, prompt="a cat", **CALL).first_divergence
     assert (d.component, d.module, d.step, d.made_here, d.cause) == ("transformer", MODULE, 0, True, "")
