@@ -266,6 +266,27 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
     return None
 
 
+def autocast_on() -> bool:
+    """Whether a ``torch.autocast`` region is open now, on any device (read as a warning is made,
+    during the pipeline's call: inside the user's ``with torch.autocast(...)``)."""
+    return any(torch.is_autocast_enabled(device) for device in AUTOCAST_DEVICES)
+
+
+def _autocast_devices() -> tuple[str, ...]:
+    """The device types whose autocast state this torch reads (an older one refuses some)."""
+    found = []
+    for device in ("cuda", "cpu", "xpu", "mps"):
+        try:
+            torch.is_autocast_enabled(device)
+        except (RuntimeError, TypeError, ValueError):
+            continue
+        found.append(device)
+    return tuple(found)
+
+
+AUTOCAST_DEVICES = _autocast_devices()
+
+
 def overflow_risk(
     component: str,
     reading: ModuleReading,
@@ -283,8 +304,10 @@ def overflow_risk(
     """``between``: the modules the component's own forward built the values between
     (:func:`~.replay.decide.overflow_between`), ``reading`` being the component's; ``compiled``: the
     reading is a compiled component's output, nothing inside it read (its message says so);
-    ``weights_dtype``: the dtype of the module's weights, kept where it is not the output's (a float32
-    module's float16 output: it ran under ``torch.autocast``, whose advice differs)."""
+    ``weights_dtype``: the dtype of the module's weights, kept where it is not the output's while an
+    autocast region is open (:func:`autocast_on`: a float32 module's float16 output ran under
+    ``torch.autocast``, whose advice differs; without one it is a module diffusers keeps in float32 in a
+    float16 model, ``_keep_in_fp32_modules``, which casts its output back: the float16 advice holds)."""
     share = reading.dtype_max_fraction or 0.0
     return [
         make_anomaly(
@@ -303,7 +326,11 @@ def overflow_risk(
                 **_vae_details(role, sd_vae),
                 **(between or {}),
                 **({"compiled": True} if compiled else {}),
-                **({"weights_dtype": weights_dtype} if weights_dtype and weights_dtype != reading.dtype else {}),
+                **(
+                    {"weights_dtype": weights_dtype}
+                    if weights_dtype not in (None, reading.dtype) and autocast_on()
+                    else {}
+                ),
             },
         )
     ]

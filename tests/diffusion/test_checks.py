@@ -134,6 +134,31 @@ def test_a_float32_pipeline_near_overflow_under_fp16_autocast_is_told_to_autocas
     )
 
 
+
+def test_a_module_kept_in_float32_of_an_fp16_pipeline_without_autocast_gets_the_fp16_advice(tmp_path):
+    """diffusers' ``_keep_in_fp32_modules`` (Wan's norms, ``FP32LayerNorm``) keep a module's weights in float32
+    in a float16 model and cast its output back to float16: no autocast ran, so its near-max output is told
+    the float16 advice, not "it ran under float16 autocast" (float32 weights beside a float16 output alone)."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    leaf = pipe.unet.get_submodule(UNET_LEAF).float()  # kept in float32, as _keep_in_fp32_modules does
+    handles = [
+        leaf.register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args)),
+        leaf.register_forward_hook(lambda module, args, out: out.half()),  # (FP32LayerNorm's cast back)
+    ]
+    try:
+        with plant(leaf, 0, lambda out: out / out.abs().amax() * 60000):
+            dbg = DiffusionModelDebugger(pipe, cfg(tmp_path, level="basic", probes="full"))
+            with dbg:
+                run(pipe, steps=2, output_type="latent")
+    finally:
+        for handle in handles:
+            handle.remove()
+    risks = [a for a in kinds(dbg.report(), "overflow_risk") if a.component == "unet"]
+    assert [(a.module, a.details["dtype"], "weights_dtype" in a.details) for a in risks] == [
+        (UNET_LEAF, "float16", False)
+    ]
+    assert risks[0].message.endswith("run this component in bfloat16 or float32, or upcast this module.")
+
 # -- prompts, scheduler, dtype, VAE saturation ----------------------------------------------------
 
 
