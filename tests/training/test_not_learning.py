@@ -707,3 +707,26 @@ def test_an_optimizer_replaced_mid_run_is_not_named_as_one_of_several():
         assert seen.stepped() is optimizer and seen.name() is None
     finally:
         seen.stop()
+
+
+def test_an_optimizer_of_an_unwatched_model_stepped_after_the_watched_ones_leaves_its_reading():
+    """A GAN whose debugger watches the generator alone, given both optimizers: the discriminator's step
+    (after the generator's) took the reading over, and a stall of the generator's lr 0 was told
+    ``optimizer_params`` ("holds none of the watched model's parameters") of the discriminator's."""
+    from diffusion_debug.training.judges.not_learning import StepGradients
+
+    generator, discriminator = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    params, seen = TrainableParameters.of(generator), StepGradients()
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.0)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.1)
+    seen.watch(opt_g, params)
+    seen.watch(opt_d, params)
+    discriminator(generator(torch.ones(1, 2))).sum().backward()
+    opt_g.step()
+    opt_d.step()
+    try:
+        assert seen.stepped() is opt_g and seen.name() is None
+        reading = seen.read()
+        assert reading is not None and (reading["held_at_step"], reading["cleared_at_step"]) == (2, 0)
+    finally:
+        seen.stop()

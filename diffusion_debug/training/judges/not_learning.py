@@ -258,11 +258,11 @@ class StepGradients:
     def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if torch.compiler.is_dynamo_compiling() or not self.active:  # first: no guard on ``active`` when compiled
             return None
-        self.stepped, self.cleared, self.norms = weakref.ref(optimizer), -1, None
-        self.held = self.holds.get(id(optimizer), [])
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer)
-        if not self.held:  # an optimizer that holds none of them: nothing to read
+        held = self.holds.get(id(optimizer), [])
+        if not held:  # one that holds none of them (a GAN's unwatched model's): the last reading stays
             return None
+        self.stepped, self.cleared, self.norms, self.held = weakref.ref(optimizer), -1, None, held
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer)
         if not callable(closure):  # no closure (or another argument in its place, passed on as given)
             self._read()
             return None
@@ -304,14 +304,13 @@ class StepGradients:
         return {"held_at_step": len(self.held), "cleared_at_step": self.cleared, "grad_norm_at_step": norm}
 
     def name(self) -> str | None:
-        """Which optimizer stepped last, where several are hooked (else None): its class and the first watched
-        parameter it holds (``"SGD holding discriminator.0.weight and 3 more"``)."""
+        """Which optimizer stepped last, where several hooked ones hold watched parameters (else None): its
+        class and the first watched parameter it holds (``"SGD holding discriminator.0.weight and 3 more"``;
+        one that holds none of them is never the one read)."""
         stepped = self.stepped()
-        live = sum(ref() is not None for ref, _ in self.hooks.values())  # (a replaced optimizer's entry stays)
+        live = sum(ref() is not None and bool(self.holds.get(key)) for key, (ref, _) in self.hooks.items())
         if live < 2 or stepped is None or self.params is None:
             return None
-        if not self.held:
-            return f"{type(stepped).__name__} holding none of them"
         more = f" and {len(self.held) - 1} more" if len(self.held) > 1 else ""
         return f"{type(stepped).__name__} holding {self.params.names[self.held[0]]}{more}"
 
