@@ -134,7 +134,6 @@ def test_a_float32_pipeline_near_overflow_under_fp16_autocast_is_told_to_autocas
     )
 
 
-
 def test_a_module_kept_in_float32_of_an_fp16_pipeline_without_autocast_gets_the_fp16_advice(tmp_path):
     """diffusers' ``_keep_in_fp32_modules`` (Wan's norms, ``FP32LayerNorm``) keep a module's weights in float32
     in a float16 model and cast its output back to float16: no autocast ran, so its near-max output is told
@@ -158,6 +157,7 @@ def test_a_module_kept_in_float32_of_an_fp16_pipeline_without_autocast_gets_the_
         (UNET_LEAF, "float16", False)
     ]
     assert risks[0].message.endswith("run this component in bfloat16 or float32, or upcast this module.")
+
 
 # -- prompts, scheduler, dtype, VAE saturation ----------------------------------------------------
 
