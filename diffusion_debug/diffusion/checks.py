@@ -7,6 +7,7 @@ fetches the numbers (and replays), these decide.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -267,24 +268,13 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
 
 
 def autocast_on() -> bool:
-    """Whether a ``torch.autocast`` region is open now, on any device (read as a warning is made,
-    during the pipeline's call: inside the user's ``with torch.autocast(...)``)."""
-    return any(torch.is_autocast_enabled(device) for device in AUTOCAST_DEVICES)
-
-
-def _autocast_devices() -> tuple[str, ...]:
-    """The device types whose autocast state this torch reads (an older one refuses some)."""
-    found = []
+    """Whether a ``torch.autocast`` region is open now, on any device type this torch reads (read as a
+    warning is made, during the pipeline's call: inside the user's ``with torch.autocast(...)``)."""
     for device in ("cuda", "cpu", "xpu", "mps"):
-        try:
-            torch.is_autocast_enabled(device)
-        except (RuntimeError, TypeError, ValueError):
-            continue
-        found.append(device)
-    return tuple(found)
-
-
-AUTOCAST_DEVICES = _autocast_devices()
+        with contextlib.suppress(RuntimeError, TypeError, ValueError):  # (an older torch refuses some)
+            if torch.is_autocast_enabled(device):
+                return True
+    return False
 
 
 def overflow_risk(
