@@ -6,6 +6,8 @@ already runs on the NaN decides it, and a clean call pays nothing more."""
 
 from __future__ import annotations
 
+import contextlib
+
 import diffusion_helpers as helpers
 import pytest
 import torch
@@ -146,23 +148,31 @@ def _overflowing(out, given):
     return torch.full_like(out, float("nan")) if given.abs().amax() >= 0.5 * torch.finfo(given.dtype).max else out
 
 
+def _run_overflowing_at_the_norm(pipe, dbg, first_call, *planted):
+    """One watched call of ``pipe`` (after a clean one where not ``first_call``) whose VAE ``NORM`` overflows
+    in fp16 on its near-max input, each of ``planted`` (VAE modules) made near the max; the call's run number."""
+    if not first_call:
+        with dbg:
+            run(pipe, steps=1)
+    hook = pipe.vae.get_submodule(NORM).register_forward_hook(lambda module, args, out: _overflowing(out, args[0]))
+    try:
+        with contextlib.ExitStack() as plants:
+            for name in planted:
+                plants.enter_context(plant_overflow(pipe.vae.get_submodule(name), fraction=0.9))
+            with dbg:
+                run(pipe, steps=1)
+    finally:
+        hook.remove()
+    return 1 if first_call else 2
+
+
 @pytest.mark.parametrize("first_call", [True, False])
 def test_an_fp16_module_that_overflows_on_near_max_inputs_is_named_after_their_maker(first_call, tmp_path):
     """fp16: the VAE's first call is read with full probes (decided from the call's readings, no replay),
     a later one by its sentinel and a replay; both name the conv, and no ``overflow_risk`` repeats it."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    if not first_call:
-        with dbg:
-            run(pipe, steps=1)
-    norm = pipe.vae.get_submodule(NORM)
-    hook = norm.register_forward_hook(lambda module, args, out: _overflowing(out, args[0]))
-    try:
-        with plant_overflow(pipe.vae.get_submodule(CONV), fraction=0.9), dbg:
-            run(pipe, steps=1)
-    finally:
-        hook.remove()
-    run_number = 1 if first_call else 2
+    run_number = _run_overflowing_at_the_norm(pipe, dbg, first_call, CONV)
     found = [a for a in dbg.report().anomalies if a.details.get("run") == run_number and a.component == "vae"]
     assert [(a.kind, a.severity, a.module) for a in found] == [
         ("nonfinite", "error", CONV),
@@ -303,17 +313,7 @@ def test_an_unrelated_earlier_near_max_module_is_not_taken_for_the_maker(first_c
     feeds that norm did (before: the first near-max module of the call was named, whatever it fed)."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    if not first_call:
-        with dbg:
-            run(pipe, steps=1)
-    hook = pipe.vae.get_submodule(NORM).register_forward_hook(lambda module, args, out: _overflowing(out, args[0]))
-    try:
-        with plant_overflow(pipe.vae.get_submodule(UNRELATED), fraction=0.9):
-            with plant_overflow(pipe.vae.get_submodule(CONV), fraction=0.9), dbg:
-                run(pipe, steps=1)
-    finally:
-        hook.remove()
-    run_number = 1 if first_call else 2
+    run_number = _run_overflowing_at_the_norm(pipe, dbg, first_call, UNRELATED, CONV)
     found = [a for a in dbg.report().anomalies if a.details.get("run") == run_number and a.kind == "nonfinite"]
     assert [(a.severity, a.component, a.module) for a in found] == [("error", "vae", CONV), ("warning", "vae", NORM)]
     assert found[0].details["overflowed_in"] == NORM and found[1].details["follows"]["module"] == CONV
