@@ -308,16 +308,21 @@ def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleR
     output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
     its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
     fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
-    is its abs-max: Inf exactly for an Inf without a NaN."""
-    producer = next(
-        (r for r in replayed if r.input_finite and r.output_value is not None and math.isinf(r.output_value)), None
-    )
-    if producer is None:
+    is its abs-max: Inf exactly for an Inf without a NaN. An enclosing module is judged by its call
+    that ran the producer, its first reading after it (readings come in the order modules returned):
+    Helios calls its transformer twice a step, and a block finite in the first call did not clip the
+    Inf its second call returned."""
+    made = (r.input_finite and r.output_value is not None and math.isinf(r.output_value) for r in replayed)
+    at = next((i for i, inf in enumerate(made) if inf), None)
+    if at is None:
         return None
-    finite = {r.module for r in replayed if r.output_finite}
+    producer = replayed[at]
+    returned: dict[str, bool] = {}  # each module's first return after the producer: the call around it
+    for r in replayed[at + 1 :]:
+        returned.setdefault(r.module, r.output_finite)
     parts = producer.module.split(".")
     enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
-    return producer, next((name for name in enclosing if name in finite), block)
+    return producer, next((name for name in enclosing if returned.get(name)), block)
 
 
 _SAME_VALUES = 2.0**-7
