@@ -44,8 +44,10 @@ from ...stats import tensors_in
 from . import cache_hooks
 from .cache_hooks import (
     FoundHooks,
+    HeldStates,
     Placement,
     found_hooks,
+    held_apart,
     hook_placement,
     hook_registries,
     hook_state,
@@ -240,13 +242,15 @@ class CallSiteHooks:
         """The bytes of cache tensors the last replay ran without (:meth:`replay_kept`)."""
         self.bundled_placement: Placement = ()
         """The hooks each registry held as the bundled call began (:meth:`bundle_context`), for ``report.why()``."""
-        self.raised_states: dict = {}
-        self.bundled_state: dict = {}
+        self.bundled_state = HeldStates()
         """The bundled call's stateful hooks' state as it began (:meth:`bundle_context`), by component module,
         for ``report.why()``: a replay from the state the call left (a raise's, or a reset at its end) is
-        not that call (a PyramidAttentionBroadcast counter moved on: the attention computed, not taken)."""
+        not that call (a PyramidAttentionBroadcast counter moved on: the attention computed, not taken). Held
+        while its component lives (:class:`~.cache_hooks.HeldStates`): a component the user replaced is let go."""
+        self.raised_states = HeldStates()
         """The caches a call ended by policy ``raise`` left, by component module, before their reset
-        (:func:`~.cache_hooks.reset_as_a_call_ends`): ``report.why()`` replays from them (the first raise's)."""
+        (:func:`~.cache_hooks.reset_as_a_call_ends`): ``report.why()`` replays from them (the first raise's);
+        held as :attr:`bundled_state`."""
         self.earlier: dict[tuple[str, str], list[tuple[tuple[tuple, dict], Any]]] = {}
         """Per site, its calls of the step before the kept one, oldest first, with their contexts."""
         self.stateful: set[str] = set()
@@ -513,10 +517,12 @@ class CallSiteHooks:
         it ran in (None: none, or no stateful hook) and the hooks a guider placed for it only, by module
         (:func:`~.cache_hooks.placed_for_the_call`); the placement itself is kept as
         :attr:`bundled_placement` and the hooks' state as :attr:`bundled_state` (hooks are no file's content)
-        until the next bundle."""
+        until the next bundle (the state while ``component`` lives)."""
         context, state, *placed = self.contexts.get((site.component, site.prefix)) or (None, None)
         self.bundled_placement = placed[0] if placed else ()
-        self.bundled_state = {component: state} if state is not None else {}
+        self.bundled_state = HeldStates()
+        if state is not None:  # held apart from the component: it is let go as the user lets go of it
+            self.bundled_state[component] = held_apart(state)
         named = placed_for_the_call(self.bundled_placement, eager_module(component))
         return {"cache_context": context, "guider_hooks": named}
 
