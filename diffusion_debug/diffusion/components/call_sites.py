@@ -237,7 +237,7 @@ class CallSiteHooks:
         """``[bytes]`` of cache tensors the step's saved hook states may still hold."""
         self._found: dict[int, FoundHooks] = {}
         """Per stateful module called since the last attach, its hooks as found
-        (:func:`~.cache_hooks.found_hooks`): a call checks them, the attach forgets them."""
+        (:func:`~.cache_hooks.found_hooks`): a call checks them, the detach forgets them."""
         self.released = 0
         """The bytes of cache tensors the last replay ran without (:meth:`replay_kept`)."""
         self.bundled_placement: Placement = ()
@@ -359,8 +359,13 @@ class CallSiteHooks:
         except BaseException:  # what was added goes before the error does
             ProbeHandle(added).remove()
             raise
-        # a guided denoiser's registries hold its blocks: let go at detach, as the components are
-        return ProbeHandle(added, on_remove=self._registries.clear if self.guided else None)
+        # the stateful modules' hooks found and a guided denoiser's registries hold their modules: let go at
+        # detach, as the components are (a transformer the user replaces after the run is collected)
+        return ProbeHandle(added, on_remove=self._forget_hooks if self.guided or stateful_now else None)
+
+    def _forget_hooks(self) -> None:
+        self._found.clear()
+        self._registries.clear()
 
     def _before(
         self,
