@@ -56,7 +56,7 @@ from ..report.server import start_live_server
 from . import origins
 from . import pipeline_patches as patches
 from . import step_values as rows
-from .components.cache_hooks import reset_as_a_call_ends
+from .components.cache_hooks import HeldStates, reset_as_a_call_ends
 from .components.call_memory import oom_targets
 from .components.detached import Parked, dropped_parts, park, revive
 from .components.held import HeldComponents
@@ -610,8 +610,8 @@ class DiffusionModelDebugger(Lifecycle):
         steps.previews.clear()
         steps.calls.runtime.clear()
         steps.bundles.clear()
-        steps.calls.bundled_placement, steps.calls.raised_states = (), {}  # its registries hold the denoiser
-        steps.calls.bundled_state = {}
+        steps.calls.bundled_placement, steps.calls.raised_states = (), HeldStates()  # its registries hold the denoiser
+        steps.calls.bundled_state = HeldStates()
         steps.call_memory.clear()
         steps.localizer.clear()
         steps.probes.reset()
@@ -636,18 +636,18 @@ class DiffusionModelDebugger(Lifecycle):
         )
 
 
-def _raised_states(calls: Callable[[], Any]) -> dict:
+def _raised_states(calls: Callable[[], Any]) -> HeldStates:
     """The caches a call ended by policy ``raise`` left (``CallSites.raised_states``), while the
-    debugger's call sites live: a report holds them through a weak reference (a FasterCache hook's saved
-    state holds the transformer's bound forward and its timestep callback the pipeline)."""
+    debugger's call sites live: a report holds them through a weak reference (each state lives while its
+    component does, the call sites' while their debugger does)."""
     held = calls()
-    return {} if held is None else held.raised_states
+    return HeldStates() if held is None else held.raised_states
 
 
-def _bundled_states(calls: Callable[[], Any]) -> dict:
+def _bundled_states(calls: Callable[[], Any]) -> HeldStates:
     """The bundled call's hooks' state as it began (``CallSites.bundled_state``), held as :func:`_raised_states`."""
     held = calls()
-    return {} if held is None else held.bundled_state
+    return HeldStates() if held is None else held.bundled_state
 
 
 class _PipelinePolicy:

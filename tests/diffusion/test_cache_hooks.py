@@ -591,6 +591,38 @@ def test_a_saved_state_lets_go_of_what_the_call_replaced_and_puts_its_containers
     assert state.factors[0][0] is new
 
 
+def test_a_state_held_apart_puts_the_call_back_while_its_module_lives_and_lets_it_go_after():
+    """heldstate27: a bundled call's state kept for ``why()`` (:func:`~.cache_hooks.held_apart`) holds the hook,
+    its state objects and what reaches the module (a bound forward, as diffusers' ``fn_ref`` does) by weak
+    reference: put back while the module lives it is the call's state as the state itself was; once the module
+    (and the hooks its registry holds) is let go it is collected, the holder forgets it, and putting the state
+    back is a no-op."""
+    import gc
+    import weakref
+
+    module, hook = torch.nn.Linear(1, 1), _Hook()
+    hook.forward_ref, state, (a, b) = module.forward, hook.state, (torch.full((2,), float(i)) for i in range(2))
+    state.outputs, state.count, state.by_name = [a], 1, {"a": a}
+    module.__dict__["_diffusers_hook"] = _Registry(hook)
+    _, saved = cache_hooks.hook_state(module)
+    held = cache_hooks.held_apart(saved)
+    forward = hook.forward_ref
+    state.outputs, state.count, state.by_name = [b], 2, {"b": b}  # the call
+    for kept in (saved, held):
+        with hook_state_kept(module, None, kept) as released:
+            put_back = (released, state.outputs[0] is a, state.count, list(state.by_name), hook.forward_ref is forward)
+        assert put_back == (0, True, 1, ["a"], True)
+        assert (state.outputs[0] is b, state.count, list(state.by_name)) == (True, 2, ["b"])
+    states = cache_hooks.HeldStates()
+    states[module] = held
+    assert states.get(module) is held and states.get(torch.nn.Linear(1, 1)) is None
+    gone, hook_gone = weakref.ref(module), weakref.ref(hook)
+    del module, hook, state, forward, saved, put_back
+    gc.collect()
+    assert (gone(), hook_gone(), len(states)) == (None, None, 0)  # nothing in the held state kept them
+    assert cache_hooks._restore(held) == 0  # (every object it would put back into is gone)
+
+
 def test_a_guiders_hooks_put_back_for_a_replay_come_off_every_layer_when_one_fails_to_come_off():
     """:func:`placement_kept` puts a guider's layer hooks back on two layers for a replay; the second layer's
     hook fails as it is taken off after it: the first layer's comes off all the same (before: left on, changing

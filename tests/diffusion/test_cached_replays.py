@@ -301,7 +301,7 @@ def _watched(pipe, tmp_path, policy: str):
     outputs = []
     handle = pipe.transformer.register_forward_hook(lambda m, a, out: outputs.append(out[0]))
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy=policy))
-    callbacks = [hook.current_timestep_callback for hook in stateful_hooks(pipe.transformer)]
+    callbacks = [getattr(hook, "current_timestep_callback", None) for hook in stateful_hooks(pipe.transformer)]
     raised = pytest.raises(DiffusionDebugError) if policy == "raise" else contextlib.nullcontext()
     with dbg, raised:
         pipe("a cat", generator=generator(), **CALL)
@@ -474,3 +474,46 @@ def test_a_caching_hook_without_new_forward_is_passed_through_and_put_back():
         within = layer(x)
     assert passed and torch.equal(within, plain) and not torch.equal(hooked, plain)
     assert torch.equal(layer(x), hooked)
+
+
+def _first_block_flux():
+    """A Flux under FirstBlockCache (its state per cache context, in a StateManager)."""
+    return cached_flux(_first_block_cache)
+
+
+@pytest.mark.usefixtures("only_the_tests_objects")  # its gc.collect() walks only what the test made
+@pytest.mark.parametrize(
+    ("make", "policy"),
+    [(_pab_flux, "record"), (_pab_flux, "raise"), (_first_block_flux, "record"), (_first_block_flux, "raise")],
+    ids=["pyramid_attention-record", "pyramid_attention-raise", "first_block-record", "first_block-raise"],
+)
+def test_a_cached_transformer_replaced_after_its_bundle_is_let_go_while_the_debugger_lives(tmp_path, make, policy):
+    """heldstate27: the bundled call's hooks' state (and a raise's left caches) kept for ``why()`` held the
+    hooks, their ``fn_ref`` (the transformer's bound forward) and the transformer itself as the key, until the
+    next bundle or ``clear_debug_history()``: a user who replaced ``pipe.transformer`` after the anomaly kept
+    the old one alive as long as the debugger. Now the state is held while its transformer lives: ``why()``
+    on it still replays the run's call to the bit, and once the pipeline lets it go (the debugger detached,
+    or closed after a raise) it is collected and its state with it."""
+    import gc
+    import weakref
+
+    pipe = make()
+    with plant_nonfinite(pipe.transformer.proj_out, from_call=1, value=float("nan")):
+        dbg, run_max, _ = _watched(pipe, tmp_path, policy)
+        report = dbg.report()
+        result = report.why()
+    calls = dbg._steps.calls
+    held = [calls.bundled_state.get(pipe.transformer), calls.raised_states.get(pipe.transformer)]
+    if policy == "raise":
+        dbg.close()
+    assert (result.module, result.step, result.baseline.finite) == ("proj_out", 1, False)
+    assert result.baseline.max_abs == run_max
+    assert [state is not None for state in held] == [True, policy == "raise"]
+    old = weakref.ref(pipe.transformer)
+    pipe.transformer = make().transformer  # (seeded: the same weights, its own caching hooks)
+    del held
+    gc.collect()
+    assert old() is None  # nothing of the debugger's holds the transformer the pipeline let go of
+    assert (calls.bundled_state.get(pipe.transformer), calls.raised_states.get(pipe.transformer)) == (None, None)
+    assert [(a.module, a.step) for a in report.anomalies if a.severity == "error"] == [("proj_out", 1)]
+    dbg.close()

@@ -39,6 +39,12 @@ hooks each registry held as the call began, and :func:`placement_kept` puts them
 does so too with the placement of the bundled call, and a bundle names those hooks
 (:func:`placed_for_the_call`) so that a replay from it alone says why it runs without them.
 
+A state kept beyond its step (the bundled call's as it began, the caches a raised call left: ``report.why()``
+replays from them) is held apart from its module (:func:`held_apart`, :class:`HeldStates`): the hooks, their
+``fn_ref`` (the module's bound forward), their callbacks and the module itself by weak reference, so that a
+component the user replaces or deletes after the run is collected, its kept state with it, while the
+debugger lives; nothing of ours is put on the module or its hooks (``torch.save(model)`` pickles them).
+
 Limits: a hook that changed a cached tensor in place during the replay would keep that change
 (no diffusers hook does so today); containers inside other objects than the state objects
 (a tuple's list, an attribute of a value) are not followed; a box's container is found again by
@@ -46,6 +52,11 @@ its id among those the hooks hold at the replay: one freed since whose id a new 
 in its place for the replay (seen differently only by a holder not followed). Cost a call under a caching hook: its
 hooks' attributes and containers copied one level deep, no tensor copied; the hooks are found once
 an attach (:class:`FoundHooks`, checked at each call by their registries' hook counts).
+
+Long because a hook's state is one thing from its saving to its putting back: what a call's state holds
+(by value, by weak reference, boxed), how it is put back into the live hooks and containers, and how it is
+held beyond its step are each other's halves; a guider's placement (its last hundred lines) is the same
+save-and-put-back for the hooks themselves and could become a module of its own.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -143,7 +155,49 @@ def found_hooks(module: nn.Module, found: FoundHooks | None = None) -> FoundHook
     return found if found is not None and found.still(module) else FoundHooks(module)
 
 
-def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> dict[nn.Module, HookState]:
+class HeldStates:
+    """Saved hook states (:func:`hook_state`, :func:`reset_as_a_call_ends`) by the module whose hooks they
+    are, each held while that module lives: a module is held by weak reference and its state
+    (:func:`held_apart`: nothing in it reaches the module) is let go with it, so that a debugger that
+    keeps a bundled or raised call's state for ``report.why()`` never keeps a component alive the user let go
+    of (``pipe.transformer = other``). Nothing of ours goes on the module (``torch.save(model)`` pickles its
+    ``__dict__``).
+
+    >>> held, module = HeldStates(), nn.Linear(1, 1)
+    >>> held[module] = "its state"
+    >>> held.get(module), len(held)
+    ('its state', 1)
+    >>> del module
+    >>> len(held), bool(held)
+    (0, False)
+    """
+
+    __slots__ = ("_held", "__weakref__")
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def __setitem__(self, module: nn.Module, state: Any) -> None:
+        let_go = functools.partial(_let_go, weakref.ref(self), id(module))  # (no cycle: the holder weakly)
+        self._held[id(module)] = (weakref.ref(module, let_go), state)
+
+    def get(self, module: Any) -> Any:
+        """The state held for ``module`` (None: none, or its module is another now)."""
+        found = self._held.get(id(module))
+        return found[1] if found is not None and found[0]() is module else None
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+def _let_go(holder: weakref.ref, key: int, gone: weakref.ref) -> None:
+    """A held module collected: its state goes (while the holder lives and still holds it for that module)."""
+    held = holder()
+    if held is not None and (found := held._held.get(key)) is not None and found[0] is gone:
+        del held._held[key]
+
+
+def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> HeldStates:
     """Reset the stateful hooks of ``modules`` as a pipeline's call does as it ends (its
     ``maybe_free_model_hooks``: ``_reset_stateful_cache`` on every component that has it): for a call that
     our policy ``raise`` ends before its end, so that its next call starts from fresh caches, as it does
@@ -155,13 +209,14 @@ def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> dict[nn.Module,
     CacheMixin is on transformers) keeps its hooks' state from call to call unwatched, and so here too; the
     model offload that end also redoes is left to the next call's own offload hooks, as after any exception.
     Returns the hooks' state of each module with ``_reset_stateful_cache`` as the raised call left them (a
-    modular pipeline's too, whose own end may reset them after): ``why()`` replays that call from it
-    (:func:`hook_state_kept` with ``state``), the live hooks keeping their state of now."""
-    left: dict[nn.Module, HookState] = {}
+    modular pipeline's too, whose own end may reset them after), each held while its module lives
+    (:class:`HeldStates`): ``why()`` replays that call from it (:func:`hook_state_kept` with ``state``), the
+    live hooks keeping their state of now."""
+    left = HeldStates()
     resets = hasattr(pipe, "maybe_free_model_hooks")
     for module in modules:
         if hasattr(module, "_reset_stateful_cache") and (hooks := FoundHooks(module).hooks):  # (never made a registry)
-            left[module] = _saved(hooks)
+            left[module] = held_apart(_saved(hooks, None, detached=True))  # every tensor held: the reset drops them
             for sub in module.modules() if resets else ():  # (diffusers' reset: every registry's, and below)
                 if (registry := _registry(sub)) is not None:
                     registry.reset_stateful_hooks(recurse=False)
@@ -194,7 +249,34 @@ class _Weak:
 
 
 class _WeakTuple(tuple):
-    """A tuple of a saved state with some of its tensors held by weak reference (:class:`_Weak`)."""
+    """A tuple of a saved state with some of its items held by weak reference (:class:`_Weak`,
+    :class:`_WeakObject`)."""
+
+
+class _WeakObject:
+    """What a state kept beyond its step holds by weak reference besides tensors: what may reach the hooked
+    module (a hook, its ``fn_ref``, a bound method, a callback, a module), alive through the live hooks while
+    the module lives (:func:`held_apart`)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, value: Any):
+        self.ref = weakref.ref(value)
+
+
+def _weakly(value: Any, weak: set[int]) -> bool:
+    """Whether a state kept beyond its step holds ``value`` by weak reference: one of the hooks' own objects
+    (``weak``: their ids), a module, or a callable that is not a class (a bound method holds its module, a
+    closure what it names: a pipeline's ``current_timestep``)."""
+    return id(value) in weak or isinstance(value, nn.Module) or (callable(value) and not isinstance(value, type))
+
+
+def _held(value: Any) -> Any:
+    """``value`` by weak reference (a :class:`_WeakObject`), or as it is where it takes none."""
+    try:
+        return _WeakObject(value)
+    except TypeError:
+        return value
 
 
 class _Box:
@@ -220,6 +302,7 @@ def _emptied(container: Any) -> Callable[[], Any]:
 
 
 _GONE = object()
+_DEAD = object()  # a weakly held object collected since: the live value stays in its place
 
 
 def _detach(value: Any, budget: list[int] | None, boxes: dict[int, _Box]) -> Any:
@@ -248,10 +331,55 @@ def _detach(value: Any, budget: list[int] | None, boxes: dict[int, _Box]) -> Any
     return value
 
 
+def held_apart(state: HookState) -> HookState:
+    """A call's saved state (:func:`hook_state`'s, or :func:`_saved` ``detached``) as one kept beyond its step
+    holds it (a bundled or raised call's, for ``why()``: :class:`HeldStates`): every object that may reach the
+    hooked module by weak reference: the hooks and their state objects but the per-context states a manager
+    may drop (alive through the module's hook registries while it lives), and the callables and modules among
+    their attributes (:func:`_weakly`: a hook's ``fn_ref`` holds the module's bound forward). The state then
+    never keeps the module alive, and once the module is gone putting it back is a no-op (:func:`_restore`).
+    Made once, as the state is kept (a call's own, dropped as its step ends, holds them as they are)."""
+    saved, caches, containers = state
+    weak = {id(obj) for obj, _ in saved}.difference(id(s) for _, cache in caches for s in cache.values())
+    boxes: dict[int, _Box] = {}
+    return (
+        [
+            (_held(obj) if id(obj) in weak else obj, {k: _weakened(v, weak, boxes) for k, v in attributes.items()})
+            for obj, attributes in saved
+        ],
+        [(_held(manager), cache) for manager, cache in caches],
+        containers,
+    )
+
+
+def _weakened(value: Any, weak: set[int], boxes: dict[int, _Box]) -> Any:
+    """A saved value with what may reach the module in it held by weak reference (:func:`held_apart`); a box
+    is copied (``boxes``: by id, so a shared one is one box), the call's own left as it is."""
+    kind = type(value)
+    if kind is _Box:
+        box = boxes.get(id(value))
+        if box is None:
+            box = boxes[id(value)] = _Box.__new__(_Box)
+            box.id, box.kind, box.make = value.id, value.kind, value.make
+            if issubclass(value.kind, set):
+                box.contents = value.contents
+            elif issubclass(value.kind, dict):
+                box.contents = [(k, _weakened(v, weak, boxes)) for k, v in value.contents]
+            else:
+                box.contents = [_weakened(v, weak, boxes) for v in value.contents]
+        return box
+    if kind is _Weak or isinstance(value, torch.Tensor):
+        return value
+    if kind is _WeakTuple or (kind is tuple and any(_weakly(v, weak) for v in value)):
+        return _WeakTuple(_weakened(v, weak, boxes) for v in value)
+    return _held(value) if _weakly(value, weak) else value
+
+
 def _attach(value: Any, live: dict[int, Any], made: dict[int, Any], released: list[int]) -> Any:
     """A saved value as it was (:func:`_detach`), or :data:`_GONE` for a tensor freed since (its bytes
-    added to ``released``). A box's container is the live one of its id (``live``: every container the
-    hooks hold now), refilled, or a new one where the call replaced it (``made``: per box)."""
+    added to ``released``), :data:`_DEAD` for another object collected since. A box's container is the live
+    one of its id (``live``: every container the hooks hold now), refilled, or a new one where the call
+    replaced it (``made``: per box)."""
     kind = type(value)
     if kind is _Weak:
         tensor = value.ref()
@@ -259,8 +387,13 @@ def _attach(value: Any, live: dict[int, Any], made: dict[int, Any], released: li
             released[0] += value.nbytes
             return _GONE
         return tensor
+    if kind is _WeakObject:
+        held = value.ref()
+        return _DEAD if held is None else held
     if kind is _WeakTuple:
         items = [_attach(v, live, made, released) for v in value]
+        if any(v is _DEAD for v in items):
+            return _DEAD
         return _GONE if any(v is _GONE for v in items) else tuple(items)
     if kind is not _Box:
         return value
@@ -275,13 +408,13 @@ def _attach(value: Any, live: dict[int, Any], made: dict[int, Any], released: li
     if isinstance(container, dict):
         for key, item in value.contents:
             item = _attach(item, live, made, released)
-            if item is not _GONE:  # a freed tensor's entry left out (TaylorSeer: no factor of that order)
-                container[key] = item
+            if item is not _GONE and item is not _DEAD:  # a freed tensor's entry left out (TaylorSeer: no
+                container[key] = item  # factor of that order)
     elif isinstance(container, set):
         container.update(value.contents)
     else:
         items = [_attach(item, live, made, released) for item in value.contents]
-        container.extend(None if item is _GONE else item for item in items)
+        container.extend(None if item is _GONE or item is _DEAD else item for item in items)
     return container
 
 
@@ -289,7 +422,8 @@ def _saved(hooks: list[Any], budget: list[int] | None = None, detached: bool = F
     """The hooks' state: each state object's attributes, each state manager's per-context states, and
     (but ``detached``) every container reachable from the attributes with a shallow copy of its
     contents. ``detached`` (a call's state, kept for the step): containers as :class:`_Box`, tensors
-    beyond ``budget`` by weak reference, so that nothing the call replaces stays alive through it."""
+    beyond ``budget`` by weak reference, so that nothing the call replaces stays alive through it (kept
+    beyond the step: :func:`held_apart`)."""
     objects = [obj for hook in hooks for obj in state_objects(hook)]
     caches = [(m, dict(m._state_cache)) for hook in hooks for m in _state_managers(hook)]
     if detached:
@@ -310,15 +444,25 @@ def _restore(state: HookState, live: dict[int, Any] | None = None) -> int:
     saved, caches, containers = state
     released, made = [0], {}
     for manager, cache in caches:
+        if type(manager) is _WeakObject and (manager := manager.ref()) is None:
+            continue  # its module is gone (a detached state's)
         manager._state_cache.clear()
         manager._state_cache.update(cache)
     for obj, attributes in saved:
-        vars(obj).clear()
+        if type(obj) is _WeakObject and (obj := obj.ref()) is None:
+            continue
         if containers is None:
+            now = dict(vars(obj))
+            vars(obj).clear()
             for name, value in attributes.items():
                 value = _attach(value, live or {}, made, released)
-                vars(obj)[name] = None if value is _GONE else value
+                if value is _DEAD:  # (collected since: the live hooks hold another in its place)
+                    if name in now:
+                        vars(obj)[name] = now[name]
+                else:
+                    vars(obj)[name] = None if value is _GONE else value
         else:
+            vars(obj).clear()
             vars(obj).update(attributes)
     for container, contents in containers or ():
         _put_back(container, contents)

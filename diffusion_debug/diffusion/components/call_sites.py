@@ -44,8 +44,10 @@ from ...stats import tensors_in
 from . import cache_hooks
 from .cache_hooks import (
     FoundHooks,
+    HeldStates,
     Placement,
     found_hooks,
+    held_apart,
     hook_placement,
     hook_registries,
     hook_state,
@@ -235,18 +237,20 @@ class CallSiteHooks:
         """``[bytes]`` of cache tensors the step's saved hook states may still hold."""
         self._found: dict[int, FoundHooks] = {}
         """Per stateful module called since the last attach, its hooks as found
-        (:func:`~.cache_hooks.found_hooks`): a call checks them, the attach forgets them."""
+        (:func:`~.cache_hooks.found_hooks`): a call checks them, the detach forgets them."""
         self.released = 0
         """The bytes of cache tensors the last replay ran without (:meth:`replay_kept`)."""
         self.bundled_placement: Placement = ()
         """The hooks each registry held as the bundled call began (:meth:`bundle_context`), for ``report.why()``."""
-        self.raised_states: dict = {}
-        self.bundled_state: dict = {}
+        self.bundled_state = HeldStates()
         """The bundled call's stateful hooks' state as it began (:meth:`bundle_context`), by component module,
         for ``report.why()``: a replay from the state the call left (a raise's, or a reset at its end) is
-        not that call (a PyramidAttentionBroadcast counter moved on: the attention computed, not taken)."""
+        not that call (a PyramidAttentionBroadcast counter moved on: the attention computed, not taken). Held
+        while its component lives (:class:`~.cache_hooks.HeldStates`): a component the user replaced is let go."""
+        self.raised_states = HeldStates()
         """The caches a call ended by policy ``raise`` left, by component module, before their reset
-        (:func:`~.cache_hooks.reset_as_a_call_ends`): ``report.why()`` replays from them (the first raise's)."""
+        (:func:`~.cache_hooks.reset_as_a_call_ends`): ``report.why()`` replays from them (the first raise's);
+        held as :attr:`bundled_state`."""
         self.earlier: dict[tuple[str, str], list[tuple[tuple[tuple, dict], Any]]] = {}
         """Per site, its calls of the step before the kept one, oldest first, with their contexts."""
         self.stateful: set[str] = set()
@@ -355,8 +359,13 @@ class CallSiteHooks:
         except BaseException:  # what was added goes before the error does
             ProbeHandle(added).remove()
             raise
-        # a guided denoiser's registries hold its blocks: let go at detach, as the components are
-        return ProbeHandle(added, on_remove=self._registries.clear if self.guided else None)
+        # the stateful modules' hooks found and a guided denoiser's registries hold their modules: let go at
+        # detach, as the components are (a transformer the user replaces after the run is collected)
+        return ProbeHandle(added, on_remove=self._forget_hooks if self.guided or stateful_now else None)
+
+    def _forget_hooks(self) -> None:
+        self._found.clear()
+        self._registries.clear()
 
     def _before(
         self,
@@ -513,10 +522,12 @@ class CallSiteHooks:
         it ran in (None: none, or no stateful hook) and the hooks a guider placed for it only, by module
         (:func:`~.cache_hooks.placed_for_the_call`); the placement itself is kept as
         :attr:`bundled_placement` and the hooks' state as :attr:`bundled_state` (hooks are no file's content)
-        until the next bundle."""
+        until the next bundle (the state while ``component`` lives)."""
         context, state, *placed = self.contexts.get((site.component, site.prefix)) or (None, None)
         self.bundled_placement = placed[0] if placed else ()
-        self.bundled_state = {component: state} if state is not None else {}
+        self.bundled_state = HeldStates()
+        if state is not None:  # held apart from the component: it is let go as the user lets go of it
+            self.bundled_state[component] = held_apart(state)
         named = placed_for_the_call(self.bundled_placement, eager_module(component))
         return {"cache_context": context, "guider_hooks": named}
 
