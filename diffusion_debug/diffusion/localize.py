@@ -48,6 +48,7 @@ from .replay.decide import (
     decide,
     nonfinite_replayed,
     overflow_replayed,
+    unwatched_text,
 )
 from .run_guard import RunGuards
 
@@ -62,9 +63,11 @@ class Localizer:
     With full probes the readings already name the module; at block level a leaf producer is
     named as is, and a block is replayed with full probes on the call's kept arguments to find
     the module inside it (within the run's ``debug_timeout`` of replays). Per run (the runs of one
-    call as one: FreeInit's passes), a component's first NaN/Inf is localised once (later ones count there).
+    call as one: FreeInit's passes), a component's first NaN/Inf is localised once (later ones count there),
+    again only where it may be another origin (:meth:`~.replay.decide.ReplayMemory.count`).
 
-    One origin per run (so too): the first NaN/Inf error is the run's :attr:`origin`; a component that
+    One origin per run (so too), but another module's made from finite arguments (the user's callback cleaned
+    the latents): the first NaN/Inf error is the run's :attr:`origin`; a component that
     received non-finite input before any origin is known is explained by :mod:`origins` from
     the run's :attr:`inputs` and the call's kept arguments as passed (an input, the user's
     callback, the pipeline's code, or the component's own state: a cache it filled in an earlier call,
@@ -232,6 +235,7 @@ class Localizer:
                 localize=self.config.localize,
                 site=site,
                 fraction=self.config.overflow_fraction,
+                step=step,
             )
             if plan.clipped is not None:  # an Inf a block clipped, read with full probes: the call's finding
                 return found + self._clipped_inf(component, *plan.clipped, None, step, timestep, phase)
@@ -283,8 +287,9 @@ class Localizer:
         source, replayed = plan.source, None
         if source is None:
             source, replayed = self._replayed_source(component, plan.replay, probed, step)
-        module, how, consequence = source.module, source.how, source.consequence
-        consequence = self.memory.reported.setdefault(component, consequence)  # counted where first seen
+        module, how = source.module, source.how
+        consequence, another = self.memory.count(component, source, seen.producer, step)
+        self.origin = None if another else self.origin  # another origin: the run's now, later ones point at it
         found: list[Finding] = []
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
             received, state = self._nonfinite_arguments(component, site)
@@ -339,7 +344,7 @@ class Localizer:
             dtype=self.weights_dtype(component, module),
             near_max=near_max,
         )
-        key = ("nonfinite", component, consequence)
+        key = ("nonfinite", component, consequence, self.memory.named.setdefault(component, module))  # its entry
         return [(self.settle(a), key + (a.module,) if "near_max_from" in a.details else key) for a in made]
 
     def weights_dtype(self, component: str, module: str) -> str | None:
@@ -489,12 +494,3 @@ class Localizer:
             "replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds, **released
         )
         return readings
-
-
-def unwatched_text(component: str, step: int | None) -> str:
-    """How a NaN/Inf from the first call of a component replaced during the pipeline's call was
-    found: from its output alone, the call unwatched (the next one is hooked and localised)."""
-    return (
-        f"output check ({component} was replaced during the call, at step {step}: its first call ran "
-        "before it was hooked, so no module inside it was watched; its next call's would be localised)"
-    )
