@@ -140,6 +140,8 @@ class Localizer:
         if not same_call:
             self.origin = None
             self.memory.new_run()
+        else:  # (FreeInit's next pass: its own replay budget)
+            self.memory.next_pass()
         self.first_unwatched.clear()
         self.unwatched_since = None
 

@@ -19,22 +19,26 @@ def sd():
     return tiny_pipeline("sd")
 
 
-def plant_at_steps(unet: torch.nn.Module, module: str, steps: set[int]):
+def plant_at_steps(unet: torch.nn.Module, module: str, steps: set[int], when=lambda: True):
     """NaN out of ``module`` (a resnet's conv) at the denoising ``steps`` (counted in the order the steps'
-    time embeddings are first seen), told by the ``temb`` its resnet is given: a replay of the step's call
-    makes it again, as a real fault does."""
+    time embeddings are first seen) while ``when()``, told by the ``temb`` its resnet is given: a replay of
+    the step's call makes it again, as a real fault does."""
     resnet, seen, now = unet.get_submodule(module.rpartition(".")[0]), [], {}
 
-    def before(block, args):
-        key = float(args[1].double().sum())  # (input_tensor, temb)
+    def before(block, args, kwargs):
+        temb = kwargs["temb"] if "temb" in kwargs else args[1]  # (input_tensor, temb)
+        key = float(temb.double().sum())
         if key not in seen:
             seen.append(key)
         now["step"] = seen.index(key)
 
     def after(conv, args, output):
-        return torch.full_like(output, float("nan")) if now["step"] in steps else None
+        return torch.full_like(output, float("nan")) if now["step"] in steps and when() else None
 
-    return [resnet.register_forward_pre_hook(before), unet.get_submodule(module).register_forward_hook(after)]
+    return [
+        resnet.register_forward_pre_hook(before, with_kwargs=True),
+        unet.get_submodule(module).register_forward_hook(after),
+    ]
 
 
 def clean(p, i, t, kwargs):
@@ -164,3 +168,50 @@ def test_another_modules_nan_in_freeinits_next_pass_after_the_callback_cleaned_i
     ]
     assert ended == [0, 1, 0, 1]
     assert found == [("error", FIRST, 1, 1, 1), ("error", SECOND, 0, 2, 1)]
+
+
+def test_each_freeinit_pass_has_its_own_debug_timeout_of_replays(tmp_path):
+    """A pass is a run: the budget of replays (``debug_timeout``) is each pass's, as its steps are; the first
+    pass's replay (here: all of a budget of 1e-9 s) leaves the second pass's NaN/Inf, another origin, its own
+    replay, which names its module (a shared budget left it named at the UNet alone)."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+    ended = []
+
+    def cleaning(p, i, t, kwargs):
+        ended.append(i)
+        return clean(p, i, t, kwargs)
+
+    handles = [
+        *plant_at_steps(pipe.unet, FIRST, {0}, when=lambda: len(ended) < 2),  # the first pass's step 0
+        *plant_at_steps(pipe.unet, SECOND, {0}, when=lambda: len(ended) >= 2),  # the second pass's step 0
+    ]
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", debug_timeout=1e-9)
+    dbg = DiffusionModelDebugger(pipe, config)
+    try:
+        with dbg:
+            kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+            generator = torch.Generator().manual_seed(0)
+            pipe(
+                "a cat",
+                generator=generator,
+                callback_on_step_end=cleaning,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **kwargs,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    dbg.close()
+    found = [
+        (a.severity, a.module, a.step, a.details["run"], a.details["localized_by"])
+        for a in dbg.report().anomalies
+        if a.kind == "nonfinite"
+    ]
+    replayed = "output check -> replay with full probes"
+    assert found == [("error", FIRST, 0, 1, replayed), ("error", SECOND, 0, 2, replayed)]
+    events = dbg.record.events
+    assert [(e["type"], e["component"]) for e in events if e["type"] in ("replay", "replay_skipped")] == [
+        ("replay", "unet"),
+        ("replay", "unet"),
+    ]

@@ -61,10 +61,11 @@ class ReplayMemory:
     named: dict[str, str] = field(default_factory=dict)
     """This run's: component -> the module of its latest ``nonfinite`` entry (repeats count there)."""
     last_step: dict[str, int | None] = field(default_factory=dict)
-    """This run's: component -> the step of its latest call that showed a NaN/Inf (one that follows a clean
-    call, or starts FreeInit's next pass, is localised again: it may be another origin)."""
+    """This run's: component -> the step of its latest call that showed a NaN/Inf (None: in the pass before,
+    :meth:`next_pass`); one that follows a clean call of it, or starts the next pass, is localised again: it
+    may be another origin."""
     seconds: float = 0.0
-    """This run's replay time, against ``debug_timeout``."""
+    """This run's replay time, against ``debug_timeout`` (each FreeInit pass's: :meth:`next_pass`)."""
 
     def new_run(self) -> None:
         self.tried.clear()
@@ -75,6 +76,13 @@ class ReplayMemory:
         self.made_in.clear()
         self.named.clear()
         self.last_step.clear()
+        self.seconds = 0.0
+
+    def next_pass(self) -> None:
+        """A run in the same call (FreeInit's next pass) keeps what this one named, its steps counted anew, with
+        a ``debug_timeout`` of replays of its own: a pass costs what a call does, and its fault (another origin
+        after the callback cleaned the latents) would find the budget the first pass's replays spent."""
+        self.last_step = dict.fromkeys(self.last_step)
         self.seconds = 0.0
 
     def clear(self) -> None:
@@ -282,7 +290,8 @@ def _again(component, seen, memory, received, site, step) -> bool:
     then) and one in each call since are repeats: counted, not localised again."""
     producer, last = seen.producer, memory.last_step.get(component)
     moved = producer is not None and producer.module not in memory.made_in.get(component, ())
-    resumed = step is not None and last is not None and step not in (last, last + 1)
+    seen_before = step is not None and component in memory.last_step
+    resumed = seen_before and (last is None or step not in (last, last + 1))
     return (moved or resumed) and not received(component, site)
 
 
