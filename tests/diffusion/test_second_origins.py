@@ -215,3 +215,45 @@ def test_each_freeinit_pass_has_its_own_debug_timeout_of_replays(tmp_path):
         ("replay", "unet"),
         ("replay", "unet"),
     ]
+
+
+@pytest.mark.parametrize("returns", ["nothing", "the latents"])
+def test_a_nan_freeinits_own_code_makes_between_passes_is_the_pipelines_not_the_callbacks(tmp_path, returns):
+    """FreeInit's re-noising between two passes (its frequency filter) makes the NaN the second pass's step
+    0 receives; the step-end callback passed left finite latents at the first pass's end (returning nothing,
+    or them unchanged): the pipeline's own code between the passes is named, not the callback."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+    pipe._apply_freq_filter = lambda x, noise, low_pass_filter: torch.full_like(x, float("nan"))
+
+    def callback(p, i, t, kwargs):
+        return {} if returns == "nothing" else {"latents": kwargs["latents"]}
+
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+            generator = torch.Generator().manual_seed(0)
+            pipe(
+                "a cat",
+                generator=generator,
+                callback_on_step_end=callback,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **kwargs,
+            )
+    finally:
+        del pipe._apply_freq_filter
+    dbg.close()
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step, error.details["run"]) == (
+        "nonfinite",
+        "pipeline",
+        "",
+        0,
+        2,
+    )
+    assert error.message.startswith("unet received non-finite ")
+    assert error.message.endswith(
+        "that no watched component and no pipeline input made: the pipeline's own code between calls produced it "
+        "(a division, a log, a dtype cast); check the pipeline's options and the dtypes of its components."
+    )
