@@ -39,6 +39,7 @@ from .components.inventory import module_dtype, role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
 from .replay.copies import layerwise_casting
 from .replay.decide import (
+    ALREADY_REPORTED,
     NOTHING,
     UNLOCALISED,
     Decision,
@@ -60,21 +61,19 @@ class Localizer:
     """Checks a component's readings for NaN/Inf and near-overflow, names the module that made
     them, and hands the anomalies to the sink.
 
-    With full probes the readings already name the module; at block level a leaf producer is
-    named as is, and a block is replayed with full probes on the call's kept arguments to find
-    the module inside it (within the run's ``debug_timeout`` of replays). Per run (the runs of one
-    call as one: FreeInit's passes), a component's first NaN/Inf is localised once (later ones count there),
-    again only where it may be another origin (:meth:`~.replay.decide.ReplayMemory.count`).
+    With full probes the readings already name the module; at block level a leaf producer is named as is, and a
+    block is replayed with full probes on the call's kept arguments to find the module inside it (within the
+    run's ``debug_timeout`` of replays: each FreeInit pass's). Per call, a component's first NaN/Inf is localised
+    once (later ones count there), again only where it may be another origin (``ReplayMemory.count``).
 
-    One origin per run (so too), but another module's made from finite arguments (the user's callback cleaned
-    the latents): the first NaN/Inf error is the run's :attr:`origin`; a component that
-    received non-finite input before any origin is known is explained by :mod:`origins` from
-    the run's :attr:`inputs` and the call's kept arguments as passed (an input, the user's
-    callback, the pipeline's code, or the component's own state: a cache it filled in an earlier call,
-    never taken for an input; an input a watched component made in an earlier run: that component,
-    :mod:`.components.made`) and that becomes the origin; every later ``nonfinite`` is a warning
-    pointing at the origin's ``where()``. Where a block-level overflow was localised is kept across
-    runs (the same weights overflow in the same place) until :meth:`clear`.
+    One origin per call, until another is made (a module's from finite arguments, or the callback's, once the
+    user's callback cleaned the latents): the first NaN/Inf error is the run's :attr:`origin`; a component that
+    received non-finite input before any origin is known is explained by :mod:`origins` from the run's :attr:`inputs`
+    and the call's kept arguments as passed (an input, the user's callback, the pipeline's code, or the component's
+    own state: a cache it filled in an earlier call, never taken for an input; an input a watched component made
+    in an earlier run: that component, :mod:`.components.made`) and that becomes the origin; every later
+    ``nonfinite`` is a warning pointing at the origin's ``where()``. Where a block-level overflow was localised
+    is kept across runs (the same weights overflow in the same place) until :meth:`clear`.
 
     Limits: a replay sees the call's arguments as kept at the call (its lists and dicts copied
     then, so a cache the call fills is seen as it was passed); a module that changed a tensor
@@ -289,10 +288,13 @@ class Localizer:
         source, replayed = plan.source, None
         if source is None:
             source, replayed = self._replayed_source(component, plan.replay, probed, step)
-        module, how = source.module, source.how
-        consequence, another = self.memory.count(component, source, seen.producer, step)
+        module, how, again = source.module, source.how, None
+        if how == ALREADY_REPORTED and phase == "denoise" and self.origin is not None:  # the callback's, now?
+            received = lambda: self._nonfinite_arguments(component, site)[0]  # noqa: E731
+            again = origins.callback_again(self.inputs, self.origin, received, seen_in=component, step=step)
+        consequence, another = self.memory.count(component, source, seen.producer, step, given=again is not None)
         self.origin = None if another else self.origin  # another origin: the run's now, later ones point at it
-        found: list[Finding] = []
+        found = [] if again is None else [(self.settle(again), ("nonfinite", again.component, again.module))]
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
             received, state = self._nonfinite_arguments(component, site)
             if self.unwatched_since is not None and not self.inputs.nonfinite():  # made in steps no hook saw

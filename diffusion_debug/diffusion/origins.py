@@ -523,6 +523,19 @@ def callback_origin(callback: str, ended: tuple[int | None, int], *, seen_in: st
     )
 
 
+def callback_again(
+    inputs: RunInputs, origin: Anomaly, received: Callable[[], list[str]], *, seen_in: str, step: int | None
+) -> Anomaly | None:
+    """The error for NaN/Inf the step-end callback put into the loop after the run's ``origin`` elsewhere was
+    cleaned (a module's NaN the callback turned finite, then its own): ``seen_in``, named before, received it
+    at ``step`` though ``scheduler.step`` returned finite latents at the step before (``received()``: the call's
+    non-finite arguments, a host read asked last). None where the callback is the origin already, or not it."""
+    ended = inputs.callback_step(step)
+    if ended is None or (origin.component, origin.module) == ("callback", inputs.callback) or not received():
+        return None
+    return callback_origin(inputs.callback, ended, seen_in=seen_in, step=step, phase="denoise")
+
+
 def state_origin(state: list[str], *, component: str, step: int | None, timestep: float | None, phase: str) -> Anomaly:
     """The one error for NaN/Inf that ``component`` got back through its own ``state`` (a cache
     that its earlier calls filled, ``feat_cache``): one of its modules made it in an earlier call."""

@@ -257,3 +257,28 @@ def test_a_nan_freeinits_own_code_makes_between_passes_is_the_pipelines_not_the_
         "that no watched component and no pipeline input made: the pipeline's own code between calls produced it "
         "(a division, a log, a dtype cast); check the pipeline's options and the dtypes of its components."
     )
+
+
+def test_the_callbacks_nan_after_it_cleaned_a_modules_is_a_second_origin(sd, tmp_path):
+    """A UNet module's NaN at step 1, which the callback cleans, then the callback's own NaN at the end of
+    step 2 (the UNet receives it at step 3): the module and the callback, each once, the UNet's step 3 a
+    warning pointing at the callback (it had counted at the module's entry)."""
+
+    def clean_then_dirty(p, i, t, kwargs):
+        latents = kwargs["latents"]
+        return {"latents": torch.full_like(latents, float("nan")) if i == 2 else torch.nan_to_num(latents, nan=0.0)}
+
+    report = call_sd(
+        sd,
+        tmp_path,
+        [(FIRST, {1})],
+        callback_on_step_end=clean_then_dirty,
+        callback_on_step_end_tensor_inputs=["latents"],
+    )
+    assert nonfinite(report) == [
+        ("error", "unet", FIRST, 1, 1),
+        ("error", "callback", "callback_on_step_end", 2, 1),
+        ("warning", "unet", "", 3, 1),
+    ]
+    warning = [a for a in report.anomalies if a.kind == "nonfinite"][2]
+    assert warning.details["origin"] == "callback callback_on_step_end, step 2"
