@@ -181,8 +181,8 @@ class DebugConfig:
     max_debug_iterations: int | None = None
     """Stop measuring after this many monitored steps (None: never)."""
     debug_timeout: float = 300.0
-    """Seconds of localisation replays one pipeline run may spend; once spent, no new replay
-    starts (one already running finishes). Training reports a replay that took longer."""
+    """Seconds of localisation replays one pipeline run may spend (each FreeInit pass is a run); once
+    spent, no new replay starts (one already running finishes). Training reports a replay that took longer."""
     history_size: int = 1000
     """Steps kept in memory (ring buffer; at most 10000000); older ones live on in events.jsonl."""
     stream_events: bool = True

@@ -39,6 +39,7 @@ from .components.inventory import module_dtype, role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
 from .replay.copies import layerwise_casting
 from .replay.decide import (
+    ALREADY_REPORTED,
     NOTHING,
     UNLOCALISED,
     Decision,
@@ -48,6 +49,7 @@ from .replay.decide import (
     decide,
     nonfinite_replayed,
     overflow_replayed,
+    unwatched_text,
 )
 from .run_guard import RunGuards
 
@@ -59,19 +61,19 @@ class Localizer:
     """Checks a component's readings for NaN/Inf and near-overflow, names the module that made
     them, and hands the anomalies to the sink.
 
-    With full probes the readings already name the module; at block level a leaf producer is
-    named as is, and a block is replayed with full probes on the call's kept arguments to find
-    the module inside it (within the run's ``debug_timeout`` of replays). Per run (the runs of one
-    call as one: FreeInit's passes), a component's first NaN/Inf is localised once (later ones count there).
+    With full probes the readings already name the module; at block level a leaf producer is named as is, and a
+    block is replayed with full probes on the call's kept arguments to find the module inside it (within the
+    run's ``debug_timeout`` of replays: each FreeInit pass's). Per call, a component's first NaN/Inf is localised
+    once (later ones count there), again only where it may be another origin (``ReplayMemory.count``).
 
-    One origin per run (so too): the first NaN/Inf error is the run's :attr:`origin`; a component that
-    received non-finite input before any origin is known is explained by :mod:`origins` from
-    the run's :attr:`inputs` and the call's kept arguments as passed (an input, the user's
-    callback, the pipeline's code, or the component's own state: a cache it filled in an earlier call,
-    never taken for an input; an input a watched component made in an earlier run: that component,
-    :mod:`.components.made`) and that becomes the origin; every later ``nonfinite`` is a warning
-    pointing at the origin's ``where()``. Where a block-level overflow was localised is kept across
-    runs (the same weights overflow in the same place) until :meth:`clear`.
+    One origin per call, until another is made (a module's from finite arguments, or the callback's, once the
+    user's callback cleaned the latents): the first NaN/Inf error is the run's :attr:`origin`; a component that
+    received non-finite input before any origin is known is explained by :mod:`origins` from the run's :attr:`inputs`
+    and the call's kept arguments as passed (an input, the user's callback, the pipeline's code, or the component's
+    own state: a cache it filled in an earlier call, never taken for an input; an input a watched component made
+    in an earlier run: that component, :mod:`.components.made`) and that becomes the origin; every later
+    ``nonfinite`` is a warning pointing at the origin's ``where()``. Where a block-level overflow was localised
+    is kept across runs (the same weights overflow in the same place) until :meth:`clear`.
 
     Limits: a replay sees the call's arguments as kept at the call (its lists and dicts copied
     then, so a cache the call fills is seen as it was passed); a module that changed a tensor
@@ -137,6 +139,8 @@ class Localizer:
         if not same_call:
             self.origin = None
             self.memory.new_run()
+        else:  # (FreeInit's next pass: its own replay budget)
+            self.memory.next_pass()
         self.first_unwatched.clear()
         self.unwatched_since = None
 
@@ -232,6 +236,7 @@ class Localizer:
                 localize=self.config.localize,
                 site=site,
                 fraction=self.config.overflow_fraction,
+                step=step,
             )
             if plan.clipped is not None:  # an Inf a block clipped, read with full probes: the call's finding
                 return found + self._clipped_inf(component, *plan.clipped, None, step, timestep, phase)
@@ -283,9 +288,13 @@ class Localizer:
         source, replayed = plan.source, None
         if source is None:
             source, replayed = self._replayed_source(component, plan.replay, probed, step)
-        module, how, consequence = source.module, source.how, source.consequence
-        consequence = self.memory.reported.setdefault(component, consequence)  # counted where first seen
-        found: list[Finding] = []
+        module, how, again = source.module, source.how, None
+        if how == ALREADY_REPORTED and phase == "denoise" and self.origin is not None:  # the callback's, now?
+            received = lambda: self._nonfinite_arguments(component, site)[0]  # noqa: E731
+            again = origins.callback_again(self.inputs, self.origin, received, seen_in=component, step=step)
+        consequence, another = self.memory.count(component, source, seen.producer, step, given=again is not None)
+        self.origin = None if another else self.origin  # another origin: the run's now, later ones point at it
+        found = [] if again is None else [(self.settle(again), ("nonfinite", again.component, again.module))]
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
             received, state = self._nonfinite_arguments(component, site)
             if self.unwatched_since is not None and not self.inputs.nonfinite():  # made in steps no hook saw
@@ -339,7 +348,7 @@ class Localizer:
             dtype=self.weights_dtype(component, module),
             near_max=near_max,
         )
-        key = ("nonfinite", component, consequence)
+        key = ("nonfinite", component, consequence, self.memory.named.setdefault(component, module))  # its entry
         return [(self.settle(a), key + (a.module,) if "near_max_from" in a.details else key) for a in made]
 
     def weights_dtype(self, component: str, module: str) -> str | None:
@@ -489,12 +498,3 @@ class Localizer:
             "replay", component=component, call=site.prefix, modules=len(readings), seconds=seconds, **released
         )
         return readings
-
-
-def unwatched_text(component: str, step: int | None) -> str:
-    """How a NaN/Inf from the first call of a component replaced during the pipeline's call was
-    found: from its output alone, the call unwatched (the next one is hooked and localised)."""
-    return (
-        f"output check ({component} was replaced during the call, at step {step}: its first call ran "
-        "before it was hooked, so no module inside it was watched; its next call's would be localised)"
-    )

@@ -18,10 +18,11 @@ encoder call), so a value the loop reassigns later (``latents``) or a callback r
 taken for the user's; an argument the pipeline reassigned before that first event is seen as
 reassigned; a pipeline run through another method than ``__call__`` has no inputs to read; an
 input is seen only as a tensor, a float, a numpy array or a list / tuple / dict of those (PIL
-images cannot hold NaN). A NaN/Inf that first reaches the denoiser between two steps (two FreeInit
-passes' too), while a step-end callback was passed, is the callback's: the pipeline's own code
-between steps is rarely the cause then, and is named only without a callback. A NaN/Inf a component gets back
-through its own state is named at the component, not at the module that wrote it in an earlier
+images cannot hold NaN). A NaN/Inf that first reaches the denoiser between two steps, while a step-end
+callback was passed, is the callback's: the pipeline's own code between steps is rarely the cause then,
+and is named only without a callback; between two FreeInit passes, only where the latents the callback
+left were non-finite as the next pass began (FreeInit's re-noising, its own code, runs after it). A NaN/Inf
+a component gets back through its own state is named at the component, not at the module that wrote it in an earlier
 call (only the call being checked is kept); a module whose NaN/Inf reaches the call's output is
 named at once, by the replay of that call. Values the user passed past the overflow warning's share
 of their half-precision dtype's max (``latents=`` at 40000 in float16) are the input's too: the
@@ -49,6 +50,19 @@ from ..record import Anomaly, make_anomaly, rebuilt
 GUIDANCE_NAMES = ("guidance_scale", "image_guidance_scale", "guidance_rescale", "true_cfg_scale")
 CALLBACK_NAMES = ("callback_on_step_end", "callback")  # the step-end callback (and its deprecated form)
 MAX_DEPTH = 60  # frames walked up from a hook to the pipeline's __call__
+
+
+def latents_left(frame: Any) -> Any:
+    """Whether the ``latents`` of a running pipeline call's ``frame`` are all finite, as a 0-d tensor on their
+    device (no host read; None where it holds no floating tensor of that name): taken as a run in the call
+    begins (FreeInit's next pass, before its re-noising returns), what the last step-end callback left."""
+    try:
+        latents = frame.f_locals.get("latents")
+    except Exception:  # (a frame that ended)
+        return None
+    if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
+        return None
+    return torch.isfinite(latents.detach()).all()
 
 
 def is_nonfinite(value: Any, depth: int = 0) -> bool:
@@ -297,6 +311,9 @@ class RunInputs:
     before: tuple[int, int] | None = None
     """A run begun in the call of the run before (FreeInit's next pass): ``(that run, its last step)``, whose
     step-end callback ran last before this run's step 0 (``latents_finite`` carried from that step)."""
+    left: Any = None
+    """Such a run's: whether the latents that step's callback left were finite, as this run began (before
+    FreeInit's own code re-noised them): a 0-d tensor (:func:`latents_left`), read on a fault only; None: unknown."""
 
     @classmethod
     def capture(cls, pipe: Any) -> "RunInputs":
@@ -318,6 +335,8 @@ class RunInputs:
     def callback_step(self, step: int | None) -> tuple[int | None, int] | None:
         """``(run, step)`` (run None: this one) of the step-end callback that last ran on finite latents before it."""
         if step is None or self.callback is None or not self.latents_finite:
+            return None
+        if step == 0 and self.left is not None and bool(self.left):  # finite as the pass ended: FreeInit's code
             return None
         return (None, step - 1) if step else self.before
 
@@ -502,6 +521,19 @@ def callback_origin(callback: str, ended: tuple[int | None, int], *, seen_in: st
         timestep=None,
         details=details if run is None else {**details, "run": run, "seen_in_next_pass": True},
     )
+
+
+def callback_again(
+    inputs: RunInputs, origin: Anomaly, received: Callable[[], list[str]], *, seen_in: str, step: int | None
+) -> Anomaly | None:
+    """The error for NaN/Inf the step-end callback put into the loop after the run's ``origin`` elsewhere was
+    cleaned (a module's NaN the callback turned finite, then its own): ``seen_in``, named before, received it
+    at ``step`` though ``scheduler.step`` returned finite latents at the step before (``received()``: the call's
+    non-finite arguments, a host read asked last). None where the callback is the origin already, or not it."""
+    ended = inputs.callback_step(step)
+    if ended is None or (origin.component, origin.module) == ("callback", inputs.callback) or not received():
+        return None
+    return callback_origin(inputs.callback, ended, seen_in=seen_in, step=step, phase="denoise")
 
 
 def state_origin(state: list[str], *, component: str, step: int | None, timestep: float | None, phase: str) -> Anomaly:

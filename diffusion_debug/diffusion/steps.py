@@ -162,7 +162,8 @@ class StepPipeline(CallEvents):
                 # run took them, not the frame's locals the loop reassigned since (its latents are not an input),
                 # and whether its last step's latents were finite (the callback rule's: the next pass starts from them)
                 ended = (self.runs - 1, self.run.step - 1) if self.run.stepped else None  # (run.step: the next)
-                carried = origins.RunInputs(self.pipe, inputs.passed, inputs.latents_finite, ended)
+                left = origins.latents_left(frames.frame)  # (what its last step-end callback left)
+                carried = origins.RunInputs(self.pipe, inputs.passed, inputs.latents_finite, ended, left)
                 self.new_run_state(carried, same_call=True)
             else:
                 self.new_run_state(origins.RunInputs.capture(self.pipe))

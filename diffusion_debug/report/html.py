@@ -289,19 +289,22 @@ def _files(run: RunData) -> dict[str, Any]:
     return {
         "bundles": [(b, replay_command(run, b)) for b in bundles],
         "previews": s.get("previews") or [],
-        "why": _why_verdict(run.run_dir),
+        **_why(run.run_dir),
         "config": list(config.items()) if isinstance(config, dict) else [],
         "versions": list(versions.items()) if isinstance(versions, dict) else [],
     }
 
 
-def _why_verdict(run_dir: Path) -> str | None:
-    """The verdict of ``why.json`` (written by ``diffusion-debug why`` / ``DebugReport.why()``), if any."""
+def _why(run_dir: Path) -> dict[str, str | None]:
+    """``why``: the verdict of ``why.json`` (written by ``diffusion-debug why`` / ``DebugReport.why()``), if any;
+    ``why_note``: its note, what the replays could not reproduce of the call (read with the verdict it qualifies)."""
     try:
         why = load_json(run_dir / "why.json") if (run_dir / "why.json").is_file() else None
     except (OSError, ValueError, DiffusionDebugError):
-        return None
-    return str(why.get("verdict")) if isinstance(why, dict) and why.get("verdict") else None
+        why = None
+    if not isinstance(why, dict) or not why.get("verdict"):
+        return {"why": None, "why_note": None}
+    return {"why": str(why["verdict"]), "why_note": str(why["note"]) if why.get("note") else None}
 
 
 def render_html(run: RunData) -> str:

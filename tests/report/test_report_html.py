@@ -385,3 +385,24 @@ def test_guide_covers_every_stable_kind():
     table = guide_markdown()
     assert table.count("\n") == len(KINDS) + 1
     assert "| `rank_desync` |" in table
+
+
+def test_the_why_note_is_on_the_page_beside_its_verdict(inference_run_dir, tmp_path):
+    """What the replays of ``why`` could not reproduce (``WhyResult.note``, in why.md and why.json) is on
+    report.html too, read from why.json: under the verdict it qualifies and in the files section."""
+    from diffusion_debug.diffusion.replay.bundle import uncached_note
+    from diffusion_debug.diffusion.replay.why import Replay, WhyResult, write_why
+
+    run_dir = shutil.copytree(inference_run_dir, tmp_path / "run")
+    verdict = "smallest fix: float32 (dtype) makes transformer finite"
+    as_is = Replay("as is", "", False, None, "float16", 65504.0)
+    note = uncached_note("transformer")
+    write_why(run_dir, WhyResult("transformer", "proj_out", 1, as_is, [], verdict, note=note))
+    assert note in (run_dir / "why.md").read_text()
+    page = write_html(run_dir).read_text(encoding="utf-8")
+    header = f"<b>why:</b> {html.escape(verdict)} (<a href='why.md'>the replays</a>)<br>{html.escape(note)}</p>"
+    files = f"(<a href='why.json'>why.json</a>)</p><p class='note'>{html.escape(note)}</p>"
+    assert header in page and files in page
+    write_why(run_dir, WhyResult("transformer", "proj_out", 1, as_is, [], verdict))  # no note: none shown
+    page = write_html(run_dir).read_text(encoding="utf-8")
+    assert "(<a href='why.md'>the replays</a>)</p>" in page and "replayed without its caching hooks" not in page

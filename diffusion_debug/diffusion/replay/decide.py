@@ -3,7 +3,8 @@ readings show (:func:`nonfinite_replayed`, :func:`overflow_replayed`; where insi
 read in the call would show it too: :func:`between_modules`, :func:`overflow_between`,
 :func:`clipped_producer`; whose near-max values a NaN/Inf was made from, its cause: :func:`near_max_source`).
 The run's earlier answers are
-:class:`ReplayMemory`: a component's NaN/Inf is localised once a run; a block's near-overflow once for the
+:class:`ReplayMemory`: a component's NaN/Inf is localised once a run (again where a call after a clean one, or
+at another block, made it from finite arguments: it may be another origin); a block's near-overflow once for the
 debugger's life (the same weights overflow in the same place), but again each run where it was passed in,
 an Inf was clipped there or the replay could not run.
 
@@ -54,8 +55,17 @@ class ReplayMemory:
     """This run's blocks at exactly the dtype's max replayed once (a clip hides an Inf that way)."""
     reported: dict[str, bool] = field(default_factory=dict)
     """This run's components whose NaN/Inf was named, and whether it was a consequence (later ones count there)."""
+    made_in: dict[str, set[str]] = field(default_factory=dict)
+    """This run's: component -> the readings' modules that were seen making its NaN/Inf (a call whose first such
+    module is another, given finite arguments, is another origin: localised again)."""
+    named: dict[str, str] = field(default_factory=dict)
+    """This run's: component -> the module of its latest ``nonfinite`` entry (repeats count there)."""
+    last_step: dict[str, int | None] = field(default_factory=dict)
+    """This run's: component -> the step of its latest call that showed a NaN/Inf (None: in the pass before,
+    :meth:`next_pass`); one that follows a clean call of it, or starts the next pass, is localised again: it
+    may be another origin."""
     seconds: float = 0.0
-    """This run's replay time, against ``debug_timeout``."""
+    """This run's replay time, against ``debug_timeout`` (each FreeInit pass's: :meth:`next_pass`)."""
 
     def new_run(self) -> None:
         self.tried.clear()
@@ -63,12 +73,41 @@ class ReplayMemory:
         self.clipped.clear()
         self.replayed_at_max.clear()
         self.reported.clear()
+        self.made_in.clear()
+        self.named.clear()
+        self.last_step.clear()
+        self.seconds = 0.0
+
+    def next_pass(self) -> None:
+        """A run in the same call (FreeInit's next pass) keeps what this one named, its steps counted anew, with
+        a ``debug_timeout`` of replays of its own: a pass costs what a call does, and its fault (another origin
+        after the callback cleaned the latents) would find the budget the first pass's replays spent."""
+        self.last_step = dict.fromkeys(self.last_step)
         self.seconds = 0.0
 
     def clear(self) -> None:
         self.new_run()
         self.overflow_where.clear()
         self.grown.clear()
+
+    def count(
+        self, component: str, source: Source, producer: ModuleReading | None, step: int | None, given=False
+    ) -> tuple[bool, bool]:
+        """``(consequence, another)`` for a NaN/Inf of ``component`` at ``step`` found at ``source`` (``producer``:
+        the reading that first showed it made): a repeat is counted at the component's entry (its first
+        finding's consequence); ``another``: a module other than the entry's made it from finite arguments,
+        or (``given``) it was given another origin's (the user's callback's), the component's entry from now on."""
+        self.last_step[component] = step
+        if producer is not None:
+            self.made_in.setdefault(component, set()).add(producer.module)
+        first = component not in self.reported
+        made = not (first or source.consequence or source.how == ALREADY_REPORTED)  # here, from finite arguments
+        another = given or (made and source.module != self.named.get(component))
+        if first or another:
+            self.reported[component] = source.consequence or given
+        if another:
+            self.named[component] = source.module
+        return self.reported[component], another
 
     def forget(self, gone: set[str]) -> None:
         """Where an overflow was localised in the components ``gone`` (no longer the same module)."""
@@ -165,13 +204,15 @@ def decide(
     localize: bool,
     site: str,
     fraction: float,
+    step: int | None = None,
 ) -> Decision:
     """Every replay one call of ``component`` calls for, from what its ``readings`` show (``seen``:
     :func:`~..checks.suspects`) and what ``memory`` holds. ``full``: read with full probes (they name the
     module: no replay); ``leaf(component, module)``: whether a module has none inside; ``received(component,
     site)``: whether the kept call was passed a NaN/Inf; ``unwatched``: how a NaN/Inf is found where no hook
     of ours saw the call (nothing kept to replay; None: one did); ``localize``: replays allowed; ``site``:
-    the call site's prefix, replayed when no reading names a block. A check whose decision raises is handed
+    the call site's prefix, replayed when no reading names a block; ``step``: the call's (a NaN/Inf after a
+    clean call of a component named before is localised again). A check whose decision raises is handed
     back in :attr:`Decision.failed`, the other decided all the same: a failure in one check costs no other."""
     if seen is checks.NONE and output_finite:  # a clean call
         return NOTHING
@@ -181,7 +222,7 @@ def decide(
         if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
         if seen.first_nonfinite is not None or not output_finite:
-            asked = (memory, full, leaf, received, unwatched, localize, site, fraction)
+            asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
             source, replay = _nonfinite(component, seen, readings, *asked)
     except Exception as error:  # (the caller's nonfinite guard records it)
         failed["nonfinite"] = error
@@ -197,15 +238,27 @@ def decide(
     return Decision(None, source, replay, overflow, failed)
 
 
+ALREADY_REPORTED = "already reported"
+"""How a component's NaN/Inf is found where the run named it before (a repeat: counted, not localised again)."""
+
 UNLOCALISED = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
 """How a block's NaN/Inf is named where no replay named the module inside it."""
 
 
-def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site, fraction):
+def unwatched_text(component: str, step: int | None) -> str:
+    """How a NaN/Inf from the first call of a component replaced during the pipeline's call was
+    found: from its output alone, the call unwatched (the next one is hooked and localised)."""
+    return (
+        f"output check ({component} was replaced during the call, at step {step}: its first call ran "
+        "before it was hooked, so no module inside it was watched; its next call's would be localised)"
+    )
+
+
+def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatched, localize, site, fraction, step):
     """``(source, None)``, or ``(None, the block to replay)`` for a NaN/Inf in the call. A leaf a sentinel
     read, given values near its dtype's max, is replayed all the same: the module that made them is named."""
-    if component in memory.reported:
-        return Source("", "already reported", False), None  # counted, not localised again
+    if component in memory.reported and not _again(component, seen, memory, received, site, step):
+        return Source("", ALREADY_REPORTED, False), None  # counted, not localised again
     if not readings and received(component, site):  # no replay needed to see that
         return Source("", "output check: its inputs were already non-finite", True), None
     bad, producer = seen.first_nonfinite, seen.producer
@@ -227,6 +280,18 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
     if localize:
         return None, block
     return Source(block, UNLOCALISED, False), None
+
+
+def _again(component, seen, memory, received, site, step) -> bool:
+    """Whether a component whose NaN/Inf this run named made one again from finite arguments where it may
+    be another origin: first seen at another reading's module, or after a clean call of it (a step after the
+    user's callback cleaned the latents, FreeInit's next pass). A NaN/Inf passed in (a host read, asked only
+    then) and one in each call since are repeats: counted, not localised again."""
+    producer, last = seen.producer, memory.last_step.get(component)
+    moved = producer is not None and producer.module not in memory.made_in.get(component, ())
+    seen_before = step is not None and component in memory.last_step
+    resumed = seen_before and (last is None or step not in (last, last + 1))
+    return (moved or resumed) and not received(component, site)
 
 
 def _overflow(component, reading, between, memory, full, leaf, clean, localize) -> Overflow:

@@ -1,0 +1,284 @@
+"""A second origin in one run: after the user's step-end callback cleaned the latents, another module
+(or, after a NaN the run was given, a module) makes a NaN/Inf from finite arguments at a later step or in
+FreeInit's later pass. Each origin is named once, at its module and step; a repeat of the same origin
+still counts at its entry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import tiny_pipeline
+
+FIRST, SECOND = "down_blocks.0.resnets.0.conv1", "up_blocks.1.resnets.0.conv2"
+
+
+@pytest.fixture(scope="module")
+def sd():
+    return tiny_pipeline("sd")
+
+
+def plant_at_steps(unet: torch.nn.Module, module: str, steps: set[int], when=lambda: True):
+    """NaN out of ``module`` (a resnet's conv) at the denoising ``steps`` (counted in the order the steps'
+    time embeddings are first seen) while ``when()``, told by the ``temb`` its resnet is given: a replay of
+    the step's call makes it again, as a real fault does."""
+    resnet, seen, now = unet.get_submodule(module.rpartition(".")[0]), [], {}
+
+    def before(block, args, kwargs):
+        temb = kwargs["temb"] if "temb" in kwargs else args[1]  # (input_tensor, temb)
+        key = float(temb.double().sum())
+        if key not in seen:
+            seen.append(key)
+        now["step"] = seen.index(key)
+
+    def after(conv, args, output):
+        return torch.full_like(output, float("nan")) if now["step"] in steps and when() else None
+
+    return [
+        resnet.register_forward_pre_hook(before, with_kwargs=True),
+        unet.get_submodule(module).register_forward_hook(after),
+    ]
+
+
+def clean(p, i, t, kwargs):
+    """The user's step-end callback: NaN in the latents become 0 (the loop goes on finite)."""
+    return {"latents": torch.nan_to_num(kwargs["latents"], nan=0.0)}
+
+
+def call_sd(pipe, tmp_path, plants, probes=None, **kwargs):
+    handles = [h for module, steps in plants for h in plant_at_steps(pipe.unet, module, steps)]
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", **({"probes": probes} if probes else {}))
+    dbg = DiffusionModelDebugger(pipe, config)
+    try:
+        with dbg:
+            generator = torch.Generator().manual_seed(0)
+            pipe("a cat", num_inference_steps=5, generator=generator, output_type="np", **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    dbg.close()
+    return dbg.report()
+
+
+def nonfinite(report):
+    return [
+        (a.severity, a.component, a.module, a.step, a.details["count"])
+        for a in report.anomalies
+        if a.kind == "nonfinite"
+    ]
+
+
+@pytest.mark.parametrize("probes", [None, "full"])
+def test_another_modules_nan_after_the_callback_cleaned_the_latents_is_a_second_origin(sd, tmp_path, probes):
+    """Step 1's NaN from one UNet conv, cleaned by the callback, and step 3's from another: two errors,
+    each at its module and step (the second had counted at the first: one fold key a component)."""
+    report = call_sd(
+        sd,
+        tmp_path,
+        [(FIRST, {1}), (SECOND, {3})],
+        probes,
+        callback_on_step_end=clean,
+        callback_on_step_end_tensor_inputs=["latents"],
+    )
+    assert nonfinite(report) == [("error", "unet", FIRST, 1, 1), ("error", "unet", SECOND, 3, 1)]
+    assert (report.headline.module, report.headline.step) == (FIRST, 1)
+
+
+def test_the_same_modules_nan_again_after_the_callback_cleaned_still_counts_at_its_entry(sd, tmp_path):
+    report = call_sd(
+        sd, tmp_path, [(FIRST, {1, 3})], callback_on_step_end=clean, callback_on_step_end_tensor_inputs=["latents"]
+    )
+    (error,) = [a for a in report.anomalies if a.kind == "nonfinite"]
+    assert (error.severity, error.module, error.step, error.details["count"], error.details["last_step"]) == (
+        "error",
+        FIRST,
+        1,
+        2,
+        3,
+    )
+
+
+def test_a_module_nan_after_the_callbacks_own_nan_was_cleaned_is_a_second_origin(sd, tmp_path):
+    """The callback's NaN (the end of step 0: the UNet receives it at step 1, the callback's error) and,
+    once it cleaned the latents, a UNet module's at step 3: the callback and the module, each once (the
+    module's had counted at the UNet's step 1, a consequence of the callback's)."""
+
+    def dirty_then_clean(p, i, t, kwargs):
+        latents = kwargs["latents"]
+        return {"latents": torch.full_like(latents, float("nan")) if i == 0 else torch.nan_to_num(latents, nan=0.0)}
+
+    report = call_sd(
+        sd,
+        tmp_path,
+        [(SECOND, {3})],
+        callback_on_step_end=dirty_then_clean,
+        callback_on_step_end_tensor_inputs=["latents"],
+    )
+    assert nonfinite(report) == [
+        ("error", "callback", "callback_on_step_end", 0, 1),
+        ("warning", "unet", "", 1, 1),
+        ("error", "unet", SECOND, 3, 1),
+    ]
+    assert report.anomalies[[a.kind for a in report.anomalies].index("nonfinite") + 1].details["origin"] == (
+        "callback callback_on_step_end, step 0"
+    )
+
+
+def test_another_modules_nan_in_freeinits_next_pass_after_the_callback_cleaned_is_a_second_origin(tmp_path):
+    """FreeInit's passes are runs of one call sharing its origin: the first pass's NaN at step 1 (cleaned
+    by the callback) and another module's at the second pass's step 0 are two errors, each with its run."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+    ended = []
+
+    def at(calls: int):
+        def hook(module, args, output):
+            return torch.full_like(output, float("nan")) if len(ended) == calls else None
+
+        return hook
+
+    def cleaning(p, i, t, kwargs):
+        ended.append(i)
+        return clean(p, i, t, kwargs)
+
+    handles = [
+        pipe.unet.get_submodule(FIRST).register_forward_hook(at(1)),  # the first pass's step 1
+        pipe.unet.get_submodule(SECOND).register_forward_hook(at(2)),  # the second pass's step 0
+    ]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", probes="full"))
+    try:
+        with dbg:
+            kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+            pipe(
+                "a cat",
+                generator=torch.Generator().manual_seed(0),
+                callback_on_step_end=cleaning,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **kwargs,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    dbg.close()
+    found = [
+        (a.severity, a.module, a.step, a.details["run"], a.details["count"])
+        for a in dbg.report().anomalies
+        if a.kind == "nonfinite"
+    ]
+    assert ended == [0, 1, 0, 1]
+    assert found == [("error", FIRST, 1, 1, 1), ("error", SECOND, 0, 2, 1)]
+
+
+def test_each_freeinit_pass_has_its_own_debug_timeout_of_replays(tmp_path):
+    """A pass is a run: the budget of replays (``debug_timeout``) is each pass's, as its steps are; the first
+    pass's replay (here: all of a budget of 1e-9 s) leaves the second pass's NaN/Inf, another origin, its own
+    replay, which names its module (a shared budget left it named at the UNet alone)."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+    ended = []
+
+    def cleaning(p, i, t, kwargs):
+        ended.append(i)
+        return clean(p, i, t, kwargs)
+
+    handles = [
+        *plant_at_steps(pipe.unet, FIRST, {0}, when=lambda: len(ended) < 2),  # the first pass's step 0
+        *plant_at_steps(pipe.unet, SECOND, {0}, when=lambda: len(ended) >= 2),  # the second pass's step 0
+    ]
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", debug_timeout=1e-9)
+    dbg = DiffusionModelDebugger(pipe, config)
+    try:
+        with dbg:
+            kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+            generator = torch.Generator().manual_seed(0)
+            pipe(
+                "a cat",
+                generator=generator,
+                callback_on_step_end=cleaning,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **kwargs,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    dbg.close()
+    found = [
+        (a.severity, a.module, a.step, a.details["run"], a.details["localized_by"])
+        for a in dbg.report().anomalies
+        if a.kind == "nonfinite"
+    ]
+    replayed = "output check -> replay with full probes"
+    assert found == [("error", FIRST, 0, 1, replayed), ("error", SECOND, 0, 2, replayed)]
+    events = dbg.record.events
+    assert [(e["type"], e["component"]) for e in events if e["type"] in ("replay", "replay_skipped")] == [
+        ("replay", "unet"),
+        ("replay", "unet"),
+    ]
+
+
+@pytest.mark.parametrize("returns", ["nothing", "the latents"])
+def test_a_nan_freeinits_own_code_makes_between_passes_is_the_pipelines_not_the_callbacks(tmp_path, returns):
+    """FreeInit's re-noising between two passes (its frequency filter) makes the NaN the second pass's step
+    0 receives; the step-end callback passed left finite latents at the first pass's end (returning nothing,
+    or them unchanged): the pipeline's own code between the passes is named, not the callback."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+    pipe._apply_freq_filter = lambda x, noise, low_pass_filter: torch.full_like(x, float("nan"))
+
+    def callback(p, i, t, kwargs):
+        return {} if returns == "nothing" else {"latents": kwargs["latents"]}
+
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+            generator = torch.Generator().manual_seed(0)
+            pipe(
+                "a cat",
+                generator=generator,
+                callback_on_step_end=callback,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **kwargs,
+            )
+    finally:
+        del pipe._apply_freq_filter
+    dbg.close()
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step, error.details["run"]) == (
+        "nonfinite",
+        "pipeline",
+        "",
+        0,
+        2,
+    )
+    assert error.message.startswith("unet received non-finite ")
+    assert error.message.endswith(
+        "that no watched component and no pipeline input made: the pipeline's own code between calls produced it "
+        "(a division, a log, a dtype cast); check the pipeline's options and the dtypes of its components."
+    )
+
+
+def test_the_callbacks_nan_after_it_cleaned_a_modules_is_a_second_origin(sd, tmp_path):
+    """A UNet module's NaN at step 1, which the callback cleans, then the callback's own NaN at the end of
+    step 2 (the UNet receives it at step 3): the module and the callback, each once, the UNet's step 3 a
+    warning pointing at the callback (it had counted at the module's entry)."""
+
+    def clean_then_dirty(p, i, t, kwargs):
+        latents = kwargs["latents"]
+        return {"latents": torch.full_like(latents, float("nan")) if i == 2 else torch.nan_to_num(latents, nan=0.0)}
+
+    report = call_sd(
+        sd,
+        tmp_path,
+        [(FIRST, {1})],
+        callback_on_step_end=clean_then_dirty,
+        callback_on_step_end_tensor_inputs=["latents"],
+    )
+    assert nonfinite(report) == [
+        ("error", "unet", FIRST, 1, 1),
+        ("error", "callback", "callback_on_step_end", 2, 1),
+        ("warning", "unet", "", 3, 1),
+    ]
+    warning = [a for a in report.anomalies if a.kind == "nonfinite"][2]
+    assert warning.details["origin"] == "callback callback_on_step_end, step 2"
