@@ -33,11 +33,12 @@ def _models():
     return generator, discriminator
 
 
-def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, iterations=8, d_every=1, clear_g=False, skip_d=False):
+def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, iterations=8, d_every=1, clear_g=False, skip_d=False, clear_at=None):
     """A GAN's loop on one debugger, each model under its own SGD without momentum, monitored before each
     optimizer's step with that optimizer (the discriminator's only at the iterations it steps: every
     ``d_every``-th). Faults: ``lr_d`` 0; ``clear_g``: the generator's gradients cleared before its step;
-    ``skip_d``: the discriminator's step never runs (a loop's bug). Returns the debugger (closed) and the
+    ``skip_d``: the discriminator's step never runs (a loop's bug). ``clear_at``: the debugger's history is
+    cleared after that iteration (``clear_debug_history``). Returns the debugger (closed) and the
     monitored step of each optimizer's monitored steps, in order."""
     generator, discriminator = _models()
     opt_d = torch.optim.SGD(discriminator.parameters(), lr=lr_d)
@@ -65,6 +66,8 @@ def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, iterations=8, d_every=1, clear_g=Fal
         if clear_g:
             opt_g.zero_grad()
         opt_g.step()
+        if it == clear_at:
+            tdbg.clear_debug_history()
     tdbg.close()
     return tdbg, steps
 
@@ -160,3 +163,12 @@ def test_under_accelerate_a_stalled_discriminator_is_named(tmp_path, fresh_accel
     tdbg.close()
     (found,) = _serious(tdbg)
     _stall(found, "lr_zero", DISCRIMINATOR, 0, 8, 9)
+
+
+def test_a_stall_of_one_optimizer_goes_on_after_clear_debug_history_and_is_reported_again(tmp_path):
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, iterations=9, clear_at=5)  # cleared after step 11, reported at 9
+    (found,) = _serious(tdbg)
+    # the next reading of its update: step 12's, read in full at 13 (the steps after a finding read in full)
+    d = found.details
+    assert (found.step, d["stalled_optimizer"], d["first_step"]) == (13, DISCRIMINATOR, 0)
+    assert (d["last_step"], d["updates"]) == (12, 7)

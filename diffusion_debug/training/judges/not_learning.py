@@ -143,7 +143,7 @@ class StallWatch:
         if id(optimizer) not in self.seen.followed:
             self._count_each(optimizer, params)
         still = bool(self.updates) and not self.flagged
-        if self.several and not still:  # one optimizer's own run counted, the other's updates moving
+        if self.several and not still and not self.flagged:  # one optimizer's own run counted, another's moving
             still = any(entry.watch.updates and not entry.watch.flagged for entry in self.each.values())
         if self.seen.active and not still:
             self.seen.pause()
