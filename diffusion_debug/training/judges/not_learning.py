@@ -19,8 +19,10 @@ learn, as a textual-inversion mask that misses the placeholder token), or the gr
 (``undone_after_step``: the step applied them and something after it put the weights back). Where no
 step was seen (an optimizer without step hooks) an optimizer without state for the watched parameters is
 read as cleared gradients, as AdamW's is; SGD without momentum keeps none whatever happens, so there only
-the step's hook tells. DeepSpeed's engine steps copies of the watched tensors (ZeRO-1/2's flat partitions,
-whose step hook fires but reads nothing of theirs): past an lr of 0 the cause is ``unknown`` there.
+the step's hook tells; one with state for them saw gradients, and its cause is ``unknown``. DeepSpeed's
+engine steps copies of the watched tensors (ZeRO-1/2's flat partitions, whose step hook fires but reads
+nothing of theirs; stage 0's float32 masters in bf16/fp16): past an lr of 0 the cause is ``unknown`` there.
+Stage 0 in float32 steps the watched parameters themselves: its step is read as any optimizer's.
 
 >>> watch = StallWatch()
 >>> [watch.update(step, {"a": 0.0, "b": 0.0}, grad_norm=0.5, skipped=False) for step in range(5)]
@@ -307,6 +309,10 @@ def diagnose(
         evidence["step_ratio"] = evidence["lr"] * grad_norm / weight_norm if weight_norm > 0 else math.inf
         if evidence["step_ratio"] < resolution:  # lr x |g| / |w|: a plain gradient step rounds away
             return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
+    if seen is None and (not evidence["state_empty"] or getattr(params, "deepspeed", None) is not None):
+        # no step seen, and its state shows its steps saw gradients (or DeepSpeed's engine, whose stage 0 in
+        # float32 its hook reads: a compiled step's, one given no optimizer): no cause told rather than a wrong one
+        return {"reason": "unknown", **evidence}
     if seen is None:  # no step seen: an optimizer without state for them saw no gradient (SGD keeps none anyway)
         return {"reason": "gradients_cleared", **evidence}
     evidence.update(seen)

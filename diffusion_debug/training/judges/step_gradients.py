@@ -84,7 +84,10 @@ class StepGradients:
                 self.hooks.pop(key)[1].remove()  # (a loop making an optimizer an epoch piles up none)
                 self.holds.pop(key, None)
             groups = param_groups(inner)
-            if groups is None or params.deepspeed is not None or not hasattr(inner, "register_step_pre_hook"):
+            # ZeRO's flat partitions (``params.partitions``): its step hook fires, their .grad is in ZeRO's buckets
+            if groups is None or params.partitions is not None or not hasattr(inner, "register_step_pre_hook"):
+                return
+            if params.deepspeed is not None and not _holds_any(groups, params):  # stage 0's float32 copies
                 return
             self.params = params
             self.hooks[id(inner)] = (weakref.ref(inner), inner.register_step_pre_hook(self._stepping))
@@ -178,6 +181,11 @@ class StepGradients:
         self.followed = {id(None): None}
         self.params = None
         self.pause()
+
+
+def _holds_any(groups: list[dict], params: TrainableParameters) -> bool:
+    watched = {id(p) for p in params.params}
+    return any(id(p) in watched for g in groups for p in g["params"])
 
 
 def named(optimizer: Any, held: list[int], params: TrainableParameters) -> str:
