@@ -594,10 +594,12 @@ def not_learning(anomaly: Anomaly) -> str:
             "gradients are normal "
             f"(norm {d['grad_norm']:.3g}): " + cause + state + "."
         )
+    # several optimizers all still: the cause is read from one of them, which the reader must know
+    read = f"; read from {d['stepped_optimizer']}, the optimizer that stepped last" if "stepped_optimizer" in d else ""
     return (
         f"No weight moved in the {d['updates']} optimizer steps {d['first_step']}-{d['last_step']} (the largest "
         f"update {d['max_update_ratio']:.3g}x a module's norm) although the gradients are normal (norm "
-        f"{d['grad_norm']:.3g}): " + cause + state + "."
+        f"{d['grad_norm']:.3g}){read}: " + cause + state + "."
     )
 
 

@@ -545,6 +545,15 @@ def test_each_of_a_gans_optimizers_carries_the_step_hook_and_the_stall_names_the
         8,
         "SGD holding discriminator.0.weight and 3 more",
     )
+    # the cause is one optimizer's of the two: the message says whose (the details alone said it before)
+    assert found.message.startswith(
+        "No weight moved in the 5 optimizer steps 0-4 (the largest update 0x a module's norm) although the "
+        "gradients are normal (norm "
+    )
+    assert (
+        "; read from SGD holding discriminator.0.weight and 3 more, the optimizer that stepped last: the learning "
+        "rate is 0 in every param group that holds them" in found.message
+    )
     assert not opt_d._optimizer_step_pre_hooks and not opt_g._optimizer_step_pre_hooks  # off at close
 
 

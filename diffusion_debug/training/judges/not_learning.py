@@ -12,7 +12,7 @@ it keeps none, as SGD without momentum, and a plain step ``lr x |g| / |w|`` is b
 dtype's epsilon), else what ``optimizer.step()`` itself received (:class:`StepGradients`, a step
 pre-hook on each optimizer the debugger is given, from its first step judged, reading only while a run of
 still updates lasts; a compiled step reads nothing; of several optimizers, the one that stepped last is
-diagnosed and named, ``stepped_optimizer``): no
+diagnosed and named, ``stepped_optimizer``, in the message too): no
 gradient at all (``gradients_cleared``: ``zero_grad()`` between ``backward()`` and ``step()``), zeroed
 ones (``gradients_zeroed``: a mask or hook between the monitor and the step zeroed the rows that should
 learn, as a textual-inversion mask that misses the placeholder token), or the gradients the monitor read
