@@ -585,10 +585,21 @@ def not_learning(anomaly: Anomaly) -> str:
         cause = cause.format(dtype=d.get("dtype"), at_step=d.get("grad_norm_at_step", math.nan))
     cleared = d.get("state_empty") and d["reason"] == "gradients_cleared"
     state = "; the optimizer holds no state for them: its step never saw a gradient" if cleared else ""
+    if "stalled_optimizer" in d:  # one optimizer of several: the cause is that one, named first
+        others = "the other optimizer's" if d["optimizers"] == 2 else "the other optimizers'"
+        return (
+            f"The optimizer {d['stalled_optimizer']} (one of {d['optimizers']}) moved none of its weights in its "
+            f"{d['updates']} steps {d['first_step']}-{d['last_step']} (the largest update "
+            f"{d['max_update_ratio']:.3g}x a module's norm) while {others} updates moved theirs, although its "
+            "gradients are normal "
+            f"(norm {d['grad_norm']:.3g}): " + cause + state + "."
+        )
+    # several optimizers all still: the cause is read from one of them, which the reader must know
+    read = f"; read from {d['stepped_optimizer']}, the optimizer that stepped last" if "stepped_optimizer" in d else ""
     return (
         f"No weight moved in the {d['updates']} optimizer steps {d['first_step']}-{d['last_step']} (the largest "
         f"update {d['max_update_ratio']:.3g}x a module's norm) although the gradients are normal (norm "
-        f"{d['grad_norm']:.3g}): " + cause + state + "."
+        f"{d['grad_norm']:.3g}){read}: " + cause + state + "."
     )
 
 

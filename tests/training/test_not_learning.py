@@ -435,6 +435,20 @@ def test_what_the_step_received_decides_among_cleared_zeroed_and_undone():
     assert diagnose(optimizer, params, 2.0)["reason"] == "gradients_cleared"  # no step seen: as before
 
 
+def test_no_step_seen_of_an_optimizer_whose_state_shows_its_steps_saw_gradients_names_no_cause():
+    """No step's reading (a compiled step reads nothing) of an AdamW holding state for the parameters: its steps
+    saw gradients, so "their gradients are gone when optimizer.step() runs" (the fallback for an optimizer
+    without state) is unfounded there; the cause is unknown."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    params = TrainableParameters.of(model)
+    assert diagnose(optimizer, params, 2.0)["reason"] == "gradients_cleared"  # no state: no gradient ever seen
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    found = diagnose(optimizer, params, 2.0)
+    assert (found["reason"], found["state_empty"], found["held_by_optimizer"]) == ("unknown", False, 2)
+
+
 def test_the_steps_watch_recompiles_no_compiled_optimizer_step():
     """``torch.compile``'d ``optimizer.step()`` (PyTorch's recipe) guards on the optimizer's step hooks:
     a hook put on when a run of still updates began (a warmup's first step at lr 0, a clean run's too)
@@ -531,6 +545,15 @@ def test_each_of_a_gans_optimizers_carries_the_step_hook_and_the_stall_names_the
         8,
         "SGD holding discriminator.0.weight and 3 more",
     )
+    # the cause is one optimizer's of the two: the message says whose (the details alone said it before)
+    assert found.message.startswith(
+        "No weight moved in the 5 optimizer steps 0-4 (the largest update 0x a module's norm) although the "
+        "gradients are normal (norm "
+    )
+    assert (
+        "; read from SGD holding discriminator.0.weight and 3 more, the optimizer that stepped last: the learning "
+        "rate is 0 in every param group that holds them" in found.message
+    )
     assert not opt_d._optimizer_step_pre_hooks and not opt_g._optimizer_step_pre_hooks  # off at close
 
 
@@ -624,6 +647,61 @@ def test_under_deepspeed_zero_a_stall_names_no_cause_the_engines_optimizer_canno
     assert "held_at_step" not in d and d["held_by_optimizer"] == 0 and d["watched_parameters"] == 4
     if reason == "unknown":
         assert found.message.endswith("the cause is unknown: check the optimizer and the loop's order.")
+
+
+@pytest.mark.parametrize(
+    "precision, lr, reason",
+    [("fp32", 0.01, "undone_after_step"), ("fp32", 0.0, "lr_zero"), ("bf16", 0.01, "unknown")],
+)
+def test_under_deepspeed_stage0_a_stall_is_diagnosed_from_what_its_step_received(
+    one_rank_group, deepspeed_engine, tmp_path, precision, lr, reason
+):
+    """DeepSpeed without ZeRO (stage 0, one CPU rank in this process): in float32 the engine's ``step()`` steps
+    the torch optimizer it was given, on the watched parameters themselves and their reduced ``.grad``, so its
+    step pre-hook reads what the step received, as without DeepSpeed. No hook went on under any DeepSpeed
+    engine, and weights put back after each ``engine.step()`` were told ``gradients_cleared`` ("call
+    zero_grad() after step()"), the fallback where no step was seen. In bf16 the engine's own optimizer trains
+    float32 copies: no hook goes on there (its step holds none of the watched parameters), and the cause is
+    unknown (ZeRO's)."""
+    from diffusion_debug import TrainingDebugger
+    from diffusion_debug.training.measure.optimizer_state import raw_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    mixed = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    engine, optimizer = deepspeed_engine(model, 0, {"optimizer": {"type": "SGD", "params": {"lr": lr}}, **mixed})
+    kept = [p.detach().clone() for p in engine.module.parameters()]
+    tdbg = TrainingDebugger(engine, config=_config(tmp_path))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).to(next(engine.module.parameters()).dtype)
+    received = []
+    for step in range(7):
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        received.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in engine.module.parameters())))
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        engine.step()
+        hooked = len(raw_optimizer(optimizer)._optimizer_step_pre_hooks)
+        with torch.no_grad():
+            for p, k in zip(engine.module.parameters(), kept):
+                p.copy_(k)
+    tdbg.close()
+    assert hooked == (precision == "fp32")  # from the first step judged, as without DeepSpeed; none on copies
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["first_step"], d["last_step"], d["lr"]) == (
+        "not_learning",
+        5,
+        reason,
+        0,
+        4,
+        lr,
+    )
+    if reason == "undone_after_step":  # step 4's step received the gradients the monitor read
+        assert (d["held_at_step"], d["cleared_at_step"], d["held_by_optimizer"]) == (4, 0, 4)
+        assert d["grad_norm_at_step"] == pytest.approx(received[4], rel=1e-6)
+        assert "something after step() puts them back" in found.message
+    elif reason == "unknown":
+        assert "held_at_step" not in d and d["held_by_optimizer"] == 0
 
 
 def test_two_optimizers_compiled_steps_are_not_recompiled_by_the_steps_watch():

@@ -35,7 +35,7 @@ from .anomaly_mode import localize_backward
 from .causes import CauseTracker, at_trained_arguments
 from .forward_replay import replay_forwards
 from .module_health import judge_modules
-from .not_learning import StallWatch, judge_stall, judge_unscaled_loss
+from .not_learning import StallWatch, judge_optimizer_stall, judge_stall, judge_unscaled_loss
 from .step_checks import StepFlags
 
 
@@ -117,6 +117,9 @@ class LocalJudge:
         ``norms``: the per-parameter norms on the device (float64): a step that read no module norms
         (``step.detail``) and found something reads them now (a second transfer)."""
         modules: ModuleNormBook = self.history.modules
+        stall: StallWatch = self.history.stall
+        if id(optimizer) not in stall.seen.followed:  # its step's hook, and its own stall's count (several)
+            stall.follow_step(optimizer, self.params)  # before the reading: a GAN's second at its first step
         if self.scaling is not None:  # once: DeepSpeed#8393's unscaled loss (measure.deepspeed_fp16_scale)
             judged.anomalies += judge_unscaled_loss(self.rank, index, self.scaling)
             self.scaling = self.scaling.waiting()  # None once found, or not found in two steps
@@ -177,7 +180,8 @@ class LocalJudge:
             self._judge_stall(judged, index, optimizer, config)
         if grad_norm is None:
             grad_norm = math.sqrt(sum([v * v for v in local.param_norms])) if local.param_norms else math.nan
-        self.history.stall.pending_grad_norm = grad_norm
+        stall.pending_grad_norm = grad_norm
+        stall.pending_optimizer = id(optimizer)  # several: the one whose update the next reading shows
         if local.module_norms is not None and self.history.health is not None:
             # the book's array of the same norms: not made again from the list
             found = judge_modules(self.rank, index, self.history.health.update(index, modules.last_norms, read))
@@ -226,17 +230,29 @@ class LocalJudge:
         norm = watch.pending_grad_norm
         normal = math.isfinite(norm) and config.grad_vanishing_threshold < norm <= config.grad_explosion_threshold
         normal = normal and not self.history.ranks[0].converged
+        skipped = bool(judged.skipped) or watch.policy_skipped  # (taken by the whole model's update)
+        weights = lambda: gradients.weight_fingerprint(self.params)  # noqa: E731
         clear = watch.update(
             self.history.previous_step,
             judged.applied_update,
             grad_norm=norm if normal else math.nan,
-            skipped=bool(judged.skipped),
-            weights=lambda: gradients.weight_fingerprint(self.params),
+            skipped=skipped,
+            weights=weights,
         )
         judged.flags.weights_moved = watch.moved  # several processes: OR-ed by the step's reduce
         if clear:
             found = judge_stall(self.rank, watch, index, optimizer, self.params)
             judged.anomalies += found
+        if watch.several:  # a GAN's: the optimizer whose update this was counts its own run too
+            stalled = watch.update_each(
+                self.history.previous_step,
+                judged.applied_update,
+                grad_norm=norm if normal else math.nan,
+                skipped=skipped,
+                weights=weights,
+            )
+            if stalled is not None:
+                judged.anomalies += judge_optimizer_stall(self.rank, watch, stalled, index, self.params)
         # a clean run: one call at each optimizer's first step judged (``id``: no Python call)
         if watch.updates or watch.seen.active or id(optimizer) not in watch.seen.followed:
             watch.follow_step(optimizer, self.params)  # what the optimizer's step receives, while still

@@ -12,15 +12,17 @@ it keeps none, as SGD without momentum, and a plain step ``lr x |g| / |w|`` is b
 dtype's epsilon), else what ``optimizer.step()`` itself received (:class:`StepGradients`, a step
 pre-hook on each optimizer the debugger is given, from its first step judged, reading only while a run of
 still updates lasts; a compiled step reads nothing; of several optimizers, the one that stepped last is
-diagnosed and named, ``stepped_optimizer``): no
+diagnosed and named, ``stepped_optimizer``, in the message too): no
 gradient at all (``gradients_cleared``: ``zero_grad()`` between ``backward()`` and ``step()``), zeroed
 ones (``gradients_zeroed``: a mask or hook between the monitor and the step zeroed the rows that should
 learn, as a textual-inversion mask that misses the placeholder token), or the gradients the monitor read
 (``undone_after_step``: the step applied them and something after it put the weights back). Where no
 step was seen (an optimizer without step hooks) an optimizer without state for the watched parameters is
 read as cleared gradients, as AdamW's is; SGD without momentum keeps none whatever happens, so there only
-the step's hook tells. DeepSpeed's engine steps copies of the watched tensors (ZeRO-1/2's flat partitions,
-whose step hook fires but reads nothing of theirs): past an lr of 0 the cause is ``unknown`` there.
+the step's hook tells; one with state for them saw gradients, and its cause is ``unknown``. DeepSpeed's
+engine steps copies of the watched tensors (ZeRO-1/2's flat partitions, whose step hook fires but reads
+nothing of theirs; stage 0's float32 masters in bf16/fp16): past an lr of 0 the cause is ``unknown`` there.
+Stage 0 in float32 steps the watched parameters themselves: its step is read as any optimizer's.
 
 >>> watch = StallWatch()
 >>> [watch.update(step, {"a": 0.0, "b": 0.0}, grad_norm=0.5, skipped=False) for step in range(5)]
@@ -40,6 +42,15 @@ embedding table's new rows, all in the last rank's shard, and puts every other r
 >>> watch.some_rank_moved()  # another rank's shard moved in the update read at this step
 >>> watch.updates, watch.flagged
 (0, False)
+
+Where several optimizers hold watched parameters (a GAN's generator's and discriminator's, a text encoder's
+beside a UNet's), each keeps its own run of still updates too (:meth:`StallWatch.update_each`): a reading
+is the update of the optimizer the monitored step before it was given (the monitor's contract: one call
+before each optimizer's step, with it), read from its own modules; the other's moving updates ended the
+whole model's run at every step, so one optimizer's lr 0 was never told. Its stall names it
+(``stalled_optimizer``) where the whole model's is not reported: a stall of every optimizer is the run's,
+told once. One stepped every k monitored steps counts only the readings of its own steps (after the first
+ten, those a scheduled reading follows, ``step.detail``).
 
 Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
 still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
@@ -68,11 +79,10 @@ import numpy as np
 import torch
 
 from ...record import Anomaly, make_anomaly
-from ...stats import read_now
-from ..measure import gradients
 from ..measure.deepspeed_fp16_scale import ISSUE, LossScaling
 from ..measure.gradients import TrainableParameters
 from ..measure.optimizer_state import param_groups, raw_optimizer
+from .step_gradients import StepGradients, named
 
 STALL_UPDATES = 5
 """Updates in a row that moved nothing before the run is reported."""
@@ -113,16 +123,30 @@ class StallWatch:
     (:meth:`some_rank_moved`)."""
     seen: StepGradients = field(default_factory=lambda: StepGradients())
     """What the optimizer's step received, watched while a run of still updates lasts (:meth:`follow_step`)."""
+    each: dict[int, OptimizerStall] = field(default_factory=dict)
+    """Each optimizer the monitor was given that holds watched parameters (by ``id`` of the one given): its
+    own run of still updates, counted where several do (:attr:`several`; :meth:`update_each`)."""
+    several: bool = False
+    """Several live optimizers hold watched parameters (a GAN's generator's and discriminator's)."""
+    pending_optimizer: int = 0
+    """``id`` of the optimizer the last monitored step was given: the one whose step the next reading shows."""
+    read: OptimizerStall | None = None
+    """Of several, the optimizer whose update the last reading was (:meth:`update_each`)."""
 
     def follow_step(self, optimizer: Any, params: TrainableParameters) -> None:
         """Watch what ``optimizer.step()`` receives while a run of still updates is counted and not yet
-        reported (the diagnosis reads it); otherwise pause the watch. The hook goes on ``optimizer`` at the
-        first call with it (its first step judged, before the user's step is ever compiled) and stays to
-        close, beside each other optimizer's: put on and taken off, it recompiled a ``torch.compile``'d step
-        each time."""
+        reported (the whole model's, or of several optimizers one's own; the diagnosis reads it); otherwise
+        pause the watch. The hook goes on ``optimizer`` at the first call with it (its first step judged,
+        before the user's step is ever compiled) and stays to close, beside each other optimizer's: put on and
+        taken off, it recompiled a ``torch.compile``'d step each time. An optimizer seen for the first time
+        that holds watched parameters gets its own run of still updates (:attr:`each`)."""
         if optimizer is None:
             return
+        if id(optimizer) not in self.seen.followed:
+            self._count_each(optimizer, params)
         still = bool(self.updates) and not self.flagged
+        if self.several and not still and not self.flagged:  # one optimizer's own run counted, another's moving
+            still = any(entry.watch.updates and not entry.watch.flagged for entry in self.each.values())
         if self.seen.active and not still:
             self.seen.pause()
         self.seen.watch(optimizer, params, active=still)
@@ -169,164 +193,76 @@ class StallWatch:
         """Some rank's weights moved in the update this step read (this rank's or another's: a rank's
         shard of a parameter, FSDP2's or ZeRO's, may never move while another rank's does): the run
         learns, so its run of still updates ends, and a stall reported before may be reported again
-        once one is clear."""
+        once one is clear; of several optimizers, the one whose update it was learns too."""
         self.updates, self.flagged = 0, False
+        if self.several and self.read is not None:
+            self.read.watch.some_rank_moved()
 
+    def _count_each(self, optimizer: Any, params: TrainableParameters) -> None:
+        """``optimizer``, given for the first time, gets its own run of still updates where it holds watched
+        parameters (none under DeepSpeed, whose engine steps copies of them); gone optimizers' are dropped."""
+        alive = {key: entry for key, entry in self.each.items() if entry.ref() is not None}
+        groups = param_groups(optimizer) if params.deepspeed is None else None
+        held = {id(p) for g in groups or () for p in g["params"]}
+        indices = [i for i, p in enumerate(params.params) if id(p) in held]
+        if indices:
+            try:
+                ref: Any = weakref.ref(optimizer)
+            except TypeError:  # no weak reference: held
+                ref = lambda held=optimizer: held  # noqa: E731
+            modules = frozenset(params.module_names[params.module_of[i]] for i in indices)
+            alive[id(optimizer)] = OptimizerStall(ref, indices, modules, StallWatch())
+        self.each = alive
+        self.several = len(alive) > 1
 
-class StepGradients:
-    """What the last ``optimizer.step()`` received for the watched parameters its optimizer holds: how many
-    had no gradient (``None``) and the norm of the others, kept on the device (read once, by a report). A
-    step pre-hook on each optimizer the debugger is given (a GAN's two: the stall's update is the step of
-    the one that stepped last), put on once (its first step judged) and reading only while
-    :class:`StallWatch` counts still updates (:attr:`active`); it never raises into the user's step (a
-    failure leaves nothing seen). A hook added or removed between steps recompiles a ``torch.compile``'d
-    ``optimizer.step()`` (its guards hold the step's hooks), so it stays on, and compiled it reads nothing:
-    the diagnosis is then the one without a step's reading. A step given a closure (``torch.optim.LBFGS``'s
-    ``step(closure)``) applies the gradients its closure makes: they are read after its first call.
-
-    >>> layer = torch.nn.Linear(2, 2)
-    >>> optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
-    >>> seen = StepGradients()
-    >>> seen.watch(optimizer, TrainableParameters.of(layer))
-    >>> layer(torch.ones(2)).sum().backward()
-    >>> layer.weight.grad = None  # cleared; the bias's gradient is ones
-    >>> optimizer.step()
-    >>> found = seen.read()
-    >>> found["held_at_step"], found["cleared_at_step"], round(found["grad_norm_at_step"], 4)
-    (2, 1, 1.4142)
-    >>> seen.stepped() is optimizer, seen.name()  # one optimizer: no name needed
-    (True, None)
-    >>> seen.stop(); seen.hooks
-    {}
-    """
-
-    def __init__(self) -> None:
-        self.hooks: dict[int, tuple[weakref.ref, Any]] = {}
-        """Each hooked torch optimizer's (by id; weakly: a user's optimizer replaced mid-run is not kept) and
-        its hook's handle, in the order they were put on."""
-        self.followed: dict[int, Any] = {id(None): None}
-        """The optimizers :meth:`watch` was given (by id, weakly; None's: a step without one asks nothing):
-        a monitored step asks for the hook only with one not in it (no call on a clean run's step)."""
-        self.params: TrainableParameters | None = None
-        self.active = False
-        """The hooks read the step (a run of still updates is counted)."""
-        self.holds: dict[int, list[int]] = {}
-        """While active, the indices (in ``params``) of the watched parameters each hooked optimizer holds."""
-        self.held: list[int] = []
-        """Those of the optimizer whose step was read last."""
-        self.stepped: Callable[[], Any] = lambda: None
-        """The torch optimizer whose step was read last (while active; weakly)."""
-        self.cleared = -1
-        """How many of them had no gradient at the last step (-1: no step seen)."""
-        self.norms: torch.Tensor | None = None
-
-    def watch(self, optimizer: Any, params: TrainableParameters, active: bool = True) -> None:
-        """Put the hook on ``optimizer`` (the torch one inside a wrapper) once, where it stays beside any
-        other optimizer's, and read the steps of every hooked optimizer from now (``active``), the parameters
-        each holds listed then (a group added mid-run counts)."""
-        if id(optimizer) not in self.followed:
-            try:  # its id leaves with it (another optimizer may get it)
-                key, followed = id(optimizer), self.followed
-                followed[key] = weakref.ref(optimizer, lambda _, key=key: followed.pop(key, None))
-            except TypeError:  # no weak reference: its id stays
-                self.followed[id(optimizer)] = None
-        inner = raw_optimizer(optimizer)
-        hooked = self.hooks.get(id(inner))
-        if hooked is None or hooked[0]() is not inner:
-            for key in [key for key, (ref, _) in self.hooks.items() if ref() is None]:  # gone optimizers'
-                self.hooks.pop(key)[1].remove()  # (a loop making an optimizer an epoch piles up none)
-                self.holds.pop(key, None)
-            groups = param_groups(inner)
-            if groups is None or params.deepspeed is not None or not hasattr(inner, "register_step_pre_hook"):
-                return
-            self.params = params
-            self.hooks[id(inner)] = (weakref.ref(inner), inner.register_step_pre_hook(self._stepping))
-            if self.active:
-                self.holds[id(inner)] = self._held_by(inner)
-        if active and not self.active:
-            for key, (ref, _) in self.hooks.items():
-                self.holds[key] = self._held_by(ref())
-            self.active = any(self.holds.values())  # (FSDP1's flat parameters: the watched ones are not its own)
-
-    def _held_by(self, inner: Any) -> list[int]:
-        """The indices (in ``params``) of the watched parameters ``inner`` holds (none where it is gone)."""
-        groups = (param_groups(inner) if inner is not None else None) or ()
-        held = {id(p) for g in groups for p in g["params"]}
-        assert self.params is not None
-        return [i for i, p in enumerate(self.params.params) if id(p) in held]
-
-    def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        if torch.compiler.is_dynamo_compiling() or not self.active:  # first: no guard on ``active`` when compiled
+    def update_each(
+        self,
+        update_step: Any,
+        ratios: dict[str, float],
+        *,
+        grad_norm: float,
+        skipped: bool,
+        weights: Callable[[], list[float]] | None = None,
+    ) -> OptimizerStall | None:
+        """Of several optimizers, the one whose step this reading shows (the one the monitored step before
+        was given: the monitor is called before each optimizer's step, with it) takes the update into its own
+        run of still updates, read from the modules of the parameters it holds; it is returned where that run
+        is clear (:meth:`update`'s rules) and the whole model's is not reported: a stall of every optimizer
+        is the run's, reported once as one, and an optimizer's own is told once another's update moved weights
+        again. An optimizer stepped every k monitored steps only (a discriminator on alternate iterations)
+        counts only the readings of its own steps."""
+        entry = self.read = self.each.get(self.pending_optimizer)
+        if entry is None or entry.ref() is None:
+            self.read = None
             return None
-        held = self.holds.get(id(optimizer), [])
-        if not held:  # one that holds none of them (a GAN's unwatched model's): the last reading stays
+        modules = entry.modules
+        own = {module: ratio for module, ratio in ratios.items() if module in modules}
+        held = entry.held
+        its = None if weights is None else lambda: _subset(weights(), held)
+        clear = entry.watch.update(update_step, own, grad_norm=grad_norm, skipped=skipped, weights=its)
+        if clear and self.flagged:  # the whole run's stall stands: this one is told once some update moves
+            entry.watch.flagged = False
             return None
-        self.stepped, self.cleared, self.norms, self.held = weakref.ref(optimizer), -1, None, held
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer)
-        if not callable(closure):  # no closure (or another argument in its place, passed on as given)
-            self._read()
-            return None
-        # step(closure) (LBFGS): the closure makes the gradients the step applies; before it, they may be gone
-        # (a zero_grad() that changes nothing there): read after its first call
-        calls = [closure]
+        return entry if clear else None
 
-        def read_after(*a: Any, **k: Any) -> Any:
-            loss = calls[0](*a, **k)
-            if len(calls) == 1:
-                calls.append(None)
-                self._read()
-            return loss
 
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": read_after}
-        return (args[0], read_after, *args[2:]), kwargs
+@dataclass
+class OptimizerStall:
+    """One optimizer's own run of still updates, where several hold watched parameters: a GAN's two, whose
+    updates the monitor reads in turn (the other one's moving update ended the whole model's run at every
+    step, so one optimizer's lr 0 was never told)."""
 
-    def _read(self) -> None:
-        """The watched gradients as the step receives them (never raises: a failure leaves nothing seen)."""
-        try:
-            assert self.params is not None
-            grads = self.params.local_gradients()
-            held = [grads[i] for i in self.held]
-            self.cleared = sum(g is None for g in held)
-            chosen = set(self.held)
-            only = [g if i in chosen else None for i, g in enumerate(grads)]
-            self.norms = gradients.grad_norms(self.params, self.params.params[0].device, only)
-        except Exception:  # the user's step goes on: nothing seen
-            self.cleared, self.norms = -1, None
+    ref: Callable[[], Any]
+    """The optimizer as the monitor was given it (weakly)."""
+    held: list[int]
+    """The indices (in the watched parameters) of those it holds."""
+    modules: frozenset[str]
+    """Their modules: its updates are read from their ratios."""
+    watch: StallWatch
 
-    def read(self) -> dict[str, Any] | None:
-        """What the last step received (None: no step seen): ``held_at_step``, ``cleared_at_step`` (of
-        them, how many had no gradient) and ``grad_norm_at_step`` (the others' norm). One host read."""
-        if self.cleared < 0 or self.norms is None:
-            return None
-        norms = read_now(self.norms.double())
-        norm = math.sqrt(sum(norms[i] ** 2 for i in self.held))
-        return {"held_at_step": len(self.held), "cleared_at_step": self.cleared, "grad_norm_at_step": norm}
 
-    def name(self) -> str | None:
-        """Which optimizer stepped last, where several hooked ones hold watched parameters (else None): its
-        class and the first watched parameter it holds (``"SGD holding discriminator.0.weight and 3 more"``;
-        one that holds none of them is never the one read)."""
-        stepped = self.stepped()
-        live = sum(ref() is not None and bool(self.holds.get(key)) for key, (ref, _) in self.hooks.items())
-        if live < 2 or stepped is None or self.params is None:
-            return None
-        more = f" and {len(self.held) - 1} more" if len(self.held) > 1 else ""
-        return f"{type(stepped).__name__} holding {self.params.names[self.held[0]]}{more}"
-
-    def pause(self) -> None:
-        """Read no step from now, and forget what was seen (the hooks stay on)."""
-        self.active, self.norms, self.cleared, self.held, self.holds = False, None, -1, [], {}
-        self.stepped = lambda: None
-
-    def stop(self) -> None:
-        """Take the hooks off and forget what they saw."""
-        hooks, self.hooks = self.hooks, {}
-        for _, handle in hooks.values():
-            handle.remove()
-        self.followed = {id(None): None}
-        self.params = None
-        self.pause()
+def _subset(values: list[float], indices: list[int]) -> list[float]:
+    return [values[i] for i in indices]
 
 
 def diagnose(
@@ -373,6 +309,10 @@ def diagnose(
         evidence["step_ratio"] = evidence["lr"] * grad_norm / weight_norm if weight_norm > 0 else math.inf
         if evidence["step_ratio"] < resolution:  # lr x |g| / |w|: a plain gradient step rounds away
             return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
+    if seen is None and (not evidence["state_empty"] or getattr(params, "deepspeed", None) is not None):
+        # no step seen, and its state shows its steps saw gradients (or DeepSpeed's engine, whose stage 0 in
+        # float32 its hook reads: a compiled step's, one given no optimizer): no cause told rather than a wrong one
+        return {"reason": "unknown", **evidence}
     if seen is None:  # no step seen: an optimizer without state for them saw no gradient (SGD keeps none anyway)
         return {"reason": "gradients_cleared", **evidence}
     evidence.update(seen)
@@ -397,6 +337,30 @@ def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params:
     }
     if name := watch.seen.name():
         details["stepped_optimizer"] = name
+    return [
+        make_anomaly(
+            kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details
+        )
+    ]
+
+
+def judge_optimizer_stall(
+    rank: int, watch: StallWatch, stalled: OptimizerStall, step: Any, params: TrainableParameters
+) -> list[Anomaly]:
+    """``not_learning`` at ``step`` of one optimizer of several (``stalled``, named ``stalled_optimizer``), the
+    monitored step whose reading made its own run of still updates clear while the other's updates moved."""
+    optimizer, own = stalled.ref(), stalled.watch
+    inner = raw_optimizer(optimizer)
+    details = {
+        **diagnose(optimizer, params, own.grad_norm, watch.seen.read(inner)),
+        "first_step": own.first_step,
+        "last_step": own.last_step,
+        "updates": own.updates,
+        "max_update_ratio": own.largest,
+        "grad_norm": own.grad_norm,
+        "stalled_optimizer": named(inner, stalled.held, params),
+        "optimizers": sum(entry.ref() is not None for entry in watch.each.values()),
+    }
     return [
         make_anomaly(
             kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details

@@ -74,6 +74,8 @@ class History:
         the record no longer holds."""
         self.causes = CauseTracker(self.causes.shared_weights)
         self.stall.flagged = False
+        for each in self.stall.each.values():  # several optimizers: each one's own stall too
+            each.watch.flagged = False
         self.update_flagged = False
         self.coverage_checked = False
         for rank in self.ranks:

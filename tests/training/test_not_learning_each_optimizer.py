@@ -1,0 +1,174 @@
+"""A run with two optimizers (a GAN's generator and discriminator) where only one of them stalls: the other
+one's update ended the whole model's run of still updates at every step, so the stalled optimizer was never
+reported. Each optimizer given to the monitor now keeps its own run of still updates (the update a reading
+shows is the step of the optimizer the monitored step before it was given, as the monitor's contract asks:
+one call before each optimizer's step, with that optimizer), and the stalled one is named at its fifth still
+update; a clean two-optimizer run, and one whose discriminator steps every other iteration, stay quiet."""
+
+import pytest
+import torch
+from torch.nn.functional import softplus
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.record import severity_rank
+
+pytestmark = pytest.mark.usefixtures("only_the_tests_objects")
+
+DISCRIMINATOR = "SGD holding discriminator.0.weight and 3 more"
+GENERATOR = "SGD holding generator.0.weight and 3 more"
+
+
+def _config(tmp_path):
+    return DebugConfig(output_dir=str(tmp_path), log_level="error", memory_tracking=False, stream_events=False)
+
+
+def _serious(tdbg):
+    return [a for a in tdbg.report().anomalies if severity_rank(a.severity) >= 1]
+
+
+def _models():
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return generator, discriminator
+
+
+def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, iterations=8, d_every=1, clear_g=False, skip_d=False, clear_at=None):
+    """A GAN's loop on one debugger, each model under its own SGD without momentum, monitored before each
+    optimizer's step with that optimizer (the discriminator's only at the iterations it steps: every
+    ``d_every``-th). Faults: ``lr_d`` 0; ``clear_g``: the generator's gradients cleared before its step;
+    ``skip_d``: the discriminator's step never runs (a loop's bug). ``clear_at``: the debugger's history is
+    cleared after that iteration (``clear_debug_history``). Returns the debugger (closed) and the
+    monitored step of each optimizer's monitored steps, in order."""
+    generator, discriminator = _models()
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=lr_d)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=lr_g)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data = torch.Generator().manual_seed(1)
+    step, steps = 0, {"d": [], "g": []}
+    for it in range(iterations):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        if it % d_every == 0:
+            opt_d.zero_grad()
+            loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+            loss_d.backward()
+            tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=step)
+            steps["d"].append(step)
+            step += 1
+            if not skip_d:
+                opt_d.step()
+        opt_g.zero_grad()
+        loss_g = softplus(-discriminator(fake)).mean()
+        loss_g.backward()
+        tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=step)
+        steps["g"].append(step)
+        step += 1
+        if clear_g:
+            opt_g.zero_grad()
+        opt_g.step()
+        if it == clear_at:
+            tdbg.clear_debug_history()
+    tdbg.close()
+    return tdbg, steps
+
+
+def _stall(found, reason, optimizer, first, last, step):
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["stalled_optimizer"]) == ("not_learning", step, reason, optimizer)
+    assert (d["first_step"], d["last_step"], d["updates"], d["max_update_ratio"]) == (first, last, 5, 0.0)
+    assert found.message.startswith(f"The optimizer {optimizer} (one of 2) moved none of its weights")
+    return d
+
+
+def test_a_clean_gan_stays_quiet(tmp_path):
+    tdbg, _ = _gan(tmp_path)
+    assert _serious(tdbg) == []
+
+
+def test_a_discriminator_whose_lr_is_0_is_named_while_the_generator_learns(tmp_path):
+    tdbg, steps = _gan(tmp_path, lr_d=0.0)
+    # its updates are read at the monitored step after each of its own: 1, 3, 5, 7, 9 (the fifth clear at 9)
+    assert steps["d"][:5] == [0, 2, 4, 6, 8]
+    (found,) = _serious(tdbg)
+    d = _stall(found, "lr_zero", DISCRIMINATOR, 0, 8, 9)
+    assert (d["lr"], d["held_by_optimizer"], d["watched_parameters"]) == (0.0, 4, 8)
+    assert "the learning rate is 0" in found.message
+
+
+def test_a_generator_whose_gradients_are_cleared_before_its_step_is_named(tmp_path):
+    tdbg, steps = _gan(tmp_path, clear_g=True)
+    assert steps["g"][:5] == [1, 3, 5, 7, 9]
+    (found,) = _serious(tdbg)
+    d = _stall(found, "gradients_cleared", GENERATOR, 1, 9, 10)
+    # what the generator's own step received (read by its step's hook), not the discriminator's later step
+    assert (d["held_at_step"], d["cleared_at_step"], d["held_by_optimizer"]) == (4, 4, 4)
+
+
+def test_a_discriminator_stepped_every_other_iteration_is_no_stall_and_its_lr_0_is_one(tmp_path):
+    tdbg, steps = _gan(tmp_path, d_every=2, iterations=12)
+    assert steps["d"][:3] == [0, 3, 6] and _serious(tdbg) == []
+    tdbg, steps = _gan(tmp_path / "lr0", d_every=2, iterations=18, lr_d=0.0)
+    # its updates are read at 1, 4, 7 and 10 (the first ten monitored steps read every update), then only
+    # where a scheduled reading (15, 20, 25: ``step.detail``) follows one of its steps: at 25, of step 24
+    assert steps["d"][:9] == [0, 3, 6, 9, 12, 15, 18, 21, 24]
+    (found,) = _serious(tdbg)
+    _stall(found, "lr_zero", DISCRIMINATOR, 0, 24, 25)
+
+
+def test_a_discriminator_whose_step_never_runs_is_named(tmp_path):
+    tdbg, _ = _gan(tmp_path, skip_d=True)
+    (found,) = _serious(tdbg)
+    # no step seen: its optimizer keeps no state (SGD without momentum keeps none anyway)
+    _stall(found, "gradients_cleared", DISCRIMINATOR, 0, 8, 9)
+
+
+def test_both_optimizers_stalled_are_one_stall_of_the_whole_run(tmp_path):
+    """Both stalled: the whole model's stall (at the fifth still update, step 5) is the one reported; neither
+    optimizer's own run is reported beside it while every update stays still."""
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, lr_g=0.0)
+    (found,) = _serious(tdbg)
+    assert (found.kind, found.step, found.details["first_step"], found.details["last_step"]) == (
+        "not_learning",
+        5,
+        0,
+        4,
+    )
+    assert "stalled_optimizer" not in found.details
+
+
+def test_under_accelerate_a_stalled_discriminator_is_named(tmp_path, fresh_accelerate_state):
+    from accelerate import Accelerator
+
+    generator, discriminator = _models()
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.0)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-2)
+    accelerator = Accelerator(cpu=True)
+    generator, discriminator, opt_g, opt_d = accelerator.prepare(generator, discriminator, opt_g, opt_d)
+    tdbg = TrainingDebugger(
+        {"generator": generator, "discriminator": discriminator}, accelerator=accelerator, config=_config(tmp_path)
+    )
+    data = torch.Generator().manual_seed(1)
+    for it in range(6):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        opt_d.zero_grad()
+        loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+        accelerator.backward(loss_d)
+        tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it)
+        opt_d.step()
+        opt_g.zero_grad()
+        loss_g = softplus(-discriminator(fake)).mean()
+        accelerator.backward(loss_g)
+        tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1)
+        opt_g.step()
+    tdbg.close()
+    (found,) = _serious(tdbg)
+    _stall(found, "lr_zero", DISCRIMINATOR, 0, 8, 9)
+
+
+def test_a_stall_of_one_optimizer_goes_on_after_clear_debug_history_and_is_reported_again(tmp_path):
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, iterations=9, clear_at=5)  # cleared after step 11, reported at 9
+    (found,) = _serious(tdbg)
+    # the next reading of its update: step 12's, read in full at 13 (the steps after a finding read in full)
+    d = found.details
+    assert (found.step, d["stalled_optimizer"], d["first_step"]) == (13, DISCRIMINATOR, 0)
+    assert (d["last_step"], d["updates"]) == (12, 7)
