@@ -56,10 +56,12 @@ def probe_levels(
     level: str,
     dtypes: dict[str, str | None] | None = None,
     first_calls: Collection[str] = (),
+    autocast: torch.dtype | None = None,
 ) -> dict[str, str]:
     """The probe level of each component: ``level``, except at the default (``sentinel``), which
     watches what can overflow: a component whose parameters (``dtypes``) are fp16 or fp8, or any
-    while autocast to one is on at attach. No component gets full probes on every call.
+    while autocast to one is on (``autocast``: :func:`autocast_now` as the run begins). No component
+    gets full probes on every call.
 
     - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
       together in one op a call (a UNet's down, mid and up blocks; a transformer denoiser's block
@@ -81,12 +83,14 @@ def probe_levels(
     - ControlNets and adapters keep the whole sentinel, whatever their dtype: their outputs are
       nested residuals that the step does not measure.
 
-    Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
-    component then runs in fp16 with only its output checked."""
+    Under float16 autocast a sentinel also reads float32 block outputs, against float16's largest value
+    (:meth:`ComponentProbes._config`). Autocast entered or left after attach is followed as the next
+    run begins (:meth:`ComponentProbes.autocast_changed`); limit: one entered inside a pipeline call (around a
+    component's call in the pipeline's own code) is not."""
     if level != "sentinel":
         return dict.fromkeys([c.name for c in components], level)
     overflow = _OVERFLOW_NAMES
-    known = dtypes is not None and not _autocast_overflows()
+    known = dtypes is not None and autocast is None
     levels: dict[str, str] = {}
     for c in components:  # (a loop: no Python call a component, at every attach)
         dtype = dtypes.get(c.name) if known else None
@@ -100,15 +104,21 @@ def probe_levels(
     return levels
 
 
-def _autocast_overflows() -> bool:
-    """Whether autocast to an fp16 or fp8 dtype is on (for any device type torch knows)."""
+ANY_AUTOCAST: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+"""Whether any autocast region is open: one C call, no Python frame (asked as each run begins)."""
+
+
+def autocast_now() -> torch.dtype | None:
+    """The fp16 or fp8 dtype an open autocast region computes in (for any device type torch knows), else None."""
+    if not ANY_AUTOCAST():
+        return None
     for device in ("cuda", "cpu", "xpu", "mps"):
         try:
-            if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in OVERFLOW_DTYPES:
-                return True
+            if torch.is_autocast_enabled(device) and (dtype := torch.get_autocast_dtype(device)) in OVERFLOW_DTYPES:
+                return dtype
         except (RuntimeError, ValueError, TypeError):  # a device type this build does not know
             continue
-    return False
+    return None
 
 
 class ComponentProbes:
@@ -137,6 +147,8 @@ class ComponentProbes:
         pipeline, by whichever debugger calls it first, again after a change to its tree or dtype or
         :meth:`forget_reads`."""
         self.reading_fully: list[str] = []  # the components this attach reads with full probes (:meth:`fully_read`)
+        self.autocast: torch.dtype | None = None
+        """The float16 or fp8 autocast the levels of the last attach were decided under (:func:`autocast_now`)."""
 
     def attach(
         self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
@@ -146,18 +158,21 @@ class ComponentProbes:
         self.levels.clear()  # updated in place: the localiser reads the same dict
         if self.pace.paced:  # (an attach whose handle was not removed)
             self.pace.forget()
+        self.autocast = autocast = autocast_now() if ANY_AUTOCAST() else None  # (no Python call without one)
         if self.level == "off":  # (below: the memo's values spelled out, loops: no Python call a component when kept)
             return ProbeHandle()
         memo = memo or TreeMemo()
         current, dtypes = memo.current, dtypes or {}
+        under = f" under {autocast} autocast" if autocast is not None else None  # read fully again under one
         first, self._reads = [], {}
         for c in components:
             values = current.get(id(c.module), {})
             done = values["read_fully"] if "read_fully" in values else values.setdefault("read_fully", set())
-            self._reads[c.name] = read = (done, dtypes.get(c.name))
+            dtype = dtypes.get(c.name)
+            self._reads[c.name] = read = (done, dtype if under is None else f"{dtype}{under}")
             if read[1] not in done:
                 first.append(c.name)
-        self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
+        self.levels.update(probe_levels(components, self.level, dtypes, first, autocast))
         self.reading_fully = [name for name in first if self.levels[name] == "full"] if first else []
         self.compiled, handles = [], []  # (compiled: as found at this attach; a component may be compiled between)
         paced: dict = {"steps": ([], []), "encoders": ([], []), "decoders": ([], []), None: ([], [])}  # by pace group
@@ -191,7 +206,13 @@ class ComponentProbes:
                     values[("probed", level, component.role)] = watched
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same
                 kept = self._kept.get(name)
-                if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
+                if (
+                    kept is not None
+                    and kept[0] is watched
+                    and kept[1] == level
+                    and kept[2]._model() is module
+                    and kept[2].autocast is (autocast if level == "sentinel" else None)
+                ):
                     probe, pace = kept[2], kept[4]
                     hooks = None if kept[3] else probe.output_hooks()
                     if hooks is not None:
@@ -234,14 +255,25 @@ class ComponentProbes:
         module = component.module
         # a text encoder's vocabulary head: its logits are discarded, so never measured
         unread = memo.get(module, "unread", lambda: unread_modules(component))
+        autocast = self.autocast if level == "sentinel" else None  # float32 outputs read against float16's max
         if level == "sentinel" and (component.role == "denoiser" or once):
-            # overflow-prone block outputs only, their abs-maxes one op a call
+            # overflow-prone block outputs only, their abs-maxes one op a call (under float16 autocast the
+            # float32 ones too: a residual stream autocast leaves in float32, cast to float16 by the next matmul)
+            dtypes = OVERFLOW_DTYPES if autocast is None else (*OVERFLOW_DTYPES, torch.float32)
             return ProbeConfig(
-                level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict, unread=unread, fused=True
+                level,
+                measure_inputs=False,
+                dtypes=dtypes,
+                strict=self.strict,
+                unread=unread,
+                fused=True,
+                autocast=autocast,
             )
         # every module: one hook armed per call rather than hundreds at each attach; the fp16/bf16
         # abs-maxes taken together, a few ops a call rather than one a tensor
-        return ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=True)
+        return ProbeConfig(
+            level, strict=self.strict, unread=unread, armed=level == "full", fused=True, autocast=autocast
+        )
 
     def take(self, name: str) -> tuple[str, list[torch.Tensor], Callable] | None:
         """The component's queued values and how to read them (None when not probed); the
@@ -256,6 +288,12 @@ class ComponentProbes:
             self.on_error(f"probe {name}.{module}", RuntimeError(error))
         probe.errors.clear()
         return (name, *probe.take())
+
+    def autocast_changed(self) -> bool:
+        """Whether an fp16 or fp8 autocast region was entered or left since the last attach decided the levels (a
+        debugger attached before the user's ``with torch.autocast(...)``): asked as a run begins, whose probes are
+        then decided again. Callers ask only where :data:`ANY_AUTOCAST` or :attr:`autocast` (no call otherwise)."""
+        return autocast_now() is not self.autocast
 
     def fully_read(self) -> bool:
         """Whether a component read with full probes at this attach has had its (first) call read: the debugger
