@@ -2,7 +2,7 @@
 CUDA's): their matmuls compute in float16 and can overflow though every weight is float32. The default probes
 follow the autocast state as each run begins, not as the debugger attached; a sentinel reads the float32
 streams autocast leaves (a residual add of a float32 input and a float16 matmul: CLIP's layers) against
-float16's largest value.
+float16's largest value; and the advice for values near it is about autocast, not the weights' dtype.
 
 Each fault is planted by scaling a module's weights so that its float16 output under autocast reaches a
 share of 65504 and stays finite."""
@@ -124,6 +124,31 @@ def test_a_near_max_a_text_encoder_layer_adds_to_its_float32_stream_under_fp16_a
         "float32",
     )
     assert risk.details["dtype_max_fraction"] == pytest.approx(0.6, abs=0.03)
+    dbg.close()
+
+
+def test_a_nan_made_from_near_max_values_under_fp16_autocast_advises_autocast_at_their_maker(pipes, tmp_path):
+    """``fc1`` at 90% of float16's max under autocast, and ``fc2``, given them, overflows: the error is at
+    ``fc1``, whose advice was 'run this component in bfloat16 or float32, or upcast this module' (it is float32
+    already); it is now about autocast, as an ``overflow_risk``'s is."""
+    pipe = pipes["sd"]
+    fc2 = pipe.text_encoder.get_submodule(FC2)
+    with near_max(pipe, "text_encoder", FC1, 0.9), scaled(fc2, 10.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg, autocast():
+            run(pipe, steps=2, output_type="latent")
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step) for a in errors] == [("nonfinite", "text_encoder", FC1, None)]
+    (error,) = errors
+    details = error.details
+    assert (details["overflowed_in"], details["dtype"], details["weights_dtype"]) == (FC2, "float16", "float32")
+    assert error.message == (
+        f"text_encoder.{FC1} made values at {details['near_max']:.0%} of the float16 maximum "
+        f"(|x|={details['absmax']:.4g}), and text_encoder.{FC2}, given them, produced NaN/Inf (its arithmetic "
+        "overflowed on them: a norm's variance, a matmul); it ran under float16 autocast (its weights are float32): "
+        f"autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run text_encoder.{FC1} "
+        "outside autocast."
+    )
     dbg.close()
 
 
