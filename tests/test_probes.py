@@ -508,6 +508,40 @@ def test_an_overflow_sentinel_watches_block_outputs_that_can_overflow_only():
     assert readings[1].output_absmax == out.abs().max().item()
 
 
+class FloatStream(nn.Module):
+    """A residual block whose stream stays float32 under float16 autocast (CLIP's layers: a float32 input plus
+    a float16 matmul's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return x + self.linear(x)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_sentinel_under_fp16_autocast_reads_a_float32_stream_against_float16s_max(fused):
+    """Under ``torch.autocast(..., dtype=torch.float16)`` the block's output is float32, which an overflow
+    sentinel (fp16 and fp8 outputs only) never read: the next matmul casts it to float16, so a value past
+    65504 there is an Inf. With ``autocast=torch.float16`` it is read as an abs-max, named float16, its share
+    of float16's max; without, as before, not at all."""
+    model = nn.Sequential(FloatStream())
+    x = torch.tensor([[40000.0, -1.0]])
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    assert out.dtype == torch.float32
+    expected = out.abs().max().item()
+    found = {}
+    for autocast in (None, torch.float16):
+        dtypes = OVERFLOW_DTYPES if autocast is None else (*OVERFLOW_DTYPES, torch.float32)
+        probe = Probe(model, "sentinel", measure_inputs=False, dtypes=dtypes, fused=fused, autocast=autocast)
+        with probe.attach(), torch.autocast("cpu", dtype=torch.float16):
+            model(x)
+        found[autocast] = [(r.module, r.dtype, r.output_absmax, r.dtype_max_fraction) for r in probe.collect()]
+    assert found == {None: [], torch.float16: [("0", "float16", expected, expected / 65504.0)]}
+
+
 # -- armed: one process-wide hook during the model's calls ---------------------------------------
 
 

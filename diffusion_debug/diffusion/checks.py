@@ -215,6 +215,7 @@ def near_max_nonfinite(
             "dtype": maker.dtype,
             "overflowed_in": overflowed.module,
             **_vae_details(role, sd_vae, dtype),
+            **_autocast_details(dtype, maker.dtype),
         },
     )
     follows = {"kind": "nonfinite", "rank": origin.rank, "module": maker.module}
@@ -277,6 +278,12 @@ def autocast_on() -> bool:
     return False
 
 
+def _autocast_details(weights_dtype: str | None, dtype: str | None) -> dict[str, str]:
+    """``weights_dtype`` where the module's weights are not of the ``dtype`` its output came in while an autocast
+    region is open (:func:`overflow_risk`); the message then advises about autocast, not the weights' dtype."""
+    return {"weights_dtype": weights_dtype} if weights_dtype not in (None, dtype) and autocast_on() else {}
+
+
 def overflow_risk(
     component: str,
     reading: ModuleReading,
@@ -316,11 +323,7 @@ def overflow_risk(
                 **_vae_details(role, sd_vae),
                 **(between or {}),
                 **({"compiled": True} if compiled else {}),
-                **(
-                    {"weights_dtype": weights_dtype}
-                    if weights_dtype not in (None, reading.dtype) and autocast_on()
-                    else {}
-                ),
+                **_autocast_details(weights_dtype, reading.dtype),
             },
         )
     ]

@@ -58,6 +58,7 @@ from . import pipeline_patches as patches
 from . import step_values as rows
 from .components.cache_hooks import HeldStates, reset_as_a_call_ends
 from .components.call_memory import oom_targets
+from .components.component_probes import ANY_AUTOCAST
 from .components.detached import Parked, dropped_parts, park, revive
 from .components.held import HeldComponents
 from .components.inventory import (
@@ -360,6 +361,9 @@ class DiffusionModelDebugger(Lifecycle):
         with self._steps.guard("probe_levels"):
             changed = trees.refresh([*map(_MODULE, components)])
             if not changed and component_dtypes(components, trees) == self._dtypes:
+                probes = self._steps.probes  # autocast entered or left since: probed as under it (or not) now
+                if (ANY_AUTOCAST() or probes.autocast is not None) and probes.autocast_changed():
+                    self._probe_again()
                 return
             # every hook taken off first, then put on in an attach's order: probes put on alone, under the call
             # sites' hooks, read a root with forward hooks by a hook of its own (a full probe: 4 more a tiny SD)

@@ -39,7 +39,7 @@ from . import step_values as rows
 from .blackouts import safety_blackout
 from .call_events import CallEvents
 from .components.call_memory import CallMemoryGrowth
-from .components.call_sites import CallSiteHooks, ComponentProbes
+from .components.call_sites import ANY_AUTOCAST, CallSiteHooks, ComponentProbes
 from .components.inventory import Component, preview_decoder
 from .components.step_end import CALLBACK, StepEndWatch
 from .localize import Finding, Localizer
@@ -151,7 +151,9 @@ class StepPipeline(CallEvents):
             if self.runs and self.probes.reading_fully and self.probe_again and self.probes.fully_read():
                 self.probe_again()  # no call end seen: before this run's first component call (or at its pre-hook)
             elif self.runs > self.attached_at and self.follow_trees is not None:
-                self.follow_trees(calling)  # a later run of one attach: a tree or dtype changed since is hooked as now
+                self.follow_trees(calling)  # a later run of one attach: a tree, dtype or autocast changed: as now
+            elif (ANY_AUTOCAST() or self.probes.autocast) and self.probe_again and self.probes.autocast_changed():
+                self.probe_again()  # attached before the user's `with torch.autocast(...)`: probed as under it
             self.sample_call_memory()
             self.runs += 1
             frames, inputs = self.frames, self.localizer.inputs

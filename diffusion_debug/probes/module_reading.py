@@ -19,7 +19,8 @@ class ModuleReading(NamedTuple):
     call: int
     """Calls of this module before this one since the last ``collect`` (0 for the first)."""
     dtype: str | None
-    """dtype of the first output tensor."""
+    """dtype of the first output tensor (of the autocast region it was read in, for a float32 one a
+    probe read against it: :attr:`~.readings.ProbeConfig.autocast`)."""
     input_value: float | None
     """:func:`stats.finite_signal` over the floating tensors passed in (a SiLU's output: its input's,
     see :meth:`~.readings.Probe._pass_on`): non-finite exactly when one of them was (``None``: none measured)."""

@@ -86,6 +86,9 @@ class ProbeConfig:
     """The abs-maxes (fp16, bf16, ``signal="absmax"``) are taken together, one op for all the
     tensors held (:mod:`.fused`; a full probe's inputs too), rather than one op per tensor in each
     hook."""
+    autocast: torch.dtype | None = None
+    """The dtype a ``torch.autocast`` region computes in (float16): float32 tensors (in ``dtypes``) are
+    read as abs-maxes against its largest value, their readings in its name (:meth:`Probe._reducer`)."""
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -125,8 +128,11 @@ class Probe:
         strict: bool = False,
         unread: tuple[str, ...] = (),
         fused: bool = False,
+        autocast: torch.dtype | None = None,
     ):
-        self.config = ProbeConfig(granularity, measure_inputs, dtypes, signal, strict, unread, fused=fused)
+        self.config = ProbeConfig(
+            granularity, measure_inputs, dtypes, signal, strict, unread, fused=fused, autocast=autocast
+        )
         self._model = weakref.ref(model)
         self.granularity = granularity
         if modules is None:
@@ -156,6 +162,8 @@ class Probe:
         only looks for overflow watches the dtypes that can overflow (fp16, fp8): a NaN or Inf in
         a wider dtype reaches the component's output, which is checked anyway."""
         self.signal = signal
+        self.autocast = autocast
+        """:attr:`ProbeConfig.autocast` (fixed for the probe's life: its dtype names are decided once)."""
         self.strict = strict
         self.errors: list[tuple[str, str]] = []
         self.on_raise: Callable[[str, Exception], None] | None = None
@@ -193,6 +201,11 @@ class Probe:
             size = dtype.itemsize
             if not dtype.is_floating_point or (self.dtypes is not None and dtype not in self.dtypes):
                 kinds[dtype] = None
+            elif dtype is torch.float32 and self.autocast is not None:
+                # under float16 autocast a float32 stream (a residual add of a float32 input and a float16
+                # matmul: CLIP's, Sana's blocks) is cast to float16 by the next matmul: its room is float16's
+                held = self._held is not None
+                kinds[dtype] = (absmax, dtype_name(self.autocast), False, held, size)
             elif self.signal == "absmax" or is_low_precision(dtype):
                 held = self._held is not None and dtype in FUSED_DTYPES
                 kinds[dtype] = (absmax, dtype_name(dtype), False, held, size)
@@ -862,6 +875,7 @@ def apply_probes(
         unread=config.unread,
         modules=modules,
         fused=config.fused,
+        autocast=config.autocast,
     )
     return probe.attach(armed=config.armed)
 

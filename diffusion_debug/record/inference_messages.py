@@ -61,8 +61,17 @@ def near_max_advice(where: str, details: dict[str, Any]) -> str:
     'run this component in bfloat16 or float32, or upcast this module'
     >>> near_max_advice("vae.decoder.conv_in", {"dtype": "bfloat16", "vae_role": True}).split(":")[0]
     "bfloat16 holds float32's range, so float32 overflows on these values too"
+
+    Made under float16 autocast (``weights_dtype``, kept where the weights differ: :func:`overflow_advice`), the
+    VAE's too: it is float32 already, and its weights' dtype does not change what autocast computes in.
+
+    >>> near_max_advice("vae.decoder.conv_in", {"dtype": "float16", "weights_dtype": "float32", "vae_role": True})
+    'it ran under float16 autocast (its weights are float32): autocast to bfloat16 instead (torch.autocast(..., \
+dtype=torch.bfloat16)) or run vae.decoder.conv_in outside autocast'
     """
     dtype = details.get("dtype")
+    if dtype == "float16" and details.get("weights_dtype"):  # float32 weights under float16 autocast
+        return autocast_advice(where, details["weights_dtype"])
     if dtype in ("bfloat16", "float32"):
         wider = "bfloat16 holds float32's range, so float32 overflows on these values too"
         wider = wider if dtype == "bfloat16" else "no wider dtype holds them"
@@ -93,10 +102,7 @@ def overflow_advice(where: str, details: dict[str, Any]) -> str:
     'it ran under float16 autocast (its weights are float32)'
     """
     if details.get("dtype") == "float16" and details.get("weights_dtype"):
-        return (
-            f"it ran under float16 autocast (its weights are {details['weights_dtype']}): autocast to bfloat16 "
-            f"instead (torch.autocast(..., dtype=torch.bfloat16)) or run {where} outside autocast"
-        )
+        return autocast_advice(where, details["weights_dtype"])
     if details.get("dtype") == "bfloat16":
         return (
             "bfloat16 holds float32's range, so float32 gives these values no more room: "
@@ -105,6 +111,16 @@ def overflow_advice(where: str, details: dict[str, Any]) -> str:
     if details.get("vae_role"):
         return vae_advice(where.partition(".")[0], details.get("sd_vae", False), details.get("dtype"))
     return "run this component in bfloat16 or float32, or upcast this module"
+
+
+def autocast_advice(where: str, weights_dtype: str) -> str:
+    """What to do about float16 values near the max that ``where`` made under float16 autocast, its weights being
+    ``weights_dtype``: what autocast computes in is what to change (:func:`overflow_advice`, :func:`near_max_advice`).
+    """
+    return (
+        f"it ran under float16 autocast (its weights are {weights_dtype}): autocast to bfloat16 instead "
+        f"(torch.autocast(..., dtype=torch.bfloat16)) or run {where} outside autocast"
+    )
 
 
 def _after_origin(anomaly: Anomaly, text: str) -> str:

@@ -65,7 +65,13 @@ from .compiled import (
     wrap_compiled_call,
     wrap_compiled_method,
 )
-from .component_probes import ComponentProbes, inner_blocks, probe_levels, unread_modules  # noqa: F401 (re-exported)
+from .component_probes import (  # noqa: F401 (re-exported)
+    ANY_AUTOCAST,
+    ComponentProbes,
+    inner_blocks,
+    probe_levels,
+    unread_modules,
+)
 from .inventory import CallSite, Component, call_sites
 from .structure import TreeMemo
 

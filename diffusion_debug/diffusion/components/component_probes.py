@@ -1,6 +1,7 @@
 """Which probe each component gets at an attach (:func:`probe_levels`), and
 :class:`ComponentProbes`, the per-module probes inside each component, whose queued values are
-taken per step or per call. The call sites' own hooks are :mod:`.call_sites`'."""
+taken per step or per call. The blocks a sentinel reads are :mod:`.sentinel_blocks`'; the call sites'
+own hooks are :mod:`.call_sites`'."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from ...probes.handles import ForwardHooks
 from ...probes.tracing import compile_wrapper
 from ...stats import dtype_name
 from .compiled import ORIG, compile_state
-from .inventory import Component, call_sites, is_loop_role
+from .inventory import Component, is_loop_role
 from .roles import role
+from .sentinel_blocks import _unet, denoiser_blocks, inner_blocks, overflow_blocks, stack_ends
 from .sentinel_pace import SentinelPace, run_group
 from .structure import TreeMemo
 
@@ -54,10 +56,12 @@ def probe_levels(
     level: str,
     dtypes: dict[str, str | None] | None = None,
     first_calls: Collection[str] = (),
+    autocast: torch.dtype | None = None,
 ) -> dict[str, str]:
     """The probe level of each component: ``level``, except at the default (``sentinel``), which
     watches what can overflow: a component whose parameters (``dtypes``) are fp16 or fp8, or any
-    while autocast to one is on at attach. No component gets full probes on every call.
+    while autocast to one is on (``autocast``: :func:`autocast_now` as the run begins). No component
+    gets full probes on every call.
 
     - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
       together in one op a call (a UNet's down, mid and up blocks; a transformer denoiser's block
@@ -79,12 +83,14 @@ def probe_levels(
     - ControlNets and adapters keep the whole sentinel, whatever their dtype: their outputs are
       nested residuals that the step does not measure.
 
-    Limit: autocast turned on inside the ``with`` block (after attach) is not seen: an fp32
-    component then runs in fp16 with only its output checked."""
+    Under float16 autocast a sentinel also reads float32 block outputs, against float16's largest value
+    (:meth:`ComponentProbes._config`). Autocast entered or left after attach is followed as the next
+    run begins (:meth:`ComponentProbes.autocast_changed`); limit: one entered inside a pipeline call (around a
+    component's call in the pipeline's own code) is not."""
     if level != "sentinel":
         return dict.fromkeys([c.name for c in components], level)
     overflow = _OVERFLOW_NAMES
-    known = dtypes is not None and not _autocast_overflows()
+    known = dtypes is not None and autocast is None
     levels: dict[str, str] = {}
     for c in components:  # (a loop: no Python call a component, at every attach)
         dtype = dtypes.get(c.name) if known else None
@@ -98,214 +104,21 @@ def probe_levels(
     return levels
 
 
-def overflow_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The sentinel blocks of ``module`` whose output can be fp16 or fp8, which the overflow sentinel
-    (:func:`probe_levels`) reads: all of them but diffusers' ``Timesteps`` (a UNet's ``time_proj``),
-    whose sinusoidal embedding is made in float32 whatever the model's dtype and has no parameter: a
-    hook there (one a step) would never read anything. A diffusers ``mid_block`` is one block, as
-    each down and up block is (:func:`~diffusion_debug.probes.watched.sentinel_modules` would
-    watch each of its resnets and attentions, the ``ModuleList`` elements it holds): a residual
-    chain, whose output carries what any of them makes (a NaN/Inf, a near-overflow), which the
-    replay with full probes then names at its module; two hooks and two reductions fewer a UNet
-    or VAE decoder call.
-
-    >>> inner = lambda: nn.Sequential(nn.Linear(1, 1))
-    >>> mid = nn.Module()
-    >>> mid.resnets, mid.attentions = nn.ModuleList([inner(), inner()]), nn.ModuleList([inner()])
-    >>> model = nn.Module()
-    >>> model.down_blocks, model.mid_block = nn.ModuleList([inner()]), mid
-    >>> [name for name, _ in overflow_blocks(model)]
-    ['down_blocks.0', 'mid_block']
-    """
-    blocks: list[tuple[str, nn.Module]] = []
-    mids: set[str] = set()
-    for name, block in probed_modules(module, "sentinel"):
-        if _float32_made(block):
-            continue
-        mid = _mid_block(name)
-        if mid is None:
-            blocks.append((name, block))
-        elif mid not in mids:  # the mid block in place of its first element
-            mids.add(mid)
-            blocks.append((mid, module.get_submodule(mid)))
-    return blocks
+ANY_AUTOCAST: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+"""Whether any autocast region is open: one C call, no Python frame (asked as each run begins)."""
 
 
-def _mid_block(name: str) -> str | None:
-    """The name of the diffusers ``mid_block`` that the sentinel block ``name`` lies in, if any."""
-    if name.startswith("mid_block."):
-        return "mid_block"
-    at = name.find(".mid_block.")
-    return name[: at + len(".mid_block")] if at >= 0 else None
-
-
-def denoiser_blocks(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The overflow ``blocks`` of a denoiser less the single modules (blocks that hold no module)
-    before its first block that holds modules (a UNet's ``conv_in``), and those after its last one
-    but the very last (a UNet's ``conv_norm_out``; its ``conv_out`` stays: its output is the
-    call's, whose near-overflow no other check reads). Such a module's output is bounded by its
-    weights and its input; what it makes reaches the next block's output (each block adds to what
-    it is given) or the call's output, both read, and the replay with full probes names it.
-
-    >>> single, block = nn.Linear(1, 1), nn.Sequential(nn.Linear(1, 1))
-    >>> names = ["conv_in", "time_embedding", "down_blocks.0", "conv_norm_out", "conv_out"]
-    >>> blocks = list(zip(names, [single, block, block, single, single]))
-    >>> [name for name, _ in denoiser_blocks(blocks)]
-    ['time_embedding', 'down_blocks.0', 'conv_out']
-    """
-    held = [i for i, (_, block) in enumerate(blocks) if block._modules]
-    if not held:
-        return blocks
-    first, last = held[0], held[-1]
-    return blocks[first : last + 1] + blocks[-1:] if last + 1 < len(blocks) else blocks[first:]
-
-
-def _float32_made(block: nn.Module) -> bool:
-    try:
-        from diffusers.models.embeddings import Timesteps
-    except ImportError:  # pragma: no cover - diffusers is what this package watches
-        return False
-    return type(block) is Timesteps and not block._parameters and not block._modules
-
-
-def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The sentinel ``blocks`` of a component called once per image (VAE, text and image encoders),
-    less the single modules (blocks that hold no module) at either end of each call site's stack:
-    the VAE decoder's ``conv_in``, ``conv_norm_out`` and ``conv_out``, a text encoder's
-    ``final_layer_norm``; and a block of lookups only at the start (a text encoder's ``embeddings``,
-    token and position ``nn.Embedding``: two hooks and reductions fewer a CFG call, whose prompt
-    is encoded twice). Such a module's output is bounded by its weights (read with full probes
-    on the first call) and by its input (the call's input, or a normalisation's output), and a
-    NaN/Inf it makes reaches the call's output, checked at the call site and named by a replay
-    with full probes; a near-overflow an embedding makes reaches the first layer's output (a
-    residual stream), read, and the replay names it. Kept: the blocks from a site's first block
-    that holds modules to its last (residual blocks, attentions, layers: where an fp16 activation
-    grows), and every block outside
-    the call sites (the VAE's ``post_quant_conv``, called by ``decode`` ahead of the ``decoder``:
-    no output check sees it on its own). A site none of whose blocks holds a module keeps them all.
-    A text or image encoder's layers are then read at the last layer of their stack (:func:`stack_ends`).
-
-    >>> block = lambda: nn.Sequential(nn.Linear(1, 1))
-    >>> lookup = nn.Sequential(nn.Embedding(2, 1), nn.Embedding(2, 1))
-    >>> encoder = nn.Sequential(lookup, block(), nn.Linear(1, 1), block(), nn.LayerNorm(1))
-    >>> text_encoder = Component("text_encoder", "text_encoder", encoder)
-    >>> [name for name, _ in inner_blocks(text_encoder, list(encoder.named_children()))]
-    ['1', '2', '3']
-    """
-    prefixes = [site.prefix for site in call_sites(component)]
-
-    def site_of(name: str) -> str | None:
-        return next((p for p in prefixes if p == "" or name == p or name.startswith(p + ".")), None)
-
-    sites = [site_of(name) for name, _ in blocks]
-    keep = [site is None for site in sites]
-    for prefix in set(sites) - {None}:
-        mine = [i for i, site in enumerate(sites) if site == prefix]
-        held = [i for i in mine if blocks[i][1]._modules and not _lookup(blocks[i][1])] or mine
-        for i in mine:
-            keep[i] = keep[i] or held[0] <= i <= held[-1]
-    kept = [block for block, kept in zip(blocks, keep) if kept]
-    return stack_ends(component.module, kept) if component.role in _LAYER_STACKS else kept
-
-
-_LAYER_STACKS = frozenset({"text_encoder", "image_encoder"})
-"""The roles whose ``nn.ModuleList`` of blocks is a residual stream (transformers' text and image
-encoders: CLIP, T5, Llama-style decoders), which :func:`stack_ends` reads at its last layer."""
-
-
-def stack_ends(
-    root: nn.Module, blocks: list[tuple[str, nn.Module]], *, repeated: bool = False
-) -> list[tuple[str, nn.Module]]:
-    """``blocks`` less every layer of an ``nn.ModuleList`` of ``root`` that the next block of the
-    same list follows: a text or image encoder's layers (``encoder.layers.0`` ... ``.11``) are read
-    at the last one. Each layer adds what it makes to the stream it is given (``h + attn(norm(h))``,
-    then ``h + mlp(norm(h))``), so the last layer's output carries what any layer before it made: a
-    NaN/Inf, or a near-overflow, that the final norm would hide from the call's output check. The
-    replay with full probes then names the module that made it, as for a mid block's resnets
-    (:func:`overflow_blocks`). One hook and one abs-max a stack, where there were one a layer:
-    a CFG call encodes twice (SD1.5's 12 CLIP layers: 22 hooks fewer a call). Limits: a near-overflow
-    a later layer takes back out of the stream (adding its negative) is not read, nor one made in a
-    call that stops before the stack's last layer (a NaN/Inf still reaches the call's output check).
-
-    ``repeated`` (a denoiser's blocks): a layer is left out only where the next one is the same
-    layer again, of its type with parameters of the same shapes (:func:`_repeats`): a transformer
-    denoiser's ``transformer_blocks``, ``single_transformer_blocks`` or ``blocks`` (PixArt, SD3,
-    Flux, Wan, HunyuanVideo, QwenImage: each block adds its gated attention and MLP outputs to the
-    streams it is given; Flux's and SD3's dual-stream blocks return both streams, both read at the
-    list's last block), not a UNet's ``down_blocks`` or ``up_blocks``, whose widths change from one
-    block to the next and whose resnets go through norms (no stream carries a value through them).
-    SD3's last block, which keeps no text stream (``context_pre_only``), is no repeat of the one
-    before: that one is read too, with the text stream it passes on. Sentinel blocks a step at real
-    size (built on the meta device): Flux.1-dev 62 -> 7, SD3 medium 29 -> 7, PixArt-alpha 33 -> 6,
-    Wan 2.1 14B 42 -> 3, HunyuanVideo 69 -> 10, QwenImage 66 -> 7.
-
-    >>> layers = nn.ModuleList([nn.Sequential(nn.Linear(1, 1)) for _ in range(3)])
-    >>> encoder = nn.Module()
-    >>> encoder.layers, encoder.norm = layers, nn.LayerNorm(1)
-    >>> [name for name, _ in stack_ends(encoder, [(f"layers.{i}", layers[i]) for i in range(3)])]
-    ['layers.2']
-    """
-    if ORIG in root._modules and not any(name.startswith(ORIG + ".") for name, _ in blocks):
-        root = root._modules[ORIG]  # torch.compile's wrapper: its blocks named as its original's
-    ends = []
-    for (name, block), following in zip(blocks, [*blocks[1:], ("", None)]):
-        parent, _, index = name.rpartition(".")
-        after, _, next_index = following[0].rpartition(".")
-        if parent and parent == after and index.isdigit() and next_index.isdigit():
-            try:
-                in_list = isinstance(root.get_submodule(parent), nn.ModuleList)
-            except AttributeError:  # not a module of root's (a caller's own list of blocks)
-                in_list = False
-            if in_list and (not repeated or _repeats(block, following[1])):
-                continue  # its stack's next layer follows: read at the stack's last
-        ends.append((name, block))
-    return ends
-
-
-def _repeats(block: nn.Module, following: nn.Module | None) -> bool:
-    """Whether ``following`` is ``block`` again: its type, and parameters of the same names and shapes
-    (a stack's repeated layer, whose input and output are the same stream), neither of them one that
-    changes the resolution (a down or up block's ``downsamplers`` or ``upsamplers``: a UNet's, whose
-    up blocks of one width repeat; their outputs are no stream, each block's resnets start with a norm).
-
-    >>> _repeats(nn.Linear(2, 2), nn.Linear(2, 2)), _repeats(nn.Linear(2, 2), nn.Linear(2, 3))
-    (True, False)
-    """
-    if following is None or type(following) is not type(block):
-        return False
-    if any(getattr(b, name, None) is not None for b in (block, following) for name in _RESAMPLERS):
-        return False
-    mine, theirs = dict(block.named_parameters()), dict(following.named_parameters())
-    return mine.keys() == theirs.keys() and all(p.shape == theirs[n].shape for n, p in mine.items())
-
-
-_RESAMPLERS = ("downsamplers", "upsamplers")
-"""diffusers' down and up blocks' attributes that change the resolution (:func:`_repeats`)."""
-
-
-def _unet(module: nn.Module) -> bool:
-    """Whether ``module`` is one of diffusers' UNets (``diffusers.models.unets``), whose down and up
-    blocks are no residual stream: its sentinel reads each (:func:`stack_ends` is for a transformer's
-    block lists)."""
-    return ".unets." in type(module).__module__ or type(module).__name__.startswith("UNet")
-
-
-def _lookup(block: nn.Module) -> bool:
-    """Whether every module under ``block`` is an ``nn.Embedding`` (a text encoder's token and
-    position embeddings): its output is rows of its weights, as a single module's is bounded by them."""
-    inside = [m for m in block.modules() if m is not block]
-    return bool(inside) and all(isinstance(m, nn.Embedding) for m in inside)
-
-
-def _autocast_overflows() -> bool:
-    """Whether autocast to an fp16 or fp8 dtype is on (for any device type torch knows)."""
+def autocast_now() -> torch.dtype | None:
+    """The fp16 or fp8 dtype an open autocast region computes in (for any device type torch knows), else None."""
+    if not ANY_AUTOCAST():
+        return None
     for device in ("cuda", "cpu", "xpu", "mps"):
         try:
-            if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in OVERFLOW_DTYPES:
-                return True
+            if torch.is_autocast_enabled(device) and (dtype := torch.get_autocast_dtype(device)) in OVERFLOW_DTYPES:
+                return dtype
         except (RuntimeError, ValueError, TypeError):  # a device type this build does not know
             continue
-    return False
+    return None
 
 
 class ComponentProbes:
@@ -334,6 +147,8 @@ class ComponentProbes:
         pipeline, by whichever debugger calls it first, again after a change to its tree or dtype or
         :meth:`forget_reads`."""
         self.reading_fully: list[str] = []  # the components this attach reads with full probes (:meth:`fully_read`)
+        self.autocast: torch.dtype | None = None
+        """The float16 or fp8 autocast the levels of the last attach were decided under (:func:`autocast_now`)."""
 
     def attach(
         self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
@@ -343,18 +158,21 @@ class ComponentProbes:
         self.levels.clear()  # updated in place: the localiser reads the same dict
         if self.pace.paced:  # (an attach whose handle was not removed)
             self.pace.forget()
+        self.autocast = autocast = autocast_now() if ANY_AUTOCAST() else None  # (no Python call without one)
         if self.level == "off":  # (below: the memo's values spelled out, loops: no Python call a component when kept)
             return ProbeHandle()
         memo = memo or TreeMemo()
         current, dtypes = memo.current, dtypes or {}
+        under = f" under {autocast} autocast" if autocast is not None else None  # read fully again under one
         first, self._reads = [], {}
         for c in components:
             values = current.get(id(c.module), {})
             done = values["read_fully"] if "read_fully" in values else values.setdefault("read_fully", set())
-            self._reads[c.name] = read = (done, dtypes.get(c.name))
+            dtype = dtypes.get(c.name)
+            self._reads[c.name] = read = (done, dtype if under is None else f"{dtype}{under}")
             if read[1] not in done:
                 first.append(c.name)
-        self.levels.update(probe_levels(components, self.level, dtypes, first_calls=first))
+        self.levels.update(probe_levels(components, self.level, dtypes, first, autocast))
         self.reading_fully = [name for name in first if self.levels[name] == "full"] if first else []
         self.compiled, handles = [], []  # (compiled: as found at this attach; a component may be compiled between)
         paced: dict = {"steps": ([], []), "encoders": ([], []), "decoders": ([], []), None: ([], [])}  # by pace group
@@ -388,7 +206,13 @@ class ComponentProbes:
                     values[("probed", level, component.role)] = watched
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same
                 kept = self._kept.get(name)
-                if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
+                if (
+                    kept is not None
+                    and kept[0] is watched
+                    and kept[1] == level
+                    and kept[2]._model() is module
+                    and kept[2].autocast is (autocast if level == "sentinel" else None)
+                ):
                     probe, pace = kept[2], kept[4]
                     hooks = None if kept[3] else probe.output_hooks()
                     if hooks is not None:
@@ -431,14 +255,25 @@ class ComponentProbes:
         module = component.module
         # a text encoder's vocabulary head: its logits are discarded, so never measured
         unread = memo.get(module, "unread", lambda: unread_modules(component))
+        autocast = self.autocast if level == "sentinel" else None  # float32 outputs read against float16's max
         if level == "sentinel" and (component.role == "denoiser" or once):
-            # overflow-prone block outputs only, their abs-maxes one op a call
+            # overflow-prone block outputs only, their abs-maxes one op a call (under float16 autocast the
+            # float32 ones too: a residual stream autocast leaves in float32, cast to float16 by the next matmul)
+            dtypes = OVERFLOW_DTYPES if autocast is None else (*OVERFLOW_DTYPES, torch.float32)
             return ProbeConfig(
-                level, measure_inputs=False, dtypes=OVERFLOW_DTYPES, strict=self.strict, unread=unread, fused=True
+                level,
+                measure_inputs=False,
+                dtypes=dtypes,
+                strict=self.strict,
+                unread=unread,
+                fused=True,
+                autocast=autocast,
             )
         # every module: one hook armed per call rather than hundreds at each attach; the fp16/bf16
         # abs-maxes taken together, a few ops a call rather than one a tensor
-        return ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=True)
+        return ProbeConfig(
+            level, strict=self.strict, unread=unread, armed=level == "full", fused=True, autocast=autocast
+        )
 
     def take(self, name: str) -> tuple[str, list[torch.Tensor], Callable] | None:
         """The component's queued values and how to read them (None when not probed); the
@@ -453,6 +288,12 @@ class ComponentProbes:
             self.on_error(f"probe {name}.{module}", RuntimeError(error))
         probe.errors.clear()
         return (name, *probe.take())
+
+    def autocast_changed(self) -> bool:
+        """Whether an fp16 or fp8 autocast region was entered or left since the last attach decided the levels (a
+        debugger attached before the user's ``with torch.autocast(...)``): asked as a run begins, whose probes are
+        then decided again. Callers ask only where :data:`ANY_AUTOCAST` or :attr:`autocast` (no call otherwise)."""
+        return autocast_now() is not self.autocast
 
     def fully_read(self) -> bool:
         """Whether a component read with full probes at this attach has had its (first) call read: the debugger

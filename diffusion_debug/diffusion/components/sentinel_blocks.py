@@ -1,0 +1,213 @@
+"""Which blocks of a component the overflow sentinel reads (:func:`~.component_probes.probe_levels`'s
+``sentinel``): a UNet's or VAE's blocks, a mid block as one (:func:`overflow_blocks`), a denoiser's without
+the single modules at its ends (:func:`denoiser_blocks`), a component called once per image without those at
+either end of a call site (:func:`inner_blocks`), and a residual stream's layer list at its last layer
+(:func:`stack_ends`). Each leaves out what another check already reads, and a replay with full probes names the
+module inside a block."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...probes import probed_modules
+from .compiled import ORIG
+from .inventory import Component, call_sites
+
+
+def overflow_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The sentinel blocks of ``module`` whose output can be fp16 or fp8, which the overflow sentinel
+    (:func:`probe_levels`) reads: all of them but diffusers' ``Timesteps`` (a UNet's ``time_proj``),
+    whose sinusoidal embedding is made in float32 whatever the model's dtype and has no parameter: a
+    hook there (one a step) would never read anything. A diffusers ``mid_block`` is one block, as
+    each down and up block is (:func:`~diffusion_debug.probes.watched.sentinel_modules` would
+    watch each of its resnets and attentions, the ``ModuleList`` elements it holds): a residual
+    chain, whose output carries what any of them makes (a NaN/Inf, a near-overflow), which the
+    replay with full probes then names at its module; two hooks and two reductions fewer a UNet
+    or VAE decoder call.
+
+    >>> inner = lambda: nn.Sequential(nn.Linear(1, 1))
+    >>> mid = nn.Module()
+    >>> mid.resnets, mid.attentions = nn.ModuleList([inner(), inner()]), nn.ModuleList([inner()])
+    >>> model = nn.Module()
+    >>> model.down_blocks, model.mid_block = nn.ModuleList([inner()]), mid
+    >>> [name for name, _ in overflow_blocks(model)]
+    ['down_blocks.0', 'mid_block']
+    """
+    blocks: list[tuple[str, nn.Module]] = []
+    mids: set[str] = set()
+    for name, block in probed_modules(module, "sentinel"):
+        if _float32_made(block):
+            continue
+        mid = _mid_block(name)
+        if mid is None:
+            blocks.append((name, block))
+        elif mid not in mids:  # the mid block in place of its first element
+            mids.add(mid)
+            blocks.append((mid, module.get_submodule(mid)))
+    return blocks
+
+
+def _mid_block(name: str) -> str | None:
+    """The name of the diffusers ``mid_block`` that the sentinel block ``name`` lies in, if any."""
+    if name.startswith("mid_block."):
+        return "mid_block"
+    at = name.find(".mid_block.")
+    return name[: at + len(".mid_block")] if at >= 0 else None
+
+
+def denoiser_blocks(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The overflow ``blocks`` of a denoiser less the single modules (blocks that hold no module)
+    before its first block that holds modules (a UNet's ``conv_in``), and those after its last one
+    but the very last (a UNet's ``conv_norm_out``; its ``conv_out`` stays: its output is the
+    call's, whose near-overflow no other check reads). Such a module's output is bounded by its
+    weights and its input; what it makes reaches the next block's output (each block adds to what
+    it is given) or the call's output, both read, and the replay with full probes names it.
+
+    >>> single, block = nn.Linear(1, 1), nn.Sequential(nn.Linear(1, 1))
+    >>> names = ["conv_in", "time_embedding", "down_blocks.0", "conv_norm_out", "conv_out"]
+    >>> blocks = list(zip(names, [single, block, block, single, single]))
+    >>> [name for name, _ in denoiser_blocks(blocks)]
+    ['time_embedding', 'down_blocks.0', 'conv_out']
+    """
+    held = [i for i, (_, block) in enumerate(blocks) if block._modules]
+    if not held:
+        return blocks
+    first, last = held[0], held[-1]
+    return blocks[first : last + 1] + blocks[-1:] if last + 1 < len(blocks) else blocks[first:]
+
+
+def _float32_made(block: nn.Module) -> bool:
+    try:
+        from diffusers.models.embeddings import Timesteps
+    except ImportError:  # pragma: no cover - diffusers is what this package watches
+        return False
+    return type(block) is Timesteps and not block._parameters and not block._modules
+
+
+def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The sentinel ``blocks`` of a component called once per image (VAE, text and image encoders),
+    less the single modules (blocks that hold no module) at either end of each call site's stack:
+    the VAE decoder's ``conv_in``, ``conv_norm_out`` and ``conv_out``, a text encoder's
+    ``final_layer_norm``; and a block of lookups only at the start (a text encoder's ``embeddings``,
+    token and position ``nn.Embedding``: two hooks and reductions fewer a CFG call, whose prompt
+    is encoded twice). Such a module's output is bounded by its weights (read with full probes
+    on the first call) and by its input (the call's input, or a normalisation's output), and a
+    NaN/Inf it makes reaches the call's output, checked at the call site and named by a replay
+    with full probes; a near-overflow an embedding makes reaches the first layer's output (a
+    residual stream), read, and the replay names it. Kept: the blocks from a site's first block
+    that holds modules to its last (residual blocks, attentions, layers: where an fp16 activation
+    grows), and every block outside
+    the call sites (the VAE's ``post_quant_conv``, called by ``decode`` ahead of the ``decoder``:
+    no output check sees it on its own). A site none of whose blocks holds a module keeps them all.
+    A text or image encoder's layers are then read at the last layer of their stack (:func:`stack_ends`).
+
+    >>> block = lambda: nn.Sequential(nn.Linear(1, 1))
+    >>> lookup = nn.Sequential(nn.Embedding(2, 1), nn.Embedding(2, 1))
+    >>> encoder = nn.Sequential(lookup, block(), nn.Linear(1, 1), block(), nn.LayerNorm(1))
+    >>> text_encoder = Component("text_encoder", "text_encoder", encoder)
+    >>> [name for name, _ in inner_blocks(text_encoder, list(encoder.named_children()))]
+    ['1', '2', '3']
+    """
+    prefixes = [site.prefix for site in call_sites(component)]
+
+    def site_of(name: str) -> str | None:
+        return next((p for p in prefixes if p == "" or name == p or name.startswith(p + ".")), None)
+
+    sites = [site_of(name) for name, _ in blocks]
+    keep = [site is None for site in sites]
+    for prefix in set(sites) - {None}:
+        mine = [i for i, site in enumerate(sites) if site == prefix]
+        held = [i for i in mine if blocks[i][1]._modules and not _lookup(blocks[i][1])] or mine
+        for i in mine:
+            keep[i] = keep[i] or held[0] <= i <= held[-1]
+    kept = [block for block, kept in zip(blocks, keep) if kept]
+    return stack_ends(component.module, kept) if component.role in _LAYER_STACKS else kept
+
+
+_LAYER_STACKS = frozenset({"text_encoder", "image_encoder"})
+"""The roles whose ``nn.ModuleList`` of blocks is a residual stream (transformers' text and image
+encoders: CLIP, T5, Llama-style decoders), which :func:`stack_ends` reads at its last layer."""
+
+
+def stack_ends(
+    root: nn.Module, blocks: list[tuple[str, nn.Module]], *, repeated: bool = False
+) -> list[tuple[str, nn.Module]]:
+    """``blocks`` less every layer of an ``nn.ModuleList`` of ``root`` that the next block of the
+    same list follows: a text or image encoder's layers (``encoder.layers.0`` ... ``.11``) are read
+    at the last one. Each layer adds what it makes to the stream it is given (``h + attn(norm(h))``,
+    then ``h + mlp(norm(h))``), so the last layer's output carries what any layer before it made: a
+    NaN/Inf, or a near-overflow, that the final norm would hide from the call's output check. The
+    replay with full probes then names the module that made it, as for a mid block's resnets
+    (:func:`overflow_blocks`). One hook and one abs-max a stack, where there were one a layer:
+    a CFG call encodes twice (SD1.5's 12 CLIP layers: 22 hooks fewer a call). Limits: a near-overflow
+    a later layer takes back out of the stream (adding its negative) is not read, nor one made in a
+    call that stops before the stack's last layer (a NaN/Inf still reaches the call's output check).
+
+    ``repeated`` (a denoiser's blocks): a layer is left out only where the next one is the same
+    layer again, of its type with parameters of the same shapes (:func:`_repeats`): a transformer
+    denoiser's ``transformer_blocks``, ``single_transformer_blocks`` or ``blocks`` (PixArt, SD3,
+    Flux, Wan, HunyuanVideo, QwenImage: each block adds its gated attention and MLP outputs to the
+    streams it is given; Flux's and SD3's dual-stream blocks return both streams, both read at the
+    list's last block), not a UNet's ``down_blocks`` or ``up_blocks``, whose widths change from one
+    block to the next and whose resnets go through norms (no stream carries a value through them).
+    SD3's last block, which keeps no text stream (``context_pre_only``), is no repeat of the one
+    before: that one is read too, with the text stream it passes on. Sentinel blocks a step at real
+    size (built on the meta device): Flux.1-dev 62 -> 7, SD3 medium 29 -> 7, PixArt-alpha 33 -> 6,
+    Wan 2.1 14B 42 -> 3, HunyuanVideo 69 -> 10, QwenImage 66 -> 7.
+
+    >>> layers = nn.ModuleList([nn.Sequential(nn.Linear(1, 1)) for _ in range(3)])
+    >>> encoder = nn.Module()
+    >>> encoder.layers, encoder.norm = layers, nn.LayerNorm(1)
+    >>> [name for name, _ in stack_ends(encoder, [(f"layers.{i}", layers[i]) for i in range(3)])]
+    ['layers.2']
+    """
+    if ORIG in root._modules and not any(name.startswith(ORIG + ".") for name, _ in blocks):
+        root = root._modules[ORIG]  # torch.compile's wrapper: its blocks named as its original's
+    ends = []
+    for (name, block), following in zip(blocks, [*blocks[1:], ("", None)]):
+        parent, _, index = name.rpartition(".")
+        after, _, next_index = following[0].rpartition(".")
+        if parent and parent == after and index.isdigit() and next_index.isdigit():
+            try:
+                in_list = isinstance(root.get_submodule(parent), nn.ModuleList)
+            except AttributeError:  # not a module of root's (a caller's own list of blocks)
+                in_list = False
+            if in_list and (not repeated or _repeats(block, following[1])):
+                continue  # its stack's next layer follows: read at the stack's last
+        ends.append((name, block))
+    return ends
+
+
+def _repeats(block: nn.Module, following: nn.Module | None) -> bool:
+    """Whether ``following`` is ``block`` again: its type, and parameters of the same names and shapes
+    (a stack's repeated layer, whose input and output are the same stream), neither of them one that
+    changes the resolution (a down or up block's ``downsamplers`` or ``upsamplers``: a UNet's, whose
+    up blocks of one width repeat; their outputs are no stream, each block's resnets start with a norm).
+
+    >>> _repeats(nn.Linear(2, 2), nn.Linear(2, 2)), _repeats(nn.Linear(2, 2), nn.Linear(2, 3))
+    (True, False)
+    """
+    if following is None or type(following) is not type(block):
+        return False
+    if any(getattr(b, name, None) is not None for b in (block, following) for name in _RESAMPLERS):
+        return False
+    mine, theirs = dict(block.named_parameters()), dict(following.named_parameters())
+    return mine.keys() == theirs.keys() and all(p.shape == theirs[n].shape for n, p in mine.items())
+
+
+_RESAMPLERS = ("downsamplers", "upsamplers")
+"""diffusers' down and up blocks' attributes that change the resolution (:func:`_repeats`)."""
+
+
+def _unet(module: nn.Module) -> bool:
+    """Whether ``module`` is one of diffusers' UNets (``diffusers.models.unets``), whose down and up
+    blocks are no residual stream: its sentinel reads each (:func:`stack_ends` is for a transformer's
+    block lists)."""
+    return ".unets." in type(module).__module__ or type(module).__name__.startswith("UNet")
+
+
+def _lookup(block: nn.Module) -> bool:
+    """Whether every module under ``block`` is an ``nn.Embedding`` (a text encoder's token and
+    position embeddings): its output is rows of its weights, as a single module's is bounded by them."""
+    inside = [m for m in block.modules() if m is not block]
+    return bool(inside) and all(isinstance(m, nn.Embedding) for m in inside)

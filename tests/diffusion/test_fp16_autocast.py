@@ -1,0 +1,176 @@
+"""float32 pipelines run under ``torch.autocast(..., dtype=torch.float16)`` (CPU autocast here, as users run
+CUDA's): their matmuls compute in float16 and can overflow though every weight is float32. The default probes
+follow the autocast state as each run begins, not as the debugger attached; a sentinel reads the float32
+streams autocast leaves (a residual add of a float32 input and a float16 matmul: CLIP's layers) against
+float16's largest value; and the advice for values near it is about autocast, not the weights' dtype.
+
+Each fault is planted by scaling a module's weights so that its float16 output under autocast reaches a
+share of 65504 and stays finite."""
+
+from __future__ import annotations
+
+import contextlib
+
+import diffusion_helpers as helpers
+import numpy as np
+import pytest
+import torch
+from diffusion_helpers import run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing.features import clip_name
+
+UNET_ATTENTION_OUT = "up_blocks.1.attentions.1.transformer_blocks.0.attn1.to_out.0"
+FC1, FC2 = clip_name("encoder.layers.0.mlp.fc1"), clip_name("encoder.layers.0.mlp.fc2")
+REPLAYED = "sentinel -> replay with full probes"
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def autocast():
+    return torch.autocast("cpu", dtype=torch.float16)
+
+
+def cfg(tmp_path) -> DebugConfig:
+    return DebugConfig(output_dir=str(tmp_path), log_level="error")
+
+
+def found(dbg, run_number=None):
+    """``(kind, severity, component, module, step)`` of every anomaly but the tiny pipeline's static scheduler
+    warning (3 'leading' steps), of the debugger's ``run_number``-th run where given."""
+    return [
+        (a.kind, a.severity, a.component, a.module, a.step)
+        for a in dbg.report().anomalies
+        if a.kind != "scheduler_config" and (run_number is None or a.details.get("run") == run_number)
+    ]
+
+
+def peak_under_autocast(pipe, module, steps) -> float:
+    """The largest |output| of ``module`` in a clean autocast call of ``pipe`` (its planted scale is found from it)."""
+    peaks = []
+    handle = module.register_forward_hook(lambda _m, _a, out: peaks.append(out.abs().max().item()))
+    try:
+        with autocast():
+            run(pipe, steps=steps, output_type="latent")
+    finally:
+        handle.remove()
+    return max(peaks)
+
+
+@contextlib.contextmanager
+def scaled(module, by: float):
+    """``module``'s weight and bias multiplied by ``by`` while the block runs, put back after."""
+    saved = [p.detach().clone() for p in (module.weight, module.bias)]
+    with torch.no_grad():
+        module.weight.mul_(by)
+        module.bias.mul_(by)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            module.weight.copy_(saved[0])
+            module.bias.copy_(saved[1])
+
+
+def near_max(pipe, component, name, fraction, steps=3):
+    """``component.name`` scaled so that its float16 output under autocast peaks at ``fraction`` of 65504."""
+    module = getattr(pipe, component).get_submodule(name)
+    return scaled(module, fraction * FP16_MAX / peak_under_autocast(pipe, module, steps))
+
+
+def test_a_debugger_attached_before_fp16_autocast_warns_a_float32_unets_near_max_at_its_module_and_step(
+    pipes, tmp_path
+):
+    """Attached outside the user's ``with torch.autocast(...)``, the float32 UNet was probed as float32 (its
+    output checked, no sentinel: float32 has room), and its float16 matmul at 90% of the max inside autocast
+    was never warned. The probes are decided again as the run begins, under autocast: the block's sentinel,
+    the replay names the Linear at step 0 (later steps fold into it)."""
+    pipe = pipes["sd"]
+    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 0.9):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg, autocast():
+            run(pipe, steps=3, output_type="latent")
+    assert found(dbg) == [("overflow_risk", "warning", "unet", UNET_ATTENTION_OUT, 0)]
+    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    details = risk.details
+    assert (details["localized_by"], details["dtype"], details["weights_dtype"]) == (REPLAYED, "float16", "float32")
+    assert details["dtype_max_fraction"] == pytest.approx(0.9, abs=0.06)
+    assert risk.message == (
+        f"unet.{UNET_ATTENTION_OUT} output reached {details['dtype_max_fraction']:.0%} of the float16 maximum "
+        f"(|x|={details['absmax']:.4g}); it ran under float16 autocast (its weights are float32): autocast to "
+        f"bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run unet.{UNET_ATTENTION_OUT} outside "
+        "autocast."
+    )
+    dbg.close()
+
+
+def test_a_near_max_a_text_encoder_layer_adds_to_its_float32_stream_under_fp16_autocast_is_read_by_its_sentinel(
+    pipes, tmp_path
+):
+    """A CLIP layer's residual add keeps its stream float32 under autocast (float32 embeddings plus float16
+    matmuls), so the sentinel on the layer stack (fp16 outputs only) read nothing there while ``fc2`` made 60% of
+    float16's max. After its first call (read with full probes) the text encoder's sentinel reads the float32
+    stream against float16's max; the replay names ``fc2``."""
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with autocast(), dbg:  # (attached under it: its first run reads the text encoder fully)
+        run(pipe, steps=2, output_type="latent")
+    with near_max(pipe, "text_encoder", FC2, 0.6), autocast(), dbg:
+        run(pipe, steps=2, output_type="latent")
+    assert found(dbg) == [("overflow_risk", "warning", "text_encoder", FC2, None)]
+    (risk,) = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert (risk.details["run"], risk.details["localized_by"], risk.details["weights_dtype"]) == (
+        2,
+        REPLAYED,
+        "float32",
+    )
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.6, abs=0.03)
+    dbg.close()
+
+
+def test_a_nan_made_from_near_max_values_under_fp16_autocast_advises_autocast_at_their_maker(pipes, tmp_path):
+    """``fc1`` at 90% of float16's max under autocast, and ``fc2``, given them, overflows: the error is at
+    ``fc1``, whose advice was 'run this component in bfloat16 or float32, or upcast this module' (it is float32
+    already); it is now about autocast, as an ``overflow_risk``'s is."""
+    pipe = pipes["sd"]
+    fc2 = pipe.text_encoder.get_submodule(FC2)
+    with near_max(pipe, "text_encoder", FC1, 0.9), scaled(fc2, 10.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg, autocast():
+            run(pipe, steps=2, output_type="latent")
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step) for a in errors] == [("nonfinite", "text_encoder", FC1, None)]
+    (error,) = errors
+    details = error.details
+    assert (details["overflowed_in"], details["dtype"], details["weights_dtype"]) == (FC2, "float16", "float32")
+    assert error.message == (
+        f"text_encoder.{FC1} made values at {details['near_max']:.0%} of the float16 maximum "
+        f"(|x|={details['absmax']:.4g}), and text_encoder.{FC2}, given them, produced NaN/Inf (its arithmetic "
+        "overflowed on them: a norm's variance, a matmul); it ran under float16 autocast (its weights are float32): "
+        f"autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run text_encoder.{FC1} "
+        "outside autocast."
+    )
+    dbg.close()
+
+
+def test_clean_runs_in_and_out_of_fp16_autocast_are_quiet_and_bitwise_equal_under_one_attach(pipes, tmp_path):
+    """One attach, runs under autocast and out of it in turn (the probes decided again at each change): each
+    image is bitwise the unwatched one, and nothing is warned."""
+    pipe = pipes["sd"]
+    plain_autocast = _under_autocast_np(pipe)
+    plain = run(pipe, steps=2)
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        watched = [_under_autocast_np(pipe), run(pipe, steps=2), _under_autocast_np(pipe)]
+    assert [np.array_equal(image, expected) for image, expected in zip(watched, [plain_autocast, plain] * 2)] == [
+        True,
+        True,
+        True,
+    ]
+    assert found(dbg) == []
+    assert helpers.pipeline_hooks(pipe) == 0
+    dbg.close()
+
+
+def _under_autocast_np(pipe):
+    with autocast():
+        return run(pipe, steps=2)
