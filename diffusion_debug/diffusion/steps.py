@@ -93,8 +93,7 @@ class StepPipeline(CallEvents):
         self.attached_at = 0
         """``runs`` as the debugger last attached: each later run of the attach checks its trees (follow_trees)."""
         self.follow_trees: Callable[[str | None], None] | None = None
-        """The debugger's: the components probed again where a module tree or a dtype changed since they were probed
-        (``fuse_qkv_projections``, a LoRA loaded, ``pipe.to(torch.float16)`` between the calls of one attach)."""
+        """The debugger's: components probed again where a tree or dtype changed since (``fuse_qkv_projections``)."""
         self.bundles: list[str] = []
         self.call_memory = CallMemoryGrowth(config.memory_growth_mb)
         self._static = setup_checks.StaticChecks(pipe, components)
