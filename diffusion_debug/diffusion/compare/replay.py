@@ -3,7 +3,12 @@ in the component (it persists on equal inputs) and, if so, the first module that
 
 Each module's input and output fingerprints are read by forward hooks on the component's eager
 modules (a compiled component is replayed as it runs, then eagerly for the modules); the hooks
-come off when the replay returns. A replay runs in the cache context and from the hooks' state that the
+come off when the replay returns. A replay compiles nothing: the compiled call runs the user's cached
+graphs where their guards pass and eagerly elsewhere (:func:`~..components.compiled.cached_graphs_only`),
+the modules' call under ``force_eager`` (:func:`~..components.compiled.eager`): hooks on the blocks of a
+regionally compiled component were traced into their compiled calls (6 graphs added to the user's cache
+by one tiny Flux comparison), and a component compiled in place ran them nowhere (no module named).
+A replay runs in the cache context and from the hooks' state that the
 replayed call of this side began with (``Recording.kept_hooks``): the pipeline's ``cache_context`` has
 ended by then, and diffusers' stateful hooks (TaylorSeer, FirstBlockCache) refuse a call outside one.
 It leaves the component's stateful hooks as it found them: it runs after the pipelines' calls ended,
@@ -20,7 +25,7 @@ import torch
 from ...core.instance_methods import MISSING
 from ...stats import tensors_in
 from ..components.cache_hooks import hook_state_kept
-from ..components.compiled import compile_state, eager_module
+from ..components.compiled import cached_graphs_only, compile_state, eager, eager_module
 from ..components.inventory import call_sites, find_components
 from .fingerprints import Fingerprint, errors_of
 from .recording import applied, detached_copy, fingerprints_of
@@ -99,15 +104,15 @@ def replay(
     with applied(pipe, change):
         site = _site_module(pipe, component, prefix)
 
-        def call(module: torch.nn.Module) -> Any:
-            with hook_state_kept(eager_module(site), *hooks), _current_timestep(pipe, timestep):  # put back after
+        def call(module: torch.nn.Module, how: Any) -> Any:
+            with hook_state_kept(eager_module(site), *hooks), _current_timestep(pipe, timestep), how:  # put back after
                 return _call(module, kept, dtypes)
 
         compiled = compile_state(site) is not None
-        output = fingerprints_of(call(site)) if compiled or not modules else None
+        output = fingerprints_of(call(site, cached_graphs_only())) if compiled or not modules else None
         if not modules:
             return output, readings
-        eager = eager_module(site)
+        original = eager_module(site)
         handles = []
 
         def hook(name: str):
@@ -118,11 +123,11 @@ def replay(
             return after
 
         try:
-            for name, module in eager.named_modules():
+            for name, module in original.named_modules():
                 if name:
                     qualified = f"{prefix}.{name}" if prefix else name
                     handles.append(module.register_forward_hook(hook(qualified), with_kwargs=True))
-            eager_output = fingerprints_of(call(eager))
+            eager_output = fingerprints_of(call(original, eager(original)))
         finally:
             for handle in handles:
                 handle.remove()

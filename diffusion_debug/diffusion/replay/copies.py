@@ -1,12 +1,18 @@
-"""A private copy of a component for a "what if" replay: its weights, its diffusers hooks and its
-compilation, and nothing shared with the live one.
+"""A private copy of a component for a "what if" replay: its weights and its diffusers hooks, run eagerly,
+and nothing shared with the live one.
 
 ``copy.deepcopy`` alone is not enough. A diffusers hook replaces the module's ``forward`` with a
 closure over the original module and hook, and functions are not copied, so a deep copy of a
 hooked module silently runs the original. :func:`isolated_copy` takes the hooks off the copy and
 registers the copied hook objects again through diffusers' own ``HookRegistry``, so the copy's
-hooks act on the copy (with a copy of their state). A ``torch.compile`` wrapper is rebuilt around
-the copied original module with the same compile settings.
+hooks act on the copy (with a copy of their state).
+
+A copy never compiles: it is made of a ``torch.compile`` wrapper's original module, without the
+compiled calls of modules compiled in place, and is run eagerly (:func:`copy_note` says so in its
+row). Dynamo keeps its compiled graphs per code object, not per module: a copy compiled runs the
+user's own functions (the model's ``forward``, a caching hook's ``new_forward``), and each graph it
+made was an entry in the user's cache, counted toward their ``recompile_limit`` (FasterCache's
+``new_forward`` reached 8 from one ``why()``, and the user's next call compiled again).
 
 The copy's stateful hooks keep the copied state: registering a hook again calls its
 ``initialize_hook``, which gives FasterCache and PyramidAttentionBroadcast a fresh state (a FasterCache
@@ -14,9 +20,9 @@ block that approximates then read an empty cache), so the copied attributes are 
 run in another dtype (:func:`cast_copy`) gets its hooks' cached tensors in that dtype too: a float32
 residual read by a bfloat16 block failed ("mat1 and mat2 must have the same dtype").
 
-Limits: a component compiled in place (``module.compile()``) or regionally is copied eagerly (its
-compiled call belongs to the original); the copy's hook state is the live state at the time of
-the copy (a caching hook starts from the live cache).
+Limits: a copy of a compiled component measures its eager code, not the compiled graphs (a backend
+that fuses, as inductor may, can differ in the last bits); the copy's hook state is the live state at
+the time of the copy (a caching hook starts from the live cache).
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ...probes.tracing import compile_wrapper
 from ...stats import dtype_name
 from ...stats.quantized import is_quantized
 from ..components.cache_hooks import state_objects, stateful_hooks
@@ -229,10 +234,12 @@ def cast_copy(copied: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def isolated_copy(component: nn.Module, *, drop_hooks: str | None = None) -> nn.Module:
     """A deep copy of ``component`` whose diffusers hooks act on the copy, without those of the
-    switch ``drop_hooks`` (see :func:`hook_group`) nor those passed through (:func:`hooks_passed`); a
-    ``torch.compile`` wrapper is rebuilt with the same settings. Raises a ``RuntimeError`` that names the
-    quantized weights a copy of them fails on (GGUF's and quanto's refuse ``copy.deepcopy``; the floor's
-    diffusers, 0.32.2, copies a GGUF weight without its ``quant_type``)."""
+    switch ``drop_hooks`` (see :func:`hook_group`) nor those passed through (:func:`hooks_passed`); of a
+    ``torch.compile`` wrapper, a copy of its original module; of a module compiled in place or regionally,
+    without its compiled calls: the copy runs eagerly (run it in :func:`~..components.compiled.eager`, for
+    a ``torch.compile`` wrapper among its children or a function compiled inside). Raises a ``RuntimeError``
+    that names the quantized weights a copy of them fails on (GGUF's and quanto's refuse ``copy.deepcopy``;
+    the floor's diffusers, 0.32.2, copies a GGUF weight without its ``quant_type``)."""
     original = eager_module(component)
     try:
         copied = copy.deepcopy(original)
@@ -253,14 +260,20 @@ def isolated_copy(component: nn.Module, *, drop_hooks: str | None = None) -> nn.
         _rewire_hooks(copied, drop_hooks)
     for sub in copied.modules():  # a compiled call of the original module: never run by the copy
         vars(sub).pop("_compiled_call_impl", None)
-    if compile_wrapper(component):  # (a VAE's too, whose decode it leaves eager: compile_state None)
-        return type(component)(copied, component.dynamo_ctx)
-    return copied
+    return copied  # (never a wrapper: compiled, it would add graphs to the user's cache of the same code)
 
 
 def copy_note(component: nn.Module) -> str:
-    """What a copy does not reproduce: "" when it is exact."""
+    """What a copy of ``component`` does not reproduce: "" when it is exact. A compiled component's copy
+    runs eagerly (:func:`isolated_copy`): its row measures the eager code, and says so."""
     state = compile_state(component)
-    if state in ("in_place", "regional"):
-        return f"the copy runs eagerly (compiled {state.replace('_', ' ')})"
+    if state in _COMPILED_AS:
+        return f"the copy runs eagerly ({_COMPILED_AS[state]}: compiling a copy would add graphs to its cache)"
     return ""
+
+
+_COMPILED_AS = {
+    "wrapped": "compiled with torch.compile",
+    "in_place": "compiled in place",
+    "regional": "compiled regionally",
+}

@@ -16,9 +16,10 @@ it; its tensors beyond ``KEPT_BYTES`` by weak reference), a bundle alone from th
 call's end: a FasterCache that cannot take the call is replayed without, saying so). A replay of the live
 compiled component runs the user's compiled graphs where their guards pass and eagerly elsewhere (its caching
 hooks' callbacks or links swapped for the replay fail them): it compiles nothing, since a graph it added
-counted toward the user's recompile limit (not before torch 2.6). Replays of a compiled copy compile again
-(seconds on the tiny pipelines, longer on a real model) in the same code's cache, toward the same limit
-(a user's next call may then compile again). A copy shares the user's
+counted toward the user's recompile limit (not before torch 2.6). A row's copy (caching off, another dtype)
+runs eagerly, its note says so: compiled, it ran the user's own functions and its graphs were added to their
+cache (a ``torch.compile`` wrapper's FasterCache ``new_forward`` reached its limit, and the user's next call
+compiled again). A copy shares the user's
 own forward hooks with the live module (a function is not copied): a hook that counts calls
 counts the replays too.
 
@@ -46,13 +47,14 @@ from ...stats.quantized import dequantized, is_quantized
 from ..checks import find_producer
 from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
 from ..components.cache_timestep import timestep_kept
-from ..components.compiled import cached_graphs_only, eager_module, replay_readings
-from .copies import context_from_fields, hook_groups, hooks_passed, isolated_copy
+from ..components.compiled import cached_graphs_only, eager, eager_module, replay_readings
+from .copies import context_from_fields, copy_note, hook_groups, hooks_passed, isolated_copy
 from .decide import near_max_maker
 from .factors import (
     Factor,
     OriginCall,
     Variant,
+    eager_factor,
     entered,
     factors_for,
     nonfinite_inputs,
@@ -69,7 +71,8 @@ class Replay:
     factor: str
     change: str
     finite: bool | None
-    """None: the replay raised (``error``)."""
+    """None: the replay raised (``error``), or it cannot answer without compiling (``note``: a copy of a compiled
+    component whose fault its eager code does not make, :func:`unanswered_eagerly`)."""
     max_abs: float | None = None
     """Largest finite |x| of the output."""
     dtype: str | None = None
@@ -107,7 +110,8 @@ class WhyResult:
         """The table as Markdown, the as-is replay first."""
         lines = ["| factor | finite | max abs / dtype max | time (s) | note |", "|---|---|---|---|---|"]
         for row in [self.baseline, *self.replays]:
-            finite = "error" if row.finite is None else ("yes" if row.finite else "no")
+            unknown = "error" if row.error else "unanswered"
+            finite = unknown if row.finite is None else ("yes" if row.finite else "no")
             peak = "-" if row.max_abs is None else f"{row.max_abs:.4g} / {row.dtype_max:.4g} ({row.dtype})"
             note = row.error or row.note
             lines.append(f"| {row.factor} | {finite} | {peak} | {row.time_s:.3f} | {note} |")
@@ -150,7 +154,8 @@ def run_variant(call: OriginCall, variant: Variant, factor: str, change: str, ra
             torch.no_grad(),
             kept,
             buffers_kept(module),
-            cached_graphs_only() if variant.live else contextlib.nullcontext(),  # the live module's: no new graph
+            # the live module's: only the user's cached graphs; a copy's: eagerly (its graphs would be the user's)
+            cached_graphs_only() if variant.live else eager(module),
             entered(variant.contexts),  # (inside: the eager row's force_eager holds)
         ):
             start = time.perf_counter()
@@ -262,7 +267,7 @@ def verdict(
             else ""
         )
         return f"no setting fixes it: the weights of {component} {weights or '(its own)'} hold NaN/Inf{stored}"
-    failed = [r for r in replays if r.finite is None]  # (a copy refused: GGUF's and quanto's weights)
+    failed = [r for r in replays if r.finite is None and r.error]  # (a copy refused: GGUF's and quanto's weights)
     none = "no setting that could be replayed fixes it" if failed else "no setting fixes it"
     untried = f"; {', '.join(r.factor for r in failed)} could not be replayed ({failed[0].error})" if failed else ""
     if with_finite_inputs and with_finite_inputs.finite:
@@ -348,7 +353,7 @@ def _explain(
     # made from another module's near-max values: that module, as the run named it (at the run's fraction)
     near = near_max_maker(readings, producer, fraction) if producer else None
     module = (near or producer).module if producer else None
-    replays = [_replay_factor(call, factor) for factor in factors_for(call)]
+    replays = unanswered_eagerly(call, baseline, [_replay_factor(call, factor) for factor in factors_for(call)])
     weights = module_with_nonfinite_weights(eager_module(call.module), module)
     inputs = nonfinite_inputs(call)
     storage = _storage_dtype(eager_module(call.module), weights)
@@ -357,6 +362,26 @@ def _explain(
     fixes = [r for r in replays if reproduced and r.finite and r.factor != "finite inputs"]
     fix = min(fixes, key=lambda r: r.rank).factor if fixes else None
     return WhyResult(call.component, module, step, baseline, replays, sentence, fix, weights, inputs)
+
+
+UNANSWERED = (
+    "unanswered: the fault is made by the compiled code alone (eager (not compiled) is finite) and this copy runs "
+    "eagerly; compiling a copy would add graphs to the user's compiled cache"
+)
+
+
+def unanswered_eagerly(call: OriginCall, baseline: Replay, replays: list[Replay]) -> list[Replay]:
+    """``replays`` with the rows of a compiled component's copies unanswered (finite None, the note
+    :data:`UNANSWERED`) where the fault is the compiled code's alone: the as-is replay non-finite, the eager
+    one finite. Each copy runs eagerly (:func:`~.copies.isolated_copy`), so its finite output tells nothing
+    of the change ("would bfloat16 fix the compiled call?"), and answering would compile a copy into the
+    user's cache. Where the eager code makes the fault too, a copy's row answers for the eager code, and its
+    note says it ran eagerly."""
+    copied = copy_note(call.module)
+    eager_row = next((r for r in replays if r.factor == eager_factor().name), None)
+    if not copied or baseline.finite is not False or eager_row is None or eager_row.finite is not True:
+        return replays
+    return [replace(r, finite=None, note=UNANSWERED) if copied in r.note else r for r in replays]
 
 
 def _check_time(component: str, took_s: float, reference_s: float) -> None:
