@@ -83,8 +83,9 @@ def probe_levels(
     - ControlNets and adapters keep the whole sentinel, whatever their dtype: their outputs are
       nested residuals that the step does not measure.
 
-    Under float16 autocast a sentinel also reads float32 block outputs, against float16's largest value
-    (:meth:`ComponentProbes._config`). Autocast entered or left after attach is followed as the next
+    Under float16 autocast a float32 component is probed as a float16 one (its matmuls compute in float16);
+    its float32 block outputs are not read against float16's largest value (:meth:`ComponentProbes._config`).
+    Autocast entered or left after attach is followed as the next
     run begins (:meth:`ComponentProbes.autocast_changed`); limit: one entered inside a pipeline call (around a
     component's call in the pipeline's own code) is not."""
     if level != "sentinel":
@@ -206,13 +207,7 @@ class ComponentProbes:
                     values[("probed", level, component.role)] = watched
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same
                 kept = self._kept.get(name)
-                if (
-                    kept is not None
-                    and kept[0] is watched
-                    and kept[1] == level
-                    and kept[2]._model() is module
-                    and kept[2].autocast is (autocast if level == "sentinel" else None)
-                ):
+                if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
                     probe, pace = kept[2], kept[4]
                     hooks = None if kept[3] else probe.output_hooks()
                     if hooks is not None:
@@ -255,25 +250,22 @@ class ComponentProbes:
         module = component.module
         # a text encoder's vocabulary head: its logits are discarded, so never measured
         unread = memo.get(module, "unread", lambda: unread_modules(component))
-        autocast = self.autocast if level == "sentinel" else None  # float32 outputs read against float16's max
         if level == "sentinel" and (component.role == "denoiser" or once):
-            # overflow-prone block outputs only, their abs-maxes one op a call (under float16 autocast the
-            # float32 ones too: a residual stream autocast leaves in float32, cast to float16 by the next matmul)
-            dtypes = OVERFLOW_DTYPES if autocast is None else (*OVERFLOW_DTYPES, torch.float32)
+            # overflow-prone block outputs only, their abs-maxes one op a call. Not a float32 block output under
+            # float16 autocast (ProbeConfig.autocast): a pre-norm block's float32 residual stream goes to a norm,
+            # which autocast runs in float32, never to a float16 op, and T5's position_bias carries float32's min
+            # (transformers 4.x): read against float16's max, both warned falsely on clean runs
             return ProbeConfig(
                 level,
                 measure_inputs=False,
-                dtypes=dtypes,
+                dtypes=OVERFLOW_DTYPES,
                 strict=self.strict,
                 unread=unread,
                 fused=True,
-                autocast=autocast,
             )
         # every module: one hook armed per call rather than hundreds at each attach; the fp16/bf16
         # abs-maxes taken together, a few ops a call rather than one a tensor
-        return ProbeConfig(
-            level, strict=self.strict, unread=unread, armed=level == "full", fused=True, autocast=autocast
-        )
+        return ProbeConfig(level, strict=self.strict, unread=unread, armed=level == "full", fused=True)
 
     def take(self, name: str) -> tuple[str, list[torch.Tensor], Callable] | None:
         """The component's queued values and how to read them (None when not probed); the
