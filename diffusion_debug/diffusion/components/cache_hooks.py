@@ -197,7 +197,20 @@ def _let_go(holder: weakref.ref, key: int, gone: weakref.ref) -> None:
         del held._held[key]
 
 
-def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> HeldStates:
+def states_left(modules: list[nn.Module]) -> HeldStates:
+    """The hooks' state of each of ``modules`` that :func:`reset_as_a_call_ends` resets, as a call ended by our
+    policy ``raise`` left them (a modular pipeline's too, whose own end may reset them after), each held while
+    its module lives (:class:`HeldStates`): ``why()`` replays that call from it (:func:`hook_state_kept` with
+    ``state``), the live hooks keeping their state of now. Taken before the reset and apart from it: a save that
+    fails never keeps the reset from running."""
+    left = HeldStates()
+    for module in modules:
+        if hasattr(module, "_reset_stateful_cache") and (hooks := FoundHooks(module).hooks):  # (never made a registry)
+            left[module] = held_apart(_saved(hooks, None, detached=True))  # every tensor held: the reset drops them
+    return left
+
+
+def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> None:
     """Reset the stateful hooks of ``modules`` as a pipeline's call does as it ends (its
     ``maybe_free_model_hooks``: ``_reset_stateful_cache`` on every component that has it): for a call that
     our policy ``raise`` ends before its end, so that its next call starts from fresh caches, as it does
@@ -208,19 +221,14 @@ def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> HeldStates:
     its hooks are left to that end here. A component without ``_reset_stateful_cache`` (a UNet: diffusers'
     CacheMixin is on transformers) keeps its hooks' state from call to call unwatched, and so here too; the
     model offload that end also redoes is left to the next call's own offload hooks, as after any exception.
-    Returns the hooks' state of each module with ``_reset_stateful_cache`` as the raised call left them (a
-    modular pipeline's too, whose own end may reset them after), each held while its module lives
-    (:class:`HeldStates`): ``why()`` replays that call from it (:func:`hook_state_kept` with ``state``), the
-    live hooks keeping their state of now."""
-    left = HeldStates()
-    resets = hasattr(pipe, "maybe_free_model_hooks")
+    What the call left, for ``why()``: :func:`states_left`, taken before."""
+    if not hasattr(pipe, "maybe_free_model_hooks"):
+        return
     for module in modules:
-        if hasattr(module, "_reset_stateful_cache") and (hooks := FoundHooks(module).hooks):  # (never made a registry)
-            left[module] = held_apart(_saved(hooks, None, detached=True))  # every tensor held: the reset drops them
-            for sub in module.modules() if resets else ():  # (diffusers' reset: every registry's, and below)
+        if hasattr(module, "_reset_stateful_cache") and FoundHooks(module).hooks:
+            for sub in module.modules():  # (diffusers' reset: every registry's, and below)
                 if (registry := _registry(sub)) is not None:
                     registry.reset_stateful_hooks(recurse=False)
-    return left
 
 
 def hook_state(
