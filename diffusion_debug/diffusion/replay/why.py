@@ -441,6 +441,8 @@ def explain_bundle(
             result.note = uncached_note(meta["component"], failed)
     if not replayable:
         result.note = uncached_note(meta["component"])
+    if replayed is not component and (eagerly := copy_note(component)):  # (_uncached's copy: never compiled)
+        result.note += f"; it was replayed on a copy without them: {eagerly}"
     return result
 
 
