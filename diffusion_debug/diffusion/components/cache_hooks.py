@@ -446,6 +446,35 @@ def _saved(hooks: list[Any], budget: list[int] | None = None, detached: bool = F
     return saved, caches, list(containers.values())
 
 
+def lost_values(state: HookState | None) -> int:
+    """How many objects of a state kept beyond its step (:func:`held_apart`) can no longer be put back: held
+    by weak reference (they may reach the module) and collected since, the hooks holding others in their place
+    (a stateful hook that replaces its state object or a callable at each call: :func:`_restore` leaves the
+    live one). A hook gone with its module counts none (nothing is put back on it). 0 for None."""
+    if state is None:
+        return 0
+    saved, caches, _ = state
+    lost = sum(type(manager) is _WeakObject and manager.ref() is None for manager, _ in caches)
+    for obj, attributes in saved:
+        if type(obj) is _WeakObject and obj.ref() is None:
+            continue
+        lost += sum(_dead(value) for value in attributes.values())
+    return lost
+
+
+def _dead(value: Any) -> int:
+    """The weakly held objects (not tensors) in a held value that were collected since."""
+    kind = type(value)
+    if kind is _WeakObject:
+        return value.ref() is None
+    if kind is _WeakTuple:
+        return sum(_dead(v) for v in value)
+    if kind is _Box and not issubclass(value.kind, set):
+        items = (v for _, v in value.contents) if issubclass(value.kind, dict) else value.contents
+        return sum(_dead(v) for v in items)
+    return 0
+
+
 def _restore(state: HookState, live: dict[int, Any] | None = None) -> int:
     """Puts ``state`` back; returns the bytes of its weakly held tensors freed since (None in their
     place; a dict's entry left out). ``live``: the containers the hooks hold now, by id (a detached state's)."""
