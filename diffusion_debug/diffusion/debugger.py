@@ -56,7 +56,7 @@ from ..report.server import start_live_server
 from . import origins
 from . import pipeline_patches as patches
 from . import step_values as rows
-from .components.cache_hooks import HeldStates, reset_as_a_call_ends
+from .components.cache_hooks import HeldStates, reset_as_a_call_ends, states_left
 from .components.call_memory import oom_targets
 from .components.component_probes import ANY_AUTOCAST
 from .components.detached import Parked, dropped_parts, park, revive
@@ -536,11 +536,17 @@ class DiffusionModelDebugger(Lifecycle):
                 apply_policy(self.config, _PipelinePolicy(self), errors)
             except DiffusionDebugError as error:  # raised out of the call: what it held let go at the raise
                 if self._steps.frames is not None and self._steps.frames.frame is not None:
-                    try:  # a reset that fails (a user's hook) never takes the policy's error's place
-                        left = reset_as_a_call_ends(self.pipe, [c.module for c in self.components])  # as its end would
-                        self._steps.calls.raised_states = self._steps.calls.raised_states or left  # for why()
+                    modules = [c.module for c in self.components]
+                    try:  # what the call left, for why(): tried apart, a failed save never skips the reset
+                        left = states_left(modules)
+                        self._steps.calls.raised_states = self._steps.calls.raised_states or left
                     except Exception as failure:
                         with contextlib.suppress(Exception):  # (strict would raise it: the raise goes first)
+                            self._steps.guards.failed("raised_state", failure, None)
+                    try:  # a reset that fails (a user's hook) never takes the policy's error's place
+                        reset_as_a_call_ends(self.pipe, modules)  # as its end would
+                    except Exception as failure:
+                        with contextlib.suppress(Exception):
                             self._steps.guards.failed("cache_reset", failure, None)
                 self._steps.end_raising_call(error)
                 raise

@@ -234,6 +234,34 @@ def test_a_reset_that_fails_as_policy_raise_ends_a_call_still_raises_the_policys
     dbg.close()
 
 
+def test_a_save_for_why_that_fails_as_policy_raise_ends_a_call_still_resets_the_caches(tmp_path, monkeypatch):
+    """why29: the state the raised call left (kept for ``why()``) and the reset its end would do shared one
+    ``try``: a save that failed skipped the reset, and the next call, after detach, read the raised call's NaN
+    TaylorSeer factors. Now the failed save is a debugger_error of its own and the next call is the clean one."""
+    from diffusion_debug import DiffusionDebugError
+
+    def failing(state):
+        raise RuntimeError("a save that fails")
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(_taylor_seer())
+    kwargs = dict(num_inference_steps=3, output_type="pt", height=16, width=16)
+    clean = pipe("a cat", generator=generator(), **kwargs).images
+    monkeypatch.setattr(cache_hooks, "held_apart", failing)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", policy="raise"))
+    module = pipe.transformer.get_submodule("transformer_blocks.0.attn.to_out.0")
+    with pytest.raises(DiffusionDebugError):
+        with dbg, plant_nonfinite(module, from_call=1, value=float("nan")):
+            pipe("a cat", generator=generator(), **kwargs)
+    failed = [
+        (e.details.get("where"), e.details.get("error")) for e in dbg.report().anomalies if e.kind == "debugger_error"
+    ]
+    assert [where for where, _ in failed] == ["raised_state"] and "a save that fails" in str(failed)
+    assert not dbg._steps.calls.raised_states
+    torch.testing.assert_close(pipe("a cat", generator=generator(), **kwargs).images, clean, rtol=0, atol=0)
+    dbg.close()
+
+
 def test_policy_raise_leaves_the_caches_a_pipelines_end_never_resets_as_they_are(tmp_path):
     """A pipeline's end resets only the caches of components that have ``_reset_stateful_cache``
     (diffusers' CacheMixin: a UNet has none): a UNet's PyramidAttentionBroadcast keeps its state from

@@ -398,6 +398,32 @@ def test_a_bundle_without_a_timestep_is_replayed_without_its_caching_hooks_and_s
     _leaves_the_pipeline_as_it_was(pipe, kept)
 
 
+def test_a_compiled_component_replayed_on_a_copy_without_its_caching_hooks_says_it_ran_eagerly(tmp_path, monkeypatch):
+    """why29: where the caching hooks cannot be passed through in place, ``why()`` replays a copy without them,
+    which runs eagerly (a compiled copy would add graphs to the user's cache): the note said only that the
+    hooks were off. Now it says the copy ran eagerly, as a row on a copy does."""
+    import json
+
+    from diffusion_debug.diffusion.replay import why
+
+    pipe = _pab_flux()
+    with plant_nonfinite(pipe.transformer.proj_out, from_call=1, value=float("nan")):
+        dbg, _, _ = _watched(pipe, tmp_path, "record")
+        bundle = dbg.report().save() / "bundles/transformer-step1"
+        meta = json.loads((bundle / "meta.json").read_text())
+        (bundle / "meta.json").write_text(json.dumps({**meta, "timestep": None}))  # the hooks' timestep: none
+        pipe.transformer.compile(backend="eager")  # (in place; never called: the replays run on the copy)
+        monkeypatch.setattr(why, "hooks_passed", lambda *_: contextlib.nullcontext(False))  # cannot pass them
+        result = why.explain_bundle(bundle, pipe.transformer)
+    dbg.close()
+    assert (result.module, result.baseline.finite) == ("proj_out", False)
+    assert result.note == (
+        "transformer was replayed without its caching hooks: they ask the pipeline's current timestep, which is "
+        "unset once its call has ended, and the bundle holds none; it was replayed on a copy without them: the "
+        "copy runs eagerly (compiled in place: compiling a copy would add graphs to its cache)"
+    )
+
+
 def test_a_bundle_replayed_without_its_caching_hooks_copies_no_component_and_puts_them_back(tmp_path, monkeypatch):
     """review26b: ``replay(bundle, component)`` replayed a FasterCache component whose live cache cannot take
     the call on a deep copy of the whole component (twice its weights: a 12B transformer's copy is out of

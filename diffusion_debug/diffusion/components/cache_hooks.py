@@ -197,7 +197,20 @@ def _let_go(holder: weakref.ref, key: int, gone: weakref.ref) -> None:
         del held._held[key]
 
 
-def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> HeldStates:
+def states_left(modules: list[nn.Module]) -> HeldStates:
+    """The hooks' state of each of ``modules`` that :func:`reset_as_a_call_ends` resets, as a call ended by our
+    policy ``raise`` left them (a modular pipeline's too, whose own end may reset them after), each held while
+    its module lives (:class:`HeldStates`): ``why()`` replays that call from it (:func:`hook_state_kept` with
+    ``state``), the live hooks keeping their state of now. Taken before the reset and apart from it: a save that
+    fails never keeps the reset from running."""
+    left = HeldStates()
+    for module in modules:
+        if hasattr(module, "_reset_stateful_cache") and (hooks := FoundHooks(module).hooks):  # (never made a registry)
+            left[module] = held_apart(_saved(hooks, None, detached=True))  # every tensor held: the reset drops them
+    return left
+
+
+def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> None:
     """Reset the stateful hooks of ``modules`` as a pipeline's call does as it ends (its
     ``maybe_free_model_hooks``: ``_reset_stateful_cache`` on every component that has it): for a call that
     our policy ``raise`` ends before its end, so that its next call starts from fresh caches, as it does
@@ -208,19 +221,14 @@ def reset_as_a_call_ends(pipe: Any, modules: list[nn.Module]) -> HeldStates:
     its hooks are left to that end here. A component without ``_reset_stateful_cache`` (a UNet: diffusers'
     CacheMixin is on transformers) keeps its hooks' state from call to call unwatched, and so here too; the
     model offload that end also redoes is left to the next call's own offload hooks, as after any exception.
-    Returns the hooks' state of each module with ``_reset_stateful_cache`` as the raised call left them (a
-    modular pipeline's too, whose own end may reset them after), each held while its module lives
-    (:class:`HeldStates`): ``why()`` replays that call from it (:func:`hook_state_kept` with ``state``), the
-    live hooks keeping their state of now."""
-    left = HeldStates()
-    resets = hasattr(pipe, "maybe_free_model_hooks")
+    What the call left, for ``why()``: :func:`states_left`, taken before."""
+    if not hasattr(pipe, "maybe_free_model_hooks"):
+        return
     for module in modules:
-        if hasattr(module, "_reset_stateful_cache") and (hooks := FoundHooks(module).hooks):  # (never made a registry)
-            left[module] = held_apart(_saved(hooks, None, detached=True))  # every tensor held: the reset drops them
-            for sub in module.modules() if resets else ():  # (diffusers' reset: every registry's, and below)
+        if hasattr(module, "_reset_stateful_cache") and FoundHooks(module).hooks:
+            for sub in module.modules():  # (diffusers' reset: every registry's, and below)
                 if (registry := _registry(sub)) is not None:
                     registry.reset_stateful_hooks(recurse=False)
-    return left
 
 
 def hook_state(
@@ -436,6 +444,35 @@ def _saved(hooks: list[Any], budget: list[int] | None = None, detached: bool = F
         for value in attributes.values():
             _containers(value, containers)
     return saved, caches, list(containers.values())
+
+
+def lost_values(state: HookState | None) -> int:
+    """How many objects of a state kept beyond its step (:func:`held_apart`) can no longer be put back: held
+    by weak reference (they may reach the module) and collected since, the hooks holding others in their place
+    (a stateful hook that replaces its state object or a callable at each call: :func:`_restore` leaves the
+    live one). A hook gone with its module counts none (nothing is put back on it). 0 for None."""
+    if state is None:
+        return 0
+    saved, caches, _ = state
+    lost = sum(type(manager) is _WeakObject and manager.ref() is None for manager, _ in caches)
+    for obj, attributes in saved:
+        if type(obj) is _WeakObject and obj.ref() is None:
+            continue
+        lost += sum(_dead(value) for value in attributes.values())
+    return lost
+
+
+def _dead(value: Any) -> int:
+    """The weakly held objects (not tensors) in a held value that were collected since."""
+    kind = type(value)
+    if kind is _WeakObject:
+        return value.ref() is None
+    if kind is _WeakTuple:
+        return sum(_dead(v) for v in value)
+    if kind is _Box and not issubclass(value.kind, set):
+        items = (v for _, v in value.contents) if issubclass(value.kind, dict) else value.contents
+        return sum(_dead(v) for v in items)
+    return 0
 
 
 def _restore(state: HookState, live: dict[int, Any] | None = None) -> int:

@@ -255,7 +255,7 @@ class CallSiteHooks:
         while its component lives (:class:`~.cache_hooks.HeldStates`): a component the user replaced is let go."""
         self.raised_states = HeldStates()
         """The caches a call ended by policy ``raise`` left, by component module, before their reset
-        (:func:`~.cache_hooks.reset_as_a_call_ends`): ``report.why()`` replays from them (the first raise's);
+        (:func:`~.cache_hooks.states_left`): ``report.why()`` replays from them (the first raise's);
         held as :attr:`bundled_state`."""
         self.earlier: dict[tuple[str, str], list[tuple[tuple[tuple, dict], Any]]] = {}
         """Per site, its calls of the step before the kept one, oldest first, with their contexts."""

@@ -394,3 +394,14 @@ def uncached_note(component: str, failed: str = "") -> str:
         f"{component} was replayed without its caching hooks: the replay from the cache they hold now "
         f"failed ({failed[:160]}), and a bundle holds no cache"
     )
+
+
+def lost_state_note(component: str, lost: int) -> str:
+    """The one sentence of a replay from a kept hooks' state with ``lost`` objects that could not be put back
+    (:func:`~..components.cache_hooks.lost_values`)."""
+    objects = "object" if lost == 1 else "objects"
+    return (
+        f"{lost} {objects} of {component}'s hooks' state as the call began could not be put back (held weakly, "
+        "as they may reach the module, and replaced by the hooks since): the replays ran with the hooks' objects "
+        "of now"
+    )

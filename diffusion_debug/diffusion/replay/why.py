@@ -45,7 +45,7 @@ from ...record import dumps, write_atomic
 from ...stats import dtype_max, dtype_name, tensors_in
 from ...stats.quantized import dequantized, is_quantized
 from ..checks import find_producer
-from ..components.cache_hooks import Placement, hook_state_kept, placement_kept
+from ..components.cache_hooks import Placement, hook_state_kept, lost_values, placement_kept
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import cached_graphs_only, eager, eager_module, replay_readings
 from .copies import context_from_fields, copy_note, hook_groups, hooks_passed, isolated_copy
@@ -441,6 +441,8 @@ def explain_bundle(
             result.note = uncached_note(meta["component"], failed)
     if not replayable:
         result.note = uncached_note(meta["component"])
+    if replayed is not component and (eagerly := copy_note(component)):  # (_uncached's copy: never compiled)
+        result.note += f"; it was replayed on a copy without them: {eagerly}"
     return result
 
 
@@ -513,6 +515,7 @@ def explain_run(
     lost a tensor it replaced: :func:`~..components.cache_hooks.hook_state_kept`), and the component's
     hooks are as before afterwards."""
     from ...errors import DiffusionDebugError
+    from .bundle import lost_state_note
 
     origin = origin_bundle(anomalies)
     if origin is None:
@@ -526,8 +529,11 @@ def explain_run(
         raise DiffusionDebugError(f"The pipeline has no component {name[:80]!r} to replay the bundle on.")
     folder = bundle_in_run(run_dir, bundle)
     left, began = ((states or {}).get(component) for states in (raised_states, began_states))
+    lost = lost_values(began if began is not None else left)
     with hook_state_kept(component, None, left), hook_state_kept(component, None, began):
         result = explain_bundle(folder, component, unhooked=unhooked, reference_s=reference_s, placement=placement)
+    if lost:
+        result.note = "; ".join(filter(None, [result.note, lost_state_note(name, lost)]))
     write_why(run_dir, result)
     if (Path(run_dir) / "summary.json").is_file():  # a saved run: its report links to the table
         from ...report import write_html
