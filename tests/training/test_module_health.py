@@ -2,6 +2,7 @@
 (the module x step map, each module's history, the step's smallest modules), a block whose
 gradients fall x1e-12 named at the step it became clear, and the report's map showing it."""
 
+import functools
 import json
 import math
 
@@ -202,3 +203,29 @@ def test_a_module_the_step_did_not_read_is_neither_low_nor_healthy_nor_nonfinite
         "discriminator.2": round(math.log10(0.4), 2),
     }
     assert run(with_read=False)[1] == [(14, "generator"), (20, "generator")]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-none", "grads-zeroed"])
+def test_a_block_the_script_freezes_mid_run_is_not_called_dead(tmp_path, unet_loop, set_to_none):
+    """``unet.down_blocks.requires_grad_(False)`` after step 3 (a script that stops training a part):
+    its gradients are None from then on (``zero_grad()``) or zeros (``zero_grad(set_to_none=False)``).
+    The script froze it: no module of it is read at a step (neither low nor healthy), so no
+    ``gradient_vanishing`` (it was called dead at step 6: its None or zero norms read as 1e-30), and
+    its map and last reading keep what it had while it trained."""
+
+    def freeze(step, unet, optimizer):
+        if step == 3:
+            unet.down_blocks.requires_grad_(False)
+
+    def optimizer(unet):
+        adamw = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+        adamw.zero_grad = functools.partial(adamw.zero_grad, set_to_none=set_to_none)
+        return adamw
+
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", memory_tracking=False, stream_events=False)
+    tdbg, _ = unet_loop(config, STEPS, after_step=freeze, optimizer=optimizer)
+    assert [(a.kind, a.step, a.module) for a in tdbg.report().anomalies if severity_rank(a.severity) >= 1] == []
+    model = tdbg.report().components["model"]
+    assert model["dead_modules"] == []
+    frozen = [name for name in model["module_grad_log10_last"] if name.startswith("down_blocks.")]
+    assert len(frozen) == 44 and all(model["module_grad_log10_last"][name] > -10 for name in frozen)

@@ -1452,3 +1452,40 @@ def test_a_copy_or_a_pickle_of_a_watched_model_mid_run_is_a_plain_model_and_the_
     assert (first.kind, first.step) == ("nonfinite_loss", 3)
     tdbg.close()
     assert nn.Module.__getstate__ is own_getstate
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-none", "grads-zeroed"])
+def test_a_watched_model_the_script_freezes_whole_mid_run_is_no_vanishing_gradient(tmp_path, set_to_none):
+    # train_dreambooth_lora_sdxl's --train_text_encoder_frac: the watched text encoder is frozen
+    # (requires_grad_(False)) after step 3 while the rest trains on; its gradients are then None, or
+    # zeros (zero_grad(set_to_none=False)). The script froze it: no gradient_vanishing (step 3 was warned,
+    # told to call the monitor after backward, or that the loss does not depend on it), training unchanged
+    def run(watch):
+        torch.manual_seed(0)
+        encoder = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        head = nn.Linear(8, 1)
+        encoder_optimizer = torch.optim.AdamW(encoder.parameters(), lr=1e-2)
+        head_optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
+        config = DebugConfig(output_dir=str(tmp_path), log_level="error")
+        tdbg = TrainingDebugger(encoder, config=config) if watch else None
+        x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.ones(16, 1)
+        losses = []
+        for step in range(8):
+            loss = torch.nn.functional.mse_loss(head(encoder(x)), y)
+            loss.backward()
+            if tdbg is not None:
+                tdbg.monitor_training_step(loss, optimizer=encoder_optimizer, step=step)
+            for optimizer in (encoder_optimizer, head_optimizer):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=set_to_none)
+            if step == 2:
+                encoder.requires_grad_(False)
+            losses.append(loss.item())
+        weights = [p.detach().clone() for p in [*encoder.parameters(), *head.parameters()]]
+        return tdbg, losses, weights
+
+    _, plain_losses, plain_weights = run(watch=False)
+    tdbg, losses, weights = run(watch=True)
+    tdbg.close()
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+    assert [(a.kind, a.step) for a in tdbg.report().anomalies if a.severity != "info"] == []

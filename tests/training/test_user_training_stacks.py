@@ -264,6 +264,8 @@ def _accelerate(sd, stack, watch, fault, tmp_path, reset):
             if ema is not None:
                 ema.step(prepared.parameters())
             step += 1
+            if step == stack.get("freeze_at"):  # a part the script stops training (its gradients None from now)
+                model.module.down_blocks.requires_grad_(False)
             if step == stack.get("resume_at"):
                 accelerator.save_state(str(tmp_path / f"checkpoint-{watch}"))
                 with torch.no_grad():
@@ -339,6 +341,8 @@ STACKS = {
     ),
     "lora-bf16": (_accelerate, {"steps": 10, "lora": True, "mixed": "bf16", "weight_dtype": torch.bfloat16}, "grad"),
     "controlnet": (_accelerate, {"steps": 10, "controlnet": True}, "grad"),
+    # down_blocks frozen after step 3 (requires_grad_(False)) while the rest trains on: no dead module
+    "freeze-mid-run": (_accelerate, {"steps": 10, "freeze_at": 3}, "grad"),
     # train_text_to_image --use_ema --checkpointing_steps: save_state's pre-hooks save_pretrained the UNet and the EMA
     "save-load-state-ema-hooks": (_accelerate, {"steps": 10, "resume_at": 4, "ema": True}, "grad"),
 }

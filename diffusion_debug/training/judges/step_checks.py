@@ -165,8 +165,8 @@ def judge_gradients(
     *,
     converged: bool = False,
 ) -> list[Anomaly]:
-    """NaN/Inf gradients, an exploding norm, a vanishing one (not once the loss has ``converged``:
-    the gradients of a fitted model are small because there is nothing left to learn)."""
+    """NaN/Inf gradients, an exploding norm, a vanishing one (not once the loss has ``converged``: the gradients
+    of a fitted model are small, nothing left to learn; nor 0 where the script froze every watched parameter)."""
     base = dict(component="model", step=step, rank=rank)
     gnorm = row.pre_clip_norm
     if row.nonfinite_count:
@@ -187,8 +187,7 @@ def judge_gradients(
                 },
             )
         ]
-    overflow = _float32_sum_overflow(row)
-    if overflow is not None:
+    if (overflow := _float32_sum_overflow(row)) is not None:
         flags.explosion = True
         details = {"grad_norm": overflow, "sum_overflow": True, "float32_norm_limit": FLOAT32_NORM_LIMIT}
         return [make_anomaly(kind="gradient_explosion", severity="warning", **base, details=details)]
@@ -196,7 +195,8 @@ def judge_gradients(
         flags.explosion = True
         details = {"grad_norm": gnorm, "threshold": config.grad_explosion_threshold}
         return [make_anomaly(kind="gradient_explosion", severity="warning", **base, details=details)]
-    if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold and not converged:
+    frozen = gnorm == 0 and not any(p.requires_grad for p in params.params)  # requires_grad_(False) mid-run
+    if math.isfinite(gnorm) and gnorm < config.grad_vanishing_threshold and not converged and not frozen:
         flags.vanishing = True
         details = {"grad_norm": gnorm, "threshold": config.grad_vanishing_threshold}
         kept = params.deepspeed is not None and params.deepspeed.capture  # norms kept by a step in backward

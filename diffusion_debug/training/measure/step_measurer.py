@@ -7,6 +7,7 @@ optimizer's skip and learning rates, memory, and the local figures a detailed st
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -52,6 +53,8 @@ class StepMeasurer:
         discriminator's step). Taken by that step; None (the common case): every gradient is judged."""
         self.turns = OptimizerTurns()
         """The optimizers measured so far: with several (a GAN's), a step judges its optimizer's gradients."""
+        self.frozen = FrozenParameters(params.params)
+        """The parameters the script froze since (``requires_grad_(False)``): no reading at a detailed step."""
         self._judged: dict[int, tuple[frozenset[int], torch.Tensor | None]] = {}
         """Per :attr:`not_judged` set (by id; the set kept, so no id is another's): its mask of the
         judged parameters on the device (None: all). One per optimizer: a GAN's steps alternate."""
@@ -86,6 +89,8 @@ class StepMeasurer:
                 params.deepspeed = EngineWithoutZero.of_optimizer(params.params, optimizer)
         if others is None:
             others = turns.apart
+        if per_module:  # the module figures: a part the script froze is left as it was, not read as zero
+            others = self.frozen.apart(others)
         judged = self._judged_mask(others, dev) if others is not None else None
         clip = self.clip
         first = clip is not None and not clip.armed
@@ -223,6 +228,43 @@ class StepMeasurer:
             cached = (positions, scalars[0], scalars[1], scalars[2])
             self._constants[device] = cached
         return cached
+
+
+class FrozenParameters:
+    """The watched parameters that no longer require a gradient: a script that freezes a part mid-run
+    (``unet.down_blocks.requires_grad_(False)``) leaves its gradients None or zero on purpose, so a
+    detailed step leaves them out as it does another optimizer's (its modules unread: neither low nor
+    healthy, never called dead). One set object per distinct set (``StepMeasurer._judged_mask`` makes a
+    mask once per object); nothing is made while every parameter requires a gradient.
+
+    >>> a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    >>> frozen = FrozenParameters([a, b])
+    >>> frozen.apart(None) is None
+    True
+    >>> _ = b.requires_grad_(False)
+    >>> frozen.apart(None) == {id(b)}, frozen.apart(None) is frozen.apart(None)
+    (True, True)
+    >>> frozen.apart(frozenset({1})) == {1, id(b)}
+    True
+    """
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self._flags: list[bool] = []
+        self._apart: dict[int, tuple[frozenset[int] | None, frozenset[int]]] = {}
+
+    def apart(self, others: frozenset[int] | None) -> frozenset[int] | None:
+        """``others`` (ids; None: none) with the frozen parameters' ids added."""
+        flags = list(map(attrgetter("requires_grad"), self.params))
+        if all(flags):
+            return others
+        if flags != self._flags:
+            self._flags, self._apart = flags, {}
+        made = self._apart.get(id(others))
+        if made is None or made[0] is not others:
+            frozen = frozenset(id(p) for p, trained in zip(self.params, flags) if not trained)
+            made = self._apart[id(others)] = (others, frozen | others if others is not None else frozen)
+        return made[1]
 
 
 def _device_scalar(value: Any, zero: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,9 @@ storage is not dense is left out; when parameters' storage is replaced the sketc
 once when the first parameter's was, else within :data:`STORAGE_ROUND` monitored steps (a replaced
 parameter's block reads as unmoved until then); anything else that writes the weights between two
 monitored steps counts as the update. A module that starts at zero (LoRA's ``lora_B``, ControlNet's
-zero convolutions) grows from nothing: its ratio is not judged. An ``nn.Embedding``'s block is its
+zero convolutions) grows from nothing: its ratio is not judged (zero at this sketch's first comparison:
+a debugger made a few steps into the run, a resume from an early checkpoint under a warmup, judges it,
+and its next updates may read about 1x its norm, an ``lr_spike``). An ``nn.Embedding``'s block is its
 last rows: the tokens a script adds are appended there (``resize_token_embeddings``), and textual
 inversion and Custom Diffusion train only those, putting every other row back after each step (its
 middle rows never move: the update read 0, and a new token's row moved 100 times its norm in a step
