@@ -282,3 +282,50 @@ def test_the_callbacks_nan_after_it_cleaned_a_modules_is_a_second_origin(sd, tmp
     ]
     warning = [a for a in report.anomalies if a.kind == "nonfinite"][2]
     assert warning.details["origin"] == "callback callback_on_step_end, step 2"
+
+
+VAE_MODULE = "decoder.up_blocks.0.resnets.0.conv2"
+
+
+def nan_out(module, args, output):
+    """A forward hook: the module's output all NaN, from whatever it was given."""
+    return torch.full_like(output, float("nan"))
+
+
+@pytest.mark.parametrize("probes", [None, "full"])
+def test_the_vaes_own_nan_after_the_callback_cleaned_the_unets_is_a_second_origin(sd, tmp_path, probes):
+    """The UNet's NaN at step 1, cleaned by the callback, then a VAE module's NaN made from the finite
+    latents it decodes: two errors, the VAE's at its module with its finite arguments said (it had been a
+    warning pointing at the UNet's)."""
+    plant = sd.vae.get_submodule(VAE_MODULE).register_forward_hook(nan_out)
+    try:
+        report = call_sd(
+            sd,
+            tmp_path,
+            [(FIRST, {1})],
+            probes,
+            callback_on_step_end=clean,
+            callback_on_step_end_tensor_inputs=["latents"],
+        )
+    finally:
+        plant.remove()
+    assert nonfinite(report) == [("error", "unet", FIRST, 1, 1), ("error", "vae", VAE_MODULE, None, 1)]
+    vae = [a for a in report.anomalies if a.kind == "nonfinite"][1]
+    assert vae.details["arguments_finite"] is True
+    assert "origin" not in vae.details
+
+
+def test_the_vaes_nan_after_an_uncleaned_unet_nan_is_still_the_unets_consequence(sd, tmp_path):
+    """No callback: the latents the VAE decodes hold the UNet's NaN; the VAE's NaN is a warning pointing at it."""
+    plant = sd.vae.get_submodule(VAE_MODULE).register_forward_hook(nan_out)
+    try:
+        report = call_sd(sd, tmp_path, [(FIRST, {1})])
+    finally:
+        plant.remove()
+    found = [a for a in report.anomalies if a.kind == "nonfinite"]
+    assert [(a.severity, a.component, a.module, a.step) for a in found] == [
+        ("error", "unet", FIRST, 1),
+        ("warning", "vae", "", None),
+    ]
+    assert found[1].details["origin"] == f"unet {FIRST}, step 1 (t=601)"
+    assert "arguments_finite" not in found[1].details

@@ -91,18 +91,19 @@ class ReplayMemory:
         self.grown.clear()
 
     def count(
-        self, component: str, source: Source, producer: ModuleReading | None, step: int | None, given=False
+        self, component: str, source: Source, producer: ModuleReading | None, step: int | None, given=False, made=False
     ) -> tuple[bool, bool]:
         """``(consequence, another)`` for a NaN/Inf of ``component`` at ``step`` found at ``source`` (``producer``:
         the reading that first showed it made): a repeat is counted at the component's entry (its first
         finding's consequence); ``another``: a module other than the entry's made it from finite arguments,
-        or (``given``) it was given another origin's (the user's callback's), the component's entry from now on."""
+        or (``given``) it was given another origin's (the user's callback's), or (``made``) its first one was made
+        here from finite arguments after another component's origin: the component's entry from now on."""
         self.last_step[component] = step
         if producer is not None:
             self.made_in.setdefault(component, set()).add(producer.module)
         first = component not in self.reported
-        made = not (first or source.consequence or source.how == ALREADY_REPORTED)  # here, from finite arguments
-        another = given or (made and source.module != self.named.get(component))
+        again = not (first or source.consequence or source.how == ALREADY_REPORTED)  # here, from finite arguments
+        another = given or made or (again and source.module != self.named.get(component))
         if first or another:
             self.reported[component] = source.consequence or given
         if another:
