@@ -259,6 +259,8 @@ class Localizer:
         """A NaN/Inf anomaly as it is to be emitted (:func:`~.origins.settle`): the run's first error becomes
         its :attr:`origin`, a later one a warning pointing at it. Every NaN/Inf finding is settled here."""
         anomaly, self.origin = origins.settle(anomaly, self.origin)
+        if anomaly is self.origin:  # (made again after another origin: the origin again, ReplayMemory.count)
+            self.memory.origins[(anomaly.component, anomaly.module)] = anomaly
         return anomaly
 
     def latents(self, anomaly: Anomaly, key: tuple | None, inputs, *, denoiser: str, scheduler: str) -> list[Finding]:
@@ -295,7 +297,8 @@ class Localizer:
             again = origins.callback_again(self.inputs, self.origin, received, seen_in=component, step=step)
         made = first and not source.consequence and self._made_after_another(component, site)
         consequence, another = self.memory.count(component, source, seen.producer, step, again is not None, made)
-        self.origin = None if another else self.origin  # another origin: the run's now, later ones point at it
+        entry = self.memory.origins.get((component, self.memory.named[component]), self.origin)  # (its entry's)
+        self.origin = None if another else entry  # another origin: the run's now, later ones point at it
         found = [] if again is None else [(self.settle(again), ("nonfinite", again.component, again.module))]
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
             received, state = self._nonfinite_arguments(component, site)

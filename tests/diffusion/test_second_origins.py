@@ -329,3 +329,55 @@ def test_the_vaes_nan_after_an_uncleaned_unet_nan_is_still_the_unets_consequence
     ]
     assert found[1].details["origin"] == f"unet {FIRST}, step 1 (t=601)"
     assert "arguments_finite" not in found[1].details
+
+
+@pytest.fixture(scope="module")
+def sd16():
+    return tiny_pipeline("sd", dtype=torch.float16)  # its UNet's block sentinel names the block a NaN came out of
+
+
+@pytest.mark.parametrize(
+    ("pipe", "probes", "steps"),
+    [("sd16", None, (0, 2, 3)), ("sd", None, (0, 2, 4)), ("sd", "full", (1, 2, 3)), ("sd", "full", (0, 2, 4))],
+)
+def test_an_origin_again_after_another_counts_at_its_own_entry(request, tmp_path, pipe, probes, steps):
+    """A (step a), B (step b), A again (step c), the callback cleaning after each: two errors, A's counted twice
+    with its last step c, B's once (A's repeat had counted at B's entry, the latest). c right after b is a repeat,
+    not localised again (its block, or its module, says whose); after a clean step it is localised again."""
+    a, b, c = steps
+    report = call_sd(
+        request.getfixturevalue(pipe),
+        tmp_path,
+        [(FIRST, {a, c}), (SECOND, {b})],
+        probes,
+        callback_on_step_end=clean,
+        callback_on_step_end_tensor_inputs=["latents"],
+    )
+    found = [e for e in report.anomalies if e.kind == "nonfinite"]
+    assert [(e.severity, e.module, e.step, e.details["count"], e.details.get("last_step")) for e in found] == [
+        ("error", FIRST, a, 2, c),
+        ("error", SECOND, b, 1, None),
+    ]
+
+
+def test_after_an_origin_again_what_follows_points_at_it(sd, tmp_path):
+    """A (step 0), B (step 2), A (step 3), the callback cleaning only after steps 0 and 2: the NaN A made at step 3
+    reaches step 4's UNet and the VAE, which count at A's entry and point at it (they had B's, the latest origin)."""
+
+    def clean_twice(p, i, t, kwargs):
+        return clean(p, i, t, kwargs) if i in (0, 2) else {}
+
+    report = call_sd(
+        sd,
+        tmp_path,
+        [(FIRST, {0, 3}), (SECOND, {2})],
+        callback_on_step_end=clean_twice,
+        callback_on_step_end_tensor_inputs=["latents"],
+    )
+    found = [e for e in report.anomalies if e.kind == "nonfinite"]
+    assert [(e.severity, e.component, e.module, e.step, e.details["count"]) for e in found] == [
+        ("error", "unet", FIRST, 0, 3),
+        ("error", "unet", SECOND, 2, 1),
+        ("warning", "vae", "", None, 1),
+    ]
+    assert found[2].details["origin"] == f"unet {FIRST}, step 0 (t=801)"
