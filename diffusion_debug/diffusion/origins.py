@@ -414,10 +414,21 @@ def raised_origin(names: list[str], pipe: Any, error: BaseException, *, step: in
 
 
 def between_origin(
-    arguments: list[str], *, seen_in: str, step: int | None, timestep: float | None, phase: str
+    arguments: list[str],
+    *,
+    seen_in: str,
+    step: int | None,
+    timestep: float | None,
+    phase: str,
+    passes: tuple[int, bool] | None = None,
 ) -> Anomaly:
     """The one error for NaN/Inf that reached ``seen_in`` (as ``arguments``) from no watched
-    component and no input: the pipeline's own code made it between two calls."""
+    component and no input: the pipeline's own code made it between two calls; ``passes``: ``(the run
+    before, whether the pipeline's FreeInit is on)`` where it reached the first step of a run in that run's
+    call (FreeInit's re-noising between two passes)."""
+    details = {"localized_by": "call arguments", "arguments": arguments, "seen_in": seen_in, "phase": phase}
+    if passes is not None:
+        details.update(between_passes=[passes[0], passes[0] + 1], free_init=passes[1])
     return make_anomaly(
         kind="nonfinite",
         severity="error",
@@ -425,7 +436,7 @@ def between_origin(
         module="",
         step=step,
         timestep=timestep,
-        details={"localized_by": "call arguments", "arguments": arguments, "seen_in": seen_in, "phase": phase},
+        details=details,
     )
 
 
@@ -578,7 +589,10 @@ def explain_received(
     near_max = inputs.near_max(fraction)  # (a fault's path: host reads)
     if near_max:
         return near_max_input(near_max, seen_in=component, step=step, timestep=timestep, phase=phase)
-    return between_origin(received, seen_in=component, step=step, timestep=timestep, phase=phase)
+    passes = None  # the first step of a run in the call of the run before (FreeInit's next pass)
+    if step == 0 and inputs.before is not None and inputs.before[0] is not None:
+        passes = (inputs.before[0], bool(getattr(inputs.pipe, "free_init_enabled", False)))
+    return between_origin(received, seen_in=component, step=step, timestep=timestep, phase=phase, passes=passes)
 
 
 def explain_latents(

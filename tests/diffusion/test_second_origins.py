@@ -221,7 +221,8 @@ def test_each_freeinit_pass_has_its_own_debug_timeout_of_replays(tmp_path):
 def test_a_nan_freeinits_own_code_makes_between_passes_is_the_pipelines_not_the_callbacks(tmp_path, returns):
     """FreeInit's re-noising between two passes (its frequency filter) makes the NaN the second pass's step
     0 receives; the step-end callback passed left finite latents at the first pass's end (returning nothing,
-    or them unchanged): the pipeline's own code between the passes is named, not the callback."""
+    or them unchanged): the pipeline's own code between the passes is named, not the callback, and the message
+    says FreeInit and which passes (it had said "between calls")."""
     pipe = tiny_pipeline("animatediff")
     pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
     pipe._apply_freq_filter = lambda x, noise, low_pass_filter: torch.full_like(x, float("nan"))
@@ -254,9 +255,11 @@ def test_a_nan_freeinits_own_code_makes_between_passes_is_the_pipelines_not_the_
     )
     assert error.message.startswith("unet received non-finite ")
     assert error.message.endswith(
-        "that no watched component and no pipeline input made: the pipeline's own code between calls produced it "
-        "(a division, a log, a dtype cast); check the pipeline's options and the dtypes of its components."
+        "that no watched component and no pipeline input made: the pipeline's own code between FreeInit passes 1 "
+        "and 2 produced it (FreeInit re-noises the latents there: its frequency filter, a dtype cast); check the "
+        "FreeInit options (enable_free_init) and the dtypes of the pipeline's components."
     )
+    assert error.details["between_passes"] == [1, 2]
 
 
 def test_the_callbacks_nan_after_it_cleaned_a_modules_is_a_second_origin(sd, tmp_path):
@@ -381,3 +384,15 @@ def test_after_an_origin_again_what_follows_points_at_it(sd, tmp_path):
         ("warning", "vae", "", None, 1),
     ]
     assert found[2].details["origin"] == f"unet {FIRST}, step 0 (t=801)"
+
+
+def test_a_nan_made_between_two_runs_of_one_call_without_freeinit_names_the_runs():
+    from diffusion_debug.diffusion.origins import between_origin
+
+    made = between_origin(["sample"], seen_in="unet", step=0, timestep=None, phase="denoise", passes=(2, False))
+    assert made.details["between_passes"] == [2, 3]
+    assert made.message == (
+        "unet received non-finite sample that no watched component and no pipeline input made: the pipeline's own "
+        "code between its runs 2 and 3 in one call produced it (a division, a log, a dtype cast); check the "
+        "pipeline's options and the dtypes of its components."
+    )
