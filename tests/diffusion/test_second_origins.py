@@ -1,7 +1,7 @@
 """A second origin in one run: after the user's step-end callback cleaned the latents, another module
-(or, after a NaN the run was given, a module) makes a NaN/Inf from finite arguments at a later step or in
-FreeInit's later pass. Each origin is named once, at its module and step; a repeat of the same origin
-still counts at its entry."""
+(or, after a NaN the run was given, a module; or another component's, the VAE's) makes a NaN/Inf from finite
+arguments at a later step or in FreeInit's later pass. Each origin is named once, at its module and step; a
+repeat of an origin still counts at its entry, also after another's (A, B, A)."""
 
 from __future__ import annotations
 
@@ -46,10 +46,28 @@ def clean(p, i, t, kwargs):
     return {"latents": torch.nan_to_num(kwargs["latents"], nan=0.0)}
 
 
-def call_sd(pipe, tmp_path, plants, probes=None, **kwargs):
+def nan_at(step: int):
+    """The user's step-end callback that puts NaN into the latents at the end of ``step`` and cleans them
+    (:func:`clean`) at the end of every other step."""
+
+    def callback(p, i, t, kwargs):
+        return {"latents": torch.full_like(kwargs["latents"], float("nan"))} if i == step else clean(p, i, t, kwargs)
+
+    return callback
+
+
+def given_latents(callback) -> dict:
+    """A pipeline call's keyword arguments passing ``callback`` as the step-end callback, given the latents."""
+    return dict(callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"])
+
+
+def call_sd(pipe, tmp_path, plants, probes=None, callback=None):
+    """A 5-step call of ``pipe`` under a debugger (full ``probes``, or the default), NaN planted out of each
+    ``(module, steps)`` of ``plants``, ``callback`` (None: none) the step-end callback; the report."""
     handles = [h for module, steps in plants for h in plant_at_steps(pipe.unet, module, steps)]
     config = DebugConfig(output_dir=str(tmp_path), log_level="error", **({"probes": probes} if probes else {}))
     dbg = DiffusionModelDebugger(pipe, config)
+    kwargs = given_latents(callback) if callback is not None else {}
     try:
         with dbg:
             generator = torch.Generator().manual_seed(0)
@@ -59,6 +77,28 @@ def call_sd(pipe, tmp_path, plants, probes=None, **kwargs):
             handle.remove()
     dbg.close()
     return dbg.report()
+
+
+def freeinit_pipe():
+    """The tiny AnimateDiff pipeline denoising twice a call (FreeInit's two passes, no fast sampling)."""
+    pipe = tiny_pipeline("animatediff")
+    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+    return pipe
+
+
+def call_freeinit(pipe, tmp_path, callback, handles=(), **config):
+    """One 2-step call of :func:`freeinit_pipe`'s ``pipe`` under a debugger (``config``: its DebugConfig's),
+    ``callback`` the step-end callback; the planted ``handles`` removed after it. The debugger, closed."""
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", **config))
+    try:
+        with dbg:
+            kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
+            pipe("a cat", generator=torch.Generator().manual_seed(0), **given_latents(callback), **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    dbg.close()
+    return dbg
 
 
 def nonfinite(report):
@@ -78,17 +118,14 @@ def test_another_modules_nan_after_the_callback_cleaned_the_latents_is_a_second_
         tmp_path,
         [(FIRST, {1}), (SECOND, {3})],
         probes,
-        callback_on_step_end=clean,
-        callback_on_step_end_tensor_inputs=["latents"],
+        callback=clean,
     )
     assert nonfinite(report) == [("error", "unet", FIRST, 1, 1), ("error", "unet", SECOND, 3, 1)]
     assert (report.headline.module, report.headline.step) == (FIRST, 1)
 
 
 def test_the_same_modules_nan_again_after_the_callback_cleaned_still_counts_at_its_entry(sd, tmp_path):
-    report = call_sd(
-        sd, tmp_path, [(FIRST, {1, 3})], callback_on_step_end=clean, callback_on_step_end_tensor_inputs=["latents"]
-    )
+    report = call_sd(sd, tmp_path, [(FIRST, {1, 3})], callback=clean)
     (error,) = [a for a in report.anomalies if a.kind == "nonfinite"]
     assert (error.severity, error.module, error.step, error.details["count"], error.details["last_step"]) == (
         "error",
@@ -103,18 +140,7 @@ def test_a_module_nan_after_the_callbacks_own_nan_was_cleaned_is_a_second_origin
     """The callback's NaN (the end of step 0: the UNet receives it at step 1, the callback's error) and,
     once it cleaned the latents, a UNet module's at step 3: the callback and the module, each once (the
     module's had counted at the UNet's step 1, a consequence of the callback's)."""
-
-    def dirty_then_clean(p, i, t, kwargs):
-        latents = kwargs["latents"]
-        return {"latents": torch.full_like(latents, float("nan")) if i == 0 else torch.nan_to_num(latents, nan=0.0)}
-
-    report = call_sd(
-        sd,
-        tmp_path,
-        [(SECOND, {3})],
-        callback_on_step_end=dirty_then_clean,
-        callback_on_step_end_tensor_inputs=["latents"],
-    )
+    report = call_sd(sd, tmp_path, [(SECOND, {3})], callback=nan_at(0))
     assert nonfinite(report) == [
         ("error", "callback", "callback_on_step_end", 0, 1),
         ("warning", "unet", "", 1, 1),
@@ -128,9 +154,7 @@ def test_a_module_nan_after_the_callbacks_own_nan_was_cleaned_is_a_second_origin
 def test_another_modules_nan_in_freeinits_next_pass_after_the_callback_cleaned_is_a_second_origin(tmp_path):
     """FreeInit's passes are runs of one call sharing its origin: the first pass's NaN at step 1 (cleaned
     by the callback) and another module's at the second pass's step 0 are two errors, each with its run."""
-    pipe = tiny_pipeline("animatediff")
-    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
-    ended = []
+    pipe, ended = freeinit_pipe(), []
 
     def at(calls: int):
         def hook(module, args, output):
@@ -146,21 +170,7 @@ def test_another_modules_nan_in_freeinits_next_pass_after_the_callback_cleaned_i
         pipe.unet.get_submodule(FIRST).register_forward_hook(at(1)),  # the first pass's step 1
         pipe.unet.get_submodule(SECOND).register_forward_hook(at(2)),  # the second pass's step 0
     ]
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", probes="full"))
-    try:
-        with dbg:
-            kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
-            pipe(
-                "a cat",
-                generator=torch.Generator().manual_seed(0),
-                callback_on_step_end=cleaning,
-                callback_on_step_end_tensor_inputs=["latents"],
-                **kwargs,
-            )
-    finally:
-        for handle in handles:
-            handle.remove()
-    dbg.close()
+    dbg = call_freeinit(pipe, tmp_path, cleaning, handles, probes="full")
     found = [
         (a.severity, a.module, a.step, a.details["run"], a.details["count"])
         for a in dbg.report().anomalies
@@ -174,9 +184,7 @@ def test_each_freeinit_pass_has_its_own_debug_timeout_of_replays(tmp_path):
     """A pass is a run: the budget of replays (``debug_timeout``) is each pass's, as its steps are; the first
     pass's replay (here: all of a budget of 1e-9 s) leaves the second pass's NaN/Inf, another origin, its own
     replay, which names its module (a shared budget left it named at the UNet alone)."""
-    pipe = tiny_pipeline("animatediff")
-    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
-    ended = []
+    pipe, ended = freeinit_pipe(), []
 
     def cleaning(p, i, t, kwargs):
         ended.append(i)
@@ -186,23 +194,7 @@ def test_each_freeinit_pass_has_its_own_debug_timeout_of_replays(tmp_path):
         *plant_at_steps(pipe.unet, FIRST, {0}, when=lambda: len(ended) < 2),  # the first pass's step 0
         *plant_at_steps(pipe.unet, SECOND, {0}, when=lambda: len(ended) >= 2),  # the second pass's step 0
     ]
-    config = DebugConfig(output_dir=str(tmp_path), log_level="error", debug_timeout=1e-9)
-    dbg = DiffusionModelDebugger(pipe, config)
-    try:
-        with dbg:
-            kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
-            generator = torch.Generator().manual_seed(0)
-            pipe(
-                "a cat",
-                generator=generator,
-                callback_on_step_end=cleaning,
-                callback_on_step_end_tensor_inputs=["latents"],
-                **kwargs,
-            )
-    finally:
-        for handle in handles:
-            handle.remove()
-    dbg.close()
+    dbg = call_freeinit(pipe, tmp_path, cleaning, handles, debug_timeout=1e-9)
     found = [
         (a.severity, a.module, a.step, a.details["run"], a.details["localized_by"])
         for a in dbg.report().anomalies
@@ -223,28 +215,13 @@ def test_a_nan_freeinits_own_code_makes_between_passes_is_the_pipelines_not_the_
     0 receives; the step-end callback passed left finite latents at the first pass's end (returning nothing,
     or them unchanged): the pipeline's own code between the passes is named, not the callback, and the message
     says FreeInit and which passes (it had said "between calls")."""
-    pipe = tiny_pipeline("animatediff")
-    pipe.enable_free_init(num_iters=2, use_fast_sampling=False)
+    pipe = freeinit_pipe()
     pipe._apply_freq_filter = lambda x, noise, low_pass_filter: torch.full_like(x, float("nan"))
 
     def callback(p, i, t, kwargs):
         return {} if returns == "nothing" else {"latents": kwargs["latents"]}
 
-    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    try:
-        with dbg:
-            kwargs = dict(num_frames=2, height=32, width=32, num_inference_steps=2, output_type="pt")
-            generator = torch.Generator().manual_seed(0)
-            pipe(
-                "a cat",
-                generator=generator,
-                callback_on_step_end=callback,
-                callback_on_step_end_tensor_inputs=["latents"],
-                **kwargs,
-            )
-    finally:
-        del pipe._apply_freq_filter
-    dbg.close()
+    dbg = call_freeinit(pipe, tmp_path, callback)  # (a pipeline of its own: the planted filter goes with it)
     (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
     assert (error.kind, error.component, error.module, error.step, error.details["run"]) == (
         "nonfinite",
@@ -266,18 +243,7 @@ def test_the_callbacks_nan_after_it_cleaned_a_modules_is_a_second_origin(sd, tmp
     """A UNet module's NaN at step 1, which the callback cleans, then the callback's own NaN at the end of
     step 2 (the UNet receives it at step 3): the module and the callback, each once, the UNet's step 3 a
     warning pointing at the callback (it had counted at the module's entry)."""
-
-    def clean_then_dirty(p, i, t, kwargs):
-        latents = kwargs["latents"]
-        return {"latents": torch.full_like(latents, float("nan")) if i == 2 else torch.nan_to_num(latents, nan=0.0)}
-
-    report = call_sd(
-        sd,
-        tmp_path,
-        [(FIRST, {1})],
-        callback_on_step_end=clean_then_dirty,
-        callback_on_step_end_tensor_inputs=["latents"],
-    )
+    report = call_sd(sd, tmp_path, [(FIRST, {1})], callback=nan_at(2))
     assert nonfinite(report) == [
         ("error", "unet", FIRST, 1, 1),
         ("error", "callback", "callback_on_step_end", 2, 1),
@@ -307,8 +273,7 @@ def test_the_vaes_own_nan_after_the_callback_cleaned_the_unets_is_a_second_origi
             tmp_path,
             [(FIRST, {1})],
             probes,
-            callback_on_step_end=clean,
-            callback_on_step_end_tensor_inputs=["latents"],
+            callback=clean,
         )
     finally:
         plant.remove()
@@ -353,8 +318,7 @@ def test_an_origin_again_after_another_counts_at_its_own_entry(request, tmp_path
         tmp_path,
         [(FIRST, {a, c}), (SECOND, {b})],
         probes,
-        callback_on_step_end=clean,
-        callback_on_step_end_tensor_inputs=["latents"],
+        callback=clean,
     )
     found = [e for e in report.anomalies if e.kind == "nonfinite"]
     assert [(e.severity, e.module, e.step, e.details["count"], e.details.get("last_step")) for e in found] == [
@@ -374,8 +338,7 @@ def test_after_an_origin_again_what_follows_points_at_it(sd, tmp_path):
         sd,
         tmp_path,
         [(FIRST, {0, 3}), (SECOND, {2})],
-        callback_on_step_end=clean_twice,
-        callback_on_step_end_tensor_inputs=["latents"],
+        callback=clean_twice,
     )
     found = [e for e in report.anomalies if e.kind == "nonfinite"]
     assert [(e.severity, e.component, e.module, e.step, e.details["count"]) for e in found] == [
