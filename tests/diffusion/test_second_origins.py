@@ -359,3 +359,16 @@ def test_a_nan_made_between_two_runs_of_one_call_without_freeinit_names_the_runs
         "code between its runs 2 and 3 in one call produced it (a division, a log, a dtype cast); check the "
         "pipeline's options and the dtypes of its components."
     )
+
+
+def test_a_module_named_where_no_count_ran_is_an_entry_of_its_component():
+    """An Inf a block clipped is named without a count (``Localizer._clipped_inf``): its module is an entry all
+    the same, so its NaN/Inf again after another origin's counts there, not as a third origin."""
+    from diffusion_debug.diffusion.replay.decide import ReplayMemory, Source
+
+    memory = ReplayMemory()
+    memory.reported.setdefault("unet", False)  # as _clipped_inf and _nonfinite_at name it
+    memory.named.setdefault("unet", FIRST)
+    assert memory.count("unet", Source(SECOND, "full probes", False), None, 1) == (False, True)
+    assert memory.count("unet", Source(FIRST, "full probes", False), None, 3) == (False, False)
+    assert memory.named["unet"] == FIRST

@@ -111,6 +111,8 @@ class ReplayMemory:
         arguments after another component's origin: a new entry, the latest."""
         self.last_step[component] = step
         entries, seen_at = self.entries.setdefault(component, {}), self.made_in.setdefault(component, {})
+        if component in self.named:  # (one named where no count ran: an Inf a block clipped, Localizer._clipped_inf)
+            entries.setdefault(self.named[component], self.reported.get(component, False))
         first = component not in self.reported
         again = not (first or source.consequence or source.how == ALREADY_REPORTED)  # here, from finite arguments
         another = given or made or (again and source.module not in entries)
