@@ -2,10 +2,10 @@
 readings show (:func:`nonfinite_replayed`, :func:`overflow_replayed`; where inside a module, as full probes
 read in the call would show it too: :func:`between_modules`, :func:`overflow_between`,
 :func:`clipped_producer`; whose near-max values a NaN/Inf was made from, its cause:
-:func:`~.near_max.near_max_source`).
-The run's earlier answers are
-:class:`ReplayMemory`: a component's NaN/Inf is localised once a run (again where a call after a clean one, or
-at another block, made it from finite arguments: it may be another origin); a block's near-overflow once for the
+:func:`~.near_max.near_max_source`). The run's earlier answers are :class:`ReplayMemory`: a component's
+NaN/Inf is localised once a run (again where a call after a clean one, at another block, or with two origins
+and no reading that says whose, made it from finite arguments: it may be another origin, or count at the
+entry of one it had before); a block's near-overflow once for the
 debugger's life (the same weights overflow in the same place), but again each run where it was passed in,
 an Inf was clipped there or the replay could not run.
 
