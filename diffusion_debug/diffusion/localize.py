@@ -202,6 +202,7 @@ class Localizer:
             except Exception as error:
                 self.guards.failed("latent_divergence", error, step)
             self.inputs.latents_finite = latents.nan == 0 and latents.posinf == 0 and latents.neginf == 0
+            self.inputs.dirtied = self.inputs.dirtied or not self.inputs.latents_finite
         return found
 
     def check(
@@ -381,11 +382,11 @@ class Localizer:
     def _made_after_another(self, component: str, site: str) -> bool:
         """Whether ``component``'s first NaN/Inf this run, made in it, follows another component's origin from
         finite arguments (its kept call's, a host read): another origin (the VAE's own, after the user's callback
-        cleaned the UNet's from the latents), not a consequence of that one."""
-        origin = self.origin
-        if origin is None or origin.component == component or kept_arguments(self.calls, component, site) is None:
+        cleaned the UNet's from the latents), not a consequence of that one; only where that origin's NaN/Inf
+        reached the latents (:func:`~.origins.cleaned_away`)."""
+        if not origins.cleaned_away(self.inputs, self.origin, component):  # (a clipped Inf left no NaN to clean)
             return False
-        return not self._nonfinite_arguments(component, site)[0]
+        return bool(kept_arguments(self.calls, component, site)) and not self._received_nonfinite(component, site)
 
     def _received_nonfinite(self, component: str, site: str) -> bool:
         """Whether the kept call of ``component`` at ``site`` (the one being checked) was passed a

@@ -314,6 +314,9 @@ class RunInputs:
     left: Any = None
     """Such a run's: whether the latents that step's callback left were finite, as this run began (before
     FreeInit's own code re-noised them): a 0-d tensor (:func:`latents_left`), read on a fault only; None: unknown."""
+    dirtied: bool = False
+    """Whether a recorded step's new latents held a NaN/Inf in this call (this run or one before it in the call):
+    an origin's reached them, and a step-end callback may have removed it since (:func:`cleaned_away`)."""
 
     @classmethod
     def capture(cls, pipe: Any) -> "RunInputs":
@@ -545,6 +548,25 @@ def callback_again(
     if ended is None or (origin.component, origin.module) == ("callback", inputs.callback) or not received():
         return None
     return callback_origin(inputs.callback, ended, seen_in=seen_in, step=step, phase="denoise")
+
+
+def cleaned_away(inputs: RunInputs, origin: Anomaly | None, component: str) -> bool:
+    """Whether another component's ``origin`` may have been removed from the loop: its NaN/Inf reached the
+    latents (``inputs.dirtied``), so a later call of ``component`` given finite arguments (asked by the caller)
+    shows that something cleaned it, and ``component``'s own NaN/Inf is not that origin's consequence. Never for
+    an Inf a block clipped or a NaN/Inf made from near-max values (``clipped_in``, ``near_max``,
+    ``overflowed_in``): the values it left are finite but carry it, and finite arguments prove nothing.
+
+    >>> made = between_origin(["sample"], seen_in="unet", step=1, timestep=None, phase="denoise")
+    >>> cleaned_away(RunInputs(dirtied=True), made, "vae"), cleaned_away(RunInputs(), made, "vae")
+    (True, False)
+    >>> made.details["clipped_in"] = "conv_out"  # (an Inf the block clipped: finite latents that carry it)
+    >>> cleaned_away(RunInputs(dirtied=True), made, "vae")
+    False
+    """
+    if origin is None or origin.component == component or not inputs.dirtied:
+        return False
+    return not any(key in origin.details for key in ("clipped_in", "near_max", "overflowed_in"))
 
 
 def state_origin(state: list[str], *, component: str, step: int | None, timestep: float | None, phase: str) -> Anomaly:

@@ -372,3 +372,40 @@ def test_a_module_named_where_no_count_ran_is_an_entry_of_its_component():
     assert memory.count("unet", Source(SECOND, "full probes", False), None, 1) == (False, True)
     assert memory.count("unet", Source(FIRST, "full probes", False), None, 3) == (False, False)
     assert memory.named["unet"] == FIRST
+
+
+def test_the_vaes_nan_after_a_clipped_unet_inf_is_still_the_unets_consequence(tmp_path):
+    """fp16: the UNet's conv_out makes Inf at step 4, clipped to 65504 (no NaN reaches the latents, nothing for a
+    callback to clean), and the VAE's conv_in (weights x40) overflows on those latents: the VAE's NaN is a warning
+    pointing at the UNet's clipped Inf, not a second origin (finite arguments proved nothing here)."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    with torch.no_grad():
+        pipe.vae.decoder.conv_in.weight.mul_(40)
+    pipe.unet.conv_out = torch.nn.Sequential(pipe.unet.conv_out, Clip())
+    pipe.scheduler.set_timesteps(5)
+    last, now = float(pipe.scheduler.timesteps[-1]), {}
+
+    def timestep(unet, args, kwargs):
+        now["t"] = float(torch.as_tensor(kwargs.get("timestep", args[1] if len(args) > 1 else None)).flatten()[0])
+
+    def inf(conv, args, output):
+        return torch.full_like(output, float("inf")) if now["t"] == last else None
+
+    pipe.unet.register_forward_pre_hook(timestep, with_kwargs=True)
+    pipe.unet.conv_out[0].register_forward_hook(inf)
+    report = call_sd(pipe, tmp_path, [], callback=lambda p, i, t, kwargs: {})
+    found = [a for a in report.anomalies if a.kind == "nonfinite"]
+    assert [(a.severity, a.component, a.module, a.step) for a in found] == [
+        ("error", "unet", "conv_out.0", 4),
+        ("warning", "vae", "decoder.conv_in", None),
+    ]
+    assert found[0].details["clipped_in"] == "conv_out"
+    assert found[1].details["origin"] == "unet conv_out.0, step 4 (t=1)"
+    assert "arguments_finite" not in found[1].details
+
+
+class Clip(torch.nn.Module):
+    """float16's clip of an Inf to its largest value (as a model that clamps its output does)."""
+
+    def forward(self, x):
+        return x.clamp(-65504, 65504)
