@@ -110,7 +110,7 @@ class Localizer:
         """``guard(where).at(step)``: a failure is recorded at the step checked (read late, the run is at the next)."""
         self.quiet = quiet
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
-        self.memory = ReplayMemory()
+        self.memory = ReplayMemory(timeout=config.debug_timeout)
         """What the replays found and tried (:func:`~.replay.decide.decide` reads it)."""
         self.unwatched_since: tuple[list[str], int | None] | None = None
         """This run's: the components (the scheduler among them) replaced during the call and the step

@@ -409,3 +409,55 @@ class Clip(torch.nn.Module):
 
     def forward(self, x):
         return x.clamp(-65504, 65504)
+
+
+def counted_replays(monkeypatch, answer=lambda replay, localizer, call: replay(localizer, *call)):
+    """``Localizer.replay`` counted (``answer(replay, localizer, call)``: what each gives back): the count, a list."""
+    from diffusion_debug.diffusion.localize import Localizer
+
+    calls, replay = [], Localizer.replay
+
+    def counted(localizer, *call):
+        calls.append(call[2])
+        return answer(replay, localizer, call)
+
+    monkeypatch.setattr(Localizer, "replay", counted)
+    return calls
+
+
+@pytest.mark.parametrize("gives", ["nothing", "spent"])
+def test_a_nan_no_replay_says_whose_after_two_origins_counts_at_the_latest(sd, tmp_path, monkeypatch, gives):
+    """A (step 0), B (step 2), A again (steps 3, 4), the callback cleaning after each, fp32 (no reading names the
+    block): where the replay at step 3 gives nothing (it failed, or the NaN did not come again), or the run's
+    debug_timeout of replays is spent by then (no replay asked), A's NaN counts at the latest entry, B's, as a
+    repeat (it had opened a third origin, ``unet ''``); step 4, right after, is not replayed either."""
+
+    def answer(replay, localizer, call):
+        if len(calls) > 2 and gives == "nothing":
+            return None  # (a failed replay, or one whose NaN did not come again)
+        found = replay(localizer, *call)
+        if len(calls) == 2 and gives == "spent":
+            localizer.memory.seconds = localizer.config.debug_timeout  # the budget spent by B's replay
+        return found
+
+    calls = counted_replays(monkeypatch, answer)
+    report = call_sd(sd, tmp_path, [(FIRST, {0, 3, 4}), (SECOND, {2})], callback=clean)
+    found = [e for e in report.anomalies if e.kind == "nonfinite"]
+    assert [(e.severity, e.module, e.step, e.details["count"], e.details.get("last_step")) for e in found] == [
+        ("error", FIRST, 0, 1, None),
+        ("error", SECOND, 2, 3, 4),
+    ]
+    assert calls == ([0, 2, 3] if gives == "nothing" else [0, 2])
+
+
+def test_after_a_replay_placed_a_nan_at_an_entry_the_next_steps_count_there_unreplayed(sd, tmp_path, monkeypatch):
+    """A (step 0), B (step 2), A (steps 3 and 4), fp32: step 3's replay places it at A's entry; step 4, right after,
+    counts there without a replay (each later NaN call had been replayed until debug_timeout)."""
+    calls = counted_replays(monkeypatch)
+    report = call_sd(sd, tmp_path, [(FIRST, {0, 3, 4}), (SECOND, {2})], callback=clean)
+    found = [e for e in report.anomalies if e.kind == "nonfinite"]
+    assert [(e.severity, e.module, e.step, e.details["count"], e.details.get("last_step")) for e in found] == [
+        ("error", FIRST, 0, 3, 4),
+        ("error", SECOND, 2, 1, None),
+    ]
+    assert calls == [0, 2, 3]

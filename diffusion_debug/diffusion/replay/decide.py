@@ -72,8 +72,13 @@ class ReplayMemory:
     """This run's: component -> the step of its latest call that showed a NaN/Inf (None: in the pass before,
     :meth:`next_pass`); one that follows a clean call of it, or starts the next pass, is localised again: it
     may be another origin."""
+    placed: set[str] = field(default_factory=set)
+    """This run's: the components with two entries whose latest NaN/Inf no reading said whose, placed at an entry
+    (by a replay, or at the latest where it gave nothing), with each call since a NaN/Inf: repeats, not replayed."""
     seconds: float = 0.0
     """This run's replay time, against ``debug_timeout`` (each FreeInit pass's: :meth:`next_pass`)."""
+    timeout: float = math.inf
+    """The run's ``debug_timeout`` of replays (spent: two entries and no reading that says whose is a repeat)."""
 
     def new_run(self) -> None:
         self.tried.clear()
@@ -86,6 +91,7 @@ class ReplayMemory:
         self.entries.clear()
         self.origins.clear()
         self.last_step.clear()
+        self.placed.clear()
         self.seconds = 0.0
 
     def next_pass(self) -> None:
@@ -108,14 +114,20 @@ class ReplayMemory:
         consequence): the module's it was localised at again, the one whose reading ``producer`` made it before,
         else the latest; ``another``: a module with no entry made it from finite arguments, or (``given``) it was
         given another origin's (the user's callback's), or (``made``) its first one was made here from finite
-        arguments after another component's origin: a new entry, the latest."""
+        arguments after another component's origin: a new entry, the latest. With two entries, one no reading and no
+        replay says whose (it gave nothing: :data:`UNLOCALISED`) is a repeat at the latest."""
         self.last_step[component] = step
         entries, seen_at = self.entries.setdefault(component, {}), self.made_in.setdefault(component, {})
         if component in self.named:  # (one named where no count ran: an Inf a block clipped, Localizer._clipped_inf)
             entries.setdefault(self.named[component], self.reported.get(component, False))
-        first = component not in self.reported
+        first, unsure = component not in self.reported, producer is None and len(entries) > 1
         again = not (first or source.consequence or source.how == ALREADY_REPORTED)  # here, from finite arguments
+        again = again and not (unsure and source.how == UNLOCALISED)  # (no answer: at the latest entry)
         another = given or made or (again and source.module not in entries)
+        if another or not unsure:
+            self.placed.discard(component)
+        else:  # placed at an entry: the calls right after it count there unreplayed (_again)
+            self.placed.add(component)
         if first or another:
             self.reported[component], self.named[component] = source.consequence or given, source.module
             entries[source.module] = self.reported[component]
@@ -240,6 +252,7 @@ def decide(
         if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
         if seen.first_nonfinite is not None or not output_finite:
+            received = _once(received)  # (a host read of the kept call's arguments: once a call)
             asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
             source, replay = _nonfinite(component, seen, readings, *asked)
     except Exception as error:  # (the caller's nonfinite guard records it)
@@ -300,15 +313,29 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
     return Source(block, UNLOCALISED, False), None
 
 
+def _once(received: Callable[[str, str], bool]) -> Callable[[str, str], bool]:
+    """``received`` asked once a call: its answer kept for the call's later questions."""
+    answers: dict[tuple[str, str], bool] = {}
+
+    def asked(component: str, site: str) -> bool:
+        if (component, site) not in answers:
+            answers[(component, site)] = received(component, site)
+        return answers[(component, site)]
+
+    return asked
+
+
 def _again(component, seen, memory, received, site, step) -> bool:
     """Whether a component whose NaN/Inf this run named made one again from finite arguments where it may
     be another origin: first seen at another reading's module, or after a clean call of it (a step after the
     user's callback cleaned the latents, FreeInit's next pass), or where it has two entries and no reading says
     whose this one is (A, B, then A: counted at A's). A NaN/Inf passed in (a host read, asked only then) and one
-    in each call since are repeats: counted, not localised again."""
+    in each call since are repeats: counted, not localised again (as are the calls right after one placed at an
+    entry, :attr:`ReplayMemory.placed`, and any once the run's ``debug_timeout`` of replays is spent)."""
     producer, last = seen.producer, memory.last_step.get(component)
     moved = producer is not None and producer.module not in memory.made_in.get(component, ())
-    unsure = producer is None and len(memory.entries.get(component, ())) > 1
+    unsure = producer is None and len(memory.entries.get(component, ())) > 1 and component not in memory.placed
+    unsure = unsure and memory.seconds < memory.timeout
     seen_before = step is not None and component in memory.last_step
     resumed = seen_before and (last is None or step not in (last, last + 1))
     return (moved or unsure or resumed) and not received(component, site)
