@@ -557,6 +557,11 @@ def cleaned_away(inputs: RunInputs, origin: Anomaly | None, component: str) -> b
     an Inf a block clipped or a NaN/Inf made from near-max values (``clipped_in``, ``near_max``,
     ``overflowed_in``): the values it left are finite but carry it, and finite arguments prove nothing.
 
+    Limit: the arguments read are the kept call's, at its call site (the VAE's ``decoder``): a NaN/Inf the
+    component makes before that call, outside it (the SD VAE's ``post_quant_conv``, run by ``vae.decode``
+    ahead of the decoder), reaches the decoder as non-finite arguments and stays a warning pointing at the
+    earlier origin, though the callback had cleaned it.
+
     >>> made = between_origin(["sample"], seen_in="unet", step=1, timestep=None, phase="denoise")
     >>> cleaned_away(RunInputs(dirtied=True), made, "vae"), cleaned_away(RunInputs(), made, "vae")
     (True, False)

@@ -1,7 +1,8 @@
 """A second origin in one run: after the user's step-end callback cleaned the latents, another module
 (or, after a NaN the run was given, a module; or another component's, the VAE's) makes a NaN/Inf from finite
 arguments at a later step or in FreeInit's later pass. Each origin is named once, at its module and step; a
-repeat of an origin still counts at its entry, also after another's (A, B, A)."""
+repeat of an origin still counts at its entry, also after another's (A, B, A). Not caught (a limit,
+``origins.cleaned_away``): the VAE's own NaN made before its decoder call (``post_quant_conv``)."""
 
 from __future__ import annotations
 
