@@ -160,7 +160,7 @@ def nonfinite(
     it is Stable Diffusion's VAE (:func:`~.components.inventory.stable_diffusion_vae`); ``dtype``:
     the dtype the component computes in, when known (a float32 VAE is not told to keep to float32);
     ``near_max``: ``(the module that made the near-max values module overflowed on, module's reading)``
-    (:func:`~.replay.decide.near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s."""
+    (:func:`~.replay.near_max.near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s."""
     if near_max is not None and not consequence:
         kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, dtype=dtype)
         return list(near_max_nonfinite(component, *near_max, details=details or {}, **kw))
@@ -195,7 +195,7 @@ def near_max_nonfinite(
     dtype: str | None = None,
 ) -> tuple[Anomaly, Anomaly]:
     """A NaN/Inf that ``overflowed`` (a module of ``component``) made from finite values near its dtype's
-    max, which ``maker`` made (:func:`~.replay.decide.near_max_maker`): ``(the error at maker, the run's origin; the
+    max, which ``maker`` made (:func:`~.replay.near_max.near_max_maker`): ``(the error at maker, the run's origin; the
     warning at overflowed, which follows it)``. A ``nonfinite`` at the cause, as a NaN/Inf made from the
     near-max values a pipeline input held is (``origins.near_max_input``); ``details``: what the caller
     found (the phase, the replay's reading count; where inside ``overflowed`` its own code made it, ``after``

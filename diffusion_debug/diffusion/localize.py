@@ -31,13 +31,13 @@ from torch import nn
 from ..config import DebugConfig
 from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
-from ..stats import dtype_max, dtype_name
+from ..stats import dtype_max
 from . import checks, origins
 from . import step_values as rows
 from .components.call_sites import CallSiteHooks, kept_arguments
-from .components.inventory import module_dtype, role_of, stable_diffusion_vae
+from .components.computes_in import computes_in
+from .components.inventory import role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
-from .replay.copies import layerwise_casting
 from .replay.decide import (
     ALREADY_REPORTED,
     NOTHING,
@@ -66,13 +66,14 @@ class Localizer:
     run's ``debug_timeout`` of replays: each FreeInit pass's). Per call, a component's first NaN/Inf is localised
     once (later ones count there), again only where it may be another origin (``ReplayMemory.count``).
 
-    One origin per call, until another is made (a module's from finite arguments, or the callback's, once the
-    user's callback cleaned the latents): the first NaN/Inf error is the run's :attr:`origin`; a component that
-    received non-finite input before any origin is known is explained by :mod:`origins` from the run's :attr:`inputs`
-    and the call's kept arguments as passed (an input, the user's callback, the pipeline's code, or the component's
-    own state: a cache it filled in an earlier call, never taken for an input; an input a watched component made
-    in an earlier run: that component, :mod:`.components.made`) and that becomes the origin; every later
-    ``nonfinite`` is a warning pointing at the origin's ``where()``. Where a block-level overflow was localised
+    One origin per call, until another is made (a module's from finite arguments, its component's or another's
+    first, or the callback's, once the user's callback cleaned the latents): the first NaN/Inf error is the run's
+    :attr:`origin`; a component that received non-finite input before any origin is known is explained by
+    :mod:`origins` from the run's :attr:`inputs` and the call's kept arguments as passed (an input, the user's
+    callback, the pipeline's code, or the component's own state: a cache it filled in an earlier call, never taken
+    for an input; an input a watched component made in an earlier run: that component, :mod:`.components.made`) and
+    that becomes the origin; every later ``nonfinite`` (a component given non-finite arguments, a repeat) is a
+    warning pointing at the origin's ``where()``. Where a block-level overflow was localised
     is kept across runs (the same weights overflow in the same place) until :meth:`clear`.
 
     Limits: a replay sees the call's arguments as kept at the call (its lists and dicts copied
@@ -109,7 +110,7 @@ class Localizer:
         """``guard(where).at(step)``: a failure is recorded at the step checked (read late, the run is at the next)."""
         self.quiet = quiet
         """``quiet(component)``: the debugger's own call, unseen by its hooks."""
-        self.memory = ReplayMemory()
+        self.memory = ReplayMemory(timeout=config.debug_timeout)
         """What the replays found and tried (:func:`~.replay.decide.decide` reads it)."""
         self.unwatched_since: tuple[list[str], int | None] | None = None
         """This run's: the components (the scheduler among them) replaced during the call and the step
@@ -201,6 +202,7 @@ class Localizer:
             except Exception as error:
                 self.guards.failed("latent_divergence", error, step)
             self.inputs.latents_finite = latents.nan == 0 and latents.posinf == 0 and latents.neginf == 0
+            self.inputs.dirtied = self.inputs.dirtied or not self.inputs.latents_finite
         return found
 
     def check(
@@ -258,6 +260,8 @@ class Localizer:
         """A NaN/Inf anomaly as it is to be emitted (:func:`~.origins.settle`): the run's first error becomes
         its :attr:`origin`, a later one a warning pointing at it. Every NaN/Inf finding is settled here."""
         anomaly, self.origin = origins.settle(anomaly, self.origin)
+        if anomaly is self.origin:  # (made again after another origin: the origin again, ReplayMemory.count)
+            self.memory.origins[(anomaly.component, anomaly.module)] = anomaly
         return anomaly
 
     def latents(self, anomaly: Anomaly, key: tuple | None, inputs, *, denoiser: str, scheduler: str) -> list[Finding]:
@@ -292,8 +296,10 @@ class Localizer:
         if how == ALREADY_REPORTED and phase == "denoise" and self.origin is not None:  # the callback's, now?
             received = lambda: self._nonfinite_arguments(component, site)[0]  # noqa: E731
             again = origins.callback_again(self.inputs, self.origin, received, seen_in=component, step=step)
-        consequence, another = self.memory.count(component, source, seen.producer, step, given=again is not None)
-        self.origin = None if another else self.origin  # another origin: the run's now, later ones point at it
+        made = first and not source.consequence and self._made_after_another(component, site)
+        consequence, another = self.memory.count(component, source, seen.producer, step, again is not None, made)
+        entry = self.memory.origins.get((component, self.memory.named[component]), self.origin)  # (its entry's)
+        self.origin = None if another else entry  # another origin: the run's now, later ones point at it
         found = [] if again is None else [(self.settle(again), ("nonfinite", again.component, again.module))]
         if consequence and first and self.origin is None:  # an input, the user's callback, the pipeline, itself
             received, state = self._nonfinite_arguments(component, site)
@@ -323,6 +329,8 @@ class Localizer:
             details["unwatched_call"] = True
         if replayed is not None:
             details["replay_readings"] = replayed
+        if made:  # the evidence that it is not the origin's consequence
+            details["arguments_finite"] = True
         details.update(source.between)
         near = None if consequence else source.near_max  # made from another module's near-max values
         return found + self._nonfinite_at(component, module, how, consequence, details, step, timestep, near)
@@ -352,27 +360,9 @@ class Localizer:
         return [(self.settle(a), key + (a.module,) if "near_max_from" in a.details else key) for a in made]
 
     def weights_dtype(self, component: str, module: str) -> str | None:
-        """The dtype ``component.module`` computes in now, read at the module, else at the nearest module above it
-        that holds floating weights (a component's dtypes may differ: diffusers < 0.36's ``upcast_vae`` keeps the
-        VAE's mid block in float16), fp8-stored weights' layerwise-casting compute dtype; read on a NaN/Inf or a
-        near-overflow only, during the call (``force_upcast`` casts the VAE to float32 for the decode alone)."""
+        """The dtype ``component.module`` computes in now (:func:`~.components.computes_in.computes_in`)."""
         root = self.modules.get(component)
-        if root is None:
-            return None
-        name = module or ""
-        while True:
-            try:
-                sub = root.get_submodule(name) if name else root
-            except AttributeError:  # a name no module has
-                sub = None
-            dtype = module_dtype(sub) if sub is not None else None
-            if dtype is not None and dtype.itemsize == 1:  # fp8 storage: layerwise casting computes in another
-                return (layerwise_casting(sub) or {}).get("compute_dtype") or dtype_name(dtype)
-            if dtype is not None:
-                return dtype_name(dtype)
-            if not name:
-                return None
-            name = name.rpartition(".")[0]
+        return None if root is None else computes_in(root, module)
 
     def _replayed_source(self, component: str, block: str, probed: bool, step: int | None):
         """``(source, replay reading count)``: where the replay with full probes of the kept call holding
@@ -388,6 +378,15 @@ class Localizer:
         if shown is not None:
             return Source("", "replay with full probes: inputs were already non-finite", True), len(replayed)
         return Source(block, UNLOCALISED, False, released), None
+
+    def _made_after_another(self, component: str, site: str) -> bool:
+        """Whether ``component``'s first NaN/Inf this run, made in it, follows another component's origin from
+        finite arguments (its kept call's, a host read): another origin (the VAE's own, after the user's callback
+        cleaned the UNet's from the latents), not a consequence of that one; only where that origin's NaN/Inf
+        reached the latents (:func:`~.origins.cleaned_away`)."""
+        if not origins.cleaned_away(self.inputs, self.origin, component):  # (a clipped Inf left no NaN to clean)
+            return False
+        return bool(kept_arguments(self.calls, component, site)) and not self._received_nonfinite(component, site)
 
     def _received_nonfinite(self, component: str, site: str) -> bool:
         """Whether the kept call of ``component`` at ``site`` (the one being checked) was passed a

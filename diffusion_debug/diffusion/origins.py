@@ -314,6 +314,9 @@ class RunInputs:
     left: Any = None
     """Such a run's: whether the latents that step's callback left were finite, as this run began (before
     FreeInit's own code re-noised them): a 0-d tensor (:func:`latents_left`), read on a fault only; None: unknown."""
+    dirtied: bool = False
+    """Whether a recorded step's new latents held a NaN/Inf in this call (this run or one before it in the call):
+    an origin's reached them, and a step-end callback may have removed it since (:func:`cleaned_away`)."""
 
     @classmethod
     def capture(cls, pipe: Any) -> "RunInputs":
@@ -414,10 +417,21 @@ def raised_origin(names: list[str], pipe: Any, error: BaseException, *, step: in
 
 
 def between_origin(
-    arguments: list[str], *, seen_in: str, step: int | None, timestep: float | None, phase: str
+    arguments: list[str],
+    *,
+    seen_in: str,
+    step: int | None,
+    timestep: float | None,
+    phase: str,
+    passes: tuple[int, bool] | None = None,
 ) -> Anomaly:
     """The one error for NaN/Inf that reached ``seen_in`` (as ``arguments``) from no watched
-    component and no input: the pipeline's own code made it between two calls."""
+    component and no input: the pipeline's own code made it between two calls; ``passes``: ``(the run
+    before, whether the pipeline's FreeInit is on)`` where it reached the first step of a run in that run's
+    call (FreeInit's re-noising between two passes)."""
+    details = {"localized_by": "call arguments", "arguments": arguments, "seen_in": seen_in, "phase": phase}
+    if passes is not None:
+        details.update(between_passes=[passes[0], passes[0] + 1], free_init=passes[1])
     return make_anomaly(
         kind="nonfinite",
         severity="error",
@@ -425,7 +439,7 @@ def between_origin(
         module="",
         step=step,
         timestep=timestep,
-        details={"localized_by": "call arguments", "arguments": arguments, "seen_in": seen_in, "phase": phase},
+        details=details,
     )
 
 
@@ -536,6 +550,30 @@ def callback_again(
     return callback_origin(inputs.callback, ended, seen_in=seen_in, step=step, phase="denoise")
 
 
+def cleaned_away(inputs: RunInputs, origin: Anomaly | None, component: str) -> bool:
+    """Whether another component's ``origin`` may have been removed from the loop: its NaN/Inf reached the
+    latents (``inputs.dirtied``), so a later call of ``component`` given finite arguments (asked by the caller)
+    shows that something cleaned it, and ``component``'s own NaN/Inf is not that origin's consequence. Never for
+    an Inf a block clipped or a NaN/Inf made from near-max values (``clipped_in``, ``near_max``,
+    ``overflowed_in``): the values it left are finite but carry it, and finite arguments prove nothing.
+
+    Limit: the arguments read are the kept call's, at its call site (the VAE's ``decoder``): a NaN/Inf the
+    component makes before that call, outside it (the SD VAE's ``post_quant_conv``, run by ``vae.decode``
+    ahead of the decoder), reaches the decoder as non-finite arguments and stays a warning pointing at the
+    earlier origin, though the callback had cleaned it.
+
+    >>> made = between_origin(["sample"], seen_in="unet", step=1, timestep=None, phase="denoise")
+    >>> cleaned_away(RunInputs(dirtied=True), made, "vae"), cleaned_away(RunInputs(), made, "vae")
+    (True, False)
+    >>> made.details["clipped_in"] = "conv_out"  # (an Inf the block clipped: finite latents that carry it)
+    >>> cleaned_away(RunInputs(dirtied=True), made, "vae")
+    False
+    """
+    if origin is None or origin.component == component or not inputs.dirtied:
+        return False
+    return not any(key in origin.details for key in ("clipped_in", "near_max", "overflowed_in"))
+
+
 def state_origin(state: list[str], *, component: str, step: int | None, timestep: float | None, phase: str) -> Anomaly:
     """The one error for NaN/Inf that ``component`` got back through its own ``state`` (a cache
     that its earlier calls filled, ``feat_cache``): one of its modules made it in an earlier call."""
@@ -578,7 +616,10 @@ def explain_received(
     near_max = inputs.near_max(fraction)  # (a fault's path: host reads)
     if near_max:
         return near_max_input(near_max, seen_in=component, step=step, timestep=timestep, phase=phase)
-    return between_origin(received, seen_in=component, step=step, timestep=timestep, phase=phase)
+    passes = None  # the first step of a run in the call of the run before (FreeInit's next pass)
+    if step == 0 and inputs.before is not None and inputs.before[0] is not None:
+        passes = (inputs.before[0], bool(getattr(inputs.pipe, "free_init_enabled", False)))
+    return between_origin(received, seen_in=component, step=step, timestep=timestep, phase=phase, passes=passes)
 
 
 def explain_latents(

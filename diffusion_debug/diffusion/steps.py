@@ -164,8 +164,8 @@ class StepPipeline(CallEvents):
                 # and whether its last step's latents were finite (the callback rule's: the next pass starts from them)
                 ended = (self.runs - 1, self.run.step - 1) if self.run.stepped else None  # (run.step: the next)
                 left = origins.latents_left(frames.frame)  # (what its last step-end callback left)
-                carried = origins.RunInputs(self.pipe, inputs.passed, inputs.latents_finite, ended, left)
-                self.new_run_state(carried, same_call=True)
+                kept = origins.RunInputs(self.pipe, inputs.passed, inputs.latents_finite, ended, left, inputs.dirtied)
+                self.new_run_state(kept, same_call=True)
             else:
                 self.new_run_state(origins.RunInputs.capture(self.pipe))
             self.inputs_call = call

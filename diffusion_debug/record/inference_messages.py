@@ -172,9 +172,22 @@ def _nonfinite(anomaly: Anomaly) -> str:
         )
     if how == "call arguments":
         shown = ", ".join(d["arguments"]) if d["arguments"] else "its inputs"
-        return (
-            f"{d['seen_in']} received non-finite {shown} that no watched component and no pipeline input made: the "
-            "pipeline's own code between calls produced it (a division, a log, a dtype cast); check the "
+        made = f"{d['seen_in']} received non-finite {shown} that no watched component and no pipeline input made: "
+        if d.get("between_passes") and d.get("free_init"):  # FreeInit's re-noising between two passes
+            before, after = d["between_passes"]
+            return made + (
+                f"the pipeline's own code between FreeInit passes {before} and {after} produced it (FreeInit "
+                "re-noises the latents there: its frequency filter, a dtype cast); check the FreeInit options "
+                "(enable_free_init) and the dtypes of the pipeline's components."
+            )
+        if d.get("between_passes"):
+            before, after = d["between_passes"]
+            return made + (
+                f"the pipeline's own code between its runs {before} and {after} in one call produced it (a division, "
+                "a log, a dtype cast); check the pipeline's options and the dtypes of its components."
+            )
+        return made + (
+            "the pipeline's own code between calls produced it (a division, a log, a dtype cast); check the "
             "pipeline's options and the dtypes of its components."
         )
     if how == "replaced during the call":

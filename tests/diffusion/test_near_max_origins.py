@@ -15,7 +15,8 @@ from diffusion_helpers import changed_weight, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import checks
-from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide, near_max_maker
+from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide
+from diffusion_debug.diffusion.replay.near_max import near_max_maker
 from diffusion_debug.probes import ModuleReading
 from diffusion_debug.record import folded
 from diffusion_debug.testing import plant_overflow, tiny_pipeline

@@ -34,7 +34,7 @@ from .copies import (
     isolated_copy,
     layerwise_casting,
 )
-from .decide import near_max_maker
+from .near_max import near_max_maker
 
 _TENSOR = "__tensor__"
 PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
@@ -317,7 +317,7 @@ def replay(
     "overflowed_in": name or None, "note": str, "meta": meta.json}``; ``module`` is the first module
     whose output is non-finite while its inputs were finite, named inside the component as in the
     anomaly: where that module (then ``overflowed_in``) made it from finite values near the dtype's max,
-    the module that made those (:func:`~.decide.near_max_maker`, at the run's ``overflow_fraction``:
+    the module that made those (:func:`~.near_max.near_max_maker`, at the run's ``overflow_fraction``:
     :func:`bundle_fraction`). A damaged bundle is one DiffusionDebugError (see :func:`read_bundle`).
     ``model``'s stateful diffusers hooks (caches) run in the bundled call's cache context
     (``meta.json``'s ``cache_context``: the pipeline's ``cache_context`` has ended, and TaylorSeer or

@@ -1,10 +1,11 @@
 """Which replays a call's readings call for, decided in one place (:func:`decide`), and what a replay's
 readings show (:func:`nonfinite_replayed`, :func:`overflow_replayed`; where inside a module, as full probes
 read in the call would show it too: :func:`between_modules`, :func:`overflow_between`,
-:func:`clipped_producer`; whose near-max values a NaN/Inf was made from, its cause: :func:`near_max_source`).
-The run's earlier answers are
-:class:`ReplayMemory`: a component's NaN/Inf is localised once a run (again where a call after a clean one, or
-at another block, made it from finite arguments: it may be another origin); a block's near-overflow once for the
+:func:`clipped_producer`; whose near-max values a NaN/Inf was made from, its cause:
+:func:`~.near_max.near_max_source`). The run's earlier answers are :class:`ReplayMemory`: a component's
+NaN/Inf is localised once a run (again where a call after a clean one, at another block, or with two origins
+and no reading that says whose, made it from finite arguments: it may be another origin, or count at the
+entry of one it had before); a block's near-overflow once for the
 debugger's life (the same weights overflow in the same place), but again each run where it was passed in,
 an Inf was clipped there or the replay could not run.
 
@@ -32,6 +33,7 @@ from typing import Callable
 
 from ...probes import ModuleReading
 from .. import checks
+from .near_max import near_max_source
 
 Key = tuple[str, str]
 """``(component, block)``: where a block-level reading was seen."""
@@ -55,17 +57,28 @@ class ReplayMemory:
     """This run's blocks at exactly the dtype's max replayed once (a clip hides an Inf that way)."""
     reported: dict[str, bool] = field(default_factory=dict)
     """This run's components whose NaN/Inf was named, and whether it was a consequence (later ones count there)."""
-    made_in: dict[str, set[str]] = field(default_factory=dict)
-    """This run's: component -> the readings' modules that were seen making its NaN/Inf (a call whose first such
-    module is another, given finite arguments, is another origin: localised again)."""
+    made_in: dict[str, dict[str, str]] = field(default_factory=dict)
+    """This run's: component -> the readings' modules that were seen making its NaN/Inf -> the entry each counted at
+    (a call whose first such module is another, given finite arguments, is another origin: localised again; one
+    whose is known counts at that module's entry)."""
     named: dict[str, str] = field(default_factory=dict)
-    """This run's: component -> the module of its latest ``nonfinite`` entry (repeats count there)."""
+    """This run's: component -> the module of its latest ``nonfinite`` entry (repeats no module names count there)."""
+    entries: dict[str, dict[str, bool]] = field(default_factory=dict)
+    """This run's: component -> the modules of its ``nonfinite`` entries -> whether each is a consequence."""
+    origins: dict[Key, object] = field(default_factory=dict)
+    """This run's: ``(component, module)`` -> the error that was the run's origin there (the origin again where a
+    NaN/Inf counts at its entry after another origin's)."""
     last_step: dict[str, int | None] = field(default_factory=dict)
     """This run's: component -> the step of its latest call that showed a NaN/Inf (None: in the pass before,
     :meth:`next_pass`); one that follows a clean call of it, or starts the next pass, is localised again: it
     may be another origin."""
+    placed: set[str] = field(default_factory=set)
+    """This run's: the components with two entries whose latest NaN/Inf no reading said whose, placed at an entry
+    (by a replay, or at the latest where it gave nothing), with each call since a NaN/Inf: repeats, not replayed."""
     seconds: float = 0.0
     """This run's replay time, against ``debug_timeout`` (each FreeInit pass's: :meth:`next_pass`)."""
+    timeout: float = math.inf
+    """The run's ``debug_timeout`` of replays (spent: two entries and no reading that says whose is a repeat)."""
 
     def new_run(self) -> None:
         self.tried.clear()
@@ -75,7 +88,10 @@ class ReplayMemory:
         self.reported.clear()
         self.made_in.clear()
         self.named.clear()
+        self.entries.clear()
+        self.origins.clear()
         self.last_step.clear()
+        self.placed.clear()
         self.seconds = 0.0
 
     def next_pass(self) -> None:
@@ -91,22 +107,36 @@ class ReplayMemory:
         self.grown.clear()
 
     def count(
-        self, component: str, source: Source, producer: ModuleReading | None, step: int | None, given=False
+        self, component: str, source: Source, producer: ModuleReading | None, step: int | None, given=False, made=False
     ) -> tuple[bool, bool]:
         """``(consequence, another)`` for a NaN/Inf of ``component`` at ``step`` found at ``source`` (``producer``:
-        the reading that first showed it made): a repeat is counted at the component's entry (its first
-        finding's consequence); ``another``: a module other than the entry's made it from finite arguments,
-        or (``given``) it was given another origin's (the user's callback's), the component's entry from now on."""
+        the reading that first showed it made): a repeat is counted at an entry of the component's (its
+        consequence): the module's it was localised at again, the one whose reading ``producer`` made it before,
+        else the latest; ``another``: a module with no entry made it from finite arguments, or (``given``) it was
+        given another origin's (the user's callback's), or (``made``) its first one was made here from finite
+        arguments after another component's origin: a new entry, the latest. With two entries, one no reading and no
+        replay says whose (it gave nothing: :data:`UNLOCALISED`) is a repeat at the latest."""
         self.last_step[component] = step
-        if producer is not None:
-            self.made_in.setdefault(component, set()).add(producer.module)
-        first = component not in self.reported
-        made = not (first or source.consequence or source.how == ALREADY_REPORTED)  # here, from finite arguments
-        another = given or (made and source.module != self.named.get(component))
+        entries, seen_at = self.entries.setdefault(component, {}), self.made_in.setdefault(component, {})
+        if component in self.named:  # (one named where no count ran: an Inf a block clipped, Localizer._clipped_inf)
+            entries.setdefault(self.named[component], self.reported.get(component, False))
+        first, unsure = component not in self.reported, producer is None and len(entries) > 1
+        again = not (first or source.consequence or source.how == ALREADY_REPORTED)  # here, from finite arguments
+        again = again and not (unsure and source.how == UNLOCALISED)  # (no answer: at the latest entry)
+        another = given or made or (again and source.module not in entries)
+        if another or not unsure:
+            self.placed.discard(component)
+        else:  # placed at an entry: the calls right after it count there unreplayed (_again)
+            self.placed.add(component)
         if first or another:
-            self.reported[component] = source.consequence or given
-        if another:
-            self.named[component] = source.module
+            self.reported[component], self.named[component] = source.consequence or given, source.module
+            entries[source.module] = self.reported[component]
+        else:  # A, B, then A again: at A's entry
+            known = source.module if again else seen_at.get(producer.module) if producer is not None else None
+            if known in entries:
+                self.reported[component], self.named[component] = entries[known], known
+        if producer is not None:
+            seen_at.setdefault(producer.module, self.named[component])
         return self.reported[component], another
 
     def forget(self, gone: set[str]) -> None:
@@ -222,6 +252,7 @@ def decide(
         if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
         if seen.first_nonfinite is not None or not output_finite:
+            received = _once(received)  # (a host read of the kept call's arguments: once a call)
             asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
             source, replay = _nonfinite(component, seen, readings, *asked)
     except Exception as error:  # (the caller's nonfinite guard records it)
@@ -282,16 +313,32 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
     return Source(block, UNLOCALISED, False), None
 
 
+def _once(received: Callable[[str, str], bool]) -> Callable[[str, str], bool]:
+    """``received`` asked once a call: its answer kept for the call's later questions."""
+    answers: dict[tuple[str, str], bool] = {}
+
+    def asked(component: str, site: str) -> bool:
+        if (component, site) not in answers:
+            answers[(component, site)] = received(component, site)
+        return answers[(component, site)]
+
+    return asked
+
+
 def _again(component, seen, memory, received, site, step) -> bool:
     """Whether a component whose NaN/Inf this run named made one again from finite arguments where it may
     be another origin: first seen at another reading's module, or after a clean call of it (a step after the
-    user's callback cleaned the latents, FreeInit's next pass). A NaN/Inf passed in (a host read, asked only
-    then) and one in each call since are repeats: counted, not localised again."""
+    user's callback cleaned the latents, FreeInit's next pass), or where it has two entries and no reading says
+    whose this one is (A, B, then A: counted at A's). A NaN/Inf passed in (a host read, asked only then) and one
+    in each call since are repeats: counted, not localised again (as are the calls right after one placed at an
+    entry, :attr:`ReplayMemory.placed`, and any once the run's ``debug_timeout`` of replays is spent)."""
     producer, last = seen.producer, memory.last_step.get(component)
     moved = producer is not None and producer.module not in memory.made_in.get(component, ())
+    unsure = producer is None and len(memory.entries.get(component, ())) > 1 and component not in memory.placed
+    unsure = unsure and memory.seconds < memory.timeout
     seen_before = step is not None and component in memory.last_step
     resumed = seen_before and (last is None or step not in (last, last + 1))
-    return (moved or resumed) and not received(component, site)
+    return (moved or unsure or resumed) and not received(component, site)
 
 
 def _overflow(component, reading, between, memory, full, leaf, clean, localize) -> Overflow:
@@ -390,68 +437,12 @@ def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleR
     return producer, next((name for name in enclosing if returned.get(name)), block)
 
 
-_SAME_VALUES = 2.0**-7
-"""Abs-maxes this close (relative) are taken for the same values: bf16's rounding step, which a cast or a
-small residual added to near-max values does not move past."""
-
-
-def near_max_maker(readings: list[ModuleReading], producer: ModuleReading, fraction: float) -> ModuleReading | None:
-    """The module that made the values ``producer`` overflowed on: where ``producer`` (a reading of
-    ``readings`` whose output is non-finite from finite inputs) was given values at ``fraction`` of its
-    dtype's max or beyond (a bf16 GroupNorm's variance overflows there, where fp16's upcasts), followed
-    back by value: the latest module before it whose output was what it was given (their abs-max, to
-    bf16's rounding), through modules given them too, into the innermost one that made them (near its
-    own dtype's max) from inputs below ``fraction``. Readings hold no tensor identity, so the values,
-    never the order, say which module fed it: an earlier near-max module whose values went elsewhere is
-    not named. None where its inputs were below (it made the NaN/Inf itself: a NaN weight), not known,
-    or no module before it is seen making them (the call's arguments brought them, or code between
-    modules changed them). Read on a NaN/Inf only.
-
-    >>> conv = ModuleReading("up.0.conv2", 0, "bfloat16", 2.0, 3.05e38, "bfloat16")
-    >>> norm = ModuleReading("up.1.norm1", 0, "bfloat16", 3.05e38, float("nan"), "bfloat16")
-    >>> near_max_maker([conv, norm], norm, 0.5).module
-    'up.0.conv2'
-    >>> near_max_maker([conv, norm._replace(input_value=3.0)], norm._replace(input_value=3.0), 0.5) is None
-    True
-    """
-    share, wanted = producer.input_dtype_max_fraction, producer.input_absmax
-    if share is None or wanted is None or not share >= fraction or math.isinf(share):  # (NaN: not >=)
-        return None
-    before = readings[: next((i for i, r in enumerate(readings) if r is producer), len(readings))]
-    maker = None  # the innermost module seen making them; what ran inside it comes before it
-    for reading in reversed(before):
-        if maker is not None and reading.module == maker.module:
-            break  # an earlier call of it: what came before that is not inside this one
-        if maker is not None and maker.module and not reading.module.startswith(maker.module + "."):
-            continue
-        made = reading.output_absmax
-        if made is None or not reading.output_finite or not math.isclose(made, wanted, rel_tol=_SAME_VALUES):
-            continue
-        given = reading.input_dtype_max_fraction
-        if given is not None and math.isfinite(given) and given >= fraction:
-            wanted = reading.input_absmax  # passed on: who gave it them
-        elif (reading.dtype_max_fraction or 0.0) >= fraction:
-            maker = reading
-        else:
-            break  # near the max only once cast to a narrower dtype: not made near its own
-    return maker
-
-
-def near_max_source(
-    readings: list[ModuleReading], producer: ModuleReading, fraction: float
-) -> tuple[ModuleReading, ModuleReading] | None:
-    """``(the module that made the near-max values producer overflowed on, producer)``, or None
-    (:func:`near_max_maker`)."""
-    maker = near_max_maker(readings, producer, fraction)
-    return None if maker is None else (maker, producer)
-
-
 def nonfinite_replayed(
     replayed: list[ModuleReading], fraction: float
 ) -> tuple[str | None, dict[str, str], tuple[ModuleReading, ModuleReading] | None] | None:
     """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
     inside it, what made the near-max values it overflowed on)``, the first module that made it from
-    finite inputs (:func:`between_modules`; :func:`near_max_source` at ``fraction`` of the dtype's max:
+    finite inputs (:func:`between_modules`; :func:`~.near_max.near_max_source` at ``fraction`` of the dtype's max:
     the same diagnosis as full probes read in the call); ``(None, {}, None)`` where the first module to
     hold it was given it (the call's inputs did); None where no module held one (the replay did not make
     it again)."""

@@ -49,7 +49,6 @@ from ..components.cache_hooks import Placement, hook_state_kept, lost_values, pl
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import cached_graphs_only, eager, eager_module, replay_readings
 from .copies import context_from_fields, copy_note, hook_groups, hooks_passed, isolated_copy
-from .decide import near_max_maker
 from .factors import (
     Factor,
     OriginCall,
@@ -62,6 +61,7 @@ from .factors import (
     target,
     variant_note,
 )
+from .near_max import near_max_maker
 
 
 @dataclass
@@ -89,7 +89,7 @@ class WhyResult:
     module: str | None
     """The producer named by the as-is replay (full probes), None when none was named; where it made the
     NaN/Inf from finite values near the dtype's max, the module that made those
-    (:func:`~.decide.near_max_maker`), as the run names it."""
+    (:func:`~.near_max.near_max_maker`), as the run names it."""
     step: int | None
     baseline: Replay
     replays: list[Replay]
@@ -301,7 +301,7 @@ def explain(
     registries held as the call began (a guider's layer hooks), held again through every replay (a
     copy is made with them); ``guider_hooks``: those the call had, by name, for the verdict of a
     replay without them (from a bundle alone); ``overflow_fraction``: the run's, for the near-max maker
-    (:func:`~.decide.near_max_maker`) named as the run named it."""
+    (:func:`~.near_max.near_max_maker`) named as the run named it."""
     with placement_kept(placement), _as_it_ran(call):
         return _explain(call, step, reference_s, None if placement else guider_hooks, overflow_fraction)
 

@@ -1,0 +1,37 @@
+"""The dtype a module of a component computes in, as a NaN/Inf's or a near-overflow's advice reads it.
+
+>>> from torch import nn
+>>> import torch
+>>> root = nn.Sequential(nn.Linear(2, 2).to(torch.float16), nn.ReLU())
+>>> computes_in(root, "1"), computes_in(root, "0"), computes_in(root, "no.such")
+('float16', 'float16', 'float16')
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...stats import dtype_name
+from ..replay.copies import layerwise_casting
+from .inventory import module_dtype
+
+
+def computes_in(root: nn.Module, module: str) -> str | None:
+    """The dtype ``root.module`` computes in now, read at the module, else at the nearest module above it that
+    holds floating weights (a component's dtypes may differ: diffusers < 0.36's ``upcast_vae`` keeps the VAE's
+    mid block in float16), fp8-stored weights' layerwise-casting compute dtype; read on a NaN/Inf or a
+    near-overflow only, during the call (``force_upcast`` casts the VAE to float32 for the decode alone)."""
+    name = module or ""
+    while True:
+        try:
+            sub = root.get_submodule(name) if name else root
+        except AttributeError:  # a name no module has
+            sub = None
+        dtype = module_dtype(sub) if sub is not None else None
+        if dtype is not None and dtype.itemsize == 1:  # fp8 storage: layerwise casting computes in another
+            return (layerwise_casting(sub) or {}).get("compute_dtype") or dtype_name(dtype)
+        if dtype is not None:
+            return dtype_name(dtype)
+        if not name:
+            return None
+        name = name.rpartition(".")[0]
