@@ -88,39 +88,92 @@ QwenImage VAEs' causal-conv ``feat_cache``, a language model's ``past_key_values
 names a model lists in diffusers' ``_skip_keys``. Never an input the pipeline made."""
 
 
-def kept_as_passed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def kept_as_passed(
+    args: tuple, kwargs: dict, budget: list[int] | None = None, strict: bool = True
+) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every list and dict in them (two levels deep) copied, so that what
     the call writes into them (the Wan VAE's ``feat_cache``, filled by its causal convs during the
     call, and its ``feat_idx`` counter) is not seen in the kept call, and a replay on a copy
-    never writes into the user's. The tensors are the same objects (a tensor changed in place is
-    seen changed: a limit of every kept call, but for the latents a scheduler steps:
-    :meth:`CallSiteHooks.keep_apart`).
+    never writes into the user's; the tensors in them cloned too, so that one rewritten in place
+    after the call (AnyFlow FAR's ``kv_cache``, written by its next chunk's cache step) is seen as it
+    was passed, and a replay that writes into it (a cache step's) writes into the copy. ``budget``
+    (as a call is kept): ``[bytes]`` still to clone this step; a tensor beyond it is held as passed
+    with its version (:class:`_Held`), and a use finds it changed in place (:func:`_used`). Without
+    (a use: a replay, a bundle): every tensor cloned again, a held one checked (``strict``; else taken as
+    it is now: a check of what the call was passed reads it). The top-level tensors
+    are the same objects (a tensor changed in place is seen changed: a limit of every kept call,
+    but for the latents a scheduler steps: :meth:`CallSiteHooks.keep_apart`): a call given none in a
+    list or dict clones nothing.
 
     >>> cache, index = [None, None], [0]
     >>> args, kwargs = kept_as_passed((cache,), {"feat_idx": index})
     >>> cache[0], index[0] = "filled", 2
     >>> args, kwargs
     (([None, None],), {'feat_idx': [0]})
+    >>> kv = {"k": torch.ones(1)}
+    >>> args, kwargs = kept_as_passed((), {"kv_cache": kv}, budget=[1 << 20])
+    >>> kv["k"].zero_()
+    tensor([0.])
+    >>> kwargs["kv_cache"]["k"]
+    tensor([1.])
     """
     copied = None
     for i, value in enumerate(args):
         if type(value) in _COPIED:
             copied = copied or list(args)
-            copied[i] = _copy(value, 0)
+            copied[i] = _copy(value, 0, budget, strict)
     kept = {}
     for name, value in kwargs.items():
-        kept[name] = _copy(value, 0) if type(value) in _COPIED else value
+        kept[name] = _copy(value, 0, budget, strict) if type(value) in _COPIED else value
     return (tuple(copied) if copied is not None else args), kept
 
 
-def _copy(value: Any, depth: int) -> Any:
+def _copy(value: Any, depth: int, budget: list[int] | None, strict: bool) -> Any:
     if type(value) is dict:
-        return {k: _copy(v, depth + 1) if depth < 2 and type(v) in _COPIED else v for k, v in value.items()}
-    copied = [_copy(v, depth + 1) if depth < 2 and type(v) in _COPIED else v for v in value]
+        return {k: _item(v, depth, budget, strict) for k, v in value.items()}
+    copied = [_item(v, depth, budget, strict) for v in value]
     return tuple(copied) if type(value) is tuple else copied
 
 
+def _item(value: Any, depth: int, budget: list[int] | None, strict: bool) -> Any:
+    if type(value) in _COPIED:
+        return _copy(value, depth + 1, budget, strict) if depth < 2 else value
+    if isinstance(value, torch.Tensor):
+        if budget is None:
+            return value.detach().clone()
+        nbytes = value.numel() * value.element_size()
+        if nbytes > budget[0]:
+            return _Held(value)
+        budget[0] -= nbytes
+        return value.detach().clone()
+    return (_used(value) if strict else value.tensor) if type(value) is _Held else value
+
+
 _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
+
+
+class _Held:
+    """A tensor in a kept call's list or dict held as passed, not cloned (beyond the step's
+    :data:`~.cache_hooks.KEPT_BYTES` of copies: AnyFlow FAR's whole ``kv_cache`` at real size), with
+    its version counter then (-1: an inference tensor, which has none)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, -1 if tensor.is_inference() else tensor._version
+
+
+def _used(held: _Held) -> torch.Tensor:
+    """A copy of a held tensor for a use of its kept call (a replay writing into it writes into the
+    copy). Raises ``RuntimeError`` when it was changed in place since the call: a replay would read
+    other values than the call did. Limit: an inference tensor's change is not seen."""
+    tensor = held.tensor
+    if held.version != -1 and tensor._version != held.version:
+        raise RuntimeError(
+            f"a {tuple(tensor.shape)} tensor the call was passed in a list or dict was changed in place since "
+            f"(beyond the {cache_hooks.KEPT_BYTES} bytes copied a step): a replay would not read what the call read"
+        )
+    return tensor.detach().clone()
 
 
 def _shares(value: Any, storage: int) -> bool:
@@ -241,6 +294,9 @@ class CallSiteHooks:
         registry made after that (another diffusers hook placed first) is seen at the next attach."""
         self._budget = [cache_hooks.KEPT_BYTES]
         """``[bytes]`` of cache tensors the step's saved hook states may still hold."""
+        self._copies = [cache_hooks.KEPT_BYTES]
+        """``[bytes]`` of the tensors in lists and dicts the step's kept calls may still clone
+        (:func:`kept_as_passed`)."""
         self._found: dict[int, FoundHooks] = {}
         """Per stateful module called since the last attach, its hooks as found
         (:func:`~.cache_hooks.found_hooks`): a call checks them, the detach forgets them."""
@@ -396,7 +452,7 @@ class CallSiteHooks:
                         if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
                             del held[0]  # start would cut a short list's front: only 4 of 8 were held)
                         held.append((self.kept[key], self.contexts.get(key)))
-                    self.kept[key] = kept_as_passed(args, kwargs)
+                    self.kept[key] = kept_as_passed(args, kwargs, self._copies)
                     if stateful:  # its replay starts where the call did
                         found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
                         self.contexts[key] = hook_state(module, found, self._budget)
@@ -503,10 +559,13 @@ class CallSiteHooks:
                     f"(beyond the {cache_hooks.KEPT_BYTES} bytes kept a step): {error!r}"
                 ) from error
 
-    def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
-        """The kept call of ``site``, its lists and dicts copied again at each use: a replay fills a
-        causal-cache VAE's ``feat_cache`` and moves its ``feat_idx``, which the next replay (an
-        overflow after a NaN) or the repro bundle must see as the call was passed."""
+    def kept_call(self, site: CallSite, strict: bool = True) -> tuple[tuple, dict]:
+        """The kept call of ``site``, its lists and dicts (and the tensors in them) copied again at each
+        use: a replay fills a causal-cache VAE's ``feat_cache`` and moves its ``feat_idx``, and a cache
+        step's writes into its ``kv_cache``, which the next replay (an overflow after a NaN) or the repro
+        bundle must see as the call was passed. Raises ``RuntimeError`` where a tensor held uncloned
+        (beyond the step's bytes of copies) was changed in place since (:func:`_used`), unless not ``strict``
+        (a check of the arguments' values: it is read as it is now)."""
         key = (site.component, site.prefix)
         method = self.through.get(key)
         if method is not None and self.kept[key][0] is not _HALF:  # the method's arguments: the half's, once
@@ -515,7 +574,7 @@ class CallSiteHooks:
                 half_arguments(method, site.module, *kept_as_passed(*self.kept[key]), kept_as_passed),
             )
         kept = self.kept[key]
-        return kept_as_passed(*(kept[1] if kept[0] is _HALF else kept))
+        return kept_as_passed(*(kept[1] if kept[0] is _HALF else kept), strict=strict)
 
     def own_state(self, component: str) -> frozenset[str]:
         """The names of the arguments through which ``component`` gets its own state back
@@ -567,14 +626,15 @@ class CallSiteHooks:
     def drop_calls(self) -> None:
         """Forget every kept call (the step ended): no activation is held across steps."""
         self.kept, self.contexts, self.earlier = {}, {}, {}
-        self.denoiser_memory, self._budget = None, [cache_hooks.KEPT_BYTES]
+        self.denoiser_memory, self._budget, self._copies = None, [cache_hooks.KEPT_BYTES], [cache_hooks.KEPT_BYTES]
 
     def take_calls(self) -> tuple[dict, dict, dict]:
         """The step's kept calls (their cache contexts, and each site's earlier calls), handed
         over: the step whose values are read a step later keeps them until then; the hooks start
         afresh."""
         taken = (self.kept, self.contexts, self.earlier)
-        self.kept, self.contexts, self.earlier, self._budget = {}, {}, {}, [cache_hooks.KEPT_BYTES]
+        self.kept, self.contexts, self.earlier = {}, {}, {}
+        self._budget, self._copies = [cache_hooks.KEPT_BYTES], [cache_hooks.KEPT_BYTES]
         return taken
 
     @contextlib.contextmanager
@@ -598,7 +658,7 @@ class CallSiteHooks:
 
     def new_run(self) -> None:
         self.kept, self.contexts, self.earlier, self._started, self._peaks = {}, {}, {}, {}, {}
-        self.denoiser_memory, self._budget = None, [cache_hooks.KEPT_BYTES]
+        self.denoiser_memory, self._budget, self._copies = None, [cache_hooks.KEPT_BYTES], [cache_hooks.KEPT_BYTES]
 
 
 def kept_arguments(
@@ -606,10 +666,11 @@ def kept_arguments(
 ) -> tuple[nn.Module, tuple, dict] | None:
     """``(module, args, kwargs)`` of ``component``'s kept call at the site ``prefix`` (the VAE's
     ``decoder``; None: its first site with a kept call); None when none is kept. A VAE whose
-    ``encoder`` call is still kept when its ``decoder`` is checked is read at the decoder."""
+    ``encoder`` call is still kept when its ``decoder`` is checked is read at the decoder; for a check of
+    the values it was passed (a tensor held beyond the step's copies read as it is now), not a replay."""
     for site in calls.sites:
         if prefix is not None and site.prefix != prefix:
             continue
         if site.component == component and (site.component, site.prefix) in calls.kept:
-            return (site.module, *calls.kept_call(site))
+            return (site.module, *calls.kept_call(site, strict=False))
     return None

@@ -1,0 +1,111 @@
+"""A kept call's tensors inside its dict and list arguments are its own: AnyFlow FAR passes its
+transformer a ``kv_cache`` dict whose tensors its next chunk's cache step rewrites in place, and a
+cache step writes into them itself. A replay read a step later (localisation, ``why()``) reads them
+as the call was passed, and never writes into the user's dict. Before, the kept call held the user's
+tensors: the replay read the rewritten cache (the NaN the call made did not reproduce: named at the
+transformer, not its module; ``why()`` found the replay finite) and its own cache writes landed in
+the user's cache (the run's cache one write ahead of its unwatched twin's). A tensor beyond the step's
+bytes of copies is held as passed and a replay that finds it changed refuses (a ``debugger_error``),
+never naming a wrong module; a call given no tensor in a list or dict clones nothing."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+from torch import nn
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components import cache_hooks
+from diffusion_debug.diffusion.components.call_sites import kept_as_passed
+from diffusion_debug.op_count import count_aten_ops
+
+
+class Sqrt(nn.Module):
+    def forward(self, x):
+        return x.sqrt()
+
+
+class CachedTransformer(nn.Module):
+    """A denoiser given its own state in a dict (FAR's ``kv_cache``): it reads ``k`` and writes ``v``
+    in place (a cache step's write); ``root`` makes NaN where ``k`` is negative."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj_in, self.root, self.proj_out = nn.Linear(4, 4), Sqrt(), nn.Linear(4, 4)
+
+    def forward(self, sample, timestep, kv_cache):
+        h = self.root(self.proj_in(sample).relu() + kv_cache["k"])
+        kv_cache["v"].add_(1.0)
+        return self.proj_out(h) + kv_cache["v"]
+
+
+class CachedPipeline(DiffusionPipeline):
+    """Each step's cache ``k`` is negated in place after the call (FAR's next cache step rewrites it)."""
+
+    def __init__(self, transformer, scheduler):
+        super().__init__()
+        self.register_modules(transformer=transformer, scheduler=scheduler)
+
+    def __call__(self, kv_cache, num_inference_steps=3):
+        latents = torch.linspace(-1, 1, 8).reshape(1, 2, 4)
+        self.scheduler.set_timesteps(num_inference_steps)
+        for t in self.scheduler.timesteps:
+            noise = self.transformer(latents, t, kv_cache=kv_cache)
+            latents = self.scheduler.step(noise, t, latents).prev_sample
+            kv_cache["k"].neg_()
+        return latents
+
+
+def cache():
+    """``k`` positive at step 0, negative at step 1 (the NaN made there), positive again when read."""
+    return {"k": torch.ones(1, 2, 4), "v": torch.zeros(1, 2, 4)}
+
+
+def watched(tmp_path, user):
+    pipe = CachedPipeline(CachedTransformer(), FlowMatchEulerDiscreteScheduler())
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        pipe(user)
+    dbg.close()
+    return dbg.report()
+
+
+def test_a_kv_cache_rewritten_after_the_call_is_replayed_as_passed_and_left_untouched(tmp_path):
+    twin = cache()
+    CachedPipeline(CachedTransformer(), FlowMatchEulerDiscreteScheduler())(twin)
+    user = cache()
+    report = watched(tmp_path, user)
+    assert all(torch.equal(user[k].view(torch.uint8), twin[k].view(torch.uint8)) for k in twin)  # v: 3, not 4
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "transformer", "root", 1)
+    assert not [a for a in report.anomalies if a.kind == "debugger_error"]
+    before = {k: v.clone() for k, v in user.items()}
+    result = report.why()
+    assert (result.module, result.baseline.finite) == ("root", False)
+    assert all(torch.equal(before[k], user[k]) for k in user)
+
+
+def test_a_cache_beyond_the_bytes_copied_and_changed_since_is_not_replayed(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)  # nothing cloned as kept: each tensor held as passed
+    twin = cache()
+    CachedPipeline(CachedTransformer(), FlowMatchEulerDiscreteScheduler())(twin)
+    user = cache()
+    report = watched(tmp_path, user)
+    assert all(torch.equal(user[k].view(torch.uint8), twin[k].view(torch.uint8)) for k in twin)  # cloned to replay
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "transformer", "", 1)
+    failed = [a.message for a in report.anomalies if a.kind == "debugger_error"]
+    assert [m.split(" failed ")[0] for m in failed] == ["The debugger's replay", "The debugger's repro_bundle"]
+    changed = "(1, 2, 4) tensor the call was passed in a list or dict was changed in place since"
+    assert all(changed in m for m in failed)
+
+
+def test_a_call_given_no_tensor_in_a_list_or_dict_clones_nothing():
+    sample, cache = torch.ones(2), [None, None]
+    with count_aten_ops() as ops:
+        args, kwargs = kept_as_passed((sample, cache), {"feat_idx": [0], "scale": 1.0}, budget=[1 << 20])
+    assert ops.counts == {} and args[0] is sample and args[1] == cache and args[1] is not cache
+    budget = [16]  # 4 floats: the first is cloned, the second held as passed
+    _, kwargs = kept_as_passed((), {"kv": {"a": torch.ones(4), "b": torch.ones(4)}}, budget=budget)
+    assert budget == [0] and type(kwargs["kv"]["a"]) is torch.Tensor and type(kwargs["kv"]["b"]).__name__ == "_Held"
