@@ -109,3 +109,28 @@ def test_a_call_given_no_tensor_in_a_list_or_dict_clones_nothing():
     budget = [16]  # 4 floats: the first is cloned, the second held as passed
     _, kwargs = kept_as_passed((), {"kv": {"a": torch.ones(4), "b": torch.ones(4)}}, budget=budget)
     assert budget == [0] and type(kwargs["kv"]["a"]) is torch.Tensor and type(kwargs["kv"]["b"]).__name__ == "_Held"
+
+
+def test_a_bundled_dict_keyed_by_layer_index_loads_with_its_keys(tmp_path):
+    # FAR's kv_cache is {layer index: {"full_cache": ..., "compressed_cache": ...}}: a bundle wrote its keys as
+    # strings, and why()'s replay of the call failed (KeyError: 0): "nothing can be concluded"
+    from diffusion_debug.diffusion.replay.bundle import load_call, save_bundle
+
+    kv_cache = {0: {"k": torch.ones(2)}, 1: {"k": torch.zeros(2)}, (2, "a"): None}
+    model = CachedTransformer()
+    save_bundle(
+        tmp_path,
+        component="transformer",
+        component_module=model,
+        call_prefix="",
+        args=(torch.ones(1, 2, 4),),
+        kwargs={"kv_cache": kv_cache, "named": {"scale": 1.0}},
+        step=0,
+        timestep=1.0,
+        module="root",
+        anomaly_kind="nonfinite",
+    )
+    _, args, kwargs = load_call(tmp_path, model)
+    assert list(kwargs["kv_cache"]) == [0, 1, (2, "a")] and kwargs["named"] == {"scale": 1.0}
+    loaded = kwargs["kv_cache"]
+    assert torch.equal(loaded[0]["k"], torch.ones(2)) and torch.equal(loaded[1]["k"], torch.zeros(2))
