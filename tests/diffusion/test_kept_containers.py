@@ -10,6 +10,8 @@ never naming a wrong module; a call given no tensor in a list or dict clones not
 
 from __future__ import annotations
 
+import diffusers
+import pytest
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from torch import nn
@@ -134,3 +136,85 @@ def test_a_bundled_dict_keyed_by_layer_index_loads_with_its_keys(tmp_path):
     assert list(kwargs["kv_cache"]) == [0, 1, (2, "a")] and kwargs["named"] == {"scale": 1.0}
     loaded = kwargs["kv_cache"]
     assert torch.equal(loaded[0]["k"], torch.ones(2)) and torch.equal(loaded[1]["k"], torch.zeros(2))
+
+
+def far_pipeline():
+    """AnyFlow FAR at the tiny Wan sizes: 3 causal chunks of one latent frame (32x32 video frames), a cache
+    step after each chunk but the last writing the chunk's keys and values into ``kv_cache``."""
+    import diffusers
+
+    from diffusion_debug.testing import tiny_pipeline
+
+    wan = tiny_pipeline("wan22")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformer = diffusers.AnyFlowFARTransformer3DModel(
+            compressed_patch_size=(1, 4, 4),
+            full_chunk_limit=2,
+            num_attention_heads=2,
+            attention_head_dim=12,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
+            chunk_partition=(1, 1, 1),
+        ).eval()
+    pipe = diffusers.AnyFlowFARPipeline(
+        tokenizer=wan.tokenizer,
+        text_encoder=wan.text_encoder,
+        transformer=transformer,
+        vae=wan.vae,
+        scheduler=diffusers.FlowMapEulerDiscreteScheduler(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.skipif(not hasattr(diffusers, "AnyFlowFARPipeline"), reason="this diffusers has no AnyFlow FAR")
+def test_a_nan_far_s_cache_step_wrote_into_its_kv_cache_is_its_own_state_s_not_said_read_finite(tmp_path):
+    # the cache step's output is thrown away (only its kv_cache is kept): the message said "while the
+    # output stayed finite" of a call whose output was NaN and never read
+    pipe = far_pipeline()
+    calls = [0]
+
+    def nan_in_the_first_cache_step(module, args, output):  # the transformer's third call: after chunk 0
+        calls[0] += 1
+        if calls[0] == 3:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+
+    handle = pipe.transformer.get_submodule("blocks.0.attn1.to_k").register_forward_hook(nan_in_the_first_cache_step)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            pipe(
+                prompt_embeds=torch.linspace(-1, 1, 16 * 32).reshape(1, 16, 32),
+                negative_prompt_embeds=torch.zeros(1, 16, 32),
+                guidance_scale=2.0,
+                height=32,
+                width=32,
+                num_frames=9,
+                chunk_partition=[1, 1, 1],
+                num_inference_steps=2,
+                generator=torch.Generator().manual_seed(0),
+                output_type="pt",
+            )
+    finally:
+        handle.remove()
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step, error.details["run"]) == (
+        "nonfinite",
+        "transformer",
+        "",
+        0,
+        2,
+    )
+    assert (error.details["localized_by"], error.details["arguments"]) == ("its own state", ["kv_cache"])
+    assert error.message == (
+        "transformer got NaN/Inf back through its own kv_cache, which its earlier calls fill and read back: one of "
+        "its modules made it in an earlier call of this denoise whose output was finite or not read (a cache "
+        "step's); check transformer's dtype and weights."
+    )
+    dbg.close()
