@@ -108,9 +108,19 @@ def test_a_call_given_no_tensor_in_a_list_or_dict_clones_nothing():
     with count_aten_ops() as ops:
         args, kwargs = kept_as_passed((sample, cache), {"feat_idx": [0], "scale": 1.0}, budget=[1 << 20])
     assert ops.counts == {} and args[0] is sample and args[1] == cache and args[1] is not cache
-    budget = [16]  # 4 floats: the first is cloned, the second held as passed
-    _, kwargs = kept_as_passed((), {"kv": {"a": torch.ones(4), "b": torch.ones(4)}}, budget=budget)
+    budget = [16]  # 4 floats of the own state: the first is cloned, the second held as passed
+    residuals = [torch.ones(4)]  # not the component's own state: held as passed, no op (a ControlNet's)
+    kv = {"a": torch.ones(4), "b": torch.ones(4)}
+    with count_aten_ops() as ops:
+        args, kept = kept_as_passed((residuals,), {"residuals": residuals}, budget=[1 << 20], state=frozenset({"kv"}))
+    assert ops.counts == {} and args[0][0] is residuals[0] and kept["residuals"][0] is residuals[0]
+    _, kwargs = kept_as_passed((), {"kv": kv}, budget=budget, state=frozenset({"kv"}))
     assert budget == [0] and type(kwargs["kv"]["a"]) is torch.Tensor and type(kwargs["kv"]["b"]).__name__ == "_Held"
+    assert kwargs["kv"]["a"] is not kv["a"] and torch.equal(kwargs["kv"]["a"], kv["a"])
+    used, _ = kept_as_passed(args, {})  # a use clones: a replay never writes into the user's tensors
+    assert used[0][0] is not residuals[0] and torch.equal(used[0][0], residuals[0])
+    read, _ = kept_as_passed(args, {}, strict=False)  # a check of the values: nothing cloned
+    assert read[0][0] is residuals[0]
 
 
 def test_a_bundled_dict_keyed_by_layer_index_loads_with_its_keys(tmp_path):

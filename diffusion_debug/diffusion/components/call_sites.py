@@ -89,64 +89,90 @@ names a model lists in diffusers' ``_skip_keys``. Never an input the pipeline ma
 
 
 def kept_as_passed(
-    args: tuple, kwargs: dict, budget: list[int] | None = None, strict: bool = True
+    args: tuple,
+    kwargs: dict,
+    budget: list[int] | None = None,
+    strict: bool = True,
+    state: frozenset[str] = frozenset(),
 ) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every list and dict in them (two levels deep) copied, so that what
     the call writes into them (the Wan VAE's ``feat_cache``, filled by its causal convs during the
     call, and its ``feat_idx`` counter) is not seen in the kept call, and a replay on a copy
-    never writes into the user's; the tensors in them cloned too, so that one rewritten in place
-    after the call (AnyFlow FAR's ``kv_cache``, written by its next chunk's cache step) is seen as it
-    was passed, and a replay that writes into it (a cache step's) writes into the copy. ``budget``
-    (as a call is kept): ``[bytes]`` still to clone this step; a tensor beyond it is held as passed
-    with its version (:class:`_Held`), and a use finds it changed in place (:func:`_used`). Without
-    (a use: a replay, a bundle): every tensor cloned again, a held one checked (``strict``; else taken as
-    it is now: a check of what the call was passed reads it). The top-level tensors
-    are the same objects (a tensor changed in place is seen changed: a limit of every kept call,
-    but for the latents a scheduler steps: :meth:`CallSiteHooks.keep_apart`): a call given none in a
-    list or dict clones nothing.
+    never writes into the user's. ``budget`` (as a call is kept): ``[bytes]`` still to clone this
+    step; only the tensors under the keyword arguments named in ``state`` (the component's own state,
+    :meth:`CallSiteHooks.own_state`: AnyFlow FAR's ``kv_cache``, rewritten in place by its next
+    chunk's cache step) are cloned, so that one rewritten after the call is seen as it was passed; one
+    beyond the budget is held with its version (:class:`_Held`: a use finds it changed in place,
+    :func:`_used`). The tensors in every other list or dict are held as passed (no op added a call: a
+    ControlNet's residuals). Without (a use: a replay, a bundle): every tensor in them cloned, so a
+    replay never writes into the user's; a held one checked (``strict``; else a check of the values
+    the call was passed: nothing cloned, a held tensor read as it is now). The top-level tensors are
+    the same objects (a tensor changed in place is seen changed: a limit of every kept call, but for
+    the latents a scheduler steps: :meth:`CallSiteHooks.keep_apart`).
 
     >>> cache, index = [None, None], [0]
     >>> args, kwargs = kept_as_passed((cache,), {"feat_idx": index})
     >>> cache[0], index[0] = "filled", 2
     >>> args, kwargs
     (([None, None],), {'feat_idx': [0]})
-    >>> kv = {"k": torch.ones(1)}
-    >>> args, kwargs = kept_as_passed((), {"kv_cache": kv}, budget=[1 << 20])
-    >>> kv["k"].zero_()
-    tensor([0.])
-    >>> kwargs["kv_cache"]["k"]
-    tensor([1.])
+    >>> kv, residuals = {"k": torch.ones(1)}, [torch.ones(1)]
+    >>> args, kwargs = kept_as_passed((residuals,), {"kv_cache": kv}, [1 << 20], state=frozenset({"kv_cache"}))
+    >>> kv["k"].zero_(), kwargs["kv_cache"]["k"], args[0][0] is residuals[0]
+    (tensor([0.]), tensor([1.]), True)
     """
+    keep = _as_passed if budget is not None else _keeps(None, strict)
     copied = None
     for i, value in enumerate(args):
         if type(value) in _COPIED:
             copied = copied or list(args)
-            copied[i] = _copy(value, 0, budget, strict)
+            copied[i] = _copy(value, 0, keep)
     kept = {}
     for name, value in kwargs.items():
-        kept[name] = _copy(value, 0, budget, strict) if type(value) in _COPIED else value
+        if type(value) in _COPIED:  # kept: a tensor cloned only in the component's own state
+            kept[name] = _copy(value, 0, _keeps(budget, strict) if budget is not None and name in state else keep)
+        else:
+            kept[name] = value
     return (tuple(copied) if copied is not None else args), kept
 
 
-def _copy(value: Any, depth: int, budget: list[int] | None, strict: bool) -> Any:
-    if type(value) is dict:
-        return {k: _item(v, depth, budget, strict) for k, v in value.items()}
-    copied = [_item(v, depth, budget, strict) for v in value]
-    return tuple(copied) if type(value) is tuple else copied
+def _as_passed(value: Any) -> Any:
+    return value
 
 
-def _item(value: Any, depth: int, budget: list[int] | None, strict: bool) -> Any:
-    if type(value) in _COPIED:
-        return _copy(value, depth + 1, budget, strict) if depth < 2 else value
-    if isinstance(value, torch.Tensor):
-        if budget is None:
-            return value.detach().clone()
+def _keeps(budget: list[int] | None, strict: bool) -> Callable[[Any], Any]:
+    """What becomes of a tensor (or a :class:`_Held` one) in a list or dict of a kept call: kept
+    (``budget``, the component's own state): cloned within it, else held; used (no budget): cloned
+    (``strict``, a held one checked) or read as it is now (a check of its values: nothing cloned)."""
+    if budget is None:
+        if strict:
+            return lambda value: _used(value) if type(value) is _Held else value.detach().clone()
+        return lambda value: value.tensor if type(value) is _Held else value
+
+    def clone(value: Any) -> Any:
+        if type(value) is _Held:
+            return value
         nbytes = value.numel() * value.element_size()
         if nbytes > budget[0]:
             return _Held(value)
         budget[0] -= nbytes
         return value.detach().clone()
-    return (_used(value) if strict else value.tensor) if type(value) is _Held else value
+
+    return clone
+
+
+def _copy(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:
+    if type(value) is dict:
+        return {k: _item(v, depth, keep) for k, v in value.items()}
+    copied = [_item(v, depth, keep) for v in value]
+    return tuple(copied) if type(value) is tuple else copied
+
+
+def _item(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:
+    if type(value) in _COPIED:
+        return _copy(value, depth + 1, keep) if depth < 2 else value
+    if isinstance(value, torch.Tensor) or type(value) is _Held:
+        return keep(value)
+    return value
 
 
 _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
@@ -439,7 +465,7 @@ class CallSiteHooks:
         guided: bool,
         oom: OutOfMemoryWatch | None,
     ):
-        key = (site.component, site.prefix)
+        key, state = (site.component, site.prefix), self.own_state(site.component)
 
         def before(module, args, kwargs):
             if oom is not None and oom.last is not None:  # an OOM recorded earlier: let go of its frames
@@ -452,7 +478,7 @@ class CallSiteHooks:
                         if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
                             del held[0]  # start would cut a short list's front: only 4 of 8 were held)
                         held.append((self.kept[key], self.contexts.get(key)))
-                    self.kept[key] = kept_as_passed(args, kwargs, self._copies)
+                    self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state)
                     if stateful:  # its replay starts where the call did
                         found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
                         self.contexts[key] = hook_state(module, found, self._budget)
@@ -571,7 +597,7 @@ class CallSiteHooks:
         if method is not None and self.kept[key][0] is not _HALF:  # the method's arguments: the half's, once
             self.kept[key] = (
                 _HALF,
-                half_arguments(method, site.module, *kept_as_passed(*self.kept[key]), kept_as_passed),
+                half_arguments(method, site.module, *kept_as_passed(*self.kept[key], strict=strict), kept_as_passed),
             )
         kept = self.kept[key]
         return kept_as_passed(*(kept[1] if kept[0] is _HALF else kept), strict=strict)
