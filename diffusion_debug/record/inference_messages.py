@@ -201,7 +201,8 @@ def _nonfinite(anomaly: Anomaly) -> str:
         shown = ", ".join(d["arguments"])
         return (
             f"{component} got NaN/Inf back through its own {shown}, which its earlier calls fill and read back: "
-            f"one of its modules made it in an earlier call of this {d['phase']} while the output stayed finite; "
+            f"one of its modules made it in an earlier call of this {d['phase']} whose output was finite or not read "
+            "(a cache step's); "
             f"check {component}'s dtype and weights."
         )
     if how == "step-end callback":

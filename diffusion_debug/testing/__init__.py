@@ -9,7 +9,8 @@
   Lumina 2, AuraFlow, CogVideoX), :mod:`~diffusion_debug.testing.zoo_newer` (Flux Kontext, Fill
   and Control, Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner),
   :mod:`~diffusion_debug.testing.zoo_latest` (Stable Cascade prior and decoder, SkyReels-V2 diffusion forcing,
-  Kandinsky 5, CogView4, Sana-Sprint, Z-Image, Allegro), :mod:`~diffusion_debug.testing.zoo_extra` (Kandinsky 3),
+  Kandinsky 5, CogView4, Sana-Sprint, Z-Image, Allegro), :mod:`~diffusion_debug.testing.zoo_extra` (Kandinsky 3,
+  HunyuanVideo 1.5, Latte, a consistency model, VisualCloze),
   :mod:`~diffusion_debug.testing.zoo_recent` (SDXL PAG and ControlNet-Union, FLUX.2 [klein], Bria, Marigold,
   Z-Image img2img, HiDream-I1, Lumina-Next, HunyuanImage 2.1),
   :mod:`~diffusion_debug.testing.zoo_recent_video` (LTX-Video, Wan VACE, ChronoEdit, SANA-Video, Stable Audio),

@@ -17,7 +17,8 @@ T2I-Adapter, Depth2Img, LCM, DeepFloyd IF, PixArt-Σ, Sana, Lumina 2, AuraFlow,
 CogVideoX), :mod:`~diffusion_debug.testing.zoo_newer` (Flux Kontext, Fill and Control,
 Chroma, HunyuanVideo, Mochi, Wan image-to-video, the SDXL refiner), :mod:`~diffusion_debug.testing.zoo_latest`
 (Stable Cascade prior and decoder, SkyReels-V2 diffusion forcing, Kandinsky 5, CogView4, Sana-Sprint,
-Z-Image, Allegro), :mod:`~diffusion_debug.testing.zoo_extra` (Kandinsky 3),
+Z-Image, Allegro), :mod:`~diffusion_debug.testing.zoo_extra` (Kandinsky 3, HunyuanVideo 1.5, Latte, a
+consistency model, VisualCloze),
 :mod:`~diffusion_debug.testing.zoo_recent` (SDXL PAG and ControlNet-Union, FLUX.2 [klein], Bria, Marigold,
 Z-Image img2img, HiDream-I1, Lumina-Next, HunyuanImage 2.1),
 :mod:`~diffusion_debug.testing.zoo_recent_video` (LTX-Video, Wan VACE, ChronoEdit, SANA-Video, Stable Audio),
@@ -131,7 +132,8 @@ def tiny_pipeline(
             flux_fill, flux_control, chroma, hunyuan_video, mochi, wan_i2v, sdxl_refiner), one of
             :data:`~diffusion_debug.testing.zoo_latest.ZOO_CALLS` (stable_cascade_prior, stable_cascade,
             skyreels_v2_df, kandinsky5, cogview4, sana_sprint, z_image, allegro), one of
-            :data:`~diffusion_debug.testing.zoo_extra.ZOO_CALLS` (kandinsky3), flux
+            :data:`~diffusion_debug.testing.zoo_extra.ZOO_CALLS` (kandinsky3, hunyuan_video15, latte,
+            consistency, visualcloze), flux
             (:data:`~diffusion_debug.testing.flux.FLUX_CALL`), or svd, dance_diffusion
             (:data:`~diffusion_debug.testing.zoo_video_audio.CALLS`), or wan22 (two experts,
             :func:`~diffusion_debug.testing.zoo_video_audio.WAN22_CALL`), ltx2 (video and audio,

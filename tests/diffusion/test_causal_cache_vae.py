@@ -124,8 +124,8 @@ def test_an_inf_the_vae_gets_back_through_its_own_feat_cache_is_the_vaes(pipes, 
     assert (error.details["localized_by"], error.details["arguments"]) == ("its own state", ["feat_cache"])
     assert error.message == (
         "vae got NaN/Inf back through its own feat_cache, which its earlier calls fill and read back: one of its "
-        "modules made it in an earlier call of this decode while the output stayed finite; check vae's dtype and "
-        "weights."
+        "modules made it in an earlier call of this decode whose output was finite or not read (a cache step's); "
+        "check vae's dtype and weights."
     )
 
 

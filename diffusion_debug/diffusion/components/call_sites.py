@@ -88,39 +88,118 @@ QwenImage VAEs' causal-conv ``feat_cache``, a language model's ``past_key_values
 names a model lists in diffusers' ``_skip_keys``. Never an input the pipeline made."""
 
 
-def kept_as_passed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def kept_as_passed(
+    args: tuple,
+    kwargs: dict,
+    budget: list[int] | None = None,
+    strict: bool = True,
+    state: frozenset[str] = frozenset(),
+) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every list and dict in them (two levels deep) copied, so that what
     the call writes into them (the Wan VAE's ``feat_cache``, filled by its causal convs during the
     call, and its ``feat_idx`` counter) is not seen in the kept call, and a replay on a copy
-    never writes into the user's. The tensors are the same objects (a tensor changed in place is
-    seen changed: a limit of every kept call, but for the latents a scheduler steps:
-    :meth:`CallSiteHooks.keep_apart`).
+    never writes into the user's. ``budget`` (as a call is kept): ``[bytes]`` still to clone this
+    step; only the tensors under the keyword arguments named in ``state`` (the component's own state,
+    :meth:`CallSiteHooks.own_state`: AnyFlow FAR's ``kv_cache``, rewritten in place by its next
+    chunk's cache step) are cloned, so that one rewritten after the call is seen as it was passed; one
+    beyond the budget is held with its version (:class:`_Held`: a use finds it changed in place,
+    :func:`_used`). The tensors in every other list or dict are held as passed (no op added a call: a
+    ControlNet's residuals). Without (a use: a replay, a bundle): every tensor in them cloned, so a
+    replay never writes into the user's; a held one checked (``strict``; else a check of the values
+    the call was passed: nothing cloned, a held tensor read as it is now). The top-level tensors are
+    the same objects (a tensor changed in place is seen changed: a limit of every kept call, but for
+    the latents a scheduler steps: :meth:`CallSiteHooks.keep_apart`).
 
     >>> cache, index = [None, None], [0]
     >>> args, kwargs = kept_as_passed((cache,), {"feat_idx": index})
     >>> cache[0], index[0] = "filled", 2
     >>> args, kwargs
     (([None, None],), {'feat_idx': [0]})
+    >>> kv, residuals = {"k": torch.ones(1)}, [torch.ones(1)]
+    >>> args, kwargs = kept_as_passed((residuals,), {"kv_cache": kv}, [1 << 20], state=frozenset({"kv_cache"}))
+    >>> kv["k"].zero_(), kwargs["kv_cache"]["k"], args[0][0] is residuals[0]
+    (tensor([0.]), tensor([1.]), True)
     """
+    keep = _as_passed if budget is not None else _keeps(None, strict)
     copied = None
     for i, value in enumerate(args):
         if type(value) in _COPIED:
             copied = copied or list(args)
-            copied[i] = _copy(value, 0)
+            copied[i] = _copy(value, 0, keep)
     kept = {}
     for name, value in kwargs.items():
-        kept[name] = _copy(value, 0) if type(value) in _COPIED else value
+        if type(value) in _COPIED:  # kept: a tensor cloned only in the component's own state
+            kept[name] = _copy(value, 0, _keeps(budget, strict) if budget is not None and name in state else keep)
+        else:
+            kept[name] = value
     return (tuple(copied) if copied is not None else args), kept
 
 
-def _copy(value: Any, depth: int) -> Any:
+def _as_passed(value: Any) -> Any:
+    return value
+
+
+def _keeps(budget: list[int] | None, strict: bool) -> Callable[[Any], Any]:
+    """What becomes of a tensor (or a :class:`_Held` one) in a list or dict of a kept call: kept
+    (``budget``, the component's own state): cloned within it, else held; used (no budget): cloned
+    (``strict``, a held one checked) or read as it is now (a check of its values: nothing cloned)."""
+    if budget is None:
+        if strict:
+            return lambda value: _used(value) if type(value) is _Held else value.detach().clone()
+        return lambda value: value.tensor if type(value) is _Held else value
+
+    def clone(value: Any) -> Any:
+        if type(value) is _Held:
+            return value
+        nbytes = value.numel() * value.element_size()
+        if nbytes > budget[0]:
+            return _Held(value)
+        budget[0] -= nbytes
+        return value.detach().clone()
+
+    return clone
+
+
+def _copy(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:
     if type(value) is dict:
-        return {k: _copy(v, depth + 1) if depth < 2 and type(v) in _COPIED else v for k, v in value.items()}
-    copied = [_copy(v, depth + 1) if depth < 2 and type(v) in _COPIED else v for v in value]
+        return {k: _item(v, depth, keep) for k, v in value.items()}
+    copied = [_item(v, depth, keep) for v in value]
     return tuple(copied) if type(value) is tuple else copied
 
 
+def _item(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:
+    if type(value) in _COPIED:
+        return _copy(value, depth + 1, keep) if depth < 2 else value
+    if isinstance(value, torch.Tensor) or type(value) is _Held:
+        return keep(value)
+    return value
+
+
 _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
+
+
+class _Held:
+    """A tensor in a kept call's list or dict held as passed, not cloned (beyond the step's
+    :data:`~.cache_hooks.KEPT_BYTES` of copies: AnyFlow FAR's whole ``kv_cache`` at real size), with
+    its version counter then (-1: an inference tensor, which has none)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, -1 if tensor.is_inference() else tensor._version
+
+
+def _used(held: _Held) -> torch.Tensor:
+    """A copy of a held tensor for a use of its kept call (a replay writing into it writes into the
+    copy). Raises ``RuntimeError`` when it was changed in place since the call: a replay would read
+    other values than the call did. Limit: an inference tensor's change is not seen."""
+    tensor = held.tensor
+    if held.version != -1 and tensor._version != held.version:
+        raise RuntimeError(
+            f"a {tuple(tensor.shape)} tensor the call was passed in a list or dict was changed in place since "
+            f"(beyond the {cache_hooks.KEPT_BYTES} bytes copied a step): a replay would not read what the call read"
+        )
+    return tensor.detach().clone()
 
 
 def _shares(value: Any, storage: int) -> bool:
@@ -241,6 +320,9 @@ class CallSiteHooks:
         registry made after that (another diffusers hook placed first) is seen at the next attach."""
         self._budget = [cache_hooks.KEPT_BYTES]
         """``[bytes]`` of cache tensors the step's saved hook states may still hold."""
+        self._copies = [cache_hooks.KEPT_BYTES]
+        """``[bytes]`` of the tensors in lists and dicts the step's kept calls may still clone
+        (:func:`kept_as_passed`)."""
         self._found: dict[int, FoundHooks] = {}
         """Per stateful module called since the last attach, its hooks as found
         (:func:`~.cache_hooks.found_hooks`): a call checks them, the detach forgets them."""
@@ -383,7 +465,7 @@ class CallSiteHooks:
         guided: bool,
         oom: OutOfMemoryWatch | None,
     ):
-        key = (site.component, site.prefix)
+        key, state = (site.component, site.prefix), self.own_state(site.component)
 
         def before(module, args, kwargs):
             if oom is not None and oom.last is not None:  # an OOM recorded earlier: let go of its frames
@@ -396,7 +478,7 @@ class CallSiteHooks:
                         if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
                             del held[0]  # start would cut a short list's front: only 4 of 8 were held)
                         held.append((self.kept[key], self.contexts.get(key)))
-                    self.kept[key] = kept_as_passed(args, kwargs)
+                    self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state)
                     if stateful:  # its replay starts where the call did
                         found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
                         self.contexts[key] = hook_state(module, found, self._budget)
@@ -503,19 +585,22 @@ class CallSiteHooks:
                     f"(beyond the {cache_hooks.KEPT_BYTES} bytes kept a step): {error!r}"
                 ) from error
 
-    def kept_call(self, site: CallSite) -> tuple[tuple, dict]:
-        """The kept call of ``site``, its lists and dicts copied again at each use: a replay fills a
-        causal-cache VAE's ``feat_cache`` and moves its ``feat_idx``, which the next replay (an
-        overflow after a NaN) or the repro bundle must see as the call was passed."""
+    def kept_call(self, site: CallSite, strict: bool = True) -> tuple[tuple, dict]:
+        """The kept call of ``site``, its lists and dicts (and the tensors in them) copied again at each
+        use: a replay fills a causal-cache VAE's ``feat_cache`` and moves its ``feat_idx``, and a cache
+        step's writes into its ``kv_cache``, which the next replay (an overflow after a NaN) or the repro
+        bundle must see as the call was passed. Raises ``RuntimeError`` where a tensor held uncloned
+        (beyond the step's bytes of copies) was changed in place since (:func:`_used`), unless not ``strict``
+        (a check of the arguments' values: it is read as it is now)."""
         key = (site.component, site.prefix)
         method = self.through.get(key)
         if method is not None and self.kept[key][0] is not _HALF:  # the method's arguments: the half's, once
             self.kept[key] = (
                 _HALF,
-                half_arguments(method, site.module, *kept_as_passed(*self.kept[key]), kept_as_passed),
+                half_arguments(method, site.module, *kept_as_passed(*self.kept[key], strict=strict), kept_as_passed),
             )
         kept = self.kept[key]
-        return kept_as_passed(*(kept[1] if kept[0] is _HALF else kept))
+        return kept_as_passed(*(kept[1] if kept[0] is _HALF else kept), strict=strict)
 
     def own_state(self, component: str) -> frozenset[str]:
         """The names of the arguments through which ``component`` gets its own state back
@@ -567,14 +652,15 @@ class CallSiteHooks:
     def drop_calls(self) -> None:
         """Forget every kept call (the step ended): no activation is held across steps."""
         self.kept, self.contexts, self.earlier = {}, {}, {}
-        self.denoiser_memory, self._budget = None, [cache_hooks.KEPT_BYTES]
+        self.denoiser_memory, self._budget, self._copies = None, [cache_hooks.KEPT_BYTES], [cache_hooks.KEPT_BYTES]
 
     def take_calls(self) -> tuple[dict, dict, dict]:
         """The step's kept calls (their cache contexts, and each site's earlier calls), handed
         over: the step whose values are read a step later keeps them until then; the hooks start
         afresh."""
         taken = (self.kept, self.contexts, self.earlier)
-        self.kept, self.contexts, self.earlier, self._budget = {}, {}, {}, [cache_hooks.KEPT_BYTES]
+        self.kept, self.contexts, self.earlier = {}, {}, {}
+        self._budget, self._copies = [cache_hooks.KEPT_BYTES], [cache_hooks.KEPT_BYTES]
         return taken
 
     @contextlib.contextmanager
@@ -598,7 +684,7 @@ class CallSiteHooks:
 
     def new_run(self) -> None:
         self.kept, self.contexts, self.earlier, self._started, self._peaks = {}, {}, {}, {}, {}
-        self.denoiser_memory, self._budget = None, [cache_hooks.KEPT_BYTES]
+        self.denoiser_memory, self._budget, self._copies = None, [cache_hooks.KEPT_BYTES], [cache_hooks.KEPT_BYTES]
 
 
 def kept_arguments(
@@ -606,10 +692,11 @@ def kept_arguments(
 ) -> tuple[nn.Module, tuple, dict] | None:
     """``(module, args, kwargs)`` of ``component``'s kept call at the site ``prefix`` (the VAE's
     ``decoder``; None: its first site with a kept call); None when none is kept. A VAE whose
-    ``encoder`` call is still kept when its ``decoder`` is checked is read at the decoder."""
+    ``encoder`` call is still kept when its ``decoder`` is checked is read at the decoder; for a check of
+    the values it was passed (a tensor held beyond the step's copies read as it is now), not a replay."""
     for site in calls.sites:
         if prefix is not None and site.prefix != prefix:
             continue
         if site.component == component and (site.component, site.prefix) in calls.kept:
-            return (site.module, *calls.kept_call(site))
+            return (site.module, *calls.kept_call(site, strict=False))
     return None

@@ -49,7 +49,10 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, dict):
-        return {"__dict__": {str(k): _pack(v, f"{path}.{k}", tensors) for k, v in obj.items()}}
+        if all(type(k) is str for k in obj):
+            return {"__dict__": {k: _pack(v, f"{path}.{k}", tensors) for k, v in obj.items()}}
+        # keys of other types as they were (AnyFlow FAR's kv_cache: layer indices): a pair each
+        return {"__items__": [[_pack(k, "", {}), _pack(v, f"{path}.{k}", tensors)] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
         return {
             "__list__" if isinstance(obj, list) else "__tuple__": [
@@ -78,6 +81,8 @@ def _unpack(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return tensors[skeleton[_TENSOR]]  # every reference was checked by read_bundle
         if "__dict__" in skeleton:
             return {k: _unpack(v, tensors) for k, v in skeleton["__dict__"].items()}
+        if "__items__" in skeleton:
+            return {_unpack(k, tensors): _unpack(v, tensors) for k, v in skeleton["__items__"]}
         if "__list__" in skeleton:
             return [_unpack(v, tensors) for v in skeleton["__list__"]]
         if "__tuple__" in skeleton:

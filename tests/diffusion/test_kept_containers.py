@@ -1,0 +1,230 @@
+"""A kept call's tensors inside its dict and list arguments are its own: AnyFlow FAR passes its
+transformer a ``kv_cache`` dict whose tensors its next chunk's cache step rewrites in place, and a
+cache step writes into them itself. A replay read a step later (localisation, ``why()``) reads them
+as the call was passed, and never writes into the user's dict. Before, the kept call held the user's
+tensors: the replay read the rewritten cache (the NaN the call made did not reproduce: named at the
+transformer, not its module; ``why()`` found the replay finite) and its own cache writes landed in
+the user's cache (the run's cache one write ahead of its unwatched twin's). A tensor beyond the step's
+bytes of copies is held as passed and a replay that finds it changed refuses (a ``debugger_error``),
+never naming a wrong module; a call given no tensor in a list or dict clones nothing."""
+
+from __future__ import annotations
+
+import diffusers
+import pytest
+import torch
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+from torch import nn
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components import cache_hooks
+from diffusion_debug.diffusion.components.call_sites import kept_as_passed
+from diffusion_debug.op_count import count_aten_ops
+
+
+class Sqrt(nn.Module):
+    def forward(self, x):
+        return x.sqrt()
+
+
+class CachedTransformer(nn.Module):
+    """A denoiser given its own state in a dict (FAR's ``kv_cache``): it reads ``k`` and writes ``v``
+    in place (a cache step's write); ``root`` makes NaN where ``k`` is negative."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj_in, self.root, self.proj_out = nn.Linear(4, 4), Sqrt(), nn.Linear(4, 4)
+
+    def forward(self, sample, timestep, kv_cache):
+        h = self.root(self.proj_in(sample).relu() + kv_cache["k"])
+        kv_cache["v"].add_(1.0)
+        return self.proj_out(h) + kv_cache["v"]
+
+
+class CachedPipeline(DiffusionPipeline):
+    """Each step's cache ``k`` is negated in place after the call (FAR's next cache step rewrites it)."""
+
+    def __init__(self, transformer, scheduler):
+        super().__init__()
+        self.register_modules(transformer=transformer, scheduler=scheduler)
+
+    def __call__(self, kv_cache, num_inference_steps=3):
+        latents = torch.linspace(-1, 1, 8).reshape(1, 2, 4)
+        self.scheduler.set_timesteps(num_inference_steps)
+        for t in self.scheduler.timesteps:
+            noise = self.transformer(latents, t, kv_cache=kv_cache)
+            latents = self.scheduler.step(noise, t, latents).prev_sample
+            kv_cache["k"].neg_()
+        return latents
+
+
+def cache():
+    """``k`` positive at step 0, negative at step 1 (the NaN made there), positive again when read."""
+    return {"k": torch.ones(1, 2, 4), "v": torch.zeros(1, 2, 4)}
+
+
+def watched(tmp_path, user):
+    pipe = CachedPipeline(CachedTransformer(), FlowMatchEulerDiscreteScheduler())
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        pipe(user)
+    dbg.close()
+    return dbg.report()
+
+
+def test_a_kv_cache_rewritten_after_the_call_is_replayed_as_passed_and_left_untouched(tmp_path):
+    twin = cache()
+    CachedPipeline(CachedTransformer(), FlowMatchEulerDiscreteScheduler())(twin)
+    user = cache()
+    report = watched(tmp_path, user)
+    assert all(torch.equal(user[k].view(torch.uint8), twin[k].view(torch.uint8)) for k in twin)  # v: 3, not 4
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "transformer", "root", 1)
+    assert not [a for a in report.anomalies if a.kind == "debugger_error"]
+    before = {k: v.clone() for k, v in user.items()}
+    result = report.why()
+    assert (result.module, result.baseline.finite) == ("root", False)
+    assert all(torch.equal(before[k], user[k]) for k in user)
+
+
+def test_a_cache_beyond_the_bytes_copied_and_changed_since_is_not_replayed(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)  # nothing cloned as kept: each tensor held as passed
+    twin = cache()
+    CachedPipeline(CachedTransformer(), FlowMatchEulerDiscreteScheduler())(twin)
+    user = cache()
+    report = watched(tmp_path, user)
+    assert all(torch.equal(user[k].view(torch.uint8), twin[k].view(torch.uint8)) for k in twin)  # cloned to replay
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "transformer", "", 1)
+    failed = [a.message for a in report.anomalies if a.kind == "debugger_error"]
+    assert [m.split(" failed ")[0] for m in failed] == ["The debugger's replay", "The debugger's repro_bundle"]
+    changed = "(1, 2, 4) tensor the call was passed in a list or dict was changed in place since"
+    assert all(changed in m for m in failed)
+
+
+def test_a_call_given_no_tensor_in_a_list_or_dict_clones_nothing():
+    sample, cache = torch.ones(2), [None, None]
+    with count_aten_ops() as ops:
+        args, kwargs = kept_as_passed((sample, cache), {"feat_idx": [0], "scale": 1.0}, budget=[1 << 20])
+    assert ops.counts == {} and args[0] is sample and args[1] == cache and args[1] is not cache
+    budget = [16]  # 4 floats of the own state: the first is cloned, the second held as passed
+    residuals = [torch.ones(4)]  # not the component's own state: held as passed, no op (a ControlNet's)
+    kv = {"a": torch.ones(4), "b": torch.ones(4)}
+    with count_aten_ops() as ops:
+        args, kept = kept_as_passed((residuals,), {"residuals": residuals}, budget=[1 << 20], state=frozenset({"kv"}))
+    assert ops.counts == {} and args[0][0] is residuals[0] and kept["residuals"][0] is residuals[0]
+    _, kwargs = kept_as_passed((), {"kv": kv}, budget=budget, state=frozenset({"kv"}))
+    assert budget == [0] and type(kwargs["kv"]["a"]) is torch.Tensor and type(kwargs["kv"]["b"]).__name__ == "_Held"
+    assert kwargs["kv"]["a"] is not kv["a"] and torch.equal(kwargs["kv"]["a"], kv["a"])
+    used, _ = kept_as_passed(args, {})  # a use clones: a replay never writes into the user's tensors
+    assert used[0][0] is not residuals[0] and torch.equal(used[0][0], residuals[0])
+    read, _ = kept_as_passed(args, {}, strict=False)  # a check of the values: nothing cloned
+    assert read[0][0] is residuals[0]
+
+
+def test_a_bundled_dict_keyed_by_layer_index_loads_with_its_keys(tmp_path):
+    # FAR's kv_cache is {layer index: {"full_cache": ..., "compressed_cache": ...}}: a bundle wrote its keys as
+    # strings, and why()'s replay of the call failed (KeyError: 0): "nothing can be concluded"
+    from diffusion_debug.diffusion.replay.bundle import load_call, save_bundle
+
+    kv_cache = {0: {"k": torch.ones(2)}, 1: {"k": torch.zeros(2)}, (2, "a"): None}
+    model = CachedTransformer()
+    save_bundle(
+        tmp_path,
+        component="transformer",
+        component_module=model,
+        call_prefix="",
+        args=(torch.ones(1, 2, 4),),
+        kwargs={"kv_cache": kv_cache, "named": {"scale": 1.0}},
+        step=0,
+        timestep=1.0,
+        module="root",
+        anomaly_kind="nonfinite",
+    )
+    _, args, kwargs = load_call(tmp_path, model)
+    assert list(kwargs["kv_cache"]) == [0, 1, (2, "a")] and kwargs["named"] == {"scale": 1.0}
+    loaded = kwargs["kv_cache"]
+    assert torch.equal(loaded[0]["k"], torch.ones(2)) and torch.equal(loaded[1]["k"], torch.zeros(2))
+
+
+def far_pipeline():
+    """AnyFlow FAR at the tiny Wan sizes: 3 causal chunks of one latent frame (32x32 video frames), a cache
+    step after each chunk but the last writing the chunk's keys and values into ``kv_cache``."""
+    import diffusers
+
+    from diffusion_debug.testing import tiny_pipeline
+
+    wan = tiny_pipeline("wan22")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformer = diffusers.AnyFlowFARTransformer3DModel(
+            compressed_patch_size=(1, 4, 4),
+            full_chunk_limit=2,
+            num_attention_heads=2,
+            attention_head_dim=12,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
+            chunk_partition=(1, 1, 1),
+        ).eval()
+    pipe = diffusers.AnyFlowFARPipeline(
+        tokenizer=wan.tokenizer,
+        text_encoder=wan.text_encoder,
+        transformer=transformer,
+        vae=wan.vae,
+        scheduler=diffusers.FlowMapEulerDiscreteScheduler(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.skipif(not hasattr(diffusers, "AnyFlowFARPipeline"), reason="this diffusers has no AnyFlow FAR")
+def test_a_nan_far_s_cache_step_wrote_into_its_kv_cache_is_its_own_state_s_not_said_read_finite(tmp_path):
+    # the cache step's output is thrown away (only its kv_cache is kept): the message said "while the
+    # output stayed finite" of a call whose output was NaN and never read
+    pipe = far_pipeline()
+    calls = [0]
+
+    def nan_in_the_first_cache_step(module, args, output):  # the transformer's third call: after chunk 0
+        calls[0] += 1
+        if calls[0] == 3:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+
+    handle = pipe.transformer.get_submodule("blocks.0.attn1.to_k").register_forward_hook(nan_in_the_first_cache_step)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            pipe(
+                prompt_embeds=torch.linspace(-1, 1, 16 * 32).reshape(1, 16, 32),
+                negative_prompt_embeds=torch.zeros(1, 16, 32),
+                guidance_scale=2.0,
+                height=32,
+                width=32,
+                num_frames=9,
+                chunk_partition=[1, 1, 1],
+                num_inference_steps=2,
+                generator=torch.Generator().manual_seed(0),
+                output_type="pt",
+            )
+    finally:
+        handle.remove()
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step, error.details["run"]) == (
+        "nonfinite",
+        "transformer",
+        "",
+        0,
+        2,
+    )
+    assert (error.details["localized_by"], error.details["arguments"]) == ("its own state", ["kv_cache"])
+    assert error.message == (
+        "transformer got NaN/Inf back through its own kv_cache, which its earlier calls fill and read back: one of "
+        "its modules made it in an earlier call of this denoise whose output was finite or not read (a cache "
+        "step's); check transformer's dtype and weights."
+    )
+    dbg.close()
