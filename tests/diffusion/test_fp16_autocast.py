@@ -187,3 +187,53 @@ def test_clean_runs_in_and_out_of_fp16_autocast_are_quiet_and_bitwise_equal_unde
 def _under_autocast_np(pipe):
     with autocast():
         return run(pipe, steps=2)
+
+
+def _cuda_autocast_only(monkeypatch):
+    """The autocast queries answer as under ``torch.autocast("cuda", dtype=torch.float16)`` alone (this machine
+    has no CUDA): the CPU's autocast is off."""
+    import importlib
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type="cuda": device_type == "cuda")
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.float16)
+    for name in ("component_probes", "autocast"):
+        try:
+            module = importlib.import_module(f"diffusion_debug.diffusion.components.{name}")
+        except ImportError:  # (before the autocast module)
+            continue
+        monkeypatch.setattr(module, "ANY_AUTOCAST", lambda: True)
+
+
+def test_cuda_fp16_autocast_leaves_components_on_the_cpu_probed_as_float32(tmp_path, monkeypatch):
+    """Autocast is per device type: CUDA's leaves a component on the CPU (a text encoder kept there) computing in
+    float32, with no overflow to watch. It was probed as under autocast (the first device type found open was
+    taken for every component): full probes and sentinels on an fp32 pipeline that cannot overflow. Under the
+    CPU's own float16 autocast they are probed as float16 ones; under its bfloat16 one, as float32 ones."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with torch.autocast("cpu", dtype=torch.float16), dbg:
+        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
+    with torch.autocast("cpu", dtype=torch.bfloat16), dbg:
+        assert dbg._steps.probes.levels == {"unet": "output", "text_encoder": "output", "vae": "output"}
+    with monkeypatch.context() as patched:
+        _cuda_autocast_only(patched)
+        with dbg:
+            assert dbg._steps.probes.levels == {"unet": "output", "text_encoder": "output", "vae": "output"}
+    dbg.close()
+
+
+def test_a_component_offloaded_to_the_cpu_between_calls_is_answered_for_its_execution_device():
+    """``enable_model_cpu_offload`` keeps a component's weights on the CPU until its call moves them to the GPU: its
+    autocast is its execution device's (accelerate's hook names it), not the CPU's where the weights wait."""
+    from accelerate.hooks import CpuOffload, add_hook_to_module
+
+    from diffusion_debug.diffusion.components.autocast import autocast_dtype, execution_device_type
+
+    offloaded, kept = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    add_hook_to_module(offloaded, CpuOffload(execution_device="cuda"))
+    state = (("cuda", torch.float16),)
+    assert [execution_device_type(offloaded), execution_device_type(kept)] == ["cuda", "cpu"]
+    assert [autocast_dtype(state, execution_device_type(m)) for m in (offloaded, kept)] == [torch.float16, None]
+    assert execution_device_type(torch.nn.Linear(2, 2, device="meta")) == "?"
