@@ -159,6 +159,29 @@ def test_a_module_kept_in_float32_of_an_fp16_pipeline_without_autocast_gets_the_
     assert risks[0].message.endswith("run this component in bfloat16 or float32, or upcast this module.")
 
 
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
+def test_a_float16_output_of_float32_weights_gets_the_autocast_advice_only_under_float16_autocast(autocast):
+    """A float32 module's float16 output is autocast's where autocast computes in float16: "it ran under float16
+    autocast ... autocast to bfloat16 instead". Under bfloat16 autocast that float16 came from elsewhere (a module
+    kept in float32 that casts back, ``_keep_in_fp32_modules``), and the user autocasts to bfloat16 already: the
+    float16 advice holds. Any autocast open counted (bfloat16's was told to autocast to bfloat16)."""
+    from diffusion_debug.probes import ModuleReading
+
+    reading = ModuleReading("up_blocks.0.resnets.0.conv2", 0, "float16", 1.0, 6e4, "float16", "absmax")
+    with torch.autocast("cpu", dtype=autocast):
+        (risk,) = checks.overflow_risk(
+            "unet", reading, step=0, timestep=None, fraction=0.5, localized_by="sentinel", weights_dtype="float32"
+        )
+    fp16 = autocast == torch.float16
+    assert ("weights_dtype" in risk.details) is fp16
+    assert risk.message.endswith(
+        "it ran under float16 autocast (its weights are float32): autocast to bfloat16 instead (torch.autocast(..., "
+        "dtype=torch.bfloat16)) or run unet.up_blocks.0.resnets.0.conv2 outside autocast."
+        if fp16
+        else "run this component in bfloat16 or float32, or upcast this module."
+    )
+
+
 # -- prompts, scheduler, dtype, VAE saturation ----------------------------------------------------
 
 

@@ -82,6 +82,18 @@ def autocast_dtype(state: AutocastState, device_type: str | None = UNKNOWN_DEVIC
     return None
 
 
+def autocast_on(dtype: str | None) -> bool:
+    """Whether an autocast region that computes in ``dtype`` (a name: ``"float16"``) is open now, on any device
+    type (read as a warning is made, during the pipeline's call: inside the user's ``with torch.autocast(...)``);
+    bfloat16 autocast makes no float16 value.
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     autocast_on("float16"), autocast_on("bfloat16")
+    (False, True)
+    """
+    return any(str(computed).removeprefix("torch.") == dtype for _, computed in autocast_state())
+
+
 def execution_device_type(module: nn.Module) -> str:
     """The device type ``module`` computes on: an accelerate offload hook's execution device (the weights wait on
     the CPU until the call), else its first parameter's; :data:`UNKNOWN_DEVICE` for meta weights, none, or
