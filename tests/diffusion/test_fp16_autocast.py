@@ -237,3 +237,30 @@ def test_a_component_offloaded_to_the_cpu_between_calls_is_answered_for_its_exec
     assert [execution_device_type(offloaded), execution_device_type(kept)] == ["cuda", "cpu"]
     assert [autocast_dtype(state, execution_device_type(m)) for m in (offloaded, kept)] == [torch.float16, None]
     assert execution_device_type(torch.nn.Linear(2, 2, device="meta")) == "?"
+
+
+def test_why_replays_an_fp16_autocast_overflow_under_the_autocast_it_ran_in(pipes, tmp_path):
+    """``to_out`` overflowing float16 under autocast at step 0 (its weights float32): ``report.why()`` runs after
+    the user's ``with torch.autocast(...)`` has closed, and replayed the call in float32, so its "as it was" row
+    was finite ("does not reproduce") and no module was named. The run's autocast is kept with its calls and
+    entered again: the row is non-finite, the producer the Linear; so is the bundle's own replay, and its
+    meta.json says the autocast. Running outside autocast, or autocasting to bfloat16, makes it finite."""
+    from diffusion_debug.diffusion import replay
+
+    pipe = pipes["sd"]
+    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg, autocast():
+            run(pipe, steps=2, output_type="latent")
+        (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+        result = dbg.report().why()
+        replayed = replay(dbg.report().save() / error.details["bundle"], pipe.unet)
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "unet", UNET_ATTENTION_OUT, 0)
+    assert (result.component, result.module, result.step) == ("unet", UNET_ATTENTION_OUT, 0)
+    assert (result.baseline.factor, result.baseline.finite) == ("as it was", False)
+    assert (replayed["module"], replayed["output_finite"]) == (UNET_ATTENTION_OUT, False)
+    assert replayed["meta"]["autocast"] == [["cpu", "float16"]]
+    rows = {r.factor: r.finite for r in result.replays}
+    assert (rows["autocast to bfloat16"], rows["outside autocast"]) == (True, True)
+    assert result.fix == "autocast to bfloat16"
+    dbg.close()

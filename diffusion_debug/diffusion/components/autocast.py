@@ -114,10 +114,50 @@ def execution_device_type(module: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def autocast_as(state: AutocastState) -> Iterator[None]:
-    """Within the block, the autocast regions of ``state`` open again (a replay of a call made under them); none
-    entered for ``()``: the replay runs as the caller's code does."""
+def autocast_as(state: tuple[tuple[str, torch.dtype | None], ...]) -> Iterator[None]:
+    """Within the block, the autocast regions of ``state`` open again (a replay of a call made under them), a
+    device type given dtype None closed (a replay outside the call's autocast); none entered for ``()``: the
+    replay runs as the caller's code does.
+
+    >>> with autocast_as((("cpu", torch.float16),)):
+    ...     torch.nn.Linear(2, 2)(torch.ones(2)).dtype
+    torch.float16
+    """
     with contextlib.ExitStack() as stack:
         for device, dtype in state:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
+            if dtype is None:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            else:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
         yield
+
+
+AUTOCAST_DTYPES = ("float16", "bfloat16", "float32")
+"""The dtypes a saved autocast state may name (a bundle's ``meta.json``; a crafted file is data)."""
+
+
+def state_fields(state: AutocastState) -> list[list[str]]:
+    """``state`` as JSON fields, ``[["cuda", "float16"]]`` (a repro bundle's ``meta.json``)."""
+    return [[device, str(dtype).removeprefix("torch.")] for device, dtype in state]
+
+
+def state_from_fields(fields: object) -> AutocastState | None:
+    """The state :func:`state_fields` wrote; None where ``fields`` is not one (a device type or dtype not read
+    here, another layout). Absent (a bundle saved before it was kept): ``()``.
+
+    >>> state_from_fields([["cuda", "float16"]]), state_from_fields(None), state_from_fields([["cuda", "int8"]])
+    ((('cuda', torch.float16),), (), None)
+    """
+    if fields is None:
+        return ()
+    if not isinstance(fields, list):
+        return None
+    state = []
+    for entry in fields:
+        if not isinstance(entry, list) or len(entry) != 2:
+            return None
+        device, dtype = entry
+        if device not in DEVICE_TYPES or dtype not in AUTOCAST_DTYPES:
+            return None
+        state.append((device, getattr(torch, dtype)))
+    return tuple(state)

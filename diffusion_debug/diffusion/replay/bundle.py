@@ -23,6 +23,7 @@ from ...errors import DiffusionDebugError
 from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
 from ..checks import find_producer, first_nonfinite
+from ..components.autocast import AutocastState, autocast_as, state_fields, state_from_fields
 from ..components.cache_hooks import hook_state_kept
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
@@ -121,10 +122,12 @@ def save_bundle(
     cache_context: Any = None,
     guider_hooks: dict[str, list[str]] | None = None,
     overflow_fraction: float = DebugConfig.overflow_fraction,
+    autocast: AutocastState = (),
 ) -> Path:
     """Write ``inputs.safetensors`` and ``meta.json``; return the folder. ``guider_hooks``: per module,
     the hooks a guider placed for the call only (:func:`~..components.cache_hooks.placed_for_the_call`);
-    ``overflow_fraction``: the run's, so a replay names the near-max maker the run named."""
+    ``overflow_fraction``: the run's, so a replay names the near-max maker the run named; ``autocast``: the
+    autocast the call ran under, entered again by its replays (``[["cuda", "float16"]]``)."""
     from safetensors.torch import save_file
 
     bundle_dir = Path(bundle_dir)
@@ -142,6 +145,7 @@ def save_bundle(
         "module": module,
         "anomaly_kind": anomaly_kind,
         "overflow_fraction": overflow_fraction,
+        "autocast": state_fields(autocast),
         "cache_context": context_fields(cache_context),
         "guider_hooks": dict(guider_hooks or {}),
         "dtypes": {k: dtype_name(v.dtype) for k, v in tensors.items()},
@@ -166,6 +170,7 @@ def save_anomaly_bundle(
     cache_context: Any = None,
     guider_hooks: dict[str, list[str]] | None = None,
     overflow_fraction: float = DebugConfig.overflow_fraction,
+    autocast: AutocastState = (),
 ) -> Path:
     """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``
     of ``record``'s run; ``anomaly.details["bundle"]`` then names it (relative to the run directory),
@@ -187,6 +192,7 @@ def save_anomaly_bundle(
         cache_context=cache_context,
         guider_hooks=guider_hooks,
         overflow_fraction=overflow_fraction,
+        autocast=autocast,
     )
     anomaly.details["bundle"] = f"bundles/{label}"
     place = {key: getattr(anomaly, key) for key in ("kind", "rank", "component", "module", "parameter")}
@@ -239,6 +245,7 @@ def read_bundle(bundle_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
         ("parameter_dtype", meta.get("parameter_dtype") in (None, *PARAMETER_DTYPES), ", ".join(PARAMETER_DTYPES)),
         ("dtypes", isinstance(meta.get("dtypes", {}), dict), "an object of dtype names"),
         ("overflow_fraction", _is_fraction(meta.get("overflow_fraction", 1)), "a number in (0, 1]"),
+        ("autocast", state_from_fields(meta.get("autocast")) is not None, "[device type, dtype] pairs"),
     ):
         if not ok:
             shown = repr(meta.get(field))[:60]
@@ -340,7 +347,7 @@ def replay(
         ) from None
     context = context_from_fields(meta.get("cache_context"))
     note, name = "", str(meta.get("component"))
-    with timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable:
+    with autocast_as(bundled_autocast(meta)), timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable:
         try:
             if not replayable:
                 raise _Uncached(uncached_note(name))
@@ -368,6 +375,12 @@ def replay(
         "note": note,
         "meta": meta,
     }
+
+
+def bundled_autocast(meta: dict[str, Any]) -> AutocastState:
+    """The autocast the bundled call ran under (``meta.json``'s ``autocast``, checked by :func:`read_bundle`; a
+    bundle saved before it was kept: none)."""
+    return state_from_fields(meta.get("autocast")) or ()
 
 
 def bundled_timestep(meta: dict[str, Any]) -> float | None:
