@@ -264,3 +264,55 @@ def test_why_replays_an_fp16_autocast_overflow_under_the_autocast_it_ran_in(pipe
     assert (rows["autocast to bfloat16"], rows["outside autocast"]) == (True, True)
     assert result.fix == "autocast to bfloat16"
     dbg.close()
+
+
+def test_a_near_max_made_inside_a_float32_stream_under_fp16_autocast_is_warned_after_the_first_read(pipes, tmp_path):
+    """``fc2`` at 60% of float16's max under autocast (weights float32): its float16 output is added to the CLIP
+    layer's float32 stream, whose float32 outputs the sentinel does not read against float16's max. The full
+    read of the first run warns it; a later run's sentinel read nothing float16 of the layers and did not. It
+    reads each sublayer's float16 residual projection (``out_proj``, ``fc2``): the second run warns it too."""
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with autocast(), dbg:
+        run(pipe, steps=1, output_type="latent")  # the text encoder read fully, clean
+    with near_max(pipe, "text_encoder", FC2, 0.6, steps=1):
+        with autocast(), dbg:
+            run(pipe, steps=1, output_type="latent")
+    assert dbg._steps.probes.levels["text_encoder"] == "sentinel"
+    assert found(dbg, 1) == []
+    assert found(dbg, 2) == [("overflow_risk", "warning", "text_encoder", FC2, None)]
+    dbg.close()
+
+
+def test_clean_flux_text_encoders_under_fp16_autocast_stay_quiet_with_their_projections_read(tmp_path):
+    """Flux's text encoders (a CLIP, a T5 whose attention returns float32's min in ``position_bias``) under float16
+    autocast: their sublayers' projections (``out_proj`` and ``fc2``, T5's ``o`` and ``wo``) are read by the
+    sentinel from the second run on, and clean runs warn nothing of them; each image is bitwise the unwatched
+    one."""
+    from diffusion_debug.testing import tiny_pipeline
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    pipe = tiny_pipeline("flux")
+
+    def call():
+        with autocast():
+            return pipe(**FLUX_CALL[0](), num_inference_steps=1, generator=torch.Generator().manual_seed(0)).images
+
+    plain = call()
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    watched = []
+    for _ in range(3):
+        with dbg:
+            watched.append(call())
+            modules = {name: list(probe.module_names) for name, probe in dbg._steps.probes.probes.items()}
+    assert [np.array_equal(image, plain) for image in watched] == [True, True, True]
+    assert dbg._steps.probes.levels["text_encoder_2"] == "sentinel"
+    assert [m for m in modules["text_encoder"] if m.endswith(("out_proj", "fc2"))] == [
+        clip_name(f"encoder.layers.{i}.{name}") for i in (0, 1) for name in ("self_attn.out_proj", "mlp.fc2")
+    ]
+    assert [m for m in modules["text_encoder_2"] if m.endswith((".o", ".wo"))] == [
+        "encoder.block.0.layer.0.SelfAttention.o",
+        "encoder.block.0.layer.1.DenseReluDense.wo",
+    ]
+    assert [a for a in dbg.report().anomalies if a.component.startswith("text_encoder")] == []
+    dbg.close()

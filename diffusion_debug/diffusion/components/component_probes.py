@@ -29,7 +29,15 @@ from .autocast import ANY_AUTOCAST, AutocastState, autocast_dtype, autocast_stat
 from .compiled import ORIG, compile_state
 from .inventory import Component, is_loop_role
 from .roles import role
-from .sentinel_blocks import _unet, denoiser_blocks, inner_blocks, overflow_blocks, stack_ends
+from .sentinel_blocks import (
+    _LAYER_STACKS,
+    _unet,
+    denoiser_blocks,
+    inner_blocks,
+    overflow_blocks,
+    residual_projections,
+    stack_ends,
+)
 from .sentinel_pace import SentinelPace, run_group
 from .structure import TreeMemo
 
@@ -123,6 +131,18 @@ def under_autocast(components: list[Component], autocast: AutocastState) -> dict
     return found
 
 
+def with_projections(
+    module: nn.Module, blocks: list[tuple[str, nn.Module]], unread: tuple[str, ...] = ()
+) -> list[tuple[str, nn.Module]]:
+    """``blocks`` and ``module``'s :func:`~.sentinel_blocks.residual_projections` (none under ``unread``), in module
+    order: one abs-max a call for them all (the sentinel's fused reduction), a hook each."""
+    projections = residual_projections(module, unread)
+    if not projections:
+        return blocks
+    order = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
+    return sorted(blocks + projections, key=lambda pair: order.get(id(pair[1]), len(order)))
+
+
 class ComponentProbes:
     """One :class:`~diffusion_debug.probes.Probe` per component (see :func:`probe_levels`); their queued
     values are taken per step or per call; paced by step or run (:attr:`pace`, :mod:`.sentinel_pace`)."""
@@ -196,17 +216,22 @@ class ComponentProbes:
                     continue
                 if ORIG in module._modules and compile_wrapper(module):  # torch.compile(vae): its decode is eager
                     module = module._modules[ORIG]  # probed as itself, names without the "_orig_mod." prefix
-                watched = values.get(("probed", level, component.role))  # the modules to probe
+                # a text encoder's float32 stream under float16 autocast: its sublayers' float16 outputs read too
+                projected = name in under and component.role in _LAYER_STACKS
+                watched = values.get(("probed", level, component.role, projected))  # the modules to probe
                 if watched is None:
                     once = not is_loop_role(component.role)  # called once per image
-                    if level == "sentinel" and once:
+                    if level == "sentinel" and once and projected:
+                        unread = memo.get(component.module, "unread", lambda: unread_modules(component))
+                        watched = with_projections(module, inner_blocks(component, overflow_blocks(module)), unread)
+                    elif level == "sentinel" and once:
                         watched = inner_blocks(component, overflow_blocks(module))
                     elif level == "sentinel" and component.role == "denoiser":
                         watched = denoiser_blocks(overflow_blocks(module))
                         watched = watched if _unet(module) else stack_ends(module, watched, repeated=True)
                     else:
                         watched = probed_modules(module, level)
-                    values[("probed", level, component.role)] = watched
+                    values[("probed", level, component.role, projected)] = watched
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same
                 kept = self._kept.get(name)
                 if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
