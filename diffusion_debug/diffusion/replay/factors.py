@@ -342,9 +342,9 @@ def factors_for(call: OriginCall) -> list[Factor]:
     if compile_state(call.module) is not None:
         found.append(eager_factor())
     if call.autocast:  # what autocast computes in, which the weights' dtype does not change
-        found += [autocast_factor(None)] + [autocast_factor(torch.bfloat16)] * any(
-            dtype != torch.bfloat16 for _, dtype in call.autocast
-        )
+        found.append(autocast_factor(None))
+        if any(dtype != torch.bfloat16 for _, dtype in call.autocast):
+            found.append(autocast_factor(torch.bfloat16))
     dtype = parameter_dtype(call.module)
     for name in ("float32", "bfloat16"):
         if dtype is not None and dtype_name(dtype) != name:
