@@ -503,3 +503,30 @@ def test_a_tokenizers_special_tokens_are_counted_once_and_forgotten_with_it():
     gc.collect()
     assert gone() is None
     assert setup_checks.fits_for_sure(Counting(), "a cat", 77) and Counting.asked == 2
+
+
+def test_a_sentinels_inf_inside_a_near_max_block_is_decided_as_that_blocks_clip_only_when_every_bad_one_is_inside():
+    """A sentinel read a residual projection's Inf and the block around it at float16's clamp (T5's 64512) in one
+    call: the block is replayed as a clip (its replay names the Inf), no NaN/Inf localised apart. A NaN (a clip
+    keeps it), an Inf outside the block, or localising off keep the NaN/Inf's own path; full probes decide the clip
+    as read."""
+    from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide
+    from diffusion_debug.probes import ModuleReading
+
+    wo = ModuleReading("block.0.ff.wo", 0, "float16", None, float("inf"), "float16")
+    block = ModuleReading("block.0", 0, "float16", None, 64512.0, "float16")
+    other = ModuleReading("block.1.ff.wo", 0, "float16", None, float("inf"), "float16")
+    nan = wo._replace(output_value=float("nan"))
+
+    def plan(readings, full=False, localize=True):
+        seen = checks.suspects(readings, 0.5)
+        asked = dict(leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None, site="")
+        made = decide("t5", seen, readings, memory=ReplayMemory(), output_finite=True, full=full, **asked,
+                      localize=localize, fraction=0.5)  # fmt: skip
+        return made.replay, made.source is not None, made.overflow and (made.overflow.replay, made.overflow.clean)
+
+    assert plan([wo, block]) == (None, False, ("block.0", True))
+    assert plan([nan, block]) == ("block.0.ff.wo", False, ("block.0", False))
+    assert plan([wo, block, other]) == ("block.0.ff.wo", False, ("block.0", False))
+    assert plan([wo, block], localize=False)[:2] == (None, True)  # the Inf named at its leaf, unreplayed
+    assert plan([wo, block], full=True) == (None, False, None)  # full probes: the clip decided as read

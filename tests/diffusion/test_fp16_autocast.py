@@ -316,3 +316,42 @@ def test_clean_flux_text_encoders_under_fp16_autocast_stay_quiet_with_their_proj
     ]
     assert [a for a in dbg.report().anomalies if a.component.startswith("text_encoder")] == []
     dbg.close()
+
+
+def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_its_projection_read(tmp_path):
+    """An fp16 T5 under float16 autocast whose ``wo`` makes an Inf (2x float16's max): T5's block clamps it to
+    64512. From the second run the sentinel reads ``wo`` (its residual projection) and the block in one call: it
+    saw the Inf and the near-max block together, and reported a generic NaN/Inf at ``wo`` plus a near-overflow at
+    the block. The block's near-max value is the clip's consequence: each run has the one error at ``wo``, with
+    the clip said, as the first run's full probes found it."""
+    from diffusion_debug.testing import tiny_pipeline
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    wo_name = "encoder.block.0.layer.1.DenseReluDense.wo"
+    pipe = tiny_pipeline("flux")
+    t5 = pipe.text_encoder_2.to(torch.float16)
+    wo = t5.get_submodule(wo_name)
+    args = FLUX_CALL[0]()
+    args.pop("output_type", None)
+
+    def call():
+        with autocast():
+            pipe(**args, num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="latent")
+
+    peaks = []
+    handle = wo.register_forward_hook(lambda _m, _a, out: peaks.append(out.abs().max().item()))
+    call()
+    handle.remove()
+    with torch.no_grad():
+        wo.weight.mul_(2 * FP16_MAX / peaks[-1])
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    for _ in range(3):
+        with dbg:
+            call()
+    clip = "text_encoder_2.encoder.block.0 clipped it to float16's largest value (65504)"
+    for number in (1, 2, 3):
+        assert found(dbg, number) == [("nonfinite", "error", "text_encoder_2", wo_name, None)], number
+        (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
+        assert clip in error.message
+        assert error.details["clipped_in"] == "encoder.block.0"
+    dbg.close()
