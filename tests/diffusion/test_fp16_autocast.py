@@ -355,3 +355,29 @@ def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_its_projecti
         assert clip in error.message
         assert error.details["clipped_in"] == "encoder.block.0"
     dbg.close()
+
+
+def test_a_component_moved_to_the_autocast_device_under_one_open_attach_is_probed_as_under_it(tmp_path):
+    """A text encoder computing on another device (an accelerate hook naming CUDA: this machine has none) is left
+    unprobed under the CPU's float16 autocast; moved to the CPU while one attach stays open (the same autocast,
+    the same dtypes), it computes under that autocast from the next run. Its probe level was kept as the attach
+    decided it (only the autocast state was compared): it is read again as the next attach would."""
+    import types
+
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    pipe.text_encoder._hf_hook = types.SimpleNamespace(execution_device="cuda")
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    levels = []  # as each call of the text encoder begins
+    probes = dbg._steps.probes
+    hook = pipe.text_encoder.register_forward_pre_hook(lambda *_: levels.append(probes.levels["text_encoder"]))
+    with autocast(), dbg:
+        run(pipe, steps=1, output_type="latent")
+        del pipe.text_encoder._hf_hook  # computes on the CPU now
+        run(pipe, steps=1, output_type="latent")
+        run(pipe, steps=1, output_type="latent")
+    hook.remove()
+    assert levels == ["output", "output", "full", "full", "sentinel", "sentinel"]  # (prompt, negative prompt)
+    assert found(dbg) == []
+    dbg.close()

@@ -171,6 +171,9 @@ class ComponentProbes:
         self.reading_fully: list[str] = []  # the components this attach reads with full probes (:meth:`fully_read`)
         self.autocast: AutocastState = ()
         """The float16 or fp8 autocast the levels of the last attach were decided under (:func:`autocast_now`)."""
+        self._under: tuple[list[Component], dict[str, torch.dtype]] = ([], {})
+        """The last attach's components and those of them it found computing under :attr:`autocast`
+        (:func:`under_autocast`: a component moved to another device type since is read again)."""
 
     def attach(
         self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
@@ -181,11 +184,13 @@ class ComponentProbes:
         if self.pace.paced:  # (an attach whose handle was not removed)
             self.pace.forget()
         self.autocast = autocast = autocast_now() if ANY_AUTOCAST() else ()  # (no Python call without one)
+        self._under = (components, {})
         if self.level == "off":  # (below: the memo's values spelled out, loops: no Python call a component when kept)
             return ProbeHandle()
         memo = memo or TreeMemo()
         current, dtypes = memo.current, dtypes or {}
         under = under_autocast(components, autocast) if autocast else {}  # read fully again under one
+        self._under = (components, under)
         first, self._reads = [], {}
         for c in components:
             values = current.get(id(c.module), {})
@@ -311,8 +316,13 @@ class ComponentProbes:
     def autocast_changed(self) -> bool:
         """Whether an fp16 or fp8 autocast region was entered or left since the last attach decided the levels (a
         debugger attached before the user's ``with torch.autocast(...)``): asked as a run begins, whose probes are
-        then decided again. Callers ask only where :data:`ANY_AUTOCAST` or :attr:`autocast` (no call otherwise)."""
-        return autocast_now() != self.autocast
+        then decided again; under the same one, whether a component moved to or from a device type it covers (its
+        ``.to("cuda")``, an accelerate hook's execution device: one Python pass a component, under fp16 autocast only).
+        Callers ask only where :data:`ANY_AUTOCAST` or :attr:`autocast` (no call otherwise)."""
+        now = autocast_now()
+        if now != self.autocast:
+            return True
+        return bool(now) and self.level != "off" and under_autocast(self._under[0], now) != self._under[1]
 
     def fully_read(self) -> bool:
         """Whether a component read with full probes at this attach has had its (first) call read: the debugger
