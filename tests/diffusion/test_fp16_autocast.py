@@ -381,3 +381,37 @@ def test_a_component_moved_to_the_autocast_device_under_one_open_attach_is_probe
     assert levels == ["output", "output", "full", "full", "sentinel", "sentinel"]  # (prompt, negative prompt)
     assert found(dbg) == []
     dbg.close()
+
+
+def test_why_and_a_bundles_replay_of_a_call_made_outside_autocast_run_outside_the_callers_autocast(tmp_path):
+    """An fp16 UNet whose ``to_out`` overflows, run with no autocast: ``report.why()`` and the bundle's replay asked
+    inside the caller's own ``with torch.autocast("cpu", dtype=torch.bfloat16)`` ran the call under it (the
+    recorded state, none, entered nothing): the "as it was" row raised a mixed dtype error. They replay as the call
+    ran, outside autocast: the row is the same non-finite one, the Linear named, inside the caller's autocast or
+    not."""
+    from diffusion_debug.diffusion import replay
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    linear = pipe.unet.get_submodule(UNET_ATTENTION_OUT)
+    peaks = []
+    handle = linear.register_forward_hook(lambda _m, _a, out: peaks.append(out.abs().max().item()))
+    run(pipe, steps=2, output_type="latent")
+    handle.remove()
+    with torch.no_grad():
+        linear.weight.mul_(4 * FP16_MAX / max(peaks))
+        linear.bias.mul_(4 * FP16_MAX / max(peaks))
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        run(pipe, steps=2, output_type="latent")
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    bundle = dbg.report().save() / error.details["bundle"]
+    answers = []
+    for inside in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if inside else contextlib.nullcontext():
+            result = dbg.report().why()
+            replayed = replay(bundle, pipe.unet)
+        row = (result.baseline.factor, result.baseline.finite, result.baseline.error)
+        answers.append((row, result.module, replayed["module"], replayed["output_finite"], replayed["note"]))
+    assert answers == [(("as it was", False, ""), UNET_ATTENTION_OUT, UNET_ATTENTION_OUT, False, "")] * 2
+    dbg.close()

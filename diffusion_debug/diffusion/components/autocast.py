@@ -114,15 +114,18 @@ def execution_device_type(module: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def autocast_as(state: tuple[tuple[str, torch.dtype | None], ...]) -> Iterator[None]:
+def autocast_as(state: tuple[tuple[str, torch.dtype | None], ...], *, outside: bool = False) -> Iterator[None]:
     """Within the block, the autocast regions of ``state`` open again (a replay of a call made under them), a
     device type given dtype None closed (a replay outside the call's autocast); none entered for ``()``: the
-    replay runs as the caller's code does.
+    replay runs as the caller's code does, but for ``outside`` (a replay after the run, of a call made outside
+    autocast: ``why()``, a bundle's), which closes every region the caller has open.
 
     >>> with autocast_as((("cpu", torch.float16),)):
     ...     torch.nn.Linear(2, 2)(torch.ones(2)).dtype
     torch.float16
     """
+    if outside and not state:
+        state = tuple((device, None) for device, _ in autocast_state())
     with contextlib.ExitStack() as stack:
         for device, dtype in state:
             if dtype is None:

@@ -347,7 +347,10 @@ def replay(
         ) from None
     context = context_from_fields(meta.get("cache_context"))
     note, name = "", str(meta.get("component"))
-    with autocast_as(bundled_autocast(meta)), timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable:
+    with (
+        autocast_as(bundled_autocast(meta), outside=True),
+        timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable,
+    ):
         try:
             if not replayable:
                 raise _Uncached(uncached_note(name))

@@ -158,7 +158,7 @@ def run_variant(call: OriginCall, variant: Variant, factor: str, change: str, ra
             # the live module's: only the user's cached graphs; a copy's: eagerly (its graphs would be the user's)
             cached_graphs_only() if variant.live else eager(module),
             entered(variant.contexts),  # (inside: the eager row's force_eager holds)
-            autocast_as(call.autocast if variant.autocast is None else variant.autocast),  # as the call ran
+            autocast_as(call.autocast if variant.autocast is None else variant.autocast, outside=True),  # as it ran
         ):
             start = time.perf_counter()
             output = module(*variant.args, **variant.kwargs)
@@ -347,7 +347,7 @@ def _explain(
     if reference_s is not None:
         _check_time(call.component, baseline.time_s, reference_s)
     try:
-        with hook_state_kept(eager_module(call.module), call.context), autocast_as(call.autocast):
+        with hook_state_kept(eager_module(call.module), call.context), autocast_as(call.autocast, outside=True):
             readings = replay_readings(target(call.module, call.prefix), call.args, call.kwargs, call.prefix)
     except Exception:  # the as-is row shows the error; the table is still worth having
         readings = []
