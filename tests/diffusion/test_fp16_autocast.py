@@ -415,3 +415,32 @@ def test_why_and_a_bundles_replay_of_a_call_made_outside_autocast_run_outside_th
         answers.append((row, result.module, replayed["module"], replayed["output_finite"], replayed["note"]))
     assert answers == [(("as it was", False, ""), UNET_ATTENTION_OUT, UNET_ATTENTION_OUT, False, "")] * 2
     dbg.close()
+
+
+def test_a_bundle_saved_under_cuda_autocast_replayed_on_the_cpu_says_it_ran_outside_it(pipes, tmp_path):
+    """A bundle whose call ran under CUDA's float16 autocast, replayed with the model on the CPU: CUDA's autocast
+    does not reach it (torch warned that CUDA is not available where it has none). The replay runs outside
+    autocast, and its note says so; no warning."""
+    import json
+    import warnings
+
+    from diffusion_debug.diffusion import replay
+
+    pipe = pipes["sd"]
+    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg, autocast():
+            run(pipe, steps=2, output_type="latent")
+        (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+        bundle = dbg.report().save() / error.details["bundle"]
+        meta = json.loads((bundle / "meta.json").read_text())
+        (bundle / "meta.json").write_text(json.dumps({**meta, "autocast": [["cuda", "float16"]]}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            replayed = replay(bundle, pipe.unet)
+    assert (replayed["module"], replayed["output_finite"]) == (None, True)
+    assert replayed["note"] == (
+        "the call ran under cuda float16 autocast, which does not reach cpu, where the model is: replayed outside it"
+    )
+    assert [str(w.message) for w in caught if "autocast" in str(w.message).lower()] == []
+    dbg.close()

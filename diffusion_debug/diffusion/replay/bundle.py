@@ -23,7 +23,14 @@ from ...errors import DiffusionDebugError
 from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
 from ..checks import find_producer, first_nonfinite
-from ..components.autocast import AutocastState, autocast_as, state_fields, state_from_fields
+from ..components.autocast import (
+    UNKNOWN_DEVICE,
+    AutocastState,
+    autocast_as,
+    execution_device_type,
+    state_fields,
+    state_from_fields,
+)
 from ..components.cache_hooks import hook_state_kept
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
@@ -335,7 +342,9 @@ def replay(
     replay (:func:`~..components.cache_timestep.timestep_kept`). A bundle without one, or whose replay from
     the live cache fails (a bundle holds no cache: FasterCache's, reset at the call's end, fails a block that
     approximates), is replayed with the caching hooks passed through (in place, no copy), and ``note`` says
-    so ("" otherwise).
+    so ("" otherwise). The call's autocast (``meta.json``'s ``autocast``) is entered again, none closing the
+    caller's; one that does not reach the device ``model`` computes on here (CUDA's, on the CPU) is not, and
+    ``note`` says so too (:func:`reached_autocast`).
     """
     meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
@@ -346,9 +355,10 @@ def replay(
             f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(model).__name__} does not have."
         ) from None
     context = context_from_fields(meta.get("cache_context"))
+    autocast, reach = reached_autocast(bundled_autocast(meta), eager_module(model))
     note, name = "", str(meta.get("component"))
     with (
-        autocast_as(bundled_autocast(meta), outside=True),
+        autocast_as(autocast, outside=True),
         timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable,
     ):
         try:
@@ -375,7 +385,7 @@ def replay(
         "first_nonfinite": first.module if first else None,
         "output_finite": all(r.output_finite for r in top) if top else first is None,
         "overflowed_in": producer.module if near else None,
-        "note": note,
+        "note": "; ".join(filter(None, (reach, note))),
         "meta": meta,
     }
 
@@ -384,6 +394,18 @@ def bundled_autocast(meta: dict[str, Any]) -> AutocastState:
     """The autocast the bundled call ran under (``meta.json``'s ``autocast``, checked by :func:`read_bundle`; a
     bundle saved before it was kept: none)."""
     return state_from_fields(meta.get("autocast")) or ()
+
+
+def reached_autocast(state: AutocastState, model: nn.Module) -> tuple[AutocastState, str]:
+    """``state``, or none with a note where none of its regions reaches the device type ``model`` computes on here
+    (a bundle saved under CUDA's autocast, replayed on the CPU: entered, it would compute nothing in float16, and
+    warn where CUDA is not available)."""
+    device = execution_device_type(model)
+    if not state or device == UNKNOWN_DEVICE or any(d == device for d, _ in state):
+        return state, ""
+    regions = ", ".join(f"{d} {dtype_name(t)}" for d, t in state)
+    reach = f"the call ran under {regions} autocast, which does not reach {device}, where the model is"
+    return (), f"{reach}: replayed outside it"
 
 
 def bundled_timestep(meta: dict[str, Any]) -> float | None:
