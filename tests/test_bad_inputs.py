@@ -221,6 +221,8 @@ def _damaged(bundle: Path, tmp_path: Path, damage: str) -> Path:
         meta["call"] = "x"
     elif damage == "bad-overflow-fraction":
         meta["overflow_fraction"] = "0.5"
+    elif damage == "bad-autocast":
+        meta["autocast"] = [["cuda", "load"]]  # never getattr(torch, ...) from a file
     (copy / "meta.json").write_text(json.dumps(meta))
     return copy
 
@@ -241,6 +243,7 @@ def _damaged(bundle: Path, tmp_path: Path, damage: str) -> Path:
         ("tensor-not-in-file", "meta.json's call names tensor 'args.9'; inputs.safetensors lacks it."),
         ("call-not-packed", "meta.json field 'call' is 'x'"),
         ("bad-overflow-fraction", "meta.json field 'overflow_fraction' is '0.5', expected a number in (0, 1]."),
+        ("bad-autocast", "meta.json field 'autocast' is [['cuda', 'load']], expected [device type, dtype] pairs."),
     ],
 )
 def test_a_damaged_bundle_is_one_line(capsys, tmp_path, good_bundle, damage, message):

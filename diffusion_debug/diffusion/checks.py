@@ -7,7 +7,6 @@ fetches the numbers (and replays), these decide.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -17,6 +16,7 @@ import torch
 from ..probes import ModuleReading, find_producer
 from ..record import Anomaly, make_anomaly
 from ..stats import TensorStats, dtype_name
+from .components.autocast import autocast_on
 from .components.roles import has_check
 
 HALF_DTYPES = ("float16", "bfloat16")
@@ -268,20 +268,10 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
     return None
 
 
-def autocast_on() -> bool:
-    """Whether a ``torch.autocast`` region is open now, on any device type this torch reads (read as a
-    warning is made, during the pipeline's call: inside the user's ``with torch.autocast(...)``)."""
-    for device in ("cuda", "cpu", "xpu", "mps"):
-        with contextlib.suppress(RuntimeError, TypeError, ValueError):  # (an older torch refuses some)
-            if torch.is_autocast_enabled(device):
-                return True
-    return False
-
-
 def _autocast_details(weights_dtype: str | None, dtype: str | None) -> dict[str, str]:
     """``weights_dtype`` where the module's weights are not of the ``dtype`` its output came in while an autocast
     region is open (:func:`overflow_risk`); the message then advises about autocast, not the weights' dtype."""
-    return {"weights_dtype": weights_dtype} if weights_dtype not in (None, dtype) and autocast_on() else {}
+    return {"weights_dtype": weights_dtype} if weights_dtype not in (None, dtype) and autocast_on(dtype) else {}
 
 
 def overflow_risk(
@@ -302,9 +292,9 @@ def overflow_risk(
     (:func:`~.replay.decide.overflow_between`), ``reading`` being the component's; ``compiled``: the
     reading is a compiled component's output, nothing inside it read (its message says so);
     ``weights_dtype``: the dtype of the module's weights, kept where it is not the output's while an
-    autocast region is open (:func:`autocast_on`: a float32 module's float16 output ran under
-    ``torch.autocast``, whose advice differs; without one it is a module diffusers keeps in float32 in a
-    float16 model, ``_keep_in_fp32_modules``, which casts its output back: the float16 advice holds)."""
+    autocast region to that dtype is open (:func:`~.components.autocast.autocast_on`: a float32 module's float16
+    output ran under ``torch.autocast``, whose advice differs; without one it is a module diffusers keeps in
+    float32 in a float16 model, ``_keep_in_fp32_modules``, which casts its output back: the float16 advice holds)."""
     share = reading.dtype_max_fraction or 0.0
     return [
         make_anomaly(

@@ -362,7 +362,7 @@ class DiffusionModelDebugger(Lifecycle):
             changed = trees.refresh([*map(_MODULE, components)])
             if not changed and component_dtypes(components, trees) == self._dtypes:
                 probes = self._steps.probes  # autocast entered or left since: probed as under it (or not) now
-                if (ANY_AUTOCAST() or probes.autocast is not None) and probes.autocast_changed():
+                if (ANY_AUTOCAST() or probes.autocast) and probes.autocast_changed():
                     self._probe_again()
                 return
             # every hook taken off first, then put on in an attach's order: probes put on alone, under the call

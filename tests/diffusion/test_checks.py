@@ -159,6 +159,29 @@ def test_a_module_kept_in_float32_of_an_fp16_pipeline_without_autocast_gets_the_
     assert risks[0].message.endswith("run this component in bfloat16 or float32, or upcast this module.")
 
 
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
+def test_a_float16_output_of_float32_weights_gets_the_autocast_advice_only_under_float16_autocast(autocast):
+    """A float32 module's float16 output is autocast's where autocast computes in float16: "it ran under float16
+    autocast ... autocast to bfloat16 instead". Under bfloat16 autocast that float16 came from elsewhere (a module
+    kept in float32 that casts back, ``_keep_in_fp32_modules``), and the user autocasts to bfloat16 already: the
+    float16 advice holds. Any autocast open counted (bfloat16's was told to autocast to bfloat16)."""
+    from diffusion_debug.probes import ModuleReading
+
+    reading = ModuleReading("up_blocks.0.resnets.0.conv2", 0, "float16", 1.0, 6e4, "float16", "absmax")
+    with torch.autocast("cpu", dtype=autocast):
+        (risk,) = checks.overflow_risk(
+            "unet", reading, step=0, timestep=None, fraction=0.5, localized_by="sentinel", weights_dtype="float32"
+        )
+    fp16 = autocast == torch.float16
+    assert ("weights_dtype" in risk.details) is fp16
+    assert risk.message.endswith(
+        "it ran under float16 autocast (its weights are float32): autocast to bfloat16 instead (torch.autocast(..., "
+        "dtype=torch.bfloat16)) or run unet.up_blocks.0.resnets.0.conv2 outside autocast."
+        if fp16
+        else "run this component in bfloat16 or float32, or upcast this module."
+    )
+
+
 # -- prompts, scheduler, dtype, VAE saturation ----------------------------------------------------
 
 
@@ -480,3 +503,30 @@ def test_a_tokenizers_special_tokens_are_counted_once_and_forgotten_with_it():
     gc.collect()
     assert gone() is None
     assert setup_checks.fits_for_sure(Counting(), "a cat", 77) and Counting.asked == 2
+
+
+def test_a_sentinels_inf_inside_a_near_max_block_is_decided_as_that_blocks_clip_only_when_every_bad_one_is_inside():
+    """A sentinel read a residual projection's Inf and the block around it at float16's clamp (T5's 64512) in one
+    call: the block is replayed as a clip (its replay names the Inf), no NaN/Inf localised apart. A NaN (a clip
+    keeps it), an Inf outside the block, or localising off keep the NaN/Inf's own path; full probes decide the clip
+    as read."""
+    from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide
+    from diffusion_debug.probes import ModuleReading
+
+    wo = ModuleReading("block.0.ff.wo", 0, "float16", None, float("inf"), "float16")
+    block = ModuleReading("block.0", 0, "float16", None, 64512.0, "float16")
+    other = ModuleReading("block.1.ff.wo", 0, "float16", None, float("inf"), "float16")
+    nan = wo._replace(output_value=float("nan"))
+
+    def plan(readings, full=False, localize=True):
+        seen = checks.suspects(readings, 0.5)
+        asked = dict(leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None, site="")
+        made = decide("t5", seen, readings, memory=ReplayMemory(), output_finite=True, full=full, **asked,
+                      localize=localize, fraction=0.5)  # fmt: skip
+        return made.replay, made.source is not None, made.overflow and (made.overflow.replay, made.overflow.clean)
+
+    assert plan([wo, block]) == (None, False, ("block.0", True))
+    assert plan([nan, block]) == ("block.0.ff.wo", False, ("block.0", False))
+    assert plan([wo, block, other]) == ("block.0.ff.wo", False, ("block.0", False))
+    assert plan([wo, block], localize=False)[:2] == (None, True)  # the Inf named at its leaf, unreplayed
+    assert plan([wo, block], full=True) == (None, False, None)  # full probes: the clip decided as read

@@ -187,3 +187,260 @@ def test_clean_runs_in_and_out_of_fp16_autocast_are_quiet_and_bitwise_equal_unde
 def _under_autocast_np(pipe):
     with autocast():
         return run(pipe, steps=2)
+
+
+def _cuda_autocast_only(monkeypatch):
+    """The autocast queries answer as under ``torch.autocast("cuda", dtype=torch.float16)`` alone (this machine
+    has no CUDA): the CPU's autocast is off."""
+    import importlib
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type="cuda": device_type == "cuda")
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.float16)
+    for name in ("component_probes", "autocast"):
+        try:
+            module = importlib.import_module(f"diffusion_debug.diffusion.components.{name}")
+        except ImportError:  # (before the autocast module)
+            continue
+        monkeypatch.setattr(module, "ANY_AUTOCAST", lambda: True)
+
+
+def test_cuda_fp16_autocast_leaves_components_on_the_cpu_probed_as_float32(tmp_path, monkeypatch):
+    """Autocast is per device type: CUDA's leaves a component on the CPU (a text encoder kept there) computing in
+    float32, with no overflow to watch. It was probed as under autocast (the first device type found open was
+    taken for every component): full probes and sentinels on an fp32 pipeline that cannot overflow. Under the
+    CPU's own float16 autocast they are probed as float16 ones; under its bfloat16 one, as float32 ones."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with torch.autocast("cpu", dtype=torch.float16), dbg:
+        assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "full", "vae": "full"}
+    with torch.autocast("cpu", dtype=torch.bfloat16), dbg:
+        assert dbg._steps.probes.levels == {"unet": "output", "text_encoder": "output", "vae": "output"}
+    with monkeypatch.context() as patched:
+        _cuda_autocast_only(patched)
+        with dbg:
+            assert dbg._steps.probes.levels == {"unet": "output", "text_encoder": "output", "vae": "output"}
+    dbg.close()
+
+
+def test_a_component_offloaded_to_the_cpu_between_calls_is_answered_for_its_execution_device():
+    """``enable_model_cpu_offload`` keeps a component's weights on the CPU until its call moves them to the GPU: its
+    autocast is its execution device's (accelerate's hook names it), not the CPU's where the weights wait."""
+    from accelerate.hooks import CpuOffload, add_hook_to_module
+
+    from diffusion_debug.diffusion.components.autocast import autocast_dtype, execution_device_type
+
+    offloaded, kept = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    add_hook_to_module(offloaded, CpuOffload(execution_device="cuda"))
+    state = (("cuda", torch.float16),)
+    assert [execution_device_type(offloaded), execution_device_type(kept)] == ["cuda", "cpu"]
+    assert [autocast_dtype(state, execution_device_type(m)) for m in (offloaded, kept)] == [torch.float16, None]
+    assert execution_device_type(torch.nn.Linear(2, 2, device="meta")) == "?"
+
+
+def test_why_replays_an_fp16_autocast_overflow_under_the_autocast_it_ran_in(pipes, tmp_path):
+    """``to_out`` overflowing float16 under autocast at step 0 (its weights float32): ``report.why()`` runs after
+    the user's ``with torch.autocast(...)`` has closed, and replayed the call in float32, so its "as it was" row
+    was finite ("does not reproduce") and no module was named. The run's autocast is kept with its calls and
+    entered again: the row is non-finite, the producer the Linear; so is the bundle's own replay, and its
+    meta.json says the autocast. Running outside autocast, or autocasting to bfloat16, makes it finite."""
+    from diffusion_debug.diffusion import replay
+
+    pipe = pipes["sd"]
+    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg, autocast():
+            run(pipe, steps=2, output_type="latent")
+        (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+        result = dbg.report().why()
+        replayed = replay(dbg.report().save() / error.details["bundle"], pipe.unet)
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "unet", UNET_ATTENTION_OUT, 0)
+    assert (result.component, result.module, result.step) == ("unet", UNET_ATTENTION_OUT, 0)
+    assert (result.baseline.factor, result.baseline.finite) == ("as it was", False)
+    assert (replayed["module"], replayed["output_finite"]) == (UNET_ATTENTION_OUT, False)
+    assert replayed["meta"]["autocast"] == [["cpu", "float16"]]
+    rows = {r.factor: r.finite for r in result.replays}
+    assert (rows["autocast to bfloat16"], rows["outside autocast"]) == (True, True)
+    assert result.fix == "autocast to bfloat16"
+    dbg.close()
+
+
+def test_a_near_max_made_inside_a_float32_stream_under_fp16_autocast_is_warned_after_the_first_read(pipes, tmp_path):
+    """``fc2`` at 60% of float16's max under autocast (weights float32): its float16 output is added to the CLIP
+    layer's float32 stream, whose float32 outputs the sentinel does not read against float16's max. The full
+    read of the first run warns it; a later run's sentinel read nothing float16 of the layers and did not. It
+    reads each sublayer's float16 residual projection (``out_proj``, ``fc2``): the second run warns it too."""
+    pipe = pipes["sd"]
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with autocast(), dbg:
+        run(pipe, steps=1, output_type="latent")  # the text encoder read fully, clean
+    with near_max(pipe, "text_encoder", FC2, 0.6, steps=1):
+        with autocast(), dbg:
+            run(pipe, steps=1, output_type="latent")
+    assert dbg._steps.probes.levels["text_encoder"] == "sentinel"
+    assert found(dbg, 1) == []
+    assert found(dbg, 2) == [("overflow_risk", "warning", "text_encoder", FC2, None)]
+    dbg.close()
+
+
+def test_clean_flux_text_encoders_under_fp16_autocast_stay_quiet_with_their_projections_read(tmp_path):
+    """Flux's text encoders (a CLIP, a T5 whose attention returns float32's min in ``position_bias``) under float16
+    autocast: their sublayers' projections (``out_proj`` and ``fc2``, T5's ``o`` and ``wo``) are read by the
+    sentinel from the second run on, and clean runs warn nothing of them; each image is bitwise the unwatched
+    one."""
+    from diffusion_debug.testing import tiny_pipeline
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    pipe = tiny_pipeline("flux")
+
+    def call():
+        with autocast():
+            return pipe(**FLUX_CALL[0](), num_inference_steps=1, generator=torch.Generator().manual_seed(0)).images
+
+    plain = call()
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    watched = []
+    for _ in range(3):
+        with dbg:
+            watched.append(call())
+            modules = {name: list(probe.module_names) for name, probe in dbg._steps.probes.probes.items()}
+    assert [np.array_equal(image, plain) for image in watched] == [True, True, True]
+    assert dbg._steps.probes.levels["text_encoder_2"] == "sentinel"
+    assert [m for m in modules["text_encoder"] if m.endswith(("out_proj", "fc2"))] == [
+        clip_name(f"encoder.layers.{i}.{name}") for i in (0, 1) for name in ("self_attn.out_proj", "mlp.fc2")
+    ]
+    assert [m for m in modules["text_encoder_2"] if m.endswith((".o", ".wo"))] == [
+        "encoder.block.0.layer.0.SelfAttention.o",
+        "encoder.block.0.layer.1.DenseReluDense.wo",
+    ]
+    assert [a for a in dbg.report().anomalies if a.component.startswith("text_encoder")] == []
+    dbg.close()
+
+
+def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_its_projection_read(tmp_path):
+    """An fp16 T5 under float16 autocast whose ``wo`` makes an Inf (2x float16's max): T5's block clamps it to
+    64512. From the second run the sentinel reads ``wo`` (its residual projection) and the block in one call: it
+    saw the Inf and the near-max block together, and reported a generic NaN/Inf at ``wo`` plus a near-overflow at
+    the block. The block's near-max value is the clip's consequence: each run has the one error at ``wo``, with
+    the clip said, as the first run's full probes found it."""
+    from diffusion_debug.testing import tiny_pipeline
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    wo_name = "encoder.block.0.layer.1.DenseReluDense.wo"
+    pipe = tiny_pipeline("flux")
+    t5 = pipe.text_encoder_2.to(torch.float16)
+    wo = t5.get_submodule(wo_name)
+    args = FLUX_CALL[0]()
+    args.pop("output_type", None)
+
+    def call():
+        with autocast():
+            pipe(**args, num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="latent")
+
+    peaks = []
+    handle = wo.register_forward_hook(lambda _m, _a, out: peaks.append(out.abs().max().item()))
+    call()
+    handle.remove()
+    with torch.no_grad():
+        wo.weight.mul_(2 * FP16_MAX / peaks[-1])
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    for _ in range(3):
+        with dbg:
+            call()
+    clip = "text_encoder_2.encoder.block.0 clipped it to float16's largest value (65504)"
+    for number in (1, 2, 3):
+        assert found(dbg, number) == [("nonfinite", "error", "text_encoder_2", wo_name, None)], number
+        (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
+        assert clip in error.message
+        assert error.details["clipped_in"] == "encoder.block.0"
+    dbg.close()
+
+
+def test_a_component_moved_to_the_autocast_device_under_one_open_attach_is_probed_as_under_it(tmp_path):
+    """A text encoder computing on another device (an accelerate hook naming CUDA: this machine has none) is left
+    unprobed under the CPU's float16 autocast; moved to the CPU while one attach stays open (the same autocast,
+    the same dtypes), it computes under that autocast from the next run. Its probe level was kept as the attach
+    decided it (only the autocast state was compared): it is read again as the next attach would."""
+    import types
+
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    pipe.text_encoder._hf_hook = types.SimpleNamespace(execution_device="cuda")
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    levels = []  # as each call of the text encoder begins
+    probes = dbg._steps.probes
+    hook = pipe.text_encoder.register_forward_pre_hook(lambda *_: levels.append(probes.levels["text_encoder"]))
+    with autocast(), dbg:
+        run(pipe, steps=1, output_type="latent")
+        del pipe.text_encoder._hf_hook  # computes on the CPU now
+        run(pipe, steps=1, output_type="latent")
+        run(pipe, steps=1, output_type="latent")
+    hook.remove()
+    assert levels == ["output", "output", "full", "full", "sentinel", "sentinel"]  # (prompt, negative prompt)
+    assert found(dbg) == []
+    dbg.close()
+
+
+def test_why_and_a_bundles_replay_of_a_call_made_outside_autocast_run_outside_the_callers_autocast(tmp_path):
+    """An fp16 UNet whose ``to_out`` overflows, run with no autocast: ``report.why()`` and the bundle's replay asked
+    inside the caller's own ``with torch.autocast("cpu", dtype=torch.bfloat16)`` ran the call under it (the
+    recorded state, none, entered nothing): the "as it was" row raised a mixed dtype error. They replay as the call
+    ran, outside autocast: the row is the same non-finite one, the Linear named, inside the caller's autocast or
+    not."""
+    from diffusion_debug.diffusion import replay
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    linear = pipe.unet.get_submodule(UNET_ATTENTION_OUT)
+    peaks = []
+    handle = linear.register_forward_hook(lambda _m, _a, out: peaks.append(out.abs().max().item()))
+    run(pipe, steps=2, output_type="latent")
+    handle.remove()
+    with torch.no_grad():
+        linear.weight.mul_(4 * FP16_MAX / max(peaks))
+        linear.bias.mul_(4 * FP16_MAX / max(peaks))
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    with dbg:
+        run(pipe, steps=2, output_type="latent")
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    bundle = dbg.report().save() / error.details["bundle"]
+    answers = []
+    for inside in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if inside else contextlib.nullcontext():
+            result = dbg.report().why()
+            replayed = replay(bundle, pipe.unet)
+        row = (result.baseline.factor, result.baseline.finite, result.baseline.error)
+        answers.append((row, result.module, replayed["module"], replayed["output_finite"], replayed["note"]))
+    assert answers == [(("as it was", False, ""), UNET_ATTENTION_OUT, UNET_ATTENTION_OUT, False, "")] * 2
+    dbg.close()
+
+
+def test_a_bundle_saved_under_cuda_autocast_replayed_on_the_cpu_says_it_ran_outside_it(pipes, tmp_path):
+    """A bundle whose call ran under CUDA's float16 autocast, replayed with the model on the CPU: CUDA's autocast
+    does not reach it (torch warned that CUDA is not available where it has none). The replay runs outside
+    autocast, and its note says so; no warning."""
+    import json
+    import warnings
+
+    from diffusion_debug.diffusion import replay
+
+    pipe = pipes["sd"]
+    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg, autocast():
+            run(pipe, steps=2, output_type="latent")
+        (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+        bundle = dbg.report().save() / error.details["bundle"]
+        meta = json.loads((bundle / "meta.json").read_text())
+        (bundle / "meta.json").write_text(json.dumps({**meta, "autocast": [["cuda", "float16"]]}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            replayed = replay(bundle, pipe.unet)
+    assert (replayed["module"], replayed["output_finite"]) == (None, True)
+    assert replayed["note"] == (
+        "the call ran under cuda float16 autocast, which does not reach cpu, where the model is: replayed outside it"
+    )
+    assert [str(w.message) for w in caught if "autocast" in str(w.message).lower()] == []
+    dbg.close()

@@ -42,6 +42,7 @@ from ...probes import (
 )
 from ...stats import tensors_in
 from . import cache_hooks
+from .autocast import AutocastState, autocast_as, autocast_state
 from .cache_hooks import (
     FoundHooks,
     HeldStates,
@@ -356,6 +357,9 @@ class CallSiteHooks:
         self.denoiser_memory: tuple[torch.device | None, dict[str, Any]] | None = None
         """The memory sample taken as the last denoiser call ended (with the call's device), for the
         step row (:meth:`take_denoiser_memory`)."""
+        self.autocast: AutocastState = ()
+        """The autocast regions open as the run began (:meth:`new_run`), which its kept calls ran under: a replay
+        enters them again (:meth:`replay_kept`, a bundle's ``autocast``); one read a run, not a call."""
 
     def use_components(self, components: list[Component]) -> None:
         """Watch ``components`` from the next :meth:`register` on (a component replaced on the
@@ -574,7 +578,12 @@ class CallSiteHooks:
         context, state, *placed = self.contexts.get((site.component, site.prefix)) or (None, None)
         self.released = 0
         placement = placed[0] if placed else ()  # a guided call's: the guider's hooks put back
-        with quiet, placement_kept(placement), hook_state_kept(site.module, context, state) as self.released:
+        with (
+            quiet,
+            autocast_as(self.autocast),  # (a step read after the user's `with torch.autocast` closed)
+            placement_kept(placement),
+            hook_state_kept(site.module, context, state) as self.released,
+        ):
             try:
                 return replay_readings(site.module, args, kwargs, site.prefix)
             except Exception as error:
@@ -610,8 +619,8 @@ class CallSiteHooks:
 
     def bundle_context(self, site: CallSite, component: nn.Module) -> dict[str, Any]:
         """What a bundle of the kept call of ``site`` holds for a why replay: the diffusers cache context
-        it ran in (None: none, or no stateful hook) and the hooks a guider placed for it only, by module
-        (:func:`~.cache_hooks.placed_for_the_call`); the placement itself is kept as
+        it ran in (None: none, or no stateful hook), the hooks a guider placed for it only, by module
+        (:func:`~.cache_hooks.placed_for_the_call`), and the run's :attr:`autocast`; the placement itself is kept as
         :attr:`bundled_placement` and the hooks' state as :attr:`bundled_state` (hooks are no file's content)
         until the next bundle (the state while ``component`` lives)."""
         context, state, *placed = self.contexts.get((site.component, site.prefix)) or (None, None)
@@ -620,7 +629,7 @@ class CallSiteHooks:
         if state is not None:  # held apart from the component: it is let go as the user lets go of it
             self.bundled_state[component] = held_apart(state)
         named = placed_for_the_call(self.bundled_placement, eager_module(component))
-        return {"cache_context": context, "guider_hooks": named}
+        return {"cache_context": context, "guider_hooks": named, "autocast": self.autocast}
 
     def keep_apart(self, latents: torch.Tensor) -> None:
         """The kept calls' tensor arguments that share the storage of ``latents`` (the ``sample`` the
@@ -684,6 +693,7 @@ class CallSiteHooks:
 
     def new_run(self) -> None:
         self.kept, self.contexts, self.earlier, self._started, self._peaks = {}, {}, {}, {}, {}
+        self.autocast = autocast_state()  # (one C call where none is open)
         self.denoiser_memory, self._budget, self._copies = None, [cache_hooks.KEPT_BYTES], [cache_hooks.KEPT_BYTES]
 
 

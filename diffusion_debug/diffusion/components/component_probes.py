@@ -25,10 +25,19 @@ from ...probes import (
 from ...probes.handles import ForwardHooks
 from ...probes.tracing import compile_wrapper
 from ...stats import dtype_name
+from .autocast import ANY_AUTOCAST, AutocastState, autocast_dtype, autocast_state, execution_device_type
 from .compiled import ORIG, compile_state
 from .inventory import Component, is_loop_role
 from .roles import role
-from .sentinel_blocks import _unet, denoiser_blocks, inner_blocks, overflow_blocks, stack_ends
+from .sentinel_blocks import (
+    _LAYER_STACKS,
+    _unet,
+    denoiser_blocks,
+    inner_blocks,
+    overflow_blocks,
+    residual_projections,
+    stack_ends,
+)
 from .sentinel_pace import SentinelPace, run_group
 from .structure import TreeMemo
 
@@ -56,11 +65,12 @@ def probe_levels(
     level: str,
     dtypes: dict[str, str | None] | None = None,
     first_calls: Collection[str] = (),
-    autocast: torch.dtype | None = None,
+    autocast: Collection[str] = (),
 ) -> dict[str, str]:
     """The probe level of each component: ``level``, except at the default (``sentinel``), which
     watches what can overflow: a component whose parameters (``dtypes``) are fp16 or fp8, or any
-    while autocast to one is on (``autocast``: :func:`autocast_now` as the run begins). No component
+    while autocast to one is on for its device (``autocast``: those components, :func:`autocast_now` as the run
+    begins: CUDA autocast leaves a text encoder kept on the CPU in float32). No component
     gets full probes on every call.
 
     - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
@@ -91,11 +101,11 @@ def probe_levels(
     if level != "sentinel":
         return dict.fromkeys([c.name for c in components], level)
     overflow = _OVERFLOW_NAMES
-    known = dtypes is not None and autocast is None
+    known = dtypes is not None
     levels: dict[str, str] = {}
     for c in components:  # (a loop: no Python call a component, at every attach)
         dtype = dtypes.get(c.name) if known else None
-        can_overflow = not known or dtype is None or dtype in overflow
+        can_overflow = not known or dtype is None or dtype in overflow or (autocast and c.name in autocast)
         if not role(c.role).in_loop:  # (is_loop_role)
             levels[c.name] = ("full" if c.name in first_calls else "sentinel") if can_overflow else "output"
         elif c.role == "denoiser" and not can_overflow:
@@ -105,21 +115,32 @@ def probe_levels(
     return levels
 
 
-ANY_AUTOCAST: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
-"""Whether any autocast region is open: one C call, no Python frame (asked as each run begins)."""
+def autocast_now() -> AutocastState:
+    """The fp16 or fp8 autocast regions open now (:func:`~.autocast.autocast_state`; bf16's cannot overflow)."""
+    return tuple((device, dtype) for device, dtype in autocast_state() if dtype in OVERFLOW_DTYPES)
 
 
-def autocast_now() -> torch.dtype | None:
-    """The fp16 or fp8 dtype an open autocast region computes in (for any device type torch knows), else None."""
-    if not ANY_AUTOCAST():
-        return None
-    for device in ("cuda", "cpu", "xpu", "mps"):
-        try:
-            if torch.is_autocast_enabled(device) and (dtype := torch.get_autocast_dtype(device)) in OVERFLOW_DTYPES:
-                return dtype
-        except (RuntimeError, ValueError, TypeError):  # a device type this build does not know
-            continue
-    return None
+def under_autocast(components: list[Component], autocast: AutocastState) -> dict[str, torch.dtype]:
+    """The components that compute under one of the ``autocast`` regions, each with its dtype: the region of the
+    device type it computes on (:func:`~.autocast.execution_device_type`)."""
+    found = {}
+    for c in components:
+        dtype = autocast_dtype(autocast, execution_device_type(c.module))
+        if dtype is not None:
+            found[c.name] = dtype
+    return found
+
+
+def with_projections(
+    module: nn.Module, blocks: list[tuple[str, nn.Module]], unread: tuple[str, ...] = ()
+) -> list[tuple[str, nn.Module]]:
+    """``blocks`` and ``module``'s :func:`~.sentinel_blocks.residual_projections` (none under ``unread``), in module
+    order: one abs-max a call for them all (the sentinel's fused reduction), a hook each."""
+    projections = residual_projections(module, unread)
+    if not projections:
+        return blocks
+    order = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
+    return sorted(blocks + projections, key=lambda pair: order.get(id(pair[1]), len(order)))
 
 
 class ComponentProbes:
@@ -148,8 +169,11 @@ class ComponentProbes:
         pipeline, by whichever debugger calls it first, again after a change to its tree or dtype or
         :meth:`forget_reads`."""
         self.reading_fully: list[str] = []  # the components this attach reads with full probes (:meth:`fully_read`)
-        self.autocast: torch.dtype | None = None
+        self.autocast: AutocastState = ()
         """The float16 or fp8 autocast the levels of the last attach were decided under (:func:`autocast_now`)."""
+        self._under: tuple[list[Component], dict[str, torch.dtype]] = ([], {})
+        """The last attach's components and those of them it found computing under :attr:`autocast`
+        (:func:`under_autocast`: a component moved to another device type since is read again)."""
 
     def attach(
         self, components: list[Component], memo: TreeMemo | None = None, dtypes: dict[str, str | None] | None = None
@@ -159,21 +183,24 @@ class ComponentProbes:
         self.levels.clear()  # updated in place: the localiser reads the same dict
         if self.pace.paced:  # (an attach whose handle was not removed)
             self.pace.forget()
-        self.autocast = autocast = autocast_now() if ANY_AUTOCAST() else None  # (no Python call without one)
+        self.autocast = autocast = autocast_now() if ANY_AUTOCAST() else ()  # (no Python call without one)
+        self._under = (components, {})
         if self.level == "off":  # (below: the memo's values spelled out, loops: no Python call a component when kept)
             return ProbeHandle()
         memo = memo or TreeMemo()
         current, dtypes = memo.current, dtypes or {}
-        under = f" under {autocast} autocast" if autocast is not None else None  # read fully again under one
+        under = under_autocast(components, autocast) if autocast else {}  # read fully again under one
+        self._under = (components, under)
         first, self._reads = [], {}
         for c in components:
             values = current.get(id(c.module), {})
             done = values["read_fully"] if "read_fully" in values else values.setdefault("read_fully", set())
             dtype = dtypes.get(c.name)
-            self._reads[c.name] = read = (done, dtype if under is None else f"{dtype}{under}")
+            read = (done, f"{dtype} under {under[c.name]} autocast" if c.name in under else dtype)
+            self._reads[c.name] = read
             if read[1] not in done:
                 first.append(c.name)
-        self.levels.update(probe_levels(components, self.level, dtypes, first, autocast))
+        self.levels.update(probe_levels(components, self.level, dtypes, first, under))
         self.reading_fully = [name for name in first if self.levels[name] == "full"] if first else []
         self.compiled, handles = [], []  # (compiled: as found at this attach; a component may be compiled between)
         paced: dict = {"steps": ([], []), "encoders": ([], []), "decoders": ([], []), None: ([], [])}  # by pace group
@@ -194,17 +221,22 @@ class ComponentProbes:
                     continue
                 if ORIG in module._modules and compile_wrapper(module):  # torch.compile(vae): its decode is eager
                     module = module._modules[ORIG]  # probed as itself, names without the "_orig_mod." prefix
-                watched = values.get(("probed", level, component.role))  # the modules to probe
+                # a text encoder's float32 stream under float16 autocast: its sublayers' float16 outputs read too
+                projected = name in under and component.role in _LAYER_STACKS
+                watched = values.get(("probed", level, component.role, projected))  # the modules to probe
                 if watched is None:
                     once = not is_loop_role(component.role)  # called once per image
-                    if level == "sentinel" and once:
+                    if level == "sentinel" and once and projected:
+                        unread = memo.get(component.module, "unread", lambda: unread_modules(component))
+                        watched = with_projections(module, inner_blocks(component, overflow_blocks(module)), unread)
+                    elif level == "sentinel" and once:
                         watched = inner_blocks(component, overflow_blocks(module))
                     elif level == "sentinel" and component.role == "denoiser":
                         watched = denoiser_blocks(overflow_blocks(module))
                         watched = watched if _unet(module) else stack_ends(module, watched, repeated=True)
                     else:
                         watched = probed_modules(module, level)
-                    values[("probed", level, component.role)] = watched
+                    values[("probed", level, component.role, projected)] = watched
                 # the probe of the last attach, while the tree (the memo's list) and its level are the same
                 kept = self._kept.get(name)
                 if kept is not None and kept[0] is watched and kept[1] == level and kept[2]._model() is module:
@@ -284,8 +316,13 @@ class ComponentProbes:
     def autocast_changed(self) -> bool:
         """Whether an fp16 or fp8 autocast region was entered or left since the last attach decided the levels (a
         debugger attached before the user's ``with torch.autocast(...)``): asked as a run begins, whose probes are
-        then decided again. Callers ask only where :data:`ANY_AUTOCAST` or :attr:`autocast` (no call otherwise)."""
-        return autocast_now() is not self.autocast
+        then decided again; under the same one, whether a component moved to or from a device type it covers (its
+        ``.to("cuda")``, an accelerate hook's execution device: one Python pass a component, under fp16 autocast only).
+        Callers ask only where :data:`ANY_AUTOCAST` or :attr:`autocast` (no call otherwise)."""
+        now = autocast_now()
+        if now != self.autocast:
+            return True
+        return bool(now) and self.level != "off" and under_autocast(self._under[0], now) != self._under[1]
 
     def fully_read(self) -> bool:
         """Whether a component read with full probes at this attach has had its (first) call read: the debugger

@@ -199,6 +199,41 @@ _RESAMPLERS = ("downsamplers", "upsamplers")
 """diffusers' down and up blocks' attributes that change the resolution (:func:`_repeats`)."""
 
 
+RESIDUAL_PROJECTIONS = frozenset({"out_proj", "fc2", "o", "wo", "o_proj", "down_proj"})
+"""The names of the ``nn.Linear`` that ends a sublayer of transformers' text and image encoders, whose output is
+added to the residual stream: CLIP's ``self_attn.out_proj`` and ``mlp.fc2``, T5's attention ``o`` and
+``DenseReluDense.wo``, a Llama-style decoder's ``o_proj`` and ``down_proj``; and diffusers' ``to_out.0`` and a
+``FeedForward``'s last Linear (:func:`residual_projections`)."""
+
+
+def residual_projections(module: nn.Module, unread: tuple[str, ...] = ()) -> list[tuple[str, nn.Module]]:
+    """The ``nn.Linear`` of ``module`` whose outputs each sublayer adds to its residual stream
+    (:data:`RESIDUAL_PROJECTIONS`), in module order, none under ``unread`` (a vocabulary head). Under float16
+    autocast a text encoder's stream stays float32 (float32 embeddings plus float16 sublayer outputs), which the
+    sentinel does not read against float16's max (only norms take it); what a sublayer makes near that max is
+    its projection's float16 output, read here (:meth:`~.component_probes.ComponentProbes.attach`). Not its
+    attention's or its block's: T5's ``position_bias`` carries float32's min.
+
+    >>> layer = nn.Module()
+    >>> layer.mlp = nn.Sequential()
+    >>> layer.mlp.fc1, layer.mlp.fc2, layer.to_out = nn.Linear(1, 1), nn.Linear(1, 1), nn.ModuleList([nn.Linear(1, 1)])
+    >>> [name for name, _ in residual_projections(layer)]
+    ['mlp.fc2', 'to_out.0']
+    """
+    found = []
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.Linear) or any(name == u or name.startswith(u + ".") for u in unread):
+            continue
+        parent, _, last = name.rpartition(".")
+        if last in RESIDUAL_PROJECTIONS or (last == "0" and parent.rpartition(".")[2] == "to_out"):
+            found.append((name, child))
+        elif parent.endswith(".net") or parent == "net":  # diffusers' FeedForward: net[-1] the Linear out
+            owner = module.get_submodule(parent.rpartition(".")[0]) if "." in parent else module
+            if type(owner).__name__ == "FeedForward" and owner.net[-1] is child:
+                found.append((name, child))
+    return found
+
+
 def _unet(module: nn.Module) -> bool:
     """Whether ``module`` is one of diffusers' UNets (``diffusers.models.unets``), whose down and up
     blocks are no residual stream: its sentinel reads each (:func:`stack_ends` is for a transformer's

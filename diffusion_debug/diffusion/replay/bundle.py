@@ -23,6 +23,14 @@ from ...errors import DiffusionDebugError
 from ...record import dumps, load_json, versions, write_atomic
 from ...stats import dtype_name
 from ..checks import find_producer, first_nonfinite
+from ..components.autocast import (
+    UNKNOWN_DEVICE,
+    AutocastState,
+    autocast_as,
+    execution_device_type,
+    state_fields,
+    state_from_fields,
+)
 from ..components.cache_hooks import hook_state_kept
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import eager_module, replay_readings
@@ -126,10 +134,12 @@ def save_bundle(
     cache_context: Any = None,
     guider_hooks: dict[str, list[str]] | None = None,
     overflow_fraction: float = DebugConfig.overflow_fraction,
+    autocast: AutocastState = (),
 ) -> Path:
     """Write ``inputs.safetensors`` and ``meta.json``; return the folder. ``guider_hooks``: per module,
     the hooks a guider placed for the call only (:func:`~..components.cache_hooks.placed_for_the_call`);
-    ``overflow_fraction``: the run's, so a replay names the near-max maker the run named."""
+    ``overflow_fraction``: the run's, so a replay names the near-max maker the run named; ``autocast``: the
+    autocast the call ran under, entered again by its replays (``[["cuda", "float16"]]``)."""
     from safetensors.torch import save_file
 
     bundle_dir = Path(bundle_dir)
@@ -147,6 +157,7 @@ def save_bundle(
         "module": module,
         "anomaly_kind": anomaly_kind,
         "overflow_fraction": overflow_fraction,
+        "autocast": state_fields(autocast),
         "cache_context": context_fields(cache_context),
         "guider_hooks": dict(guider_hooks or {}),
         "dtypes": {k: dtype_name(v.dtype) for k, v in tensors.items()},
@@ -171,6 +182,7 @@ def save_anomaly_bundle(
     cache_context: Any = None,
     guider_hooks: dict[str, list[str]] | None = None,
     overflow_fraction: float = DebugConfig.overflow_fraction,
+    autocast: AutocastState = (),
 ) -> Path:
     """The bundle of the call where ``anomaly`` happened, in ``<run_dir>/bundles/<component>-step<N>``
     of ``record``'s run; ``anomaly.details["bundle"]`` then names it (relative to the run directory),
@@ -192,6 +204,7 @@ def save_anomaly_bundle(
         cache_context=cache_context,
         guider_hooks=guider_hooks,
         overflow_fraction=overflow_fraction,
+        autocast=autocast,
     )
     anomaly.details["bundle"] = f"bundles/{label}"
     place = {key: getattr(anomaly, key) for key in ("kind", "rank", "component", "module", "parameter")}
@@ -244,6 +257,7 @@ def read_bundle(bundle_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str
         ("parameter_dtype", meta.get("parameter_dtype") in (None, *PARAMETER_DTYPES), ", ".join(PARAMETER_DTYPES)),
         ("dtypes", isinstance(meta.get("dtypes", {}), dict), "an object of dtype names"),
         ("overflow_fraction", _is_fraction(meta.get("overflow_fraction", 1)), "a number in (0, 1]"),
+        ("autocast", state_from_fields(meta.get("autocast")) is not None, "[device type, dtype] pairs"),
     ):
         if not ok:
             shown = repr(meta.get(field))[:60]
@@ -333,7 +347,9 @@ def replay(
     replay (:func:`~..components.cache_timestep.timestep_kept`). A bundle without one, or whose replay from
     the live cache fails (a bundle holds no cache: FasterCache's, reset at the call's end, fails a block that
     approximates), is replayed with the caching hooks passed through (in place, no copy), and ``note`` says
-    so ("" otherwise).
+    so ("" otherwise). The call's autocast (``meta.json``'s ``autocast``) is entered again, none closing the
+    caller's; one that does not reach the device ``model`` computes on here (CUDA's, on the CPU) is not, and
+    ``note`` says so too (:func:`reached_autocast`).
     """
     meta, args, kwargs = load_call(bundle_dir, model, device)
     prefix = meta.get("call_prefix") or ""
@@ -344,8 +360,12 @@ def replay(
             f"meta.json field 'call_prefix' names {prefix[:80]!r}, which {type(model).__name__} does not have."
         ) from None
     context = context_from_fields(meta.get("cache_context"))
+    autocast, reach = reached_autocast(bundled_autocast(meta), eager_module(model))
     note, name = "", str(meta.get("component"))
-    with timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable:
+    with (
+        autocast_as(autocast, outside=True),
+        timestep_kept(eager_module(model), bundled_timestep(meta)) as replayable,
+    ):
         try:
             if not replayable:
                 raise _Uncached(uncached_note(name))
@@ -370,9 +390,27 @@ def replay(
         "first_nonfinite": first.module if first else None,
         "output_finite": all(r.output_finite for r in top) if top else first is None,
         "overflowed_in": producer.module if near else None,
-        "note": note,
+        "note": "; ".join(filter(None, (reach, note))),
         "meta": meta,
     }
+
+
+def bundled_autocast(meta: dict[str, Any]) -> AutocastState:
+    """The autocast the bundled call ran under (``meta.json``'s ``autocast``, checked by :func:`read_bundle`; a
+    bundle saved before it was kept: none)."""
+    return state_from_fields(meta.get("autocast")) or ()
+
+
+def reached_autocast(state: AutocastState, model: nn.Module) -> tuple[AutocastState, str]:
+    """``state``, or none with a note where none of its regions reaches the device type ``model`` computes on here
+    (a bundle saved under CUDA's autocast, replayed on the CPU: entered, it would compute nothing in float16, and
+    warn where CUDA is not available)."""
+    device = execution_device_type(model)
+    if not state or device == UNKNOWN_DEVICE or any(d == device for d, _ in state):
+        return state, ""
+    regions = ", ".join(f"{d} {dtype_name(t)}" for d, t in state)
+    reach = f"the call ran under {regions} autocast, which does not reach {device}, where the model is"
+    return (), f"{reach}: replayed outside it"
 
 
 def bundled_timestep(meta: dict[str, Any]) -> float | None:

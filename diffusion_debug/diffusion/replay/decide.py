@@ -13,6 +13,9 @@ Values in, a decision out: nothing here runs a replay or builds an anomaly (the
 :class:`~..localize.Localizer` does both). Two looks are handed in, asked only where the rule needs them:
 whether a module is a leaf, and whether the kept call was passed a NaN/Inf (a host read).
 
+Long because the rules of when to replay and the readers of what a replay shows are one rule set, read
+together (a decision names the reader its replay's readings go to): apart, each half would point at the other.
+
 >>> from diffusion_debug.probes import ModuleReading
 >>> block = ModuleReading("down.0", 0, "float16", 1.0, 60000.0, "float16")
 >>> fp16 = dict(output_finite=True, full=False, leaf=lambda c, m: False, received=lambda c, s: False,
@@ -251,6 +254,8 @@ def decide(
         clipped = clipped_producer(readings, "") if output_finite and full else None
         if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
+        block = clipping_block(readings, fraction) if localize and output_finite and not full else None
+        seen = seen if block is None else checks.Suspects(None, None, block)  # its replay names the Inf it clipped
         if seen.first_nonfinite is not None or not output_finite:
             received = _once(received)  # (a host read of the kept call's arguments: once a call)
             asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
@@ -435,6 +440,17 @@ def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleR
     parts = producer.module.split(".")
     enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
     return producer, next((name for name in enclosing if returned.get(name)), block)
+
+
+def clipping_block(readings: list[ModuleReading], fraction: float) -> ModuleReading | None:
+    """A sentinel's reading of the block that clipped a residual projection's Inf, the two read in one call (T5's
+    float16 clamp to 64512 under autocast): a finite reading at ``fraction`` of its dtype's max or beyond enclosing
+    every non-finite one, each an Inf (a clip keeps a NaN); None otherwise. Its near-max value is the clip's
+    consequence: the block's replay names the Inf's module (:func:`clipped_producer`), one error, no warning."""
+    bad = [r for r in readings if not r.output_finite]
+    inf = bool(bad) and all(r.output_value is not None and math.isinf(r.output_value) for r in bad)
+    near = (r for r in readings if inf and r.output_finite and (r.dtype_max_fraction or 0.0) >= fraction)
+    return next((r for r in near if all(b.module.startswith(r.module + ".") for b in bad)), None)
 
 
 def nonfinite_replayed(

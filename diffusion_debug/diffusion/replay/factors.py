@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ...stats import dtype_name, map_tensors
+from ..components.autocast import AutocastState
 from ..components.compiled import compile_state, eager, eager_module
 from .copies import cast_copy, copy_note, hook_groups, isolated_copy
 
@@ -50,6 +51,8 @@ class OriginCall:
     unhooked: dict[str, nn.Module] = field(default_factory=dict)
     """The component as loaded before a diffusers switch was applied to it, per switch (its
     full-precision weights before layerwise casting stored them in fp8), when known."""
+    autocast: AutocastState = ()
+    """The autocast regions the call ran under (a bundle's ``autocast``), entered again by every replay."""
 
 
 @dataclass
@@ -63,6 +66,8 @@ class Variant:
     live: bool = True
     """True when the live module is called, False for a copy (the note says what it lacks)."""
     note: str = ""
+    autocast: tuple[tuple[str, torch.dtype | None], ...] | None = None
+    """The autocast it runs under in place of the call's (a device type's dtype None: closed); None: the call's."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,20 @@ def dtype_factor(name: str, *, vae: bool = False) -> Factor:
     if vae and name == "float32":
         return Factor("vae upcast (float32)", "upcast the VAE to float32 (force_upcast)", 50, build)
     return Factor(name, "run {component} in " + name, 50 if name == "float32" else 60, build)
+
+
+def autocast_factor(dtype: torch.dtype | None) -> Factor:
+    """The call's autocast regions to ``dtype`` (bfloat16: float32's range, so no float16 overflow), or closed
+    (None: the component computes in its weights' dtype)."""
+
+    def build(call: OriginCall) -> Variant:
+        state = tuple((device, dtype) for device, _ in call.autocast)
+        return Variant(call.module, call.args, call.kwargs, autocast=state)
+
+    if dtype is None:
+        return Factor("outside autocast", "run {component} outside torch.autocast", 55, build)
+    change = "autocast to bfloat16 (torch.autocast(..., dtype=torch.bfloat16))"
+    return Factor("autocast to bfloat16", change, 45, build)
 
 
 # -- attention -----------------------------------------------------------------------------------
@@ -322,6 +341,10 @@ def factors_for(call: OriginCall) -> list[Factor]:
     found += [hooks_off_factor(group) for group in groups + [g for g in call.unhooked if g not in groups]]
     if compile_state(call.module) is not None:
         found.append(eager_factor())
+    if call.autocast:  # what autocast computes in, which the weights' dtype does not change
+        found.append(autocast_factor(None))
+        if any(dtype != torch.bfloat16 for _, dtype in call.autocast):
+            found.append(autocast_factor(torch.bfloat16))
     dtype = parameter_dtype(call.module)
     for name in ("float32", "bfloat16"):
         if dtype is not None and dtype_name(dtype) != name:

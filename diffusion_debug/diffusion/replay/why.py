@@ -45,6 +45,7 @@ from ...record import dumps, write_atomic
 from ...stats import dtype_max, dtype_name, tensors_in
 from ...stats.quantized import dequantized, is_quantized
 from ..checks import find_producer
+from ..components.autocast import autocast_as
 from ..components.cache_hooks import Placement, hook_state_kept, lost_values, placement_kept
 from ..components.cache_timestep import timestep_kept
 from ..components.compiled import cached_graphs_only, eager, eager_module, replay_readings
@@ -157,6 +158,7 @@ def run_variant(call: OriginCall, variant: Variant, factor: str, change: str, ra
             # the live module's: only the user's cached graphs; a copy's: eagerly (its graphs would be the user's)
             cached_graphs_only() if variant.live else eager(module),
             entered(variant.contexts),  # (inside: the eager row's force_eager holds)
+            autocast_as(call.autocast if variant.autocast is None else variant.autocast, outside=True),  # as it ran
         ):
             start = time.perf_counter()
             output = module(*variant.args, **variant.kwargs)
@@ -345,7 +347,7 @@ def _explain(
     if reference_s is not None:
         _check_time(call.component, baseline.time_s, reference_s)
     try:
-        with hook_state_kept(eager_module(call.module), call.context):
+        with hook_state_kept(eager_module(call.module), call.context), autocast_as(call.autocast, outside=True):
             readings = replay_readings(target(call.module, call.prefix), call.args, call.kwargs, call.prefix)
     except Exception:  # the as-is row shows the error; the table is still worth having
         readings = []
@@ -410,7 +412,7 @@ def explain_bundle(
     call's hooks as it began, when the live pipeline is at hand (bundles hold no hooks). A ``call_prefix`` that
     names no submodule of ``component`` is one DiffusionDebugError, as ``replay`` says it."""
     from ...errors import DiffusionDebugError
-    from .bundle import bundle_fraction, bundled_timestep, load_call, uncached_note
+    from .bundle import bundle_fraction, bundled_autocast, bundled_timestep, load_call, uncached_note
 
     meta, args, kwargs = load_call(bundle_dir, component)
     prefix = meta.get("call_prefix") or ""
@@ -431,6 +433,7 @@ def explain_bundle(
             call = OriginCall(
                 meta["component"], replayed, prefix, tuple(args), dict(kwargs), vae, context, dict(unhooked or {})
             )
+            call.autocast = bundled_autocast(meta)  # (the user's `with torch.autocast` has closed since)
             result = explain(call, meta.get("step"), reference_s, placement, guider_hooks, fraction)
         failed = result.baseline.error if replayable and result.baseline.finite is None else ""
         if failed and "caching" in hook_groups(eager_module(component)):
