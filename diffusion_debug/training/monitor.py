@@ -404,7 +404,9 @@ class StepMonitor:
                 history.causes.renamed(self.watched.name_judged(judged))  # several models: each names its own
             found = bool(judged.anomalies)  # several processes: a stall alone waits for the reduce to stand
             found = found and not (ctx.distributed and self.local.stall_alone(judged))
-            if history.detail.then(history.joined, found=found):  # the next step is detailed:
+            # several optimizers: each one's updates read in turn (no call with one)
+            turn = history.stall.turn(call.optimizer) if history.stall.several else None
+            if history.detail.then(history.joined, found=found, turn=turn):  # the next step is detailed:
                 self.local.sketch.keep(history.joined)  # the update it reads is this step's
         except Exception as error:
             step.deferred = error

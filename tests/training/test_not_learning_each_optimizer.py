@@ -33,10 +33,23 @@ def _models():
     return generator, discriminator
 
 
-def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, iterations=8, d_every=1, clear_g=False, skip_d=False, clear_at=None):
+def _gan(
+    tmp_path,
+    *,
+    lr_d=1e-2,
+    lr_g=1e-2,
+    iterations=8,
+    d_every=1,
+    critic=1,
+    d_stops=None,
+    clear_g=False,
+    skip_d=False,
+    clear_at=None,
+):
     """A GAN's loop on one debugger, each model under its own SGD without momentum, monitored before each
     optimizer's step with that optimizer (the discriminator's only at the iterations it steps: every
-    ``d_every``-th). Faults: ``lr_d`` 0; ``clear_g``: the generator's gradients cleared before its step;
+    ``d_every``-th, ``critic`` times in a row: a WGAN's n_critic). Faults: ``lr_d`` 0 (from iteration
+    ``d_stops`` on: its scheduler's); ``clear_g``: the generator's gradients cleared before its step;
     ``skip_d``: the discriminator's step never runs (a loop's bug). ``clear_at``: the debugger's history is
     cleared after that iteration (``clear_debug_history``). Returns the debugger (closed) and the
     monitored step of each optimizer's monitored steps, in order."""
@@ -48,7 +61,9 @@ def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, iterations=8, d_every=1, clear_g=Fal
     step, steps = 0, {"d": [], "g": []}
     for it in range(iterations):
         real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
-        if it % d_every == 0:
+        if it == d_stops:
+            opt_d.param_groups[0]["lr"] = 0.0
+        for _ in range(critic if it % d_every == 0 else 0):
             opt_d.zero_grad()
             loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
             loss_d.backward()
@@ -108,11 +123,12 @@ def test_a_discriminator_stepped_every_other_iteration_is_no_stall_and_its_lr_0_
     tdbg, steps = _gan(tmp_path, d_every=2, iterations=12)
     assert steps["d"][:3] == [0, 3, 6] and _serious(tdbg) == []
     tdbg, steps = _gan(tmp_path / "lr0", d_every=2, iterations=18, lr_d=0.0)
-    # its updates are read at 1, 4, 7 and 10 (the first ten monitored steps read every update), then only
-    # where a scheduled reading (15, 20, 25: ``step.detail``) follows one of its steps: at 25, of step 24
+    # its updates are read at 1, 4, 7 and 10 (the first ten monitored steps read every update), then in turn
+    # with the generator's (one scheduled reading in five steps, ``step.detail``): step 9's at 10 (its turn), the
+    # generator's step 14 at 15, then its own next step's, 21's at 22
     assert steps["d"][:9] == [0, 3, 6, 9, 12, 15, 18, 21, 24]
     (found,) = _serious(tdbg)
-    _stall(found, "lr_zero", DISCRIMINATOR, 0, 24, 25)
+    _stall(found, "lr_zero", DISCRIMINATOR, 0, 21, 22)
 
 
 def test_a_discriminator_whose_step_never_runs_is_named(tmp_path):
@@ -172,3 +188,35 @@ def test_a_stall_of_one_optimizer_goes_on_after_clear_debug_history_and_is_repor
     d = found.details
     assert (found.step, d["stalled_optimizer"], d["first_step"]) == (13, DISCRIMINATOR, 0)
     assert (d["last_step"], d["updates"]) == (12, 7)
+
+
+def _stalls(tdbg):
+    """Each ``not_learning`` as (step, the optimizer named stalled or, for the whole run's, None)."""
+    return [(a.step, a.details.get("stalled_optimizer")) for a in _serious(tdbg) if a.kind == "not_learning"]
+
+
+def test_a_wgan_critic_whose_lr_is_0_is_its_own_stall_told_once_while_the_generator_learns(tmp_path):
+    """n_critic 5 (D, D, D, D, D, G): the first five readings are all the critic's updates. The whole model's
+    run counted them as the run's stall at step 5 (naming the critic as the one that stepped last) while the
+    generator learns, then the critic's own run at step 10 and the run's again at 17 and 23 (five of the critic's
+    between two of the generator's): one stall, told four times. A whole run's stall needs a still update of
+    every optimizer in its run; this one is the critic's, told once."""
+    tdbg, steps = _gan(tmp_path, lr_d=0.0, critic=5, iterations=4)
+    assert steps["d"][:6] == [0, 1, 2, 3, 4, 6] and steps["g"][:2] == [5, 11]
+    assert _stalls(tdbg) == [(5, DISCRIMINATOR)]
+    (found,) = _serious(tdbg)
+    _stall(found, "lr_zero", DISCRIMINATOR, 0, 4, 5)
+    assert "stepped_optimizer" not in found.details
+
+
+def test_a_critic_that_stalls_after_the_first_ten_steps_is_read_in_its_turn(tmp_path):
+    """n_critic 4 (D, D, D, D, G: five steps a cycle), the critic's lr 0 from step 15: after the first ten
+    monitored steps one in five reads an update (``step.detail``), always at the same phase of a five-step
+    cycle, the generator's step: the critic's stall was never read. The scheduled reading goes to each
+    optimizer's update in turn: the critic's steps 15, 25, 35, 45 and 55 (the generator's 19, 29, ... between),
+    the fifth read at step 56."""
+    tdbg, steps = _gan(tmp_path, critic=4, iterations=12, d_stops=3)
+    assert steps["g"][:4] == [4, 9, 14, 19] and steps["d"][12] == 15
+    assert _stalls(tdbg) == [(56, DISCRIMINATOR)]
+    (found,) = _serious(tdbg)
+    assert (found.details["first_step"], found.details["last_step"], found.details["reason"]) == (15, 55, "lr_zero")

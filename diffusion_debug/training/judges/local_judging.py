@@ -284,7 +284,8 @@ class LocalJudge:
         """This step found something: the next steps read the per-module figures in full (``step.detail``),
         the first of them the update this step applies."""
         history = self.history
-        if history.detail.then(history.joined, found=True):
+        history.detail.found_at(history.joined)  # (the schedule's turn for this step was taken by the monitor)
+        if history.detail(history.joined + 1):
             self.sketch.keep(history.joined)
 
     def _check_weights(self, judged: Judgement, index: Any, forwards: list, config: DebugConfig) -> None:

@@ -48,9 +48,11 @@ beside a UNet's), each keeps its own run of still updates too (:meth:`StallWatch
 is the update of the optimizer the monitored step before it was given (the monitor's contract: one call
 before each optimizer's step, with it), read from its own modules; the other's moving updates ended the
 whole model's run at every step, so one optimizer's lr 0 was never told. Its stall names it
-(``stalled_optimizer``) where the whole model's is not reported: a stall of every optimizer is the run's,
-told once. One stepped every k monitored steps counts only the readings of its own steps (after the first
-ten, those a scheduled reading follows, ``step.detail``).
+(``stalled_optimizer``) where the whole model's is not reported: the whole model's run is a stall only once
+a still update of every live optimizer is in it (a critic's five steps before the generator's one are the
+critic's), and a stall of every optimizer is the run's, told once. One stepped every k monitored steps counts
+only the readings of its own steps; after the first ten the scheduled readings take the optimizers' updates
+in turn (:meth:`StallWatch.turn`, ``step.detail``), whatever the phase of the loop's cycle.
 
 Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
 still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
@@ -132,6 +134,11 @@ class StallWatch:
     """``id`` of the optimizer the last monitored step was given: the one whose step the next reading shows."""
     read: OptimizerStall | None = None
     """Of several, the optimizer whose update the last reading was (:meth:`update_each`)."""
+    run: set[int] = field(default_factory=set)
+    """Of several, the optimizers (by ``id``) whose updates are among the current run's still readings: the
+    run is the whole model's only once every one of them is (:meth:`update`)."""
+    readings: int = 0
+    """Of several, the readings taken so far (:attr:`OptimizerStall.read_at` counts by it: :meth:`turn`)."""
 
     def follow_step(self, optimizer: Any, params: TrainableParameters) -> None:
         """Watch what ``optimizer.step()`` receives while a run of still updates is counted and not yet
@@ -177,11 +184,16 @@ class StallWatch:
         if self.updates == 0:
             self.first_step, self.largest, self.grad_norm = update_step, 0.0, grad_norm
             self.fingerprint = weights() if weights is not None else None
+            self.run.clear()
         self.updates += 1
         self.last_step = update_step
         self.largest = max(self.largest, largest)
         self.grad_norm = min(self.grad_norm, grad_norm)
+        if self.several:  # the run is the whole model's once every optimizer's update is in it
+            self.run.add(self.pending_optimizer)
         if self.updates >= STALL_UPDATES and not self.flagged:
+            if self.several and not self.run.issuperset(self._live()):  # one optimizer's: its own run tells it
+                return False
             if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks
                 self.updates, self.moved = 0, True
                 return False
@@ -212,8 +224,26 @@ class StallWatch:
                 ref = lambda held=optimizer: held  # noqa: E731
             modules = frozenset(params.module_names[params.module_of[i]] for i in indices)
             alive[id(optimizer)] = OptimizerStall(ref, indices, modules, StallWatch())
+        if len(alive) > 1 and not self.several:  # the first one's updates were the whole model's run so far
+            for key, entry in alive.items():
+                if key != id(optimizer):
+                    self._seed(key, entry)
         self.each = alive
         self.several = len(alive) > 1
+
+    def _seed(self, key: int, entry: OptimizerStall) -> None:
+        """A second optimizer is seen: ``entry``'s, the only one stepped so far, did not count its own run (one
+        optimizer's is the whole model's): it takes the whole model's run over (a critic's stall five steps long
+        before the generator's first step is its own, not the run's)."""
+        own, self.run = entry.watch, {key} if self.updates else set()
+        own.first_step, own.last_step, own.updates, own.largest = (
+            self.first_step,
+            self.last_step,
+            self.updates,
+            self.largest,
+        )
+        own.grad_norm, own.flagged = self.grad_norm, self.flagged
+        own.fingerprint = None if self.fingerprint is None else _subset(self.fingerprint, entry.held)
 
     def update_each(
         self,
@@ -235,6 +265,8 @@ class StallWatch:
         if entry is None or entry.ref() is None:
             self.read = None
             return None
+        self.readings += 1
+        entry.read_at = self.readings
         modules = entry.modules
         own = {module: ratio for module, ratio in ratios.items() if module in modules}
         held = entry.held
@@ -244,6 +276,21 @@ class StallWatch:
             entry.watch.flagged = False
             return None
         return entry if clear else None
+
+    def _live(self) -> list[int]:
+        """Of several, the optimizers (by ``id``) that hold watched parameters and are still alive."""
+        return [key for key, entry in self.each.items() if entry.ref() is not None]
+
+    def turn(self, optimizer: Any) -> bool:
+        """Of several, whether the update ``optimizer`` (given at this monitored step) applies is the next in
+        turn to be read: its own were read least recently of the live optimizers'. After the first steps one
+        monitored step in five reads an update (``step.detail``): at a fixed phase of a loop whose cycle is a
+        multiple of five steps (a critic's four steps and the generator's one) it was always the same
+        optimizer's, and the other's stall was never read."""
+        entry = self.each.get(id(optimizer))
+        if entry is None:  # it holds none of the watched parameters: its update is no one's own
+            return False
+        return entry.read_at <= min(self.each[key].read_at for key in self._live())
 
 
 @dataclass
@@ -259,6 +306,9 @@ class OptimizerStall:
     modules: frozenset[str]
     """Their modules: its updates are read from their ratios."""
     watch: StallWatch
+    read_at: int = 0
+    """When its update was last read (:attr:`StallWatch.readings`; 0: never): the least recent is the next
+    read (:meth:`StallWatch.turn`)."""
 
 
 def _subset(values: list[float], indices: list[int]) -> list[float]:
