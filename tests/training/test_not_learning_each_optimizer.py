@@ -42,6 +42,7 @@ def _gan(
     d_every=1,
     critic=1,
     d_stops=None,
+    g_starts=None,
     clear_g=False,
     skip_d=False,
     clear_at=None,
@@ -49,10 +50,10 @@ def _gan(
     """A GAN's loop on one debugger, each model under its own SGD without momentum, monitored before each
     optimizer's step with that optimizer (the discriminator's only at the iterations it steps: every
     ``d_every``-th, ``critic`` times in a row: a WGAN's n_critic). Faults: ``lr_d`` 0 (from iteration
-    ``d_stops`` on: its scheduler's); ``clear_g``: the generator's gradients cleared before its step;
-    ``skip_d``: the discriminator's step never runs (a loop's bug). ``clear_at``: the debugger's history is
-    cleared after that iteration (``clear_debug_history``). Returns the debugger (closed) and the
-    monitored step of each optimizer's monitored steps, in order."""
+    ``d_stops`` on: its scheduler's; ``lr_g`` 1e-2 from ``g_starts`` on); ``clear_g``: the generator's
+    gradients cleared before its step; ``skip_d``: the discriminator's step never runs (a loop's bug).
+    ``clear_at``: the debugger's history is cleared after that iteration (``clear_debug_history``). Returns
+    the debugger (closed) and the monitored step of each optimizer's monitored steps, in order."""
     generator, discriminator = _models()
     opt_d = torch.optim.SGD(discriminator.parameters(), lr=lr_d)
     opt_g = torch.optim.SGD(generator.parameters(), lr=lr_g)
@@ -63,6 +64,8 @@ def _gan(
         real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
         if it == d_stops:
             opt_d.param_groups[0]["lr"] = 0.0
+        if it == g_starts:
+            opt_g.param_groups[0]["lr"] = 1e-2
         for _ in range(critic if it % d_every == 0 else 0):
             opt_d.zero_grad()
             loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
@@ -220,3 +223,31 @@ def test_a_critic_that_stalls_after_the_first_ten_steps_is_read_in_its_turn(tmp_
     assert _stalls(tdbg) == [(56, DISCRIMINATOR)]
     (found,) = _serious(tdbg)
     assert (found.details["first_step"], found.details["last_step"], found.details["reason"]) == (15, 55, "lr_zero")
+
+
+@pytest.mark.parametrize("iterations", [12, 24])
+def test_a_long_stall_of_both_optimizers_reads_the_whole_weights_a_fixed_number_of_times(
+    tmp_path, monkeypatch, iterations
+):
+    """Both stalled: the run's stall stands, and each optimizer's own, clear at its fifth still update, is held
+    back. Its flag was dropped there with its count at five or more, so every later still reading of it read the
+    whole weights again (``weight_fingerprint``: a fused norm and a host read) to be held back again. Read once
+    when each run begins and once when it is clear (the run's and each optimizer's): six, however long."""
+    from diffusion_debug.training.measure import gradients
+
+    calls = []
+    fingerprint = gradients.weight_fingerprint
+    monkeypatch.setattr(gradients, "weight_fingerprint", lambda params: calls.append(1) or fingerprint(params))
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, lr_g=0.0, iterations=iterations)
+    assert _stalls(tdbg) == [(5, None)]
+    assert len(calls) == 6
+
+
+def test_an_optimizers_stall_held_back_beside_the_runs_is_told_once_the_other_learns_again(tmp_path):
+    """Both stalled, then the generator's lr set from step 16: the run's stall (step 5) ends at the first of its
+    moving updates read, and the critic's own stall, held back since its fifth still update, is told at its next
+    still update read (its step 24's, in its turn), once."""
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, lr_g=0.0, iterations=16, g_starts=8)
+    assert _stalls(tdbg) == [(5, None), (25, DISCRIMINATOR)]
+    found = _serious(tdbg)[1]
+    assert (found.details["first_step"], found.details["last_step"], found.details["updates"]) == (0, 24, 9)

@@ -179,6 +179,8 @@ class StallWatch:
         still = bool(len(finite)) and largest <= STILL_RATIO
         self.moved = largest > STILL_RATIO  # NaN (no finite ratio): not known to have moved
         if skipped or not still or not (math.isfinite(grad_norm) and grad_norm > 0):
+            if self.flagged and not still and self.several:  # the run's stall ends: the held-back ones' are told
+                self._release()
             self.updates, self.flagged = 0, self.flagged and still
             return False
         if self.updates == 0:
@@ -206,6 +208,8 @@ class StallWatch:
         shard of a parameter, FSDP2's or ZeRO's, may never move while another rank's does): the run
         learns, so its run of still updates ends, and a stall reported before may be reported again
         once one is clear; of several optimizers, the one whose update it was learns too."""
+        if self.flagged and self.several:
+            self._release()
         self.updates, self.flagged = 0, False
         if self.several and self.read is not None:
             self.read.watch.some_rank_moved()
@@ -273,9 +277,16 @@ class StallWatch:
         its = None if weights is None else lambda: _subset(weights(), held)
         clear = entry.watch.update(update_step, own, grad_norm=grad_norm, skipped=skipped, weights=its)
         if clear and self.flagged:  # the whole run's stall stands: this one is told once some update moves
-            entry.watch.flagged = False
+            entry.held_back = True  # (its flag kept: no whole weights read again at each still reading)
             return None
         return entry if clear else None
+
+    def _release(self) -> None:
+        """The whole run's stall ends (an update moved): each optimizer's own stall held back beside it is told
+        at its next still update (:meth:`update_each`)."""
+        for entry in self.each.values():
+            if entry.held_back:
+                entry.held_back = entry.watch.flagged = False
 
     def _live(self) -> list[int]:
         """Of several, the optimizers (by ``id``) that hold watched parameters and are still alive."""
@@ -306,6 +317,9 @@ class OptimizerStall:
     modules: frozenset[str]
     """Their modules: its updates are read from their ratios."""
     watch: StallWatch
+    held_back: bool = False
+    """Its own run was clear while the whole run's stall stood: flagged, not told, until that stall ends
+    (:meth:`StallWatch._release`)."""
     read_at: int = 0
     """When its update was last read (:attr:`StallWatch.readings`; 0: never): the least recent is the next
     read (:meth:`StallWatch.turn`)."""
