@@ -358,6 +358,9 @@ class StepMonitor:
         judged, history, ctx = Judgement(), self.history, self.ctx
         rank, mine = ctx.rank, history.ranks[0]
         try:
+            stall = history.stall
+            if stall.several or id(call.optimizer) != stall.given_to:  # several, or a new one: no call with one
+                stall.given(call.optimizer, history.joined)
             if step.deferred is not None:
                 raise step.deferred
             if not own.measured:
@@ -405,7 +408,7 @@ class StepMonitor:
             found = bool(judged.anomalies)  # several processes: a stall alone waits for the reduce to stand
             found = found and not (ctx.distributed and self.local.stall_alone(judged))
             # several optimizers: each one's updates read in turn (no call with one)
-            turn = history.stall.turn(call.optimizer) if history.stall.several else None
+            turn = stall.turn(call.optimizer) if stall.several else None
             if history.detail.then(history.joined, found=found, turn=turn):  # the next step is detailed:
                 self.local.sketch.keep(history.joined)  # the update it reads is this step's
         except Exception as error:

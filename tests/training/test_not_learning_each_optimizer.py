@@ -251,3 +251,64 @@ def test_an_optimizers_stall_held_back_beside_the_runs_is_told_once_the_other_le
     assert _stalls(tdbg) == [(5, None), (25, DISCRIMINATOR)]
     found = _serious(tdbg)[1]
     assert (found.details["first_step"], found.details["last_step"], found.details["updates"]) == (0, 24, 9)
+
+
+def _recreated(tmp_path, *, recreate_at=3, second_model_steps=0, steps=9):
+    """One model under Accelerate whose optimizer is recreated at iteration ``recreate_at`` (a new phase, a
+    resume), the new one at lr 0 and prepared again: the accelerator keeps the old one alive (``_optimizers``).
+    With ``second_model_steps``, a second model's optimizer is given, before the first one's, at that many first
+    iterations only (a text encoder trained for a while, its optimizer kept). The debugger (closed)."""
+    from accelerate import Accelerator
+
+    generator, discriminator = _models()
+    accelerator = Accelerator(cpu=True)
+    first = torch.optim.SGD(generator.parameters(), lr=1e-2)
+    other = torch.optim.SGD(discriminator.parameters(), lr=1e-2)
+    generator, discriminator, first, other = accelerator.prepare(generator, discriminator, first, other)
+    models = {"generator": generator, "discriminator": discriminator}
+    tdbg = TrainingDebugger(models, accelerator=accelerator, config=_config(tmp_path))
+    data, optimizer, step = torch.Generator().manual_seed(1), first, 0
+    for it in range(steps):
+        if it == recreate_at:
+            optimizer = accelerator.prepare(torch.optim.SGD(generator.parameters(), lr=0.0))
+        if it < second_model_steps:
+            other.zero_grad()
+            loss = discriminator(torch.randn(16, 4, generator=data)).pow(2).mean()
+            accelerator.backward(loss)
+            tdbg.monitor_training_step(loss, optimizer=other, step=step)
+            other.step()
+            step += 1
+        optimizer.zero_grad()
+        loss = generator(torch.randn(16, 4, generator=data)).pow(2).mean()
+        accelerator.backward(loss)
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        step += 1
+    tdbg.close()
+    return tdbg
+
+
+def test_an_optimizer_recreated_under_accelerate_is_not_one_of_two(tmp_path, fresh_accelerate_state):
+    """The accelerator keeps the replaced optimizer alive, so the run looked like one of two optimizers: the
+    stall of the new one at lr 0 named it as ``stepped_optimizer`` ("read from ..., the optimizer that stepped
+    last"). An optimizer of the same parameters replaces the one before it: one optimizer, named by no one."""
+    tdbg = _recreated(tmp_path)
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.step, d["reason"], d["first_step"], d["last_step"], d["updates"]) == (8, "lr_zero", 3, 7, 5)
+    assert "stepped_optimizer" not in d and "stalled_optimizer" not in d
+    assert found.message.startswith("No weight moved in the 5 optimizer steps 3-7 (the largest update 0x")
+    assert "read from" not in found.message
+
+
+def test_an_optimizer_no_longer_given_is_not_one_of_two(tmp_path, fresh_accelerate_state):
+    """A second model's optimizer given at the first two iterations only (steps 0 and 2), kept alive by the
+    accelerator: the stall of the first model's new optimizer at lr 0 (from step 10), told twenty and more
+    monitored steps later, named the optimizer that stepped last as one of two. An optimizer given within the
+    last ten monitored steps (or twice its longest gap) is live; this one is not: the stall is the run's."""
+    tdbg = _recreated(tmp_path, recreate_at=8, second_model_steps=2, steps=36)
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.step, d["reason"], d["first_step"], d["last_step"], d["updates"]) == (30, "lr_zero", 10, 29, 5)
+    assert "stepped_optimizer" not in d and "stalled_optimizer" not in d
+    assert tdbg._steps.history.stall.several is False

@@ -52,7 +52,10 @@ whole model's run at every step, so one optimizer's lr 0 was never told. Its sta
 a still update of every live optimizer is in it (a critic's five steps before the generator's one are the
 critic's), and a stall of every optimizer is the run's, told once. One stepped every k monitored steps counts
 only the readings of its own steps; after the first ten the scheduled readings take the optimizers' updates
-in turn (:meth:`StallWatch.turn`, ``step.detail``), whatever the phase of the loop's cycle.
+in turn (:meth:`StallWatch.turn`, ``step.detail``), whatever the phase of the loop's cycle. The optimizers
+counted are the live ones (:meth:`StallWatch.given`): given within the last :data:`LIVE_STEPS` monitored steps
+(or twice their own longest gap); one of the same parameters replaces the one before it (an optimizer
+recreated, which Accelerate's ``_optimizers`` and a kept LR scheduler hold alive).
 
 Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
 still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
@@ -88,6 +91,8 @@ from .step_gradients import StepGradients, named
 
 STALL_UPDATES = 5
 """Updates in a row that moved nothing before the run is reported."""
+LIVE_STEPS = 2 * STALL_UPDATES
+"""Monitored steps an optimizer not given since stays one of several (or twice its own longest gap)."""
 STILL_RATIO = 1e-9
 """An update below this share of every module's norm moved nothing (one float32 rounding step of
 one sampled element is already about 1e-8 of a 128-element block)."""
@@ -137,6 +142,11 @@ class StallWatch:
     run: set[int] = field(default_factory=set)
     """Of several, the optimizers (by ``id``) whose updates are among the current run's still readings: the
     run is the whole model's only once every one of them is (:meth:`update`)."""
+    clock: int = 0
+    """The last monitored step :meth:`given` was told of (every step of several)."""
+    given_to: int = 0
+    """``id`` of the optimizer :meth:`given` was told of last; :attr:`before`: of the one before it."""
+    before: int = 0
     readings: int = 0
     """Of several, the readings taken so far (:attr:`OptimizerStall.read_at` counts by it: :meth:`turn`)."""
 
@@ -227,13 +237,40 @@ class StallWatch:
             except TypeError:  # no weak reference: held
                 ref = lambda held=optimizer: held  # noqa: E731
             modules = frozenset(params.module_names[params.module_of[i]] for i in indices)
-            alive[id(optimizer)] = OptimizerStall(ref, indices, modules, StallWatch())
-        if len(alive) > 1 and not self.several:  # the first one's updates were the whole model's run so far
-            for key, entry in alive.items():
-                if key != id(optimizer):
-                    self._seed(key, entry)
+            # one of the same parameters replaces the one before (recreated: Accelerate's ``_optimizers`` and a
+            # kept LR scheduler hold that one alive, which made a one-optimizer run one of two)
+            alive = {key: entry for key, entry in alive.items() if set(entry.held).isdisjoint(indices)}
+            alive[id(optimizer)] = OptimizerStall(ref, indices, modules, StallWatch(), given_at=self.clock)
         self.each = alive
-        self.several = len(alive) > 1
+        self._count_live()
+
+    def given(self, optimizer: Any, joined: int) -> None:
+        """The ``joined``-th monitored step was given ``optimizer``: asked at every step of several, and at a step
+        given another one than the step before (no call with one). An optimizer is live while it was given within
+        the last :data:`LIVE_STEPS` monitored steps, or twice its own longest gap (a WGAN generator's, one in
+        ``n_critic + 1``): one kept alive and no longer given (a phase's) leaves a one-optimizer run."""
+        key = id(optimizer)
+        if key != self.given_to:
+            before = self.each.get(self.given_to)
+            if before is not None:  # given up to the step before (with one, no call told so)
+                before.given_at = joined - 1
+            self.before, self.given_to = self.given_to, key
+            entry = self.each.get(key)
+            if entry is not None:
+                entry.gap = max(entry.gap, joined - entry.given_at)
+        entry = self.each.get(key)
+        if entry is not None:
+            entry.given_at = joined
+        self.clock = joined
+        self._count_live()
+
+    def _count_live(self) -> None:
+        """:attr:`several` from the live optimizers (:meth:`_live`); where it turns true, the one given before
+        takes the whole model's run over as its own (:meth:`_seed`)."""
+        several = len(self._live()) > 1
+        if several and not self.several and self.before in self.each:
+            self._seed(self.before, self.each[self.before])
+        self.several = several
 
     def _seed(self, key: int, entry: OptimizerStall) -> None:
         """A second optimizer is seen: ``entry``'s, the only one stepped so far, did not count its own run (one
@@ -289,8 +326,14 @@ class StallWatch:
                 entry.held_back = entry.watch.flagged = False
 
     def _live(self) -> list[int]:
-        """Of several, the optimizers (by ``id``) that hold watched parameters and are still alive."""
-        return [key for key, entry in self.each.items() if entry.ref() is not None]
+        """The optimizers (by ``id``) that hold watched parameters, are still alive and are still given: the last
+        step's, and each one given within :data:`LIVE_STEPS` monitored steps or twice its longest gap."""
+        clock, given = self.clock, self.given_to
+        return [
+            key
+            for key, entry in self.each.items()
+            if entry.ref() is not None and (key == given or clock - entry.given_at <= max(LIVE_STEPS, 2 * entry.gap))
+        ]
 
     def turn(self, optimizer: Any) -> bool:
         """Of several, whether the update ``optimizer`` (given at this monitored step) applies is the next in
@@ -320,6 +363,10 @@ class OptimizerStall:
     held_back: bool = False
     """Its own run was clear while the whole run's stall stood: flagged, not told, until that stall ends
     (:meth:`StallWatch._release`)."""
+    given_at: int = 0
+    """The last monitored step it was given at (:meth:`StallWatch.given`)."""
+    gap: int = 0
+    """Its longest run of monitored steps between two given to it (a WGAN generator's: ``n_critic + 1``)."""
     read_at: int = 0
     """When its update was last read (:attr:`StallWatch.readings`; 0: never): the least recent is the next
     read (:meth:`StallWatch.turn`)."""
@@ -399,7 +446,7 @@ def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params:
         "max_update_ratio": watch.largest,
         "grad_norm": watch.grad_norm,
     }
-    if name := watch.seen.name():
+    if watch.several and (name := watch.seen.name()):  # (one alive and no longer given is none of several)
         details["stepped_optimizer"] = name
     return [
         make_anomaly(
@@ -423,7 +470,7 @@ def judge_optimizer_stall(
         "max_update_ratio": own.largest,
         "grad_norm": own.grad_norm,
         "stalled_optimizer": named(inner, stalled.held, params),
-        "optimizers": sum(entry.ref() is not None for entry in watch.each.values()),
+        "optimizers": len(watch._live()),
     }
     return [
         make_anomaly(
