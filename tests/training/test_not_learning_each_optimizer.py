@@ -43,6 +43,9 @@ def _gan(
     critic=1,
     d_stops=None,
     g_starts=None,
+    g_grows_at=None,
+    fail_at=None,
+    compiled=False,
     clear_g=False,
     skip_d=False,
     clear_at=None,
@@ -52,12 +55,25 @@ def _gan(
     ``d_every``-th, ``critic`` times in a row: a WGAN's n_critic). Faults: ``lr_d`` 0 (from iteration
     ``d_stops`` on: its scheduler's; ``lr_g`` 1e-2 from ``g_starts`` on); ``clear_g``: the generator's
     gradients cleared before its step; ``skip_d``: the discriminator's step never runs (a loop's bug).
-    ``clear_at``: the debugger's history is cleared after that iteration (``clear_debug_history``). Returns
-    the debugger (closed) and the monitored step of each optimizer's monitored steps, in order."""
+    ``clear_at``: the debugger's history is cleared after that iteration (``clear_debug_history``). Seams:
+    ``g_grows_at``: the generator's optimizer holds its first layer only until that iteration, where its last
+    layer is added at lr 1e-2 (``add_param_group``); ``fail_at``: that monitored step's measurement fails;
+    ``compiled``: each ``optimizer.step()`` is ``torch.compile``'d. Returns the debugger (closed) and the
+    monitored step of each optimizer's monitored steps, in order."""
     generator, discriminator = _models()
     opt_d = torch.optim.SGD(discriminator.parameters(), lr=lr_d)
-    opt_g = torch.optim.SGD(generator.parameters(), lr=lr_g)
+    opt_g = torch.optim.SGD((generator if g_grows_at is None else generator[0]).parameters(), lr=lr_g)
     tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    if fail_at is not None:  # that measurement raises (recorded; the step is judged unmeasured)
+        measure, calls = tdbg._steps.measurer.measure, iter(range(10**6))
+        planted = RuntimeError("planted")
+        tdbg._steps.measurer.measure = lambda *a, **k: (
+            (_ for _ in ()).throw(planted) if next(calls) == fail_at else measure(*a, **k)
+        )
+    step_d, step_g = opt_d.step, opt_g.step
+    if compiled:
+        torch._dynamo.reset()
+        step_d, step_g = (torch.compile(lambda o=o: o.step(), backend="eager") for o in (opt_d, opt_g))
     data = torch.Generator().manual_seed(1)
     step, steps = 0, {"d": [], "g": []}
     for it in range(iterations):
@@ -66,6 +82,8 @@ def _gan(
             opt_d.param_groups[0]["lr"] = 0.0
         if it == g_starts:
             opt_g.param_groups[0]["lr"] = 1e-2
+        if it == g_grows_at:
+            opt_g.add_param_group({"params": list(generator[2].parameters()), "lr": 1e-2})
         for _ in range(critic if it % d_every == 0 else 0):
             opt_d.zero_grad()
             loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
@@ -74,7 +92,7 @@ def _gan(
             steps["d"].append(step)
             step += 1
             if not skip_d:
-                opt_d.step()
+                step_d()
         opt_g.zero_grad()
         loss_g = softplus(-discriminator(fake)).mean()
         loss_g.backward()
@@ -83,10 +101,12 @@ def _gan(
         step += 1
         if clear_g:
             opt_g.zero_grad()
-        opt_g.step()
+        step_g()
         if it == clear_at:
             tdbg.clear_debug_history()
     tdbg.close()
+    if compiled:
+        torch._dynamo.reset()
     return tdbg, steps
 
 
@@ -312,3 +332,42 @@ def test_an_optimizer_no_longer_given_is_not_one_of_two(tmp_path, fresh_accelera
     assert (found.step, d["reason"], d["first_step"], d["last_step"], d["updates"]) == (30, "lr_zero", 10, 29, 5)
     assert "stepped_optimizer" not in d and "stalled_optimizer" not in d
     assert tdbg._steps.history.stall.several is False
+
+
+def test_an_optimizers_added_param_group_counts_in_its_own_updates(tmp_path):
+    """The generator's optimizer holds its first layer at lr 0 until iteration 1, then its last layer too
+    (``add_param_group``, lr 1e-2): its updates move that layer from step 3. Its holdings were fixed at its first
+    step, so its own run read only the first layer and its stall was told ("moved none of its weights"); they
+    follow its ``param_groups`` now."""
+    tdbg, _ = _gan(tmp_path, lr_g=0.0, g_grows_at=1, iterations=10)
+    assert _stalls(tdbg) == []
+
+
+def test_an_unmeasured_steps_update_is_credited_to_its_own_optimizer(tmp_path):
+    """The critic's step 2 measured nothing (a failed measurement, recorded): the update it applies, read at
+    step 3, was credited to the optimizer of the last step judged, the generator's (at lr 0), whose own run it
+    joined (its modules still in the critic's update): the generator's stall was told at step 8 with a critic's
+    update among its five. Credited to the critic's (whose gradients were not measured: no run of its own goes
+    on), the generator's stall is its own five steps 3-11 (its step 1's update was to be read at step 2)."""
+    tdbg, steps = _gan(tmp_path, lr_g=0.0, fail_at=2)
+    assert 2 in steps["d"] and [a.step for a in _serious(tdbg) if a.kind == "debugger_error"] == [2]
+    (found,) = [a for a in _serious(tdbg) if a.kind == "not_learning"]
+    _stall(found, "lr_zero", GENERATOR, 3, 11, 12)
+
+
+def test_the_runs_stall_read_from_a_compiled_step_names_the_optimizer_of_the_last_still_update(tmp_path):
+    """Both compiled steps still (the critic's lr 0, the generator's gradients cleared before its step): the run's
+    stall, clear at step 5 with the critic's step 4, named the optimizer from what the step's hook recorded last,
+    and a compiled step records nothing: no name, and the cause read from step 5's optimizer, the generator's
+    (its cleared gradients). Named from the reading: the critic's, whose lr is 0."""
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, clear_g=True, compiled=True)
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.step, d["reason"], d["first_step"], d["last_step"], d["stepped_optimizer"]) == (
+        5,
+        "lr_zero",
+        0,
+        4,
+        DISCRIMINATOR,
+    )
+    assert "held_at_step" not in d  # a compiled step: nothing seen

@@ -180,8 +180,7 @@ class LocalJudge:
             self._judge_stall(judged, index, optimizer, config)
         if grad_norm is None:
             grad_norm = math.sqrt(sum([v * v for v in local.param_norms])) if local.param_norms else math.nan
-        stall.pending_grad_norm = grad_norm
-        stall.pending_optimizer = id(optimizer)  # several: the one whose update the next reading shows
+        stall.pending_grad_norm = grad_norm  # (its optimizer, ``pending_optimizer``: set by the monitor)
         if local.module_norms is not None and self.history.health is not None:
             # the book's array of the same norms: not made again from the list
             found = judge_modules(self.rank, index, self.history.health.update(index, modules.last_norms, read))

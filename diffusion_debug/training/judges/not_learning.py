@@ -11,8 +11,8 @@ the weights are fp16/bf16 and every update rounds away (the optimizer keeps stat
 it keeps none, as SGD without momentum, and a plain step ``lr x |g| / |w|`` is below half the
 dtype's epsilon), else what ``optimizer.step()`` itself received (:class:`StepGradients`, a step
 pre-hook on each optimizer the debugger is given, from its first step judged, reading only while a run of
-still updates lasts; a compiled step reads nothing; of several optimizers, the one that stepped last is
-diagnosed and named, ``stepped_optimizer``, in the message too): no
+still updates lasts; a compiled step reads nothing; of several optimizers, the one whose update the last
+still reading was is diagnosed and named, ``stepped_optimizer``, in the message too): no
 gradient at all (``gradients_cleared``: ``zero_grad()`` between ``backward()`` and ``step()``), zeroed
 ones (``gradients_zeroed``: a mask or hook between the monitor and the step zeroed the rows that should
 learn, as a textual-inversion mask that misses the placeholder token), or the gradients the monitor read
@@ -81,12 +81,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from ...record import Anomaly, make_anomaly
 from ..measure.deepspeed_fp16_scale import ISSUE, LossScaling
 from ..measure.gradients import TrainableParameters
 from ..measure.optimizer_state import param_groups, raw_optimizer
+from .stall_causes import UNSCALED_LOSS, diagnose
 from .step_gradients import StepGradients, named
 
 STALL_UPDATES = 5
@@ -96,13 +96,6 @@ LIVE_STEPS = 2 * STALL_UPDATES
 STILL_RATIO = 1e-9
 """An update below this share of every module's norm moved nothing (one float32 rounding step of
 one sampled element is already about 1e-8 of a 128-element block)."""
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-ZEROED_RATIO = 1e-6
-"""Gradients that reach ``optimizer.step()`` below this share of the norm the monitor read were zeroed
-between the two (a mask, a hook), not applied."""
-UNSCALED_LOSS = "deepspeed_fp16_unscaled_loss"
-"""``not_learning``'s reason where DeepSpeed's fp16 engine without ZeRO backpropagated the loss unscaled
-(``measure.deepspeed_fp16_scale``): found at the first monitored step (:func:`judge_unscaled_loss`)."""
 
 
 @dataclass
@@ -147,6 +140,8 @@ class StallWatch:
     given_to: int = 0
     """``id`` of the optimizer :meth:`given` was told of last; :attr:`before`: of the one before it."""
     before: int = 0
+    params: TrainableParameters | None = None
+    """The watched parameters (what each optimizer's holdings are listed in)."""
     readings: int = 0
     """Of several, the readings taken so far (:attr:`OptimizerStall.read_at` counts by it: :meth:`turn`)."""
 
@@ -183,6 +178,8 @@ class StallWatch:
         the ratios come from a sampled block of each parameter, and a run that moves only rows
         outside it (textual inversion trains one row of the token embedding) is not stalled."""
         skipped, self.policy_skipped = skipped or self.policy_skipped, False
+        if self.several:  # the optimizer whose update this is (its stall's, or the run's named from it)
+            self.read = self.each.get(self.pending_optimizer)
         values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
         finite = values[np.isfinite(values)]  # one numpy pass where a per-module loop ran every step
         largest = float(finite.max()) if len(finite) else math.nan
@@ -229,20 +226,30 @@ class StallWatch:
         parameters (none under DeepSpeed, whose engine steps copies of them); gone optimizers' are dropped."""
         alive = {key: entry for key, entry in self.each.items() if entry.ref() is not None}
         groups = param_groups(optimizer) if params.deepspeed is None else None
-        held = {id(p) for g in groups or () for p in g["params"]}
-        indices = [i for i, p in enumerate(params.params) if id(p) in held]
+        self.params = params
+        indices, modules = _holdings(groups, params)
         if indices:
             try:
                 ref: Any = weakref.ref(optimizer)
             except TypeError:  # no weak reference: held
                 ref = lambda held=optimizer: held  # noqa: E731
-            modules = frozenset(params.module_names[params.module_of[i]] for i in indices)
             # one of the same parameters replaces the one before (recreated: Accelerate's ``_optimizers`` and a
             # kept LR scheduler hold that one alive, which made a one-optimizer run one of two)
             alive = {key: entry for key, entry in alive.items() if set(entry.held).isdisjoint(indices)}
-            alive[id(optimizer)] = OptimizerStall(ref, indices, modules, StallWatch(), given_at=self.clock)
+            entry = OptimizerStall(ref, indices, modules, StallWatch(), given_at=self.clock, groups=_shape(groups))
+            alive[id(optimizer)] = entry
         self.each = alive
         self._count_live()
+
+    def _follow_groups(self, entry: OptimizerStall) -> None:
+        """``entry``'s holdings again where its optimizer's ``param_groups`` changed (``add_param_group``: a
+        model trained from step N); its own run restarts with what it holds now."""
+        groups = param_groups(entry.ref())
+        if _shape(groups) == entry.groups or self.params is None:
+            return
+        indices, modules = _holdings(groups, self.params)
+        if indices:
+            entry.held, entry.modules, entry.groups, entry.watch.updates = indices, modules, _shape(groups), 0
 
     def given(self, optimizer: Any, joined: int) -> None:
         """The ``joined``-th monitored step was given ``optimizer``: asked at every step of several, and at a step
@@ -306,6 +313,7 @@ class StallWatch:
         if entry is None or entry.ref() is None:
             self.read = None
             return None
+        self._follow_groups(entry)
         self.readings += 1
         entry.read_at = self.readings
         modules = entry.modules
@@ -363,6 +371,8 @@ class OptimizerStall:
     held_back: bool = False
     """Its own run was clear while the whole run's stall stood: flagged, not told, until that stall ends
     (:meth:`StallWatch._release`)."""
+    groups: tuple[int, int] = (0, 0)
+    """Its ``param_groups`` by identity and length when :attr:`held` was listed (``add_param_group`` changes it)."""
     given_at: int = 0
     """The last monitored step it was given at (:meth:`StallWatch.given`)."""
     gap: int = 0
@@ -372,82 +382,38 @@ class OptimizerStall:
     read (:meth:`StallWatch.turn`)."""
 
 
+def _holdings(groups: list[dict] | None, params: TrainableParameters) -> tuple[list[int], frozenset[str]]:
+    """The indices (in ``params``) of the watched parameters ``groups`` hold, and their modules."""
+    held = {id(p) for g in groups or () for p in g["params"]}
+    indices = [i for i, p in enumerate(params.params) if id(p) in held]
+    return indices, frozenset(params.module_names[params.module_of[i]] for i in indices)
+
+
+def _shape(groups: list[dict] | None) -> tuple[int, int]:
+    return id(groups), -1 if groups is None else len(groups)
+
+
 def _subset(values: list[float], indices: list[int]) -> list[float]:
     return [values[i] for i in indices]
 
 
-def diagnose(
-    optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan, seen: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Which cause a stalled run looks like (``reason``), with what the optimizer shows
-    (``grad_norm``: the gradients' norm over the stalled updates; ``seen``: what its last step
-    received, :meth:`StepGradients.read`)."""
-    scaling = getattr(getattr(params, "deepspeed", None), "scaling", None)
-    unscaled = scaling.unscaled() if scaling is not None else None
-    if unscaled is not None:  # DeepSpeed fp16 without ZeRO: every update loss_scale x too small
-        return {"reason": UNSCALED_LOSS, **unscaled, "issue": ISSUE}
-    groups = param_groups(optimizer)
-    if groups is None:
-        return {"reason": "unknown"}
-    watched = {id(p) for p in params.params}
-    holding = [g for g in groups if any(id(p) in watched for p in g["params"])]
-    held = [p for g in holding for p in g["params"] if id(p) in watched]
-    evidence: dict[str, Any] = {
-        "watched_parameters": len(params),
-        "held_by_optimizer": len(held),
-        "other_parameters": sum(1 for g in groups for p in g["params"] if id(p) not in watched),
-    }
-    # DeepSpeed's engine trains copies of the watched tensors (ZeRO's flat partitions, fp16/bf16's float32
-    # masters): none held, yet its step's gradients and its state are theirs, not to be read for the watched
-    copies = not holding and getattr(params, "deepspeed", None) is not None
-    if not holding and not copies:
-        return {"reason": "optimizer_params", **evidence}
-    # a group's lr None is an optimizer that makes its own (transformers' Adafactor, relative_step)
-    known = [float(g["lr"]) for g in holding or groups if g.get("lr") is not None]
-    evidence["lr"] = max(known) if known else None
-    if evidence["lr"] == 0 and len(known) == len(holding or groups):
-        return {"reason": "lr_zero", **evidence}
-    if copies:  # no cause told rather than a wrong one
-        return {"reason": "unknown", **evidence}
-    state = getattr(raw_optimizer(optimizer), "state", {})
-    evidence["state_empty"] = all(not state.get(p) for p in held)
-    low = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.dtype in _LOW_PRECISION})
-    if low and not evidence["state_empty"]:
-        return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
-    if low and evidence["lr"] is not None:  # no state: cleared gradients, or an optimizer that keeps none (SGD)
-        resolution = max(float(torch.finfo(p.dtype).eps) for p in held if p.dtype in _LOW_PRECISION) / 2
-        weight_norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in held))
-        evidence["step_ratio"] = evidence["lr"] * grad_norm / weight_norm if weight_norm > 0 else math.inf
-        if evidence["step_ratio"] < resolution:  # lr x |g| / |w|: a plain gradient step rounds away
-            return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
-    if seen is None and (not evidence["state_empty"] or getattr(params, "deepspeed", None) is not None):
-        # no step seen, and its state shows its steps saw gradients (or DeepSpeed's engine, whose stage 0 in
-        # float32 its hook reads: a compiled step's, one given no optimizer): no cause told rather than a wrong one
-        return {"reason": "unknown", **evidence}
-    if seen is None:  # no step seen: an optimizer without state for them saw no gradient (SGD keeps none anyway)
-        return {"reason": "gradients_cleared", **evidence}
-    evidence.update(seen)
-    if seen["cleared_at_step"] == seen["held_at_step"]:
-        return {"reason": "gradients_cleared", **evidence}
-    monitored = grad_norm if math.isfinite(grad_norm) else 0.0  # none known: zeroed means exactly 0
-    if seen["grad_norm_at_step"] <= ZEROED_RATIO * monitored:
-        return {"reason": "gradients_zeroed", **evidence}
-    return {"reason": "undone_after_step", **evidence}
-
-
 def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params: TrainableParameters) -> list[Anomaly]:
-    """``not_learning`` at ``step``, the monitored step whose reading made the stall clear."""
-    stepped = watch.seen.stepped()  # the optimizer whose step the last still update was (a GAN's two: either)
+    """``not_learning`` at ``step``, the monitored step whose reading made the stall clear. Of several
+    optimizers, the one whose update the last still reading was is diagnosed and named (``stepped_optimizer``),
+    from the reading itself: a compiled step records nothing in its hook."""
+    read = watch.read.ref() if watch.several and watch.read is not None else None
+    stepped = read if read is not None else watch.seen.stepped()  # whose step the last still update was
+    seen = watch.seen.read(raw_optimizer(read)) if read is not None else watch.seen.read()
     details = {
-        **diagnose(optimizer if stepped is None else stepped, params, watch.grad_norm, watch.seen.read()),
+        **diagnose(optimizer if stepped is None else stepped, params, watch.grad_norm, seen),
         "first_step": watch.first_step,
         "last_step": watch.last_step,
         "updates": watch.updates,
         "max_update_ratio": watch.largest,
         "grad_norm": watch.grad_norm,
     }
-    if watch.several and (name := watch.seen.name()):  # (one alive and no longer given is none of several)
-        details["stepped_optimizer"] = name
+    if read is not None and watch.read is not None:  # (one alive and no longer given is none of several)
+        details["stepped_optimizer"] = named(read, watch.read.held, params)
     return [
         make_anomaly(
             kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details
