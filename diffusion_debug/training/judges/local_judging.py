@@ -230,26 +230,20 @@ class LocalJudge:
         normal = math.isfinite(norm) and config.grad_vanishing_threshold < norm <= config.grad_explosion_threshold
         normal = normal and not self.history.ranks[0].converged
         skipped = bool(judged.skipped) or watch.policy_skipped  # (taken by the whole model's update)
-        weights = lambda: gradients.weight_fingerprint(self.params)  # noqa: E731
-        clear = watch.update(
-            self.history.previous_step,
-            judged.applied_update,
+        reading = dict(  # the whole model's run takes it, and of several the run of the optimizer it is of
+            update_step=self.history.previous_step,
+            ratios=judged.applied_update,
             grad_norm=norm if normal else math.nan,
             skipped=skipped,
-            weights=weights,
+            weights=lambda: gradients.weight_fingerprint(self.params),
         )
+        clear = watch.update(**reading)
         judged.flags.weights_moved = watch.moved  # several processes: OR-ed by the step's reduce
         if clear:
             found = judge_stall(self.rank, watch, index, optimizer, self.params)
             judged.anomalies += found
         if watch.several:  # a GAN's: the optimizer whose update this was counts its own run too
-            stalled = watch.update_each(
-                self.history.previous_step,
-                judged.applied_update,
-                grad_norm=norm if normal else math.nan,
-                skipped=skipped,
-                weights=weights,
-            )
+            stalled = watch.update_each(**reading)
             if stalled is not None:
                 judged.anomalies += judge_optimizer_stall(self.rank, watch, stalled, index, self.params)
         # a clean run: one call at each optimizer's first step judged (``id``: no Python call)
