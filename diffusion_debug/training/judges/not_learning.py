@@ -201,7 +201,7 @@ class StallWatch:
         if self.several:  # the run is the whole model's once every optimizer's update is in it
             self.run.add(self.pending_optimizer)
         if self.updates >= STALL_UPDATES and not self.flagged:
-            if self.several and not self.run.issuperset(self._live()):  # one optimizer's: its own run tells it
+            if self.several and not self.run.issuperset(self.live()):  # one optimizer's: its own run tells it
                 return False
             if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks
                 self.updates, self.moved = 0, True
@@ -272,9 +272,9 @@ class StallWatch:
         self._count_live()
 
     def _count_live(self) -> None:
-        """:attr:`several` from the live optimizers (:meth:`_live`); where it turns true, the one given before
+        """:attr:`several` from the live optimizers (:meth:`live`); where it turns true, the one given before
         takes the whole model's run over as its own (:meth:`_seed`)."""
-        several = len(self._live()) > 1
+        several = len(self.live()) > 1
         if several and not self.several and self.before in self.each:
             self._seed(self.before, self.each[self.before])
         self.several = several
@@ -284,13 +284,8 @@ class StallWatch:
         optimizer's is the whole model's): it takes the whole model's run over (a critic's stall five steps long
         before the generator's first step is its own, not the run's)."""
         own, self.run = entry.watch, {key} if self.updates else set()
-        own.first_step, own.last_step, own.updates, own.largest = (
-            self.first_step,
-            self.last_step,
-            self.updates,
-            self.largest,
-        )
-        own.grad_norm, own.flagged = self.grad_norm, self.flagged
+        own.first_step, own.last_step, own.updates = self.first_step, self.last_step, self.updates
+        own.largest, own.grad_norm, own.flagged = self.largest, self.grad_norm, self.flagged
         own.fingerprint = None if self.fingerprint is None else _subset(self.fingerprint, entry.held)
 
     def update_each(
@@ -333,7 +328,7 @@ class StallWatch:
             if entry.held_back:
                 entry.held_back = entry.watch.flagged = False
 
-    def _live(self) -> list[int]:
+    def live(self) -> list[int]:
         """The optimizers (by ``id``) that hold watched parameters, are still alive and are still given: the last
         step's, and each one given within :data:`LIVE_STEPS` monitored steps or twice its longest gap."""
         clock, given = self.clock, self.given_to
@@ -352,7 +347,7 @@ class StallWatch:
         entry = self.each.get(id(optimizer))
         if entry is None:  # it holds none of the watched parameters: its update is no one's own
             return False
-        return entry.read_at <= min(self.each[key].read_at for key in self._live())
+        return entry.read_at <= min(self.each[key].read_at for key in self.live())
 
 
 @dataclass
@@ -436,7 +431,7 @@ def judge_optimizer_stall(
         "max_update_ratio": own.largest,
         "grad_norm": own.grad_norm,
         "stalled_optimizer": named(inner, stalled.held, params),
-        "optimizers": len(watch._live()),
+        "optimizers": len(watch.live()),
     }
     return [
         make_anomaly(
