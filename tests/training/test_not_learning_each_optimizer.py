@@ -226,10 +226,40 @@ def test_a_wgan_critic_whose_lr_is_0_is_its_own_stall_told_once_while_the_genera
     every optimizer in its run; this one is the critic's, told once."""
     tdbg, steps = _gan(tmp_path, lr_d=0.0, critic=5, iterations=4)
     assert steps["d"][:6] == [0, 1, 2, 3, 4, 6] and steps["g"][:2] == [5, 11]
-    assert _stalls(tdbg) == [(5, DISCRIMINATOR)]
+    # clear at step 5 (its updates 0-4), held until the generator's moving update (its step 5's) is read at 6:
+    # told at its next still update read, step 6's at 7
+    assert _stalls(tdbg) == [(7, DISCRIMINATOR)]
     (found,) = _serious(tdbg)
-    _stall(found, "lr_zero", DISCRIMINATOR, 0, 4, 5)
-    assert "stepped_optimizer" not in found.details
+    d = found.details
+    assert (d["reason"], d["stalled_optimizer"], d["first_step"], d["last_step"], d["updates"]) == (
+        "lr_zero",
+        DISCRIMINATOR,
+        0,
+        6,
+        6,
+    )
+    assert "stepped_optimizer" not in d
+
+
+def test_a_wgan_whose_optimizers_both_have_lr_0_is_one_stall_of_the_whole_run(tmp_path):
+    """n_critic 5, both lr 0: the critic's five still updates (read at 1-5) were told at step 5 as its own stall
+    "while the other optimizer's updates moved theirs", though no update of the generator had been read (its
+    first, step 5's, is read at 6) and it never moves. An optimizer's own stall is told only once another one's
+    update read in its run moved weights: held until then, the whole run's stall follows at 6 (the generator's
+    still update in it), told once, as the run's."""
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, lr_g=0.0, critic=5, iterations=4)
+    assert _stalls(tdbg) == [(6, None)]
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (d["reason"], d["first_step"], d["last_step"], d["updates"], d["stepped_optimizer"]) == (
+        "lr_zero",
+        0,
+        5,
+        6,
+        GENERATOR,
+    )
+    assert "stalled_optimizer" not in d and d["count"] == 1
+    assert found.message.startswith("No weight moved in the 6 optimizer steps 0-5 ")
 
 
 def test_a_critic_that_stalls_after_the_first_ten_steps_is_read_in_its_turn(tmp_path):

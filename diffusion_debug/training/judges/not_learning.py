@@ -50,12 +50,14 @@ before each optimizer's step, with it), read from its own modules; the other's m
 whole model's run at every step, so one optimizer's lr 0 was never told. Its stall names it
 (``stalled_optimizer``) where the whole model's is not reported: the whole model's run is a stall only once
 a still update of every live optimizer is in it (a critic's five steps before the generator's one are the
-critic's), and a stall of every optimizer is the run's, told once. One stepped every k monitored steps counts
-only the readings of its own steps; after the first ten the scheduled readings take the optimizers' updates
-in turn (:meth:`StallWatch.turn`, ``step.detail``), whatever the phase of the loop's cycle. The optimizers
-counted are the live ones (:meth:`StallWatch.given`): given within the last :data:`LIVE_STEPS` monitored steps
-(or twice their own longest gap); one of the same parameters replaces the one before it (an optimizer
-recreated, which Accelerate's ``_optimizers`` and a kept LR scheduler hold alive).
+critic's), and a stall of every optimizer is the run's, told once. An optimizer's own stall is told only once
+another one's update read since its run began moved weights (held until then: at n_critic 5 with both at lr 0
+the critic's five were told as its own "while the other's moved" before any generator update was read).
+One stepped every k monitored steps counts only the readings of its own steps; after the first ten the scheduled
+readings take the optimizers' updates in turn (:meth:`StallWatch.turn`, ``step.detail``), whatever the phase of the
+loop's cycle. The optimizers counted are the live ones (:meth:`StallWatch.given`): given within the last
+:data:`LIVE_STEPS` monitored steps (or twice their own longest gap); one of the same parameters replaces the one before
+it (an optimizer recreated, which Accelerate's ``_optimizers`` and a kept LR scheduler hold alive).
 
 Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
 still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
@@ -301,8 +303,9 @@ class StallWatch:
         was given: the monitor is called before each optimizer's step, with it) takes the update into its own
         run of still updates, read from the modules of the parameters it holds; it is returned where that run
         is clear (:meth:`update`'s rules) and the whole model's is not reported: a stall of every optimizer
-        is the run's, reported once as one, and an optimizer's own is told once another's update moved weights
-        again. An optimizer stepped every k monitored steps only (a discriminator on alternate iterations)
+        is the run's, reported once as one, and an optimizer's own is told only once another one's update read in
+        its run moved weights (:attr:`OptimizerStall.others_moved`; held back until then, told at its next still
+        update). An optimizer stepped every k monitored steps only (a discriminator on alternate iterations)
         counts only the readings of its own steps."""
         entry = self.read = self.each.get(self.pending_optimizer)
         if entry is None or entry.ref() is None:
@@ -316,8 +319,19 @@ class StallWatch:
         held = entry.held
         its = None if weights is None else lambda: _subset(weights(), held)
         clear = entry.watch.update(update_step, own, grad_norm=grad_norm, skipped=skipped, weights=its)
-        if clear and self.flagged:  # the whole run's stall stands: this one is told once some update moves
-            entry.held_back = True  # (its flag kept: no whole weights read again at each still reading)
+        if entry.watch.updates == 1:  # its run of still updates begins at this reading
+            entry.others_moved = False
+        if entry.watch.moved:  # its update moved: each other one's own stall is true now (told at its next still)
+            for other in self.each.values():
+                if other is not entry:
+                    other.others_moved = True
+                    if other.held_back:
+                        other.held_back = other.watch.flagged = False
+        # held back (its flag kept: no whole weights read again at each still reading) while the whole run's stall
+        # stands, and until another one's update read in its run moved weights: both optimizers' lr 0 at n_critic 5
+        # was told as the critic's own stall "while the other's moved" before the generator's update was read
+        if clear and (self.flagged or not entry.others_moved):
+            entry.held_back = True
             return None
         return entry if clear else None
 
@@ -372,6 +386,9 @@ class OptimizerStall:
     """The last monitored step it was given at (:meth:`StallWatch.given`)."""
     gap: int = 0
     """Its longest run of monitored steps between two given to it (a WGAN generator's: ``n_critic + 1``)."""
+    others_moved: bool = False
+    """Another optimizer's update read since its own run of still updates began moved weights: only then is its
+    own stall told (its message says the others' updates moved theirs; :meth:`StallWatch.update_each`)."""
     read_at: int = 0
     """When its update was last read (:attr:`StallWatch.readings`; 0: never): the least recent is the next
     read (:meth:`StallWatch.turn`)."""
@@ -420,7 +437,8 @@ def judge_optimizer_stall(
     rank: int, watch: StallWatch, stalled: OptimizerStall, step: Any, params: TrainableParameters
 ) -> list[Anomaly]:
     """``not_learning`` at ``step`` of one optimizer of several (``stalled``, named ``stalled_optimizer``), the
-    monitored step whose reading made its own run of still updates clear while the other's updates moved."""
+    monitored step whose reading made its own run of still updates clear, or the next still one once another
+    optimizer's update read in that run moved weights (held back until then: :meth:`StallWatch.update_each`)."""
     optimizer, own = stalled.ref(), stalled.watch
     inner = raw_optimizer(optimizer)
     details = {
