@@ -409,8 +409,8 @@ class StepMonitor:
                 history.causes.renamed(self.watched.name_judged(judged))  # several models: each names its own
             found = bool(judged.anomalies)  # several processes: a stall alone waits for the reduce to stand
             found = found and not (ctx.distributed and self.local.stall_alone(judged))
-            turn = stall.turn(call.optimizer) if stall.several else None  # several: each one's updates in turn
-            if history.detail.then(history.joined, found=found, turn=turn):  # the next step is detailed:
+            turns = (stall, call.optimizer) if stall.several else None  # several: each one's updates in turn
+            if history.detail.then(history.joined, found=found, turns=turns):  # the next step is detailed:
                 self.local.sketch.keep(history.joined)  # the update it reads is this step's
         except Exception as error:
             step.deferred = error

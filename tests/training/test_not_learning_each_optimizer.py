@@ -146,12 +146,13 @@ def test_a_discriminator_stepped_every_other_iteration_is_no_stall_and_its_lr_0_
     tdbg, steps = _gan(tmp_path, d_every=2, iterations=12)
     assert steps["d"][:3] == [0, 3, 6] and _serious(tdbg) == []
     tdbg, steps = _gan(tmp_path / "lr0", d_every=2, iterations=18, lr_d=0.0)
-    # its updates are read at 1, 4, 7 and 10 (the first ten monitored steps read every update), then in turn
-    # with the generator's (one scheduled reading in five steps, ``step.detail``): step 9's at 10 (its turn), the
-    # generator's step 14 at 15, then its own next step's, 21's at 22
+    # its updates are read at 1, 4, 7 and 10 (the first ten monitored steps read every update; step 9's at 10,
+    # the weight norms' refresh), then in turn with the generator's (one scheduled reading in five steps,
+    # ``step.detail``): the generator's step 14 at 15, its step 19's at the refresh 20, then its own next step's
+    # in its turn, 24's at 25
     assert steps["d"][:9] == [0, 3, 6, 9, 12, 15, 18, 21, 24]
     (found,) = _serious(tdbg)
-    _stall(found, "lr_zero", DISCRIMINATOR, 0, 21, 22)
+    _stall(found, "lr_zero", DISCRIMINATOR, 0, 24, 25)
 
 
 def test_a_discriminator_whose_step_never_runs_is_named(tmp_path):
@@ -355,11 +356,12 @@ def test_an_optimizer_no_longer_given_is_not_one_of_two(tmp_path, fresh_accelera
     """A second model's optimizer given at the first two iterations only (steps 0 and 2), kept alive by the
     accelerator: the stall of the first model's new optimizer at lr 0 (from step 10), told twenty and more
     monitored steps later, named the optimizer that stepped last as one of two. An optimizer given within the
-    last ten monitored steps (or twice its longest gap) is live; this one is not: the stall is the run's."""
+    last ten monitored steps (or twice its longest gap) is live; this one is not: the stall is the run's, read
+    on one optimizer's schedule (updates 14, 19, ... 34: step 10's is read by none)."""
     tdbg = _recreated(tmp_path, recreate_at=8, second_model_steps=2, steps=36)
     (found,) = _serious(tdbg)
     d = found.details
-    assert (found.step, d["reason"], d["first_step"], d["last_step"], d["updates"]) == (30, "lr_zero", 10, 29, 5)
+    assert (found.step, d["reason"], d["first_step"], d["last_step"], d["updates"]) == (35, "lr_zero", 14, 34, 5)
     assert "stepped_optimizer" not in d and "stalled_optimizer" not in d
     assert tdbg._steps.history.stall.several is False
 

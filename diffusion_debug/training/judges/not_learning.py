@@ -145,7 +145,8 @@ class StallWatch:
     params: TrainableParameters | None = None
     """The watched parameters (what each optimizer's holdings are listed in)."""
     readings: int = 0
-    """Of several, the readings taken so far (:attr:`OptimizerStall.read_at` counts by it: :meth:`turn`)."""
+    """Of several, the scheduled readings taken so far (:attr:`OptimizerStall.read_at` counts by it:
+    :meth:`turn`, :meth:`read_in_turn`)."""
 
     def follow_step(self, optimizer: Any, params: TrainableParameters) -> None:
         """Watch what ``optimizer.step()`` receives while a run of still updates is counted and not yet
@@ -312,8 +313,6 @@ class StallWatch:
             self.read = None
             return None
         self._follow_groups(entry)
-        self.readings += 1
-        entry.read_at = self.readings
         modules = entry.modules
         own = {module: ratio for module, ratio in ratios.items() if module in modules}
         held = entry.held
@@ -362,6 +361,15 @@ class StallWatch:
         if entry is None:  # it holds none of the watched parameters: its update is no one's own
             return False
         return entry.read_at <= min(self.each[key].read_at for key in self.live())
+
+    def read_in_turn(self, optimizer: Any) -> None:
+        """The next monitored step takes the scheduled reading (``DetailSchedule.take``): the update ``optimizer``
+        (given at this step) applies is the one read in turn. Only these count in the turns: the readings after
+        a finding are one rank's, and counted they made the ranks read different steps from then on."""
+        entry = self.each.get(id(optimizer))
+        if entry is not None:
+            self.readings += 1
+            entry.read_at = self.readings
 
 
 @dataclass
