@@ -260,7 +260,12 @@ def test_a_wgan_whose_optimizers_both_have_lr_0_is_one_stall_of_the_whole_run(tm
         GENERATOR,
     )
     assert "stalled_optimizer" not in d and d["count"] == 1
+    assert d["still_optimizers"] == [DISCRIMINATOR, GENERATOR]  # both named
     assert found.message.startswith("No weight moved in the 6 optimizer steps 0-5 ")
+    assert (
+        f"; the updates of all 2 optimizers are still ({DISCRIMINATOR}; {GENERATOR}); read from {GENERATOR}, the "
+        "optimizer that stepped last: the learning rate is 0" in found.message
+    )
 
 
 def test_a_critic_that_stalls_after_the_first_ten_steps_is_read_in_its_turn(tmp_path):

@@ -434,6 +434,9 @@ def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params:
     }
     if read is not None and watch.read is not None:  # (one alive and no longer given is none of several)
         details["stepped_optimizer"] = named(read, watch.read.held, params)
+        # every live optimizer's still update is in the run: each is named, not only the one read last
+        live = [watch.each[key] for key in watch.live()]
+        details["still_optimizers"] = [named(entry.ref(), entry.held, params) for entry in live]
     return [
         make_anomaly(
             kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details
