@@ -596,6 +596,9 @@ def not_learning(anomaly: Anomaly) -> str:
         )
     # several optimizers all still: the cause is read from one of them, which the reader must know
     read = f"; read from {d['stepped_optimizer']}, the optimizer that stepped last" if "stepped_optimizer" in d else ""
+    if d.get("still_optimizers"):  # each one's updates in the run: the whole model's stall, every optimizer named
+        names = d["still_optimizers"]
+        read = f"; the updates of all {len(names)} optimizers are still ({'; '.join(names)})" + read
     return (
         f"No weight moved in the {d['updates']} optimizer steps {d['first_step']}-{d['last_step']} (the largest "
         f"update {d['max_update_ratio']:.3g}x a module's norm) although the gradients are normal (norm "

@@ -356,8 +356,10 @@ class StepMonitor:
     def _judge(self, step: MonitoredStep, own: StepRow, local: LocalReadings, call: Call, measured) -> Judgement:
         """This rank's own row; then what only this rank knows. An error is recorded; what was judged stays."""
         judged, history, ctx = Judgement(), self.history, self.ctx
-        rank, mine = ctx.rank, history.ranks[0]
+        rank, mine, stall = ctx.rank, history.ranks[0], history.stall
         try:
+            if stall.several or id(call.optimizer) != stall.given_to:  # several, or a new one: no call with one
+                stall.given(call.optimizer, history.joined)
             if step.deferred is not None:
                 raise step.deferred
             if not own.measured:
@@ -388,6 +390,9 @@ class StepMonitor:
                     norms=measured.norms,
                     forwards=measured.forwards,
                 )
+            else:  # its update, read at the next step, applies gradients not measured: it is not judged
+                stall.pending_grad_norm = math.nan
+            stall.pending_optimizer = id(call.optimizer)  # several: the one whose update the next reading shows
             if local.samples is not None:
                 found = judge_samples(
                     local.samples, step.sample_ids, step.index, rank, history.samples, step.samples_given
@@ -404,7 +409,8 @@ class StepMonitor:
                 history.causes.renamed(self.watched.name_judged(judged))  # several models: each names its own
             found = bool(judged.anomalies)  # several processes: a stall alone waits for the reduce to stand
             found = found and not (ctx.distributed and self.local.stall_alone(judged))
-            if history.detail.then(history.joined, found=found):  # the next step is detailed:
+            turns = (stall, call.optimizer) if stall.several else None  # several: each one's updates in turn
+            if history.detail.then(history.joined, found=found, turns=turns):  # the next step is detailed:
                 self.local.sketch.keep(history.joined)  # the update it reads is this step's
         except Exception as error:
             step.deferred = error

@@ -106,3 +106,73 @@ def test_an_explosion_planted_off_the_schedule_names_its_module_at_its_step(tmp_
     assert a.details["top_module_grad_norms"] == pytest.approx(naive, rel=1e-6)
     assert infos[quiet]["grad_norm"] == pytest.approx(math.sqrt(sum(n * n for n in naive.values())), rel=1e-6)
     tdbg.close()
+
+
+def _two_optimizers(tmp_path, order, spike_at=None):
+    """A GAN's two models, each under its own SGD, monitored before each optimizer's step with it: ``order``, the
+    optimizer of each monitored step (``"d"`` or ``"g"``). ``spike_at``: that step's loss is shown a million times
+    larger (a ``loss_spike``: the steps after it read in full, on this rank alone under several processes).
+    The monitored steps (0-based) that read the per-module figures."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-2)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-2)
+    config = _config(tmp_path, stream_events=False)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=config)
+    data, detailed = torch.Generator().manual_seed(1), []
+    softplus = torch.nn.functional.softplus
+    for step, which in enumerate(order):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        optimizer = opt_d if which == "d" else opt_g
+        optimizer.zero_grad()
+        if which == "d":
+            loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+        else:
+            loss = softplus(-discriminator(fake)).mean()
+        loss.backward()
+        shown = loss.detach() * 1e6 if step == spike_at else loss
+        if "module_grad_norms" in tdbg.monitor_training_step(shown, optimizer=optimizer, step=step):
+            detailed.append(step)
+        optimizer.step()
+    tdbg.close()
+    return detailed
+
+
+@pytest.mark.parametrize(
+    "cycle",
+    [["d", "g"], ["d"] * 2 + ["g"], ["d"] * 3 + ["g"], ["d"] * 4 + ["g"], ["d"] * 5 + ["g"], ["d"] * 20 + ["g"] * 20],
+)
+def test_two_optimizers_read_as_many_steps_as_one_and_each_refresh(tmp_path, cycle):
+    """Two optimizers take the scheduled readings in turn (a WGAN's n_critic 4 was read at the generator's phase
+    alone). The reading waited for a step of the optimizer in turn and not on a weight-norm refresh, itself a
+    detailed step: 44, 48 and 51 of the 190 monitored steps past the first ten read at n_critic 2, 3 and 5, not
+    38; and in phases of twenty steps an optimizer still live and not given held every reading back (31). A refresh is
+    the reading of its five steps, the one between waits four steps at most: one detailed step in each five."""
+    order = (cycle * 200)[:200]
+    detailed = _two_optimizers(tmp_path, order)
+    late = [s for s in detailed if s >= DETAIL_FIRST]
+    assert detailed[:DETAIL_FIRST] == list(range(DETAIL_FIRST))
+    assert len(late) == len([s for s in range(DETAIL_FIRST, 200) if _scheduled(s)]) == 38
+    assert [len([s for s in late if k <= s < k + DETAIL_EVERY]) for k in range(DETAIL_FIRST, 200, DETAIL_EVERY)] == [
+        1
+    ] * 38
+    assert set(range(DETAIL_FIRST, 200, 2 * DETAIL_EVERY)) <= set(late)  # each weight-norm refresh
+
+
+def test_a_ranks_readings_after_a_finding_do_not_move_its_schedule(tmp_path):
+    """The readings after a finding are one rank's (a loss spike there); counted in the turns, that rank read
+    other steps from then on than the ranks without it (n_critic 4, a spike at step 22: 35, 40, 41, 45, 50, 51, ...
+    against 36, 40, 46, 50, 56, ...). Past the ten steps read in full, the spiked run reads the clean run's steps."""
+    order = ((["d"] * 4 + ["g"]) * 20)[:100]
+    clean = _two_optimizers(tmp_path / "clean", order)
+    spiked = _two_optimizers(tmp_path / "spiked", order, spike_at=22)
+    assert [s for s in spiked if s > 22 + 10] == [s for s in clean if s > 22 + 10]
+    assert set(range(23, 33)) <= set(spiked)  # the ten after the spike, read in full
+
+
+def test_the_schedules_refresh_is_the_weight_norms_refresh():
+    """Of several optimizers a weight-norm refresh is the scheduled reading of its steps: the two must agree."""
+    from diffusion_debug.training.measure.gradients import ModuleNormBook
+
+    assert DetailSchedule().refresh == ModuleNormBook.refresh_every == 2 * DETAIL_EVERY

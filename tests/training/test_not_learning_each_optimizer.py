@@ -33,22 +33,58 @@ def _models():
     return generator, discriminator
 
 
-def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, iterations=8, d_every=1, clear_g=False, skip_d=False, clear_at=None):
+def _gan(
+    tmp_path,
+    *,
+    lr_d=1e-2,
+    lr_g=1e-2,
+    iterations=8,
+    d_every=1,
+    critic=1,
+    d_stops=None,
+    g_starts=None,
+    g_grows_at=None,
+    fail_at=None,
+    compiled=False,
+    clear_g=False,
+    skip_d=False,
+    clear_at=None,
+):
     """A GAN's loop on one debugger, each model under its own SGD without momentum, monitored before each
     optimizer's step with that optimizer (the discriminator's only at the iterations it steps: every
-    ``d_every``-th). Faults: ``lr_d`` 0; ``clear_g``: the generator's gradients cleared before its step;
-    ``skip_d``: the discriminator's step never runs (a loop's bug). ``clear_at``: the debugger's history is
-    cleared after that iteration (``clear_debug_history``). Returns the debugger (closed) and the
+    ``d_every``-th, ``critic`` times in a row: a WGAN's n_critic). Faults: ``lr_d`` 0 (from iteration
+    ``d_stops`` on: its scheduler's; ``lr_g`` 1e-2 from ``g_starts`` on); ``clear_g``: the generator's
+    gradients cleared before its step; ``skip_d``: the discriminator's step never runs (a loop's bug).
+    ``clear_at``: the debugger's history is cleared after that iteration (``clear_debug_history``). Seams:
+    ``g_grows_at``: the generator's optimizer holds its first layer only until that iteration, where its last
+    layer is added at lr 1e-2 (``add_param_group``); ``fail_at``: that monitored step's measurement fails;
+    ``compiled``: each ``optimizer.step()`` is ``torch.compile``'d. Returns the debugger (closed) and the
     monitored step of each optimizer's monitored steps, in order."""
     generator, discriminator = _models()
     opt_d = torch.optim.SGD(discriminator.parameters(), lr=lr_d)
-    opt_g = torch.optim.SGD(generator.parameters(), lr=lr_g)
+    opt_g = torch.optim.SGD((generator if g_grows_at is None else generator[0]).parameters(), lr=lr_g)
     tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    if fail_at is not None:  # that measurement raises (recorded; the step is judged unmeasured)
+        measure, calls = tdbg._steps.measurer.measure, iter(range(10**6))
+        planted = RuntimeError("planted")
+        tdbg._steps.measurer.measure = lambda *a, **k: (
+            (_ for _ in ()).throw(planted) if next(calls) == fail_at else measure(*a, **k)
+        )
+    step_d, step_g = opt_d.step, opt_g.step
+    if compiled:
+        torch._dynamo.reset()
+        step_d, step_g = (torch.compile(lambda o=o: o.step(), backend="eager") for o in (opt_d, opt_g))
     data = torch.Generator().manual_seed(1)
     step, steps = 0, {"d": [], "g": []}
     for it in range(iterations):
         real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
-        if it % d_every == 0:
+        if it == d_stops:
+            opt_d.param_groups[0]["lr"] = 0.0
+        if it == g_starts:
+            opt_g.param_groups[0]["lr"] = 1e-2
+        if it == g_grows_at:
+            opt_g.add_param_group({"params": list(generator[2].parameters()), "lr": 1e-2})
+        for _ in range(critic if it % d_every == 0 else 0):
             opt_d.zero_grad()
             loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
             loss_d.backward()
@@ -56,7 +92,7 @@ def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, iterations=8, d_every=1, clear_g=Fal
             steps["d"].append(step)
             step += 1
             if not skip_d:
-                opt_d.step()
+                step_d()
         opt_g.zero_grad()
         loss_g = softplus(-discriminator(fake)).mean()
         loss_g.backward()
@@ -65,10 +101,12 @@ def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, iterations=8, d_every=1, clear_g=Fal
         step += 1
         if clear_g:
             opt_g.zero_grad()
-        opt_g.step()
+        step_g()
         if it == clear_at:
             tdbg.clear_debug_history()
     tdbg.close()
+    if compiled:
+        torch._dynamo.reset()
     return tdbg, steps
 
 
@@ -108,8 +146,10 @@ def test_a_discriminator_stepped_every_other_iteration_is_no_stall_and_its_lr_0_
     tdbg, steps = _gan(tmp_path, d_every=2, iterations=12)
     assert steps["d"][:3] == [0, 3, 6] and _serious(tdbg) == []
     tdbg, steps = _gan(tmp_path / "lr0", d_every=2, iterations=18, lr_d=0.0)
-    # its updates are read at 1, 4, 7 and 10 (the first ten monitored steps read every update), then only
-    # where a scheduled reading (15, 20, 25: ``step.detail``) follows one of its steps: at 25, of step 24
+    # its updates are read at 1, 4, 7 and 10 (the first ten monitored steps read every update; step 9's at 10,
+    # the weight norms' refresh), then in turn with the generator's (one scheduled reading in five steps,
+    # ``step.detail``): the generator's step 14 at 15, its step 19's at the refresh 20, then its own next step's
+    # in its turn, 24's at 25
     assert steps["d"][:9] == [0, 3, 6, 9, 12, 15, 18, 21, 24]
     (found,) = _serious(tdbg)
     _stall(found, "lr_zero", DISCRIMINATOR, 0, 24, 25)
@@ -172,3 +212,199 @@ def test_a_stall_of_one_optimizer_goes_on_after_clear_debug_history_and_is_repor
     d = found.details
     assert (found.step, d["stalled_optimizer"], d["first_step"]) == (13, DISCRIMINATOR, 0)
     assert (d["last_step"], d["updates"]) == (12, 7)
+
+
+def _stalls(tdbg):
+    """Each ``not_learning`` as (step, the optimizer named stalled or, for the whole run's, None)."""
+    return [(a.step, a.details.get("stalled_optimizer")) for a in _serious(tdbg) if a.kind == "not_learning"]
+
+
+def test_a_wgan_critic_whose_lr_is_0_is_its_own_stall_told_once_while_the_generator_learns(tmp_path):
+    """n_critic 5 (D, D, D, D, D, G): the first five readings are all the critic's updates. The whole model's
+    run counted them as the run's stall at step 5 (naming the critic as the one that stepped last) while the
+    generator learns, then the critic's own run at step 10 and the run's again at 17 and 23 (five of the critic's
+    between two of the generator's): one stall, told four times. A whole run's stall needs a still update of
+    every optimizer in its run; this one is the critic's, told once."""
+    tdbg, steps = _gan(tmp_path, lr_d=0.0, critic=5, iterations=4)
+    assert steps["d"][:6] == [0, 1, 2, 3, 4, 6] and steps["g"][:2] == [5, 11]
+    # clear at step 5 (its updates 0-4), held until the generator's moving update (its step 5's) is read at 6:
+    # told at its next still update read, step 6's at 7
+    assert _stalls(tdbg) == [(7, DISCRIMINATOR)]
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (d["reason"], d["stalled_optimizer"], d["first_step"], d["last_step"], d["updates"]) == (
+        "lr_zero",
+        DISCRIMINATOR,
+        0,
+        6,
+        6,
+    )
+    assert "stepped_optimizer" not in d
+
+
+def test_a_wgan_whose_optimizers_both_have_lr_0_is_one_stall_of_the_whole_run(tmp_path):
+    """n_critic 5, both lr 0: the critic's five still updates (read at 1-5) were told at step 5 as its own stall
+    "while the other optimizer's updates moved theirs", though no update of the generator had been read (its
+    first, step 5's, is read at 6) and it never moves. An optimizer's own stall is told only once another one's
+    update read in its run moved weights: held until then, the whole run's stall follows at 6 (the generator's
+    still update in it), told once, as the run's."""
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, lr_g=0.0, critic=5, iterations=4)
+    assert _stalls(tdbg) == [(6, None)]
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (d["reason"], d["first_step"], d["last_step"], d["updates"], d["stepped_optimizer"]) == (
+        "lr_zero",
+        0,
+        5,
+        6,
+        GENERATOR,
+    )
+    assert "stalled_optimizer" not in d and d["count"] == 1
+    assert d["still_optimizers"] == [DISCRIMINATOR, GENERATOR]  # both named
+    assert found.message.startswith("No weight moved in the 6 optimizer steps 0-5 ")
+    assert (
+        f"; the updates of all 2 optimizers are still ({DISCRIMINATOR}; {GENERATOR}); read from {GENERATOR}, the "
+        "optimizer that stepped last: the learning rate is 0" in found.message
+    )
+
+
+def test_a_critic_that_stalls_after_the_first_ten_steps_is_read_in_its_turn(tmp_path):
+    """n_critic 4 (D, D, D, D, G: five steps a cycle), the critic's lr 0 from step 15: after the first ten
+    monitored steps one in five reads an update (``step.detail``), always at the same phase of a five-step
+    cycle, the generator's step: the critic's stall was never read. The scheduled reading goes to each
+    optimizer's update in turn: the critic's steps 15, 25, 35, 45 and 55 (the generator's 19, 29, ... between),
+    the fifth read at step 56."""
+    tdbg, steps = _gan(tmp_path, critic=4, iterations=12, d_stops=3)
+    assert steps["g"][:4] == [4, 9, 14, 19] and steps["d"][12] == 15
+    assert _stalls(tdbg) == [(56, DISCRIMINATOR)]
+    (found,) = _serious(tdbg)
+    assert (found.details["first_step"], found.details["last_step"], found.details["reason"]) == (15, 55, "lr_zero")
+
+
+@pytest.mark.parametrize("iterations", [12, 24])
+def test_a_long_stall_of_both_optimizers_reads_the_whole_weights_a_fixed_number_of_times(
+    tmp_path, monkeypatch, iterations
+):
+    """Both stalled: the run's stall stands, and each optimizer's own, clear at its fifth still update, is held
+    back. Its flag was dropped there with its count at five or more, so every later still reading of it read the
+    whole weights again (``weight_fingerprint``: a fused norm and a host read) to be held back again. Read once
+    when each run begins and once when it is clear (the run's and each optimizer's): six, however long."""
+    from diffusion_debug.training.measure import gradients
+
+    calls = []
+    fingerprint = gradients.weight_fingerprint
+    monkeypatch.setattr(gradients, "weight_fingerprint", lambda params: calls.append(1) or fingerprint(params))
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, lr_g=0.0, iterations=iterations)
+    assert _stalls(tdbg) == [(5, None)]
+    assert len(calls) == 6
+
+
+def test_an_optimizers_stall_held_back_beside_the_runs_is_told_once_the_other_learns_again(tmp_path):
+    """Both stalled, then the generator's lr set from step 16: the run's stall (step 5) ends at the first of its
+    moving updates read, and the critic's own stall, held back since its fifth still update, is told at its next
+    still update read (its step 24's, in its turn), once."""
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, lr_g=0.0, iterations=16, g_starts=8)
+    assert _stalls(tdbg) == [(5, None), (25, DISCRIMINATOR)]
+    found = _serious(tdbg)[1]
+    assert (found.details["first_step"], found.details["last_step"], found.details["updates"]) == (0, 24, 9)
+
+
+def _recreated(tmp_path, *, recreate_at=3, second_model_steps=0, steps=9):
+    """One model under Accelerate whose optimizer is recreated at iteration ``recreate_at`` (a new phase, a
+    resume), the new one at lr 0 and prepared again: the accelerator keeps the old one alive (``_optimizers``).
+    With ``second_model_steps``, a second model's optimizer is given, before the first one's, at that many first
+    iterations only (a text encoder trained for a while, its optimizer kept). The debugger (closed)."""
+    from accelerate import Accelerator
+
+    generator, discriminator = _models()
+    accelerator = Accelerator(cpu=True)
+    first = torch.optim.SGD(generator.parameters(), lr=1e-2)
+    other = torch.optim.SGD(discriminator.parameters(), lr=1e-2)
+    generator, discriminator, first, other = accelerator.prepare(generator, discriminator, first, other)
+    models = {"generator": generator, "discriminator": discriminator}
+    tdbg = TrainingDebugger(models, accelerator=accelerator, config=_config(tmp_path))
+    data, optimizer, step = torch.Generator().manual_seed(1), first, 0
+    for it in range(steps):
+        if it == recreate_at:
+            optimizer = accelerator.prepare(torch.optim.SGD(generator.parameters(), lr=0.0))
+        if it < second_model_steps:
+            other.zero_grad()
+            loss = discriminator(torch.randn(16, 4, generator=data)).pow(2).mean()
+            accelerator.backward(loss)
+            tdbg.monitor_training_step(loss, optimizer=other, step=step)
+            other.step()
+            step += 1
+        optimizer.zero_grad()
+        loss = generator(torch.randn(16, 4, generator=data)).pow(2).mean()
+        accelerator.backward(loss)
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        step += 1
+    tdbg.close()
+    return tdbg
+
+
+def test_an_optimizer_recreated_under_accelerate_is_not_one_of_two(tmp_path, fresh_accelerate_state):
+    """The accelerator keeps the replaced optimizer alive, so the run looked like one of two optimizers: the
+    stall of the new one at lr 0 named it as ``stepped_optimizer`` ("read from ..., the optimizer that stepped
+    last"). An optimizer of the same parameters replaces the one before it: one optimizer, named by no one."""
+    tdbg = _recreated(tmp_path)
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.step, d["reason"], d["first_step"], d["last_step"], d["updates"]) == (8, "lr_zero", 3, 7, 5)
+    assert "stepped_optimizer" not in d and "stalled_optimizer" not in d
+    assert found.message.startswith("No weight moved in the 5 optimizer steps 3-7 (the largest update 0x")
+    assert "read from" not in found.message
+
+
+def test_an_optimizer_no_longer_given_is_not_one_of_two(tmp_path, fresh_accelerate_state):
+    """A second model's optimizer given at the first two iterations only (steps 0 and 2), kept alive by the
+    accelerator: the stall of the first model's new optimizer at lr 0 (from step 10), told twenty and more
+    monitored steps later, named the optimizer that stepped last as one of two. An optimizer given within the
+    last ten monitored steps (or twice its longest gap) is live; this one is not: the stall is the run's, read
+    on one optimizer's schedule (updates 14, 19, ... 34: step 10's is read by none)."""
+    tdbg = _recreated(tmp_path, recreate_at=8, second_model_steps=2, steps=36)
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.step, d["reason"], d["first_step"], d["last_step"], d["updates"]) == (35, "lr_zero", 14, 34, 5)
+    assert "stepped_optimizer" not in d and "stalled_optimizer" not in d
+    assert tdbg._steps.history.stall.several is False
+
+
+def test_an_optimizers_added_param_group_counts_in_its_own_updates(tmp_path):
+    """The generator's optimizer holds its first layer at lr 0 until iteration 1, then its last layer too
+    (``add_param_group``, lr 1e-2): its updates move that layer from step 3. Its holdings were fixed at its first
+    step, so its own run read only the first layer and its stall was told ("moved none of its weights"); they
+    follow its ``param_groups`` now."""
+    tdbg, _ = _gan(tmp_path, lr_g=0.0, g_grows_at=1, iterations=10)
+    assert _stalls(tdbg) == []
+
+
+def test_an_unmeasured_steps_update_is_credited_to_its_own_optimizer(tmp_path):
+    """The critic's step 2 measured nothing (a failed measurement, recorded): the update it applies, read at
+    step 3, was credited to the optimizer of the last step judged, the generator's (at lr 0), whose own run it
+    joined (its modules still in the critic's update): the generator's stall was told at step 8 with a critic's
+    update among its five. Credited to the critic's (whose gradients were not measured: no run of its own goes
+    on), the generator's stall is its own five steps 3-11 (its step 1's update was to be read at step 2)."""
+    tdbg, steps = _gan(tmp_path, lr_g=0.0, fail_at=2)
+    assert 2 in steps["d"] and [a.step for a in _serious(tdbg) if a.kind == "debugger_error"] == [2]
+    (found,) = [a for a in _serious(tdbg) if a.kind == "not_learning"]
+    _stall(found, "lr_zero", GENERATOR, 3, 11, 12)
+
+
+def test_the_runs_stall_read_from_a_compiled_step_names_the_optimizer_of_the_last_still_update(tmp_path):
+    """Both compiled steps still (the critic's lr 0, the generator's gradients cleared before its step): the run's
+    stall, clear at step 5 with the critic's step 4, named the optimizer from what the step's hook recorded last,
+    and a compiled step records nothing: no name, and the cause read from step 5's optimizer, the generator's
+    (its cleared gradients). Named from the reading: the critic's, whose lr is 0."""
+    tdbg, _ = _gan(tmp_path, lr_d=0.0, clear_g=True, compiled=True)
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.step, d["reason"], d["first_step"], d["last_step"], d["stepped_optimizer"]) == (
+        5,
+        "lr_zero",
+        0,
+        4,
+        DISCRIMINATOR,
+    )
+    assert "held_at_step" not in d  # a compiled step: nothing seen

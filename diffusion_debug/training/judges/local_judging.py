@@ -180,8 +180,7 @@ class LocalJudge:
             self._judge_stall(judged, index, optimizer, config)
         if grad_norm is None:
             grad_norm = math.sqrt(sum([v * v for v in local.param_norms])) if local.param_norms else math.nan
-        stall.pending_grad_norm = grad_norm
-        stall.pending_optimizer = id(optimizer)  # several: the one whose update the next reading shows
+        stall.pending_grad_norm = grad_norm  # (its optimizer, ``pending_optimizer``: set by the monitor)
         if local.module_norms is not None and self.history.health is not None:
             # the book's array of the same norms: not made again from the list
             found = judge_modules(self.rank, index, self.history.health.update(index, modules.last_norms, read))
@@ -231,26 +230,20 @@ class LocalJudge:
         normal = math.isfinite(norm) and config.grad_vanishing_threshold < norm <= config.grad_explosion_threshold
         normal = normal and not self.history.ranks[0].converged
         skipped = bool(judged.skipped) or watch.policy_skipped  # (taken by the whole model's update)
-        weights = lambda: gradients.weight_fingerprint(self.params)  # noqa: E731
-        clear = watch.update(
-            self.history.previous_step,
-            judged.applied_update,
+        reading = dict(  # the whole model's run takes it, and of several the run of the optimizer it is of
+            update_step=self.history.previous_step,
+            ratios=judged.applied_update,
             grad_norm=norm if normal else math.nan,
             skipped=skipped,
-            weights=weights,
+            weights=lambda: gradients.weight_fingerprint(self.params),
         )
+        clear = watch.update(**reading)
         judged.flags.weights_moved = watch.moved  # several processes: OR-ed by the step's reduce
         if clear:
             found = judge_stall(self.rank, watch, index, optimizer, self.params)
             judged.anomalies += found
         if watch.several:  # a GAN's: the optimizer whose update this was counts its own run too
-            stalled = watch.update_each(
-                self.history.previous_step,
-                judged.applied_update,
-                grad_norm=norm if normal else math.nan,
-                skipped=skipped,
-                weights=weights,
-            )
+            stalled = watch.update_each(**reading)
             if stalled is not None:
                 judged.anomalies += judge_optimizer_stall(self.rank, watch, stalled, index, self.params)
         # a clean run: one call at each optimizer's first step judged (``id``: no Python call)
@@ -284,7 +277,8 @@ class LocalJudge:
         """This step found something: the next steps read the per-module figures in full (``step.detail``),
         the first of them the update this step applies."""
         history = self.history
-        if history.detail.then(history.joined, found=True):
+        history.detail.found_at(history.joined)  # (the schedule's turn for this step was taken by the monitor)
+        if history.detail(history.joined + 1):
             self.sketch.keep(history.joined)
 
     def _check_weights(self, judged: Judgement, index: Any, forwards: list, config: DebugConfig) -> None:

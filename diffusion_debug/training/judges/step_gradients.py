@@ -1,6 +1,6 @@
 """What ``optimizer.step()`` received for the watched parameters (:class:`StepGradients`): a step pre-hook on
 each optimizer the training debugger is given, read while ``not_learning``'s run of still updates lasts, whose
-reading tells cleared, zeroed and undone updates apart (``judges.not_learning.diagnose``); and how a report
+reading tells cleared, zeroed and undone updates apart (``judges.stall_causes.diagnose``); and how a report
 names one optimizer of several (:func:`named`)."""
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class StepGradients:
     >>> found = seen.read()
     >>> found["held_at_step"], found["cleared_at_step"], round(found["grad_norm_at_step"], 4)
     (2, 1, 1.4142)
-    >>> seen.stepped() is optimizer, seen.name()  # one optimizer: no name needed
-    (True, None)
+    >>> seen.stepped() is optimizer
+    True
     >>> seen.stop(); seen.hooks
     {}
     """
@@ -157,16 +157,6 @@ class StepGradients:
         values = read_now(norms.double())
         norm = math.sqrt(sum(values[i] ** 2 for i in held))
         return {"held_at_step": len(held), "cleared_at_step": cleared, "grad_norm_at_step": norm}
-
-    def name(self) -> str | None:
-        """Which optimizer stepped last, where several hooked ones hold watched parameters (else None): its
-        class and the first watched parameter it holds (``"SGD holding discriminator.0.weight and 3 more"``;
-        one that holds none of them is never the one read)."""
-        stepped = self.stepped()
-        live = sum(ref() is not None and bool(self.holds.get(key)) for key, (ref, _) in self.hooks.items())
-        if live < 2 or stepped is None or self.params is None:
-            return None
-        return named(stepped, self.held, self.params)
 
     def pause(self) -> None:
         """Read no step from now, and forget what was seen (the hooks stay on)."""

@@ -17,8 +17,22 @@ too (a second transfer, on that step only: the module an explosion sits in is na
 >>> [m for m in range(1, 20) if schedule(m)]
 [1, 2, 6, 11, 13, 14, 15, 16]
 
+Several optimizers (a GAN's): the reading due every five steps that does not fall on a weight-norm refresh
+(itself a reading: ``refresh``) waits for a step whose optimizer's update is the next in turn
+(``StallWatch.turn``; :meth:`~DetailSchedule.take`), at most :attr:`~DetailSchedule.every` - 1 steps, so that a loop
+whose cycle is a multiple of five steps long has each optimizer's updates read, not always the same one's (a
+critic's four steps and the generator's one, read at a fixed phase). As many steps are read as with one
+optimizer; with one nothing changes.
+
+>>> schedule = DetailSchedule(first=2, every=5, near=0, refresh=10)
+>>> # the steps whose optimizer is next in turn: 3, 8, 13, 18, 23 (the readings due at 5, 15, 25 wait for them;
+>>> # those at 10 and 20 are the refreshes'), then none: the one due at 25 is read at 30 all the same
+>>> [m + 1 for m in range(1, 35) if schedule.take(m, turn=m % 5 == 3 and m < 25)]
+[9, 11, 19, 21, 30, 31]
+
 Limits: a module's slow failure (its gradients dying) is named from the detailed steps only: at
-most :data:`DETAIL_EVERY` - 1 steps later than if every step were read (three low readings in a row
+most :data:`DETAIL_EVERY` - 1 steps later than if every step were read (of several optimizers, at most
+2 x :data:`DETAIL_EVERY` - 2: a reading waits for its turn) (three low readings in a row
 make a dead module: three detailed steps). The weight norms' refresh (every
 ``ModuleNormBook.refresh_every`` monitored steps, by the joined-step clock, the same on every rank)
 is always a detailed step. The schedule keeps no per-rank state that a collective depends on: the
@@ -33,6 +47,7 @@ the median counts once, however heavy) and by all of it when every step carries 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 DETAIL_FIRST = 10
 """Monitored steps read in full from the start: the modules' histories settle and a module dead
@@ -54,18 +69,57 @@ class DetailSchedule:
     near: int = DETAIL_NEAR
     trouble: int = -1
     """The last monitored step whose judging found something (-1: none yet)."""
+    turns: bool = False
+    """Several optimizers hold watched parameters: the scheduled reading goes to their updates in turn
+    (:meth:`take`), not to every :attr:`every`-th monitored step."""
+    refresh: int = 2 * DETAIL_EVERY
+    """``ModuleNormBook.refresh_every``: the steps that refresh the weight norms are detailed anyway; of several
+    optimizers each is the scheduled reading of its :attr:`every` steps."""
+    owed: int = -1
+    """Of several, the monitored step since which a scheduled reading is due, waiting for the step of the
+    optimizer whose turn it is (-1: none)."""
+    turn_read: int = -1
+    """Of several, the monitored step that takes the scheduled reading (-1: none)."""
 
     def __call__(self, monitored: int) -> bool:
         near = 0 < monitored - self.trouble <= self.near if self.trouble >= 0 else False
+        if self.turns:
+            return monitored <= self.first or near or monitored == self.turn_read
         return monitored <= self.first or near or (monitored - 1) % self.every == 0
 
     def found_at(self, monitored: int) -> None:
         """The ``monitored``-th step's judging found something: read the next :attr:`near` in full."""
         self.trouble = monitored
 
-    def then(self, monitored: int, *, found: bool) -> bool:
+    def then(self, monitored: int, *, found: bool, turns: tuple[Any, Any] | None = None) -> bool:
         """After the ``monitored``-th step's judging (``found``: it found something): whether the
-        next step is detailed, so that this step keeps what that one compares with."""
+        next step is detailed, so that this step keeps what that one compares with. ``turns``: None with one
+        optimizer; of several, the ``StallWatch`` and this step's optimizer: whether its update is the next in
+        turn (``StallWatch.turn``) decides the scheduled reading (:meth:`take`), and one taken is counted in
+        the turns (``StallWatch.read_in_turn``)."""
         if found:
             self.found_at(monitored)
+        self.turns = turns is not None
+        if turns is not None and self.take(monitored, turn=turns[0].turn(turns[1])):
+            turns[0].read_in_turn(turns[1])
         return self(monitored + 1)
+
+    def take(self, monitored: int, *, turn: bool) -> bool:
+        """Of several optimizers, after the ``monitored``-th step: whether the next step takes the scheduled
+        reading. ``turn``: the update this step's optimizer applies is the next in turn. A scheduled reading
+        (one per :attr:`every` monitored steps) waits for such a step, so that each optimizer's updates are
+        read, whatever the phase of the loop's cycle; it waits :attr:`every` - 1 steps at most (an optimizer
+        still live and no longer given), and a weight-norm refresh is the reading of its steps
+        (:attr:`refresh`). Decided from the joined-step clock and the optimizers given alone: the same on every
+        rank."""
+        if monitored < self.first:
+            return False
+        if monitored % self.refresh == 0:  # the next step refreshes the weight norms: detailed anyway
+            scheduled = True
+        else:
+            if monitored % self.every == 0:
+                self.owed = monitored
+            scheduled = self.owed >= 0 and (turn or monitored - self.owed >= self.every - 1)
+        if scheduled:
+            self.owed, self.turn_read = -1, monitored + 1
+        return scheduled

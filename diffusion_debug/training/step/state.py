@@ -75,7 +75,7 @@ class History:
         self.causes = CauseTracker(self.causes.shared_weights)
         self.stall.flagged = False
         for each in self.stall.each.values():  # several optimizers: each one's own stall too
-            each.watch.flagged = False
+            each.watch.flagged = each.held_back = False
         self.update_flagged = False
         self.coverage_checked = False
         for rank in self.ranks:

@@ -1,0 +1,80 @@
+"""Which of the usual causes a run that does not learn looks like (:func:`diagnose`, for
+``judges.not_learning``'s stall): an elimination from what the optimizer shows, not a proof."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..measure.deepspeed_fp16_scale import ISSUE
+from ..measure.gradients import TrainableParameters
+from ..measure.optimizer_state import param_groups, raw_optimizer
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+ZEROED_RATIO = 1e-6
+"""Gradients that reach ``optimizer.step()`` below this share of the norm the monitor read were zeroed
+between the two (a mask, a hook), not applied."""
+UNSCALED_LOSS = "deepspeed_fp16_unscaled_loss"
+"""``not_learning``'s reason where DeepSpeed's fp16 engine without ZeRO backpropagated the loss unscaled
+(``measure.deepspeed_fp16_scale``): found at the first monitored step (``not_learning.judge_unscaled_loss``)."""
+
+
+def diagnose(
+    optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan, seen: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Which cause a stalled run looks like (``reason``), with what the optimizer shows
+    (``grad_norm``: the gradients' norm over the stalled updates; ``seen``: what its last step
+    received, :meth:`StepGradients.read`)."""
+    scaling = getattr(getattr(params, "deepspeed", None), "scaling", None)
+    unscaled = scaling.unscaled() if scaling is not None else None
+    if unscaled is not None:  # DeepSpeed fp16 without ZeRO: every update loss_scale x too small
+        return {"reason": UNSCALED_LOSS, **unscaled, "issue": ISSUE}
+    groups = param_groups(optimizer)
+    if groups is None:
+        return {"reason": "unknown"}
+    watched = {id(p) for p in params.params}
+    holding = [g for g in groups if any(id(p) in watched for p in g["params"])]
+    held = [p for g in holding for p in g["params"] if id(p) in watched]
+    evidence: dict[str, Any] = {
+        "watched_parameters": len(params),
+        "held_by_optimizer": len(held),
+        "other_parameters": sum(1 for g in groups for p in g["params"] if id(p) not in watched),
+    }
+    # DeepSpeed's engine trains copies of the watched tensors (ZeRO's flat partitions, fp16/bf16's float32
+    # masters): none held, yet its step's gradients and its state are theirs, not to be read for the watched
+    copies = not holding and getattr(params, "deepspeed", None) is not None
+    if not holding and not copies:
+        return {"reason": "optimizer_params", **evidence}
+    # a group's lr None is an optimizer that makes its own (transformers' Adafactor, relative_step)
+    known = [float(g["lr"]) for g in holding or groups if g.get("lr") is not None]
+    evidence["lr"] = max(known) if known else None
+    if evidence["lr"] == 0 and len(known) == len(holding or groups):
+        return {"reason": "lr_zero", **evidence}
+    if copies:  # no cause told rather than a wrong one
+        return {"reason": "unknown", **evidence}
+    state = getattr(raw_optimizer(optimizer), "state", {})
+    evidence["state_empty"] = all(not state.get(p) for p in held)
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.dtype in _LOW_PRECISION})
+    if low and not evidence["state_empty"]:
+        return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
+    if low and evidence["lr"] is not None:  # no state: cleared gradients, or an optimizer that keeps none (SGD)
+        resolution = max(float(torch.finfo(p.dtype).eps) for p in held if p.dtype in _LOW_PRECISION) / 2
+        weight_norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in held))
+        evidence["step_ratio"] = evidence["lr"] * grad_norm / weight_norm if weight_norm > 0 else math.inf
+        if evidence["step_ratio"] < resolution:  # lr x |g| / |w|: a plain gradient step rounds away
+            return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
+    if seen is None and (not evidence["state_empty"] or getattr(params, "deepspeed", None) is not None):
+        # no step seen, and its state shows its steps saw gradients (or DeepSpeed's engine, whose stage 0 in
+        # float32 its hook reads: a compiled step's, one given no optimizer): no cause told rather than a wrong one
+        return {"reason": "unknown", **evidence}
+    if seen is None:  # no step seen: an optimizer without state for them saw no gradient (SGD keeps none anyway)
+        return {"reason": "gradients_cleared", **evidence}
+    evidence.update(seen)
+    if seen["cleared_at_step"] == seen["held_at_step"]:
+        return {"reason": "gradients_cleared", **evidence}
+    monitored = grad_norm if math.isfinite(grad_norm) else 0.0  # none known: zeroed means exactly 0
+    if seen["grad_norm_at_step"] <= ZEROED_RATIO * monitored:
+        return {"reason": "gradients_zeroed", **evidence}
+    return {"reason": "undone_after_step", **evidence}
