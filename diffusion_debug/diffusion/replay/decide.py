@@ -255,7 +255,8 @@ def decide(
         if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
         block = clipping_block(readings, fraction) if localize and output_finite and not full else None
-        seen = seen if block is None else checks.Suspects(None, None, block)  # its replay names the Inf it clipped
+        if block is not None and _clip_read(component, block, memory):  # its replay names the Inf it clipped
+            seen = checks.Suspects(None, None, block)  # (else the Inf keeps its own path: no replay would say it)
         if seen.first_nonfinite is not None or not output_finite:
             received = _once(received)  # (a host read of the kept call's arguments: once a call)
             asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
@@ -344,6 +345,17 @@ def _again(component, seen, memory, received, site, step) -> bool:
     seen_before = step is not None and component in memory.last_step
     resumed = seen_before and (last is None or step not in (last, last + 1))
     return (moved or unsure or resumed) and not received(component, site)
+
+
+def _clip_read(component: str, block: ModuleReading, memory: ReplayMemory) -> bool:
+    """Whether :func:`_overflow` reads the clip of ``block`` (clean, localising): this run holds it, or replays
+    the block now (not passed in nor tried this run, not localised before unless at the max, replays' time left)."""
+    key = (component, block.module)
+    if key in memory.passed_in or key in memory.tried:
+        return False
+    at_max = (block.dtype_max_fraction or 0.0) >= 1.0 and key not in memory.replayed_at_max
+    again = (key not in memory.overflow_where or at_max) and memory.seconds < memory.timeout
+    return key in memory.clipped or again
 
 
 def _overflow(component, reading, between, memory, full, leaf, clean, localize) -> Overflow:
