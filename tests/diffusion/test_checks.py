@@ -544,7 +544,7 @@ def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_rep
     block = ModuleReading("block.0", 0, "float16", None, 64512.0, "float16")
     key = ("t5", "block.0")
 
-    def plan(memory):
+    def plan(memory, block=block):
         seen = checks.suspects([wo, block], 0.5)
         asked = dict(leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None, site="")
         made = decide("t5", seen, [wo, block], memory=memory, output_finite=True, full=False, **asked,
@@ -554,6 +554,9 @@ def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_rep
     own = ("block.0.ff.wo", False, None)  # the Inf's replay (its leaf given near-max values); the block's not again
     known = ReplayMemory()
     known.overflow_where[key] = None
+    assert plan(known, block._replace(output_value=60000.0)) == own
+    assert plan(known) == (None, False, "block.0")  # at the max (T5's 64504, within 1000): replayed once a run
+    known.replayed_at_max.add(key)
     assert plan(known) == own
     for kept in ("tried", "passed_in"):
         memory = ReplayMemory()
