@@ -411,7 +411,7 @@ class Localizer:
 
         A block whose replay shows a module that made an Inf the block then clipped to the dtype's
         largest value (diffusers' Flux blocks clip their fp16 streams to +-65504) is a ``nonfinite``
-        error at that module instead (:meth:`_clipped_inf`). A block at exactly the max is replayed once
+        error at that module instead (:meth:`_clipped_inf`). A block at the max (or 1000 below) is replayed once
         a run even where an earlier run's overflow was localised there: a clip hides an Inf that way."""
         fraction = self.config.overflow_fraction
         if plan.replay is not None:

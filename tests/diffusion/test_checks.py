@@ -530,3 +530,45 @@ def test_a_sentinels_inf_inside_a_near_max_block_is_decided_as_that_blocks_clip_
     assert plan([wo, block, other]) == ("block.0.ff.wo", False, ("block.0", False))
     assert plan([wo, block], localize=False)[:2] == (None, True)  # the Inf named at its leaf, unreplayed
     assert plan([wo, block], full=True) == (None, False, None)  # full probes: the clip decided as read
+
+
+def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_replay_reads_the_clip():
+    """The clip path is taken only where the block's replay runs now or this run already holds its clip: a block
+    localised before (``overflow_where``, kept for the debugger's life), one passed in or tried this run, or a run
+    whose ``debug_timeout`` of replays is spent would not replay it, and the Inf was swallowed (an overflow warning,
+    no error). There the Inf keeps its own path: its block replayed as a NaN/Inf's."""
+    from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide
+    from diffusion_debug.probes import ModuleReading
+
+    wo = ModuleReading("block.0.ff.wo", 0, "float16", None, float("inf"), "float16")
+    block = ModuleReading("block.0", 0, "float16", None, 64512.0, "float16")
+    key = ("t5", "block.0")
+
+    def plan(memory, block=block):
+        seen = checks.suspects([wo, block], 0.5)
+        asked = dict(leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None, site="")
+        made = decide("t5", seen, [wo, block], memory=memory, output_finite=True, full=False, **asked,
+                      localize=True, fraction=0.5)  # fmt: skip
+        return made.replay, made.source is not None, made.overflow and made.overflow.replay
+
+    own = ("block.0.ff.wo", False, None)  # the Inf's replay (its leaf given near-max values); the block's not again
+    known = ReplayMemory()
+    known.overflow_where[key] = None
+    assert plan(known, block._replace(output_value=60000.0)) == own
+    assert plan(known) == (None, False, "block.0")  # at the max (T5's 64504, within 1000): replayed once a run
+    known.replayed_at_max.add(key)
+    assert plan(known) == own
+    for kept in ("tried", "passed_in"):
+        memory = ReplayMemory()
+        getattr(memory, kept).add(key)
+        assert plan(memory)[:2] == own[:2], kept
+    spent = ReplayMemory(timeout=1.0)
+    spent.seconds = 1.0
+    assert plan(spent)[:2] == own[:2]
+    clipped = ReplayMemory()  # this run's clip, held: decided as that clip, unreplayed
+    clipped.overflow_where[key] = None
+    clipped.clipped[key] = (wo, "block.0", 7)
+    made = decide("t5", checks.suspects([wo, block], 0.5), [wo, block], memory=clipped, output_finite=True,
+                  full=False, leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None,
+                  site="", localize=True, fraction=0.5)  # fmt: skip
+    assert (made.replay, made.source, made.overflow.clipped) == (None, None, (wo, "block.0", 7))

@@ -357,6 +357,48 @@ def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_its_projecti
     dbg.close()
 
 
+def test_an_inf_inside_a_near_max_block_localised_before_is_an_error_not_swallowed_as_its_clip(tmp_path):
+    """An fp16 T5 under float16 autocast whose embeddings and ``wo`` run near float16's max: runs 1-2 localise the
+    near-max at ``encoder.block.0.layer.1`` (kept for the debugger's life). Then ``wo`` makes an Inf (2x the max):
+    the sentinel reads it inside that near-max block. Decided as the block's clip where no replay of the block would
+    run again (localised before), the Inf was swallowed: an overflow warning, no error. Each such run has the error."""
+    from diffusion_debug.testing import tiny_pipeline
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    wo_name = "encoder.block.0.layer.1.DenseReluDense.wo"
+    pipe = tiny_pipeline("flux")
+    t5 = pipe.text_encoder_2.to(torch.float16)
+    wo, embed = t5.get_submodule(wo_name), t5.encoder.embed_tokens
+    args = FLUX_CALL[0]()
+    args.pop("output_type", None)
+
+    def call():
+        with autocast():
+            pipe(**args, num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="latent")
+
+    peaks = {}
+    hooks = [m.register_forward_hook(lambda _m, _a, out, k=k: peaks.__setitem__(k, out.abs().max().item()))
+             for k, m in (("wo", wo), ("embed", embed))]  # fmt: skip
+    call()
+    for hook in hooks:
+        hook.remove()
+    base = wo.weight.detach().clone()
+    with torch.no_grad():
+        embed.weight.mul_(0.45 * FP16_MAX / peaks["embed"])
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    for scale in (0.3, 0.3, 2.0, 2.0):
+        with torch.no_grad():
+            wo.weight.copy_(base * (scale * FP16_MAX / peaks["wo"]))
+        with dbg:
+            call()
+    near = ("overflow_risk", "warning", "text_encoder_2", "encoder.block.0.layer.1", None)
+    assert found(dbg, 1) == found(dbg, 2) == [near]
+    for number in (3, 4):
+        errors = [a for a in found(dbg, number) if a[1] == "error"]
+        assert errors == [("nonfinite", "error", "text_encoder_2", wo_name, None)], number
+    dbg.close()
+
+
 def test_a_component_moved_to_the_autocast_device_under_one_open_attach_is_probed_as_under_it(tmp_path):
     """A text encoder computing on another device (an accelerate hook naming CUDA: this machine has none) is left
     unprobed under the CPU's float16 autocast; moved to the CPU while one attach stays open (the same autocast,

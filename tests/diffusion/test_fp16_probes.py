@@ -836,3 +836,53 @@ def test_only_half_precision_user_inputs_near_the_max_are_named_and_no_other_inp
     }
     found = near_max_names(values, 0.5)
     assert found == {"latents": 32752 / 65504, "embeds": 2.0**127 / torch.finfo(torch.bfloat16).max}
+
+
+def test_an_inf_an_fp16_t5_block_clamped_below_the_max_after_its_near_max_was_localised_is_an_error(tmp_path):
+    """A plain float16 T5 (no autocast) whose embeddings and ``wo`` run near float16's max: runs 1-2 localise the
+    near-max at ``encoder.block.0.layer.1`` (kept for the debugger's life). Then ``wo`` makes an Inf (2x the max):
+    T5 clamps its stream to ``finfo.max - 1000`` (64504, not float16's 65504), so the block's output was not read as
+    at the max, its replay not run again, the Inf swallowed (an overflow warning). Within 1000 of the max is at it:
+    each such run has the one error at ``wo``, the clip said."""
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    fp16_max = torch.finfo(torch.float16).max
+    wo_name = "encoder.block.0.layer.1.DenseReluDense.wo"
+    pipe = tiny_pipeline("flux").to(torch.float16)
+    t5 = pipe.text_encoder_2
+    wo, embed = t5.get_submodule(wo_name), t5.encoder.embed_tokens
+    args = FLUX_CALL[0]()
+    args.pop("output_type", None)
+
+    def call():
+        pipe(**args, num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="latent")
+
+    peaks = {}
+    hooks = [m.register_forward_hook(lambda _m, _a, out, k=k: peaks.__setitem__(k, out.abs().max().item()))
+             for k, m in (("wo", wo), ("embed", embed))]  # fmt: skip
+    call()
+    for hook in hooks:
+        hook.remove()
+    base = wo.weight.detach().clone()
+    with torch.no_grad():
+        embed.weight.mul_(0.45 * fp16_max / peaks["embed"])
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for scale in (0.3, 0.3, 2.0, 2.0):
+        with torch.no_grad():
+            wo.weight.copy_(base * (scale * fp16_max / peaks["wo"]))
+        with dbg:
+            call()
+    runs = {
+        number: [
+            (a.kind, a.severity, a.module)
+            for a in dbg.report().anomalies
+            if a.component == "text_encoder_2" and a.details.get("run") == number
+        ]
+        for number in (1, 2, 3, 4)
+    }
+    near = ("overflow_risk", "warning", "encoder.block.0.layer.1")
+    assert runs[1] == runs[2] == [near]
+    assert runs[3] == runs[4] == [("nonfinite", "error", wo_name)]
+    (error, _) = [a for a in dbg.report().anomalies if a.kind == "nonfinite"]
+    assert error.details["clipped_in"] == "encoder.block.0"
+    dbg.close()

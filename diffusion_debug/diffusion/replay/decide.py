@@ -34,7 +34,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from ...probes import ModuleReading
+from ...stats import dtype_max
 from .. import checks
 from .near_max import near_max_source
 
@@ -57,7 +60,7 @@ class ReplayMemory:
     clipped: dict[Key, tuple[ModuleReading, str, int]] = field(default_factory=dict)
     """This run's blocks that clipped an Inf: ``(producer, clipping block, replay reading count)``."""
     replayed_at_max: set[Key] = field(default_factory=set)
-    """This run's blocks at exactly the dtype's max replayed once (a clip hides an Inf that way)."""
+    """This run's blocks at the dtype's max (:func:`at_dtype_max`) replayed once (a clip hides an Inf that way)."""
     reported: dict[str, bool] = field(default_factory=dict)
     """This run's components whose NaN/Inf was named, and whether it was a consequence (later ones count there)."""
     made_in: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -255,7 +258,8 @@ def decide(
         if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
         block = clipping_block(readings, fraction) if localize and output_finite and not full else None
-        seen = seen if block is None else checks.Suspects(None, None, block)  # its replay names the Inf it clipped
+        if block is not None and _clip_read(component, block, memory):  # its replay names the Inf it clipped
+            seen = checks.Suspects(None, None, block)  # (else the Inf keeps its own path: no replay would say it)
         if seen.first_nonfinite is not None or not output_finite:
             received = _once(received)  # (a host read of the kept call's arguments: once a call)
             asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
@@ -346,9 +350,37 @@ def _again(component, seen, memory, received, site, step) -> bool:
     return (moved or unsure or resumed) and not received(component, site)
 
 
+def _clip_read(component: str, block: ModuleReading, memory: ReplayMemory) -> bool:
+    """Whether :func:`_overflow` reads the clip of ``block`` (clean, localising): this run holds it, or replays
+    the block now (not passed in nor tried this run, not localised before unless at the max, replays' time left)."""
+    key = (component, block.module)
+    if key in memory.passed_in or key in memory.tried:
+        return False
+    at_max = at_dtype_max(block) and key not in memory.replayed_at_max
+    again = (key not in memory.overflow_where or at_max) and memory.seconds < memory.timeout
+    return key in memory.clipped or again
+
+
+AT_MAX = 1000.0
+"""How far below its dtype's largest value a block's output is still read as at the max: a clip's (T5 clamps a
+float16 stream holding an Inf to ``finfo.max - 1000``)."""
+
+
+def at_dtype_max(reading: ModuleReading) -> bool:
+    """Whether ``reading``'s finite output reached its dtype's largest value, within :data:`AT_MAX` (a clip's).
+
+    >>> at_dtype_max(ModuleReading("block.0", 0, "float16", None, 64512.0, "float16"))  # T5's 65504 - 1000
+    True
+    >>> at_dtype_max(ModuleReading("block.0", 0, "float16", None, 64000.0, "float16"))
+    False
+    """
+    largest = dtype_max(getattr(torch, reading.dtype)) if reading.dtype and reading.output_finite else None
+    return largest is not None and (reading.output_absmax or 0.0) >= largest - AT_MAX
+
+
 def _overflow(component, reading, between, memory, full, leaf, clean, localize) -> Overflow:
     """What to do of the near-overflow ``reading``: named as read (full probes, a leaf), else by its block's
-    replay, once for the debugger's life; once a run again at exactly the max (``clean``: no NaN/Inf)."""
+    replay, once for the debugger's life; once a run again at the max (:func:`at_dtype_max`; ``clean``: no NaN/Inf)."""
     if full or leaf(component, reading.module):
         return Overflow(reading, between=between)
     key = (component, reading.module)
@@ -356,7 +388,7 @@ def _overflow(component, reading, between, memory, full, leaf, clean, localize) 
         return Overflow(reading, key, skip=True)
     if key in memory.clipped and clean:
         return Overflow(reading, key, clipped=memory.clipped[key])
-    at_max = clean and (reading.dtype_max_fraction or 0.0) >= 1.0 and key not in memory.replayed_at_max
+    at_max = clean and at_dtype_max(reading) and key not in memory.replayed_at_max
     if (key not in memory.overflow_where or at_max) and key not in memory.tried and localize:
         return Overflow(reading, key, clean, replay=reading.module)
     return memory.overflow_known(reading, key)
