@@ -448,6 +448,60 @@ def test_a_discriminator_stepped_just_after_a_weight_norm_refresh_is_read_in_its
 
 def test_a_generator_at_lr_0_beside_a_discriminator_stepped_just_after_a_refresh_is_told(tmp_path):
     """The same cycle, the discriminator at its 0th step learning, the generator at lr 0: its stall waited for a
-    discriminator's moving update to be read (held back), which never was: told at 25."""
+    discriminator's moving update to be read (held back), which never was. Its tenth still update (the 18th step's)
+    tells it at 19, before the discriminator's step 20 is read: as not known to be alone."""
     tdbg = _ten_step_cycle(tmp_path, 0, lr_g=0.0, steps=30)
-    assert _stalls(tdbg) == [(25, GENERATOR)]
+    assert _stalls(tdbg) == [(19, GENERATOR)]
+    (found,) = _serious(tdbg)
+    assert (found.details["first_step"], found.details["last_step"], found.details["updates"]) == (1, 18, 10)
+    assert found.details["others_moved"] is False
+
+
+def test_an_optimizers_stall_held_back_for_want_of_another_moving_update_is_told_at_twice_five(tmp_path):
+    """The generator first, then eleven critic steps (lr 0) per iteration; every generator step is skipped by its
+    GradScaler (its loss is Inf), so no update of it is ever read moving. The critic's own stall, clear at its fifth
+    still update, waited for another optimizer's moving update to be read: never told (the one-optimizer monitor
+    told it at step 6). Held back without a stall of the run, it is told at its tenth still update or later, as
+    not known to be alone: its message does not say the other's updates moved."""
+    generator, discriminator = _models()
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.0)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data = torch.Generator().manual_seed(1)
+    step = 0
+
+    def generator_step(fake):
+        nonlocal step
+        opt_g.zero_grad()
+        loss = softplus(-discriminator(fake)).mean() * float("inf")
+        scaler.scale(loss).backward()
+        tdbg.monitor_training_step(loss, optimizer=opt_g, step=step)
+        step += 1
+        scaler.step(opt_g)
+        scaler.update()
+
+    generator_step(generator(torch.randn(16, 4, generator=data)))
+    for _ in range(2):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        for _ in range(11):
+            opt_d.zero_grad()
+            loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=opt_d, step=step)
+            step += 1
+            opt_d.step()
+        generator_step(fake)
+    tdbg.close()
+    assert _stalls(tdbg) == [(15, DISCRIMINATOR)]
+    (found,) = [a for a in _serious(tdbg) if a.kind == "not_learning"]
+    d = found.details
+    assert (d["reason"], d["first_step"], d["last_step"], d["updates"], d["others_moved"]) == (
+        "lr_zero",
+        1,
+        14,
+        11,
+        False,
+    )
+    assert "(no update of the other optimizer read in that time moved weights either), although" in found.message
+    assert "moved theirs" not in found.message
