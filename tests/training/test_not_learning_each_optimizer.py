@@ -505,3 +505,33 @@ def test_an_optimizers_stall_held_back_for_want_of_another_moving_update_is_told
     )
     assert "(no update of the other optimizer read in that time moved weights either), although" in found.message
     assert "moved theirs" not in found.message
+
+
+def test_a_stall_told_as_one_optimizers_is_not_told_again_as_the_runs_when_the_other_is_no_longer_given(tmp_path):
+    """n_critic 8 for four iterations, then the generator (lr 0) alone: its own stall is told at 40 (its steps
+    8-39) while the critic is still live; once the critic is no longer live (one optimizer: the whole run's watch
+    again) the same stall was told a second time as the run's at 45. The one left takes its told stall over."""
+    generator, discriminator = _models()
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-2)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.0)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data, step = torch.Generator().manual_seed(1), 0
+    for it in range(60):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        for _ in range(8 if it < 4 else 0):
+            opt_d.zero_grad()
+            loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=opt_d, step=step)
+            step += 1
+            opt_d.step()
+        opt_g.zero_grad()
+        loss = softplus(-discriminator(fake)).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=opt_g, step=step)
+        step += 1
+        opt_g.step()
+    tdbg.close()
+    assert _stalls(tdbg) == [(40, GENERATOR)]
+    (found,) = _serious(tdbg)
+    assert (found.details["first_step"], found.details["last_step"], found.details["reason"]) == (8, 39, "lr_zero")

@@ -285,6 +285,10 @@ class StallWatch:
         several = len(self.live()) > 1
         if several and not self.several and self.before in self.each:
             self._seed(self.before, self.each[self.before])
+        elif self.several and not several and len(live := self.live()) == 1:  # one left: its stall is the run's
+            if (own := self.each[live[0]].watch).flagged and not self.each[live[0]].held_back:  # not told again
+                self.first_step, self.last_step, self.updates = own.first_step, own.last_step, own.updates
+                self.largest, self.grad_norm, self.flagged = own.largest, own.grad_norm, True
         self.several = several
 
     def _seed(self, key: int, entry: OptimizerStall) -> None:
@@ -338,8 +342,7 @@ class StallWatch:
         if clear and (self.flagged or not entry.others_moved):
             entry.held_back = True
             return None
-        # not for ever: no other's update read moving (its steps all skipped by a GradScaler, or not read in time)
-        # and no stall of the run, it is told at its 2 x STALL_UPDATES-th still update, as not known to be alone
+        # not for ever (the other's steps all skipped by a GradScaler): told as not known to be alone
         if entry.held_back and not self.flagged and entry.watch.updates >= 2 * STALL_UPDATES:
             entry.held_back = False
             return entry
