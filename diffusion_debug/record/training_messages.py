@@ -587,10 +587,14 @@ def not_learning(anomaly: Anomaly) -> str:
     state = "; the optimizer holds no state for them: its step never saw a gradient" if cleared else ""
     if "stalled_optimizer" in d:  # one optimizer of several: the cause is that one, named first
         others = "the other optimizer's" if d["optimizers"] == 2 else "the other optimizers'"
+        beside = f"while {others} updates moved theirs"
+        if d.get("others_moved") is False:  # none of theirs read moving in its run: not said to have moved
+            other = "the other optimizer" if d["optimizers"] == 2 else "the other optimizers"
+            beside = f"(no update of {other} read in that time moved weights either)"
         return (
             f"The optimizer {d['stalled_optimizer']} (one of {d['optimizers']}) moved none of its weights in its "
             f"{d['updates']} steps {d['first_step']}-{d['last_step']} (the largest update "
-            f"{d['max_update_ratio']:.3g}x a module's norm) while {others} updates moved theirs, although its "
+            f"{d['max_update_ratio']:.3g}x a module's norm) {beside}, although its "
             "gradients are normal "
             f"(norm {d['grad_norm']:.3g}): " + cause + state + "."
         )

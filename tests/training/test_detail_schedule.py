@@ -140,23 +140,35 @@ def _two_optimizers(tmp_path, order, spike_at=None):
 
 
 @pytest.mark.parametrize(
-    "cycle",
-    [["d", "g"], ["d"] * 2 + ["g"], ["d"] * 3 + ["g"], ["d"] * 4 + ["g"], ["d"] * 5 + ["g"], ["d"] * 20 + ["g"] * 20],
+    ("cycle", "count"),
+    [
+        (["d", "g"], 38),
+        (["d"] * 2 + ["g"], 44),
+        (["d"] * 3 + ["g"], 47),
+        (["d"] * 4 + ["g"], 38),
+        (["d"] * 5 + ["g"], 49),
+        (["d"] * 20 + ["g"] * 20, 46),
+    ],
 )
-def test_two_optimizers_read_as_many_steps_as_one_and_each_refresh(tmp_path, cycle):
+def test_two_optimizers_read_each_refresh_and_one_step_in_five_and_at_most_one_more_per_refresh(
+    tmp_path, cycle, count
+):
     """Two optimizers take the scheduled readings in turn (a WGAN's n_critic 4 was read at the generator's phase
     alone). The reading waited for a step of the optimizer in turn and not on a weight-norm refresh, itself a
     detailed step: 44, 48 and 51 of the 190 monitored steps past the first ten read at n_critic 2, 3 and 5, not
     38; and in phases of twenty steps an optimizer still live and not given held every reading back (31). A refresh is
-    the reading of its five steps, the one between waits four steps at most: one detailed step in each five."""
+    a reading of its five steps, the one between waits four steps at most. A refresh whose step's update is not
+    the one in turn keeps a second reading owed, taken at a step in turn within four steps (an optimizer given
+    only in the four steps after each refresh was never read): one or two detailed steps in each five, 38 with
+    one optimizer, at most 38 + 19."""
     order = (cycle * 200)[:200]
     detailed = _two_optimizers(tmp_path, order)
     late = [s for s in detailed if s >= DETAIL_FIRST]
     assert detailed[:DETAIL_FIRST] == list(range(DETAIL_FIRST))
-    assert len(late) == len([s for s in range(DETAIL_FIRST, 200) if _scheduled(s)]) == 38
-    assert [len([s for s in late if k <= s < k + DETAIL_EVERY]) for k in range(DETAIL_FIRST, 200, DETAIL_EVERY)] == [
-        1
-    ] * 38
+    assert len([s for s in range(DETAIL_FIRST, 200) if _scheduled(s)]) == 38
+    assert len(late) == count
+    fives = [len([s for s in late if k <= s < k + DETAIL_EVERY]) for k in range(DETAIL_FIRST, 200, DETAIL_EVERY)]
+    assert set(fives) <= {1, 2} and len(fives) == 38
     assert set(range(DETAIL_FIRST, 200, 2 * DETAIL_EVERY)) <= set(late)  # each weight-norm refresh
 
 

@@ -148,11 +148,11 @@ def test_a_discriminator_stepped_every_other_iteration_is_no_stall_and_its_lr_0_
     tdbg, steps = _gan(tmp_path / "lr0", d_every=2, iterations=18, lr_d=0.0)
     # its updates are read at 1, 4, 7 and 10 (the first ten monitored steps read every update; step 9's at 10,
     # the weight norms' refresh), then in turn with the generator's (one scheduled reading in five steps,
-    # ``step.detail``): the generator's step 14 at 15, its step 19's at the refresh 20, then its own next step's
-    # in its turn, 24's at 25
-    assert steps["d"][:9] == [0, 3, 6, 9, 12, 15, 18, 21, 24]
+    # ``step.detail``): the generator's step 14 at 15, its step 19's at the refresh 20 (not the one in turn: a
+    # reading stays owed), then its own next step's in its turn, 21's at 22
+    assert steps["d"][:8] == [0, 3, 6, 9, 12, 15, 18, 21]
     (found,) = _serious(tdbg)
-    _stall(found, "lr_zero", DISCRIMINATOR, 0, 24, 25)
+    _stall(found, "lr_zero", DISCRIMINATOR, 0, 21, 22)
 
 
 def test_a_discriminator_whose_step_never_runs_is_named(tmp_path):
@@ -408,3 +408,130 @@ def test_the_runs_stall_read_from_a_compiled_step_names_the_optimizer_of_the_las
         DISCRIMINATOR,
     )
     assert "held_at_step" not in d  # a compiled step: nothing seen
+
+
+def _ten_step_cycle(tmp_path, position, *, lr_d=1e-2, lr_g=1e-2, steps=60):
+    """A loop of ten-step cycles: the discriminator stepped at the cycle's ``position``-th step, the generator
+    at the other nine. Returns the debugger (closed)."""
+    generator, discriminator = _models()
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=lr_d)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=lr_g)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        opt = opt_d if step % 10 == position else opt_g
+        opt.zero_grad()
+        if opt is opt_d:
+            loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+        else:
+            loss = softplus(-discriminator(fake)).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=opt, step=step)
+        opt.step()
+    tdbg.close()
+    return tdbg
+
+
+@pytest.mark.parametrize("position", [0, 1, 2, 3])
+def test_a_discriminator_stepped_just_after_a_weight_norm_refresh_is_read_in_its_turn(tmp_path, position):
+    """Ten-step cycles, the discriminator (lr 0) stepped at the cycle's 0th-3rd step: the refresh of the weight
+    norms (the monitored steps 11, 21, ...: the update of the steps 9, 19, ..., the generator's) took the scheduled
+    reading at once and the reading waiting for the update in turn began only at the monitored steps 15, 25, ...
+    (steps 4-8 of the cycle): the discriminator's updates were never read after the first ten steps, its stall
+    never told. A refresh that reads another optimizer's update keeps the reading owed: its steps 20, 30, 40 and
+    50 (and 10, the first ten's) are read, the fifth at 51 + ``position``."""
+    tdbg = _ten_step_cycle(tmp_path, position, lr_d=0.0)
+    ((step, optimizer),) = _stalls(tdbg)
+    assert (step, optimizer) == (51 + position, DISCRIMINATOR)
+
+
+def test_a_generator_at_lr_0_beside_a_discriminator_stepped_just_after_a_refresh_is_told(tmp_path):
+    """The same cycle, the discriminator at its 0th step learning, the generator at lr 0: its stall waited for a
+    discriminator's moving update to be read (held back), which never was. Its tenth still update (the 18th step's)
+    tells it at 19, before the discriminator's step 20 is read: as not known to be alone."""
+    tdbg = _ten_step_cycle(tmp_path, 0, lr_g=0.0, steps=30)
+    assert _stalls(tdbg) == [(19, GENERATOR)]
+    (found,) = _serious(tdbg)
+    assert (found.details["first_step"], found.details["last_step"], found.details["updates"]) == (1, 18, 10)
+    assert found.details["others_moved"] is False
+
+
+def test_an_optimizers_stall_held_back_for_want_of_another_moving_update_is_told_at_twice_five(tmp_path):
+    """The generator first, then eleven critic steps (lr 0) per iteration; every generator step is skipped by its
+    GradScaler (its loss is Inf), so no update of it is ever read moving. The critic's own stall, clear at its fifth
+    still update, waited for another optimizer's moving update to be read: never told (the one-optimizer monitor
+    told it at step 6). Held back without a stall of the run, it is told at its tenth still update or later, as
+    not known to be alone: its message does not say the other's updates moved."""
+    generator, discriminator = _models()
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.0)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data = torch.Generator().manual_seed(1)
+    step = 0
+
+    def generator_step(fake):
+        nonlocal step
+        opt_g.zero_grad()
+        loss = softplus(-discriminator(fake)).mean() * float("inf")
+        scaler.scale(loss).backward()
+        tdbg.monitor_training_step(loss, optimizer=opt_g, step=step)
+        step += 1
+        scaler.step(opt_g)
+        scaler.update()
+
+    generator_step(generator(torch.randn(16, 4, generator=data)))
+    for _ in range(2):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        for _ in range(11):
+            opt_d.zero_grad()
+            loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=opt_d, step=step)
+            step += 1
+            opt_d.step()
+        generator_step(fake)
+    tdbg.close()
+    assert _stalls(tdbg) == [(15, DISCRIMINATOR)]
+    (found,) = [a for a in _serious(tdbg) if a.kind == "not_learning"]
+    d = found.details
+    assert (d["reason"], d["first_step"], d["last_step"], d["updates"], d["others_moved"]) == (
+        "lr_zero",
+        1,
+        14,
+        11,
+        False,
+    )
+    assert "(no update of the other optimizer read in that time moved weights either), although" in found.message
+    assert "moved theirs" not in found.message
+
+
+def test_a_stall_told_as_one_optimizers_is_not_told_again_as_the_runs_when_the_other_is_no_longer_given(tmp_path):
+    """n_critic 8 for four iterations, then the generator (lr 0) alone: its own stall is told at 40 (its steps
+    8-39) while the critic is still live; once the critic is no longer live (one optimizer: the whole run's watch
+    again) the same stall was told a second time as the run's at 45. The one left takes its told stall over."""
+    generator, discriminator = _models()
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-2)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.0)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data, step = torch.Generator().manual_seed(1), 0
+    for it in range(60):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        for _ in range(8 if it < 4 else 0):
+            opt_d.zero_grad()
+            loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=opt_d, step=step)
+            step += 1
+            opt_d.step()
+        opt_g.zero_grad()
+        loss = softplus(-discriminator(fake)).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=opt_g, step=step)
+        step += 1
+        opt_g.step()
+    tdbg.close()
+    assert _stalls(tdbg) == [(40, GENERATOR)]
+    (found,) = _serious(tdbg)
+    assert (found.details["first_step"], found.details["last_step"], found.details["reason"]) == (8, 39, "lr_zero")

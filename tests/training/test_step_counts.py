@@ -133,15 +133,17 @@ def _gan_calls(tmp_path, two: bool) -> list[int]:
     return counts
 
 
-def test_a_second_optimizer_adds_pinned_python_calls_a_step(tmp_path):
+def test_a_second_optimizer_adds_pinned_python_calls_a_step(tmp_path, monkeypatch):
     """Two optimizers (a GAN's) against one over the same models, the same loop: the second adds its own run of
     still updates, the live optimizers' clock and the readings in turn. Measured (session 29, gan29): 157 calls
     a quiet step against 128, 213 and 218 on the scheduled reading steps against 167 and 181 (the refresh); as
     many heavy steps (one in five). Bounds on what the second adds, not exact counts (torch's own Python): +29
-    and +37 alone, +32 and +40 after tests/training/test_not_learning.py in the same process (three calls a
-    step more on the two-optimizer path only, not traced down)."""
+    and +37. DeepSpeed imported by an earlier test in the process (tests/training/test_not_learning.py) made each
+    optimizer's first look (``EngineWithoutZero.of_optimizer``: DeepSpeed's classes looked up) three calls a step
+    more on the two-optimizer path: the pin runs without it, in any order."""
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
     one, two = _gan_calls(tmp_path / "one", False), _gan_calls(tmp_path / "two", True)
     quiet_one, quiet_two = sorted(one)[len(one) // 2], sorted(two)[len(two) // 2]
-    assert quiet_two - quiet_one <= 32, (quiet_two - quiet_one, max(two) - max(one), one, two)
-    assert max(two) - max(one) <= 40, (one, two)
+    assert quiet_two - quiet_one <= 29, (quiet_two - quiet_one, max(two) - max(one), one, two)
+    assert max(two) - max(one) <= 37, (one, two)
     assert len([c for c in two if c > quiet_two + 20]) == len([c for c in one if c > quiet_one + 20]) == 7

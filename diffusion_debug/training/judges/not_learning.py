@@ -223,6 +223,11 @@ class StallWatch:
         self.updates, self.flagged = 0, False
         if self.several and self.read is not None:
             self.read.watch.some_rank_moved()
+            for other in self.each.values():  # each other one's own stall is true now (as in :meth:`update_each`)
+                if other is not self.read:
+                    other.others_moved = True
+                    if other.held_back:
+                        other.held_back = other.watch.flagged = False
 
     def _count_each(self, optimizer: Any, params: TrainableParameters) -> None:
         """``optimizer``, given for the first time, gets its own run of still updates where it holds watched
@@ -280,6 +285,10 @@ class StallWatch:
         several = len(self.live()) > 1
         if several and not self.several and self.before in self.each:
             self._seed(self.before, self.each[self.before])
+        elif self.several and not several and len(live := self.live()) == 1:  # one left: its stall is the run's
+            if (own := self.each[live[0]].watch).flagged and not self.each[live[0]].held_back:  # not told again
+                self.first_step, self.last_step, self.updates = own.first_step, own.last_step, own.updates
+                self.largest, self.grad_norm, self.flagged = own.largest, own.grad_norm, True
         self.several = several
 
     def _seed(self, key: int, entry: OptimizerStall) -> None:
@@ -306,7 +315,8 @@ class StallWatch:
         is clear (:meth:`update`'s rules) and the whole model's is not reported: a stall of every optimizer
         is the run's, reported once as one, and an optimizer's own is told only once another one's update read in
         its run moved weights (:attr:`OptimizerStall.others_moved`; held back until then, told at its next still
-        update). An optimizer stepped every k monitored steps only (a discriminator on alternate iterations)
+        update; without a stall of the run, at its 2 x STALL_UPDATES-th still update all the same). An optimizer
+        stepped every k monitored steps only (a discriminator on alternate iterations)
         counts only the readings of its own steps."""
         entry = self.read = self.each.get(self.pending_optimizer)
         if entry is None or entry.ref() is None:
@@ -332,6 +342,10 @@ class StallWatch:
         if clear and (self.flagged or not entry.others_moved):
             entry.held_back = True
             return None
+        # not for ever (the other's steps all skipped by a GradScaler): told as not known to be alone
+        if entry.held_back and not self.flagged and entry.watch.updates >= 2 * STALL_UPDATES:
+            entry.held_back = False
+            return entry
         return entry if clear else None
 
     def _release(self) -> None:
@@ -462,6 +476,8 @@ def judge_optimizer_stall(
         "stalled_optimizer": named(inner, stalled.held, params),
         "optimizers": len(watch.live()),
     }
+    if not stalled.others_moved:  # told without another's update read moving (``StallWatch.update_each``)
+        details["others_moved"] = False
     return [
         make_anomaly(
             kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details

@@ -21,14 +21,16 @@ Several optimizers (a GAN's): the reading due every five steps that does not fal
 (itself a reading: ``refresh``) waits for a step whose optimizer's update is the next in turn
 (``StallWatch.turn``; :meth:`~DetailSchedule.take`), at most :attr:`~DetailSchedule.every` - 1 steps, so that a loop
 whose cycle is a multiple of five steps long has each optimizer's updates read, not always the same one's (a
-critic's four steps and the generator's one, read at a fixed phase). As many steps are read as with one
-optimizer; with one nothing changes.
+critic's four steps and the generator's one, read at a fixed phase). A refresh whose step's update is not the
+one in turn keeps a reading owed, taken at a step in turn within :attr:`~DetailSchedule.every` - 1 steps (none
+when no such step comes): at most one step more per refresh than with one optimizer; with one nothing changes.
 
 >>> schedule = DetailSchedule(first=2, every=5, near=0, refresh=10)
 >>> # the steps whose optimizer is next in turn: 3, 8, 13, 18, 23 (the readings due at 5, 15, 25 wait for them;
->>> # those at 10 and 20 are the refreshes'), then none: the one due at 25 is read at 30 all the same
+>>> # the refreshes at 10, 20, 30 read another's update: theirs stay owed, read at 13, 23), then none: the one
+>>> # due at 25 is read at 30 all the same (a refresh), the one owed from 30 never
 >>> [m + 1 for m in range(1, 35) if schedule.take(m, turn=m % 5 == 3 and m < 25)]
-[9, 11, 19, 21, 30, 31]
+[9, 11, 14, 19, 21, 24, 30, 31]
 
 Limits: a module's slow failure (its gradients dying) is named from the detailed steps only: at
 most :data:`DETAIL_EVERY` - 1 steps later than if every step were read (of several optimizers, at most
@@ -78,6 +80,9 @@ class DetailSchedule:
     owed: int = -1
     """Of several, the monitored step since which a scheduled reading is due, waiting for the step of the
     optimizer whose turn it is (-1: none)."""
+    extra: bool = False
+    """The reading owed is a refresh's second (its step's update was not the one in turn): taken at a step in turn
+    within :attr:`every` - 1 steps, or not at all."""
     turn_read: int = -1
     """Of several, the monitored step that takes the scheduled reading (-1: none)."""
 
@@ -115,11 +120,17 @@ class DetailSchedule:
         if monitored < self.first:
             return False
         if monitored % self.refresh == 0:  # the next step refreshes the weight norms: detailed anyway
-            scheduled = True
-        else:
-            if monitored % self.every == 0:
-                self.owed = monitored
-            scheduled = self.owed >= 0 and (turn or monitored - self.owed >= self.every - 1)
+            # not the update in turn: the reading stays owed, or an optimizer given only in the steps after the
+            # refresh (positions 0-3 of a ten-step cycle) was never read again, its lr 0 never told
+            # (a second reading, taken only at the step in turn: none when no such step comes)
+            self.owed, self.extra, self.turn_read = (-1 if turn else monitored), True, monitored + 1
+            return True
+        if monitored % self.every == 0:
+            self.owed, self.extra = monitored, False
+        late = self.owed >= 0 and monitored - self.owed >= self.every - 1
+        scheduled = self.owed >= 0 and (turn or (late and not self.extra))
+        if scheduled or late:
+            self.owed = -1
         if scheduled:
-            self.owed, self.turn_read = -1, monitored + 1
+            self.turn_read = monitored + 1
         return scheduled
