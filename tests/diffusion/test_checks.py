@@ -572,3 +572,24 @@ def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_rep
                   full=False, leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None,
                   site="", localize=True, fraction=0.5)  # fmt: skip
     assert (made.replay, made.source, made.overflow.clipped) == (None, None, (wo, "block.0", 7))
+
+
+@pytest.mark.parametrize(
+    "dtype, value, at_max",
+    [
+        ("float16", 64504.0, True),  # T5's clamp: finfo.max - 1000
+        ("float16", 64000.0, False),
+        ("bfloat16", 3.0e38, False),
+        ("float8_e5m2", 57344.0, True),
+        ("float8_e4m3fn", 230.0, False),  # (max 448: the 1000 margin would take every value for at the max)
+        ("float8_e4m3fn", 440.0, False),
+        ("float8_e4m3fn", 448.0, True),
+    ],
+)
+def test_at_the_max_is_within_a_clamps_margin_only_where_the_dtype_reaches_far_beyond_it(dtype, value, at_max):
+    """A near-max block at the max is replayed once a run (a clip's): with fp8 e4m3 every value was 'at the
+    max' (448 - 1000 < 0), so each near-max e4m3 block was replayed every run."""
+    from diffusion_debug.diffusion.replay.decide import at_dtype_max
+    from diffusion_debug.probes import ModuleReading
+
+    assert at_dtype_max(ModuleReading("block.0", 0, dtype, None, value, dtype)) is at_max

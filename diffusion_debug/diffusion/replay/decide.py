@@ -363,7 +363,8 @@ def _clip_read(component: str, block: ModuleReading, memory: ReplayMemory) -> bo
 
 AT_MAX = 1000.0
 """How far below its dtype's largest value a block's output is still read as at the max: a clip's (T5 clamps a
-float16 stream holding an Inf to ``finfo.max - 1000``)."""
+float16 stream holding an Inf to ``finfo.max - 1000``); for a dtype whose largest is not far beyond it (fp8 e4m3:
+448), only the largest itself."""
 
 
 def at_dtype_max(reading: ModuleReading) -> bool:
@@ -373,9 +374,14 @@ def at_dtype_max(reading: ModuleReading) -> bool:
     True
     >>> at_dtype_max(ModuleReading("block.0", 0, "float16", None, 64000.0, "float16"))
     False
+    >>> at_dtype_max(ModuleReading("block.0", 0, "float8_e4m3fn", None, 230.0, "float8_e4m3fn"))  # (max 448)
+    False
     """
     largest = dtype_max(getattr(torch, reading.dtype)) if reading.dtype and reading.output_finite else None
-    return largest is not None and (reading.output_absmax or 0.0) >= largest - AT_MAX
+    if largest is None:
+        return False
+    near = largest - AT_MAX if largest > 32 * AT_MAX else largest  # (e4m3's max is 448: no margin)
+    return (reading.output_absmax or 0.0) >= near
 
 
 def _overflow(component, reading, between, memory, full, leaf, clean, localize) -> Overflow:
