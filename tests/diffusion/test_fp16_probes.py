@@ -866,23 +866,32 @@ def test_an_inf_an_fp16_t5_block_clamped_below_the_max_after_its_near_max_was_lo
     base = wo.weight.detach().clone()
     with torch.no_grad():
         embed.weight.mul_(0.45 * fp16_max / peaks["embed"])
+    layer = t5.get_submodule("encoder.block.0.layer.1")
+    reached = []  # the layer's output in runs 1-2, as a share of the max
+    hook = layer.register_forward_hook(lambda _m, _a, out: reached.append(out.abs().max().item() / fp16_max))
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    for scale in (0.3, 0.3, 2.0, 2.0):
-        with torch.no_grad():
-            wo.weight.copy_(base * (scale * fp16_max / peaks["wo"]))
-        with dbg:
-            call()
-    runs = {
-        number: [
-            (a.kind, a.severity, a.module)
-            for a in dbg.report().anomalies
-            if a.component == "text_encoder_2" and a.details.get("run") == number
-        ]
-        for number in (1, 2, 3, 4)
-    }
-    near = ("overflow_risk", "warning", "encoder.block.0.layer.1")
-    assert runs[1] == runs[2] == [near]
+    try:
+        for run_number, scale in enumerate((0.3, 0.3, 2.0, 2.0), 1):
+            with torch.no_grad():
+                wo.weight.copy_(base * (scale * fp16_max / peaks["wo"]))
+            with dbg:
+                call()
+            if run_number == 2:
+                hook.remove()
+        runs = {
+            number: [
+                (a.kind, a.severity, a.module)
+                for a in dbg.report().anomalies
+                if a.component == "text_encoder_2" and a.details.get("run") == number
+            ]
+            for number in (1, 2, 3, 4)
+        }
+        errors = [a for a in dbg.report().anomalies if a.kind == "nonfinite"]
+    finally:
+        hook.remove()
+        dbg.close()
+    # transformers 5's T5 reaches 0.67 of the max there; 4.x's (the floor) 0.44: nothing near it to localise first
+    near = [("overflow_risk", "warning", "encoder.block.0.layer.1")] if min(reached) >= 0.5 else []
+    assert runs[1] == runs[2] == near
     assert runs[3] == runs[4] == [("nonfinite", "error", wo_name)]
-    (error, _) = [a for a in dbg.report().anomalies if a.kind == "nonfinite"]
-    assert error.details["clipped_in"] == "encoder.block.0"
-    dbg.close()
+    assert [a.details["clipped_in"] for a in errors] == ["encoder.block.0"] * 2
