@@ -365,10 +365,9 @@ def test_an_inf_inside_a_near_max_block_localised_before_is_an_error_not_swallow
     from diffusion_debug.testing import tiny_pipeline
     from diffusion_debug.testing.flux import FLUX_CALL
 
-    wo_name = "encoder.block.0.layer.1.DenseReluDense.wo"
+    wo_name = helpers.T5_WO
     pipe = tiny_pipeline("flux")
-    t5 = pipe.text_encoder_2.to(torch.float16)
-    wo, embed = t5.get_submodule(wo_name), t5.encoder.embed_tokens
+    pipe.text_encoder_2.to(torch.float16)
     args = FLUX_CALL[0]()
     args.pop("output_type", None)
 
@@ -376,19 +375,10 @@ def test_an_inf_inside_a_near_max_block_localised_before_is_an_error_not_swallow
         with autocast():
             pipe(**args, num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="latent")
 
-    peaks = {}
-    hooks = [m.register_forward_hook(lambda _m, _a, out, k=k: peaks.__setitem__(k, out.abs().max().item()))
-             for k, m in (("wo", wo), ("embed", embed))]  # fmt: skip
-    call()
-    for hook in hooks:
-        hook.remove()
-    base = wo.weight.detach().clone()
-    with torch.no_grad():
-        embed.weight.mul_(0.45 * FP16_MAX / peaks["embed"])
+    wo_at = helpers.t5_near_max(pipe.text_encoder_2, call)
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     for scale in (0.3, 0.3, 2.0, 2.0):
-        with torch.no_grad():
-            wo.weight.copy_(base * (scale * FP16_MAX / peaks["wo"]))
+        wo_at(scale)
         with dbg:
             call()
     near = ("overflow_risk", "warning", "text_encoder_2", "encoder.block.0.layer.1", None)

@@ -847,33 +847,23 @@ def test_an_inf_an_fp16_t5_block_clamped_below_the_max_after_its_near_max_was_lo
     from diffusion_debug.testing.flux import FLUX_CALL
 
     fp16_max = torch.finfo(torch.float16).max
-    wo_name = "encoder.block.0.layer.1.DenseReluDense.wo"
+    wo_name = helpers.T5_WO
     pipe = tiny_pipeline("flux").to(torch.float16)
     t5 = pipe.text_encoder_2
-    wo, embed = t5.get_submodule(wo_name), t5.encoder.embed_tokens
     args = FLUX_CALL[0]()
     args.pop("output_type", None)
 
     def call():
         pipe(**args, num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="latent")
 
-    peaks = {}
-    hooks = [m.register_forward_hook(lambda _m, _a, out, k=k: peaks.__setitem__(k, out.abs().max().item()))
-             for k, m in (("wo", wo), ("embed", embed))]  # fmt: skip
-    call()
-    for hook in hooks:
-        hook.remove()
-    base = wo.weight.detach().clone()
-    with torch.no_grad():
-        embed.weight.mul_(0.45 * fp16_max / peaks["embed"])
+    wo_at = helpers.t5_near_max(t5, call)
     layer = t5.get_submodule("encoder.block.0.layer.1")
     reached = []  # the layer's output in runs 1-2, as a share of the max
     hook = layer.register_forward_hook(lambda _m, _a, out: reached.append(out.abs().max().item() / fp16_max))
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
     try:
         for run_number, scale in enumerate((0.3, 0.3, 2.0, 2.0), 1):
-            with torch.no_grad():
-                wo.weight.copy_(base * (scale * fp16_max / peaks["wo"]))
+            wo_at(scale)
             with dbg:
                 call()
             if run_number == 2:
