@@ -213,6 +213,55 @@ def test_a_call_given_no_tensor_in_a_list_or_dict_clones_nothing():
     assert read[0][0] is residuals[0]
 
 
+def same(a, b) -> bool:
+    """``a`` and ``b`` hold the same containers, keys (a tensor key by its values) and tensors, bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return type(b) is torch.Tensor and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(same(k, j) and same(v, w) for (k, v), (j, w) in zip(a.items(), b.items()))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def test_a_bundle_s_tensor_paths_are_unique_and_its_call_loads_as_saved(tmp_path):
+    # {0: a, "0": b} wrote both as kwargs.kv_cache.0 (one lost, the other loaded twice); a key "x.y" beside
+    # {"x": {"y": ...}} likewise; a tensor key was written nowhere (the bundle did not load)
+    from diffusion_debug.diffusion.replay.bundle import load_call, read_bundle, save_bundle
+
+    def values(start):
+        return torch.arange(start, start + 2, dtype=torch.float32)
+
+    kwargs = {
+        "kv_cache": {0: values(0), "0": values(2), 1: {"k": values(4)}},
+        "by_tensor": {torch.tensor([7.0]): values(6), torch.tensor([7.0]): values(8)},
+        "x.y": values(10),
+        "x": {"y": values(12), "#0": values(14), "": values(16), "#1": [values(18), (values(20),)]},
+        "half": values(22).half(),
+    }
+    args = (values(24), [values(26), {"0": values(28)}])
+    model = CachedTransformer()
+    save_bundle(
+        tmp_path,
+        component="transformer",
+        component_module=model,
+        call_prefix="",
+        args=args,
+        kwargs=kwargs,
+        step=0,
+        timestep=1.0,
+        module="root",
+        anomaly_kind="nonfinite",
+    )
+    meta, tensors = read_bundle(tmp_path)
+    assert len(tensors) == len(meta["dtypes"]) == 17 and meta["dtypes"]["kwargs.half"] == "float16"
+    assert "args.0" in tensors and "kwargs.kv_cache.#1" in tensors and "kwargs.x.y" in tensors
+    _, loaded_args, loaded = load_call(tmp_path, model)
+    assert same(tuple(loaded_args), args) and same(loaded, kwargs)
+
+
 def test_a_bundled_dict_keyed_by_layer_index_loads_with_its_keys(tmp_path):
     # FAR's kv_cache is {layer index: {"full_cache": ..., "compressed_cache": ...}}: a bundle wrote its keys as
     # strings, and why()'s replay of the call failed (KeyError: 0): "nothing can be concluded"
