@@ -125,9 +125,9 @@ def test_a_held_inference_tensor_is_not_replayed(tmp_path, monkeypatch):
     assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "transformer", "", 1)
     failed = [a.message for a in report.anomalies if a.kind == "debugger_error"]
     assert [m.split(" failed ")[0] for m in failed] == ["The debugger's replay", "The debugger's repro_bundle"]
-    refused = (
-        "(RuntimeError: a torch.inference_mode tensor has no version counter: a change since to one held from the "
-        "call (beyond the 0 bytes copied a step) cannot be seen; run under torch.no_grad() to replay it"
+    refused = (  # whole within the 200 characters a debugger_error's message keeps
+        "(RuntimeError: an inference_mode cache tensor (over the 0 bytes copied a step) has no version counter: a "
+        "change since the call cannot be seen; replay under torch.no_grad() ((1, 2, 4))); the run went on"
     )
     assert all(refused in m for m in failed)
     with pytest.raises(DiffusionDebugError) as refusal:  # no bundle to replay: never "finite"
@@ -185,12 +185,41 @@ def test_an_own_state_passed_by_position_is_known_from_the_signature():
     from diffusion_debug.diffusion.components.call_sites import state_positions
 
     state = frozenset({"kv_cache", "feat_cache"})
-    assert state_positions(CachedTransformer().forward, state) == frozenset({2})
-    assert state_positions(lambda x, *rest, kv_cache=None: x, state) == frozenset()
-    assert state_positions(print, state) == frozenset()  # no signature to read: nothing by position
+    assert state_positions(CachedTransformer().forward, state) == {2: "kv_cache"}
+    assert state_positions(lambda x, *rest, kv_cache=None: x, state) == {}
+    assert state_positions(print, state) == {}  # no signature to read: nothing by position
     kv, budget = {"k": torch.ones(4)}, [1 << 20]
-    args, _ = kept_as_passed((torch.ones(1), 1.0, kv), {}, budget, state=state, positions=frozenset({2}))
+    args, _ = kept_as_passed((torch.ones(1), 1.0, kv), {}, budget, state=state, positions={2: "kv_cache"})
     assert args[2]["k"] is not kv["k"] and budget == [(1 << 20) - 16]
+
+
+@pytest.mark.parametrize("by_position", [False, True], ids=["by_keyword", "by_position"])
+def test_a_held_inference_tensor_refuses_only_where_its_state_may_be_written_into(by_position, monkeypatch):
+    # the Wan VAE's causal convs replace feat_cache's entries (a new tensor), never write into them: held
+    # under inference_mode, its copy of the list is as passed and is replayed; FAR's kv_cache is written into
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)  # the step's bytes of copies, [0] below
+    state = frozenset({"kv_cache", "feat_cache"})
+    with torch.inference_mode():
+        feat, kv = [torch.ones(2)], {"k": torch.ones(2)}
+
+    def kept(name, value):
+        if by_position:
+            return kept_as_passed((value,), {}, [0], state=state, positions={0: name})
+        return kept_as_passed((), {name: value}, [0], state=state)
+
+    passed, (feat_kept, kv_kept) = feat[0], (kept("feat_cache", feat), kept("kv_cache", kv))
+    held = feat_kept[0][0] if by_position else feat_kept[1]["feat_cache"]
+    assert held[0] is passed  # beyond the bytes copied: held as passed, no clone
+    feat[0] = torch.zeros(2)  # the next call's replacement: not in the kept copy
+    args, kwargs = kept_as_passed(*feat_kept)
+    used = args[0][0] if by_position else kwargs["feat_cache"][0]
+    assert torch.equal(used, torch.ones(2)) and used is not passed  # a copy for the replay to write into
+    with pytest.raises(RuntimeError) as refused:
+        kept_as_passed(*kv_kept)
+    assert str(refused.value) == (
+        "an inference_mode cache tensor (over the 0 bytes copied a step) has no version counter: a change since the "
+        "call cannot be seen; replay under torch.no_grad() ((2,))"
+    )
 
 
 def test_a_call_given_no_tensor_in_a_list_or_dict_clones_nothing():

@@ -89,6 +89,13 @@ STATE_ARGUMENTS = frozenset({"feat_cache", "feat_idx", "past_key_values", "kv_ca
 QwenImage VAEs' causal-conv ``feat_cache``, a language model's ``past_key_values``); with the
 names a model lists in diffusers' ``_skip_keys``. Never an input the pipeline made."""
 
+REPLACED_STATE = frozenset({"feat_cache", "feat_idx"})
+"""Own state whose entries a call replaces and never writes into (the Wan and QwenImage VAEs' causal
+convs: ``feat_cache[idx] = cache_x``, a new tensor): a kept call's copy of the list is as it was
+passed whatever later calls do, so a tensor in it held under ``torch.inference_mode`` (no version
+counter) is replayed as held. Every other own state may be written into (FAR's ``kv_cache``): such a
+tensor refuses a replay (:func:`_used`)."""
+
 
 def kept_as_passed(
     args: tuple,
@@ -96,7 +103,7 @@ def kept_as_passed(
     budget: list[int] | None = None,
     strict: bool = True,
     state: frozenset[str] = frozenset(),
-    positions: frozenset[int] = frozenset(),
+    positions: dict[int, str] | None = None,
 ) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every list and dict in them (two levels deep) copied, so that what
     the call writes into them (the Wan VAE's ``feat_cache``, filled by its causal convs during the
@@ -105,7 +112,7 @@ def kept_as_passed(
     step; only the tensors under the keyword arguments named in ``state`` (the component's own state,
     :meth:`CallSiteHooks.own_state`: AnyFlow FAR's ``kv_cache``, rewritten in place by its next
     chunk's cache step), and under the positional ones at ``positions`` (the same parameters passed by
-    position: :func:`state_positions`), are cloned, so that one rewritten after the call is seen as it
+    position, by index: :func:`state_positions`), are cloned, so that one rewritten after the call is seen as it
     was passed; one beyond the budget is held with its version (:class:`_Held`: a use finds it changed
     in place, :func:`_used`). The tensors in every other list or dict are held as passed (no op added a call: a
     ControlNet's residuals). Without (a use: a replay, a bundle): every tensor in them cloned, so a
@@ -129,11 +136,13 @@ def kept_as_passed(
     for i, value in enumerate(args):
         if type(value) in _COPIED:  # kept: cloned at an own state's position (FAR's kv_cache passed by position)
             copied = copied or list(args)
-            copied[i] = _copy(value, 0, _keeps(budget, strict) if budget is not None and i in positions else keep)
+            at = positions.get(i) if positions and budget is not None else None
+            copied[i] = _copy(value, 0, _keeps(budget, strict, at in REPLACED_STATE) if at is not None else keep)
     kept = {}
     for name, value in kwargs.items():
         if type(value) in _COPIED:  # kept: a tensor cloned only in the component's own state
-            kept[name] = _copy(value, 0, _keeps(budget, strict) if budget is not None and name in state else keep)
+            held = budget is not None and name in state
+            kept[name] = _copy(value, 0, _keeps(budget, strict, name in REPLACED_STATE) if held else keep)
         else:
             kept[name] = value
     return (tuple(copied) if copied is not None else args), kept
@@ -143,10 +152,12 @@ def _as_passed(value: Any) -> Any:
     return value
 
 
-def _keeps(budget: list[int] | None, strict: bool) -> Callable[[Any], Any]:
+def _keeps(budget: list[int] | None, strict: bool, replaced: bool = False) -> Callable[[Any], Any]:
     """What becomes of a tensor (or a :class:`_Held` one) in a list or dict of a kept call: kept
-    (``budget``, the component's own state): cloned within it, else held; used (no budget): cloned
-    (``strict``, a held one checked) or read as it is now (a check of its values: nothing cloned)."""
+    (``budget``, the component's own state): cloned within it, else held (an inference tensor of a
+    state whose entries are ``replaced``, :data:`REPLACED_STATE`: as passed, never written into); used
+    (no budget): cloned (``strict``, a held one checked) or read as it is now (a check of its values:
+    nothing cloned)."""
     if budget is None:
         if strict:
             return lambda value: _used(value) if type(value) is _Held else value.detach().clone()
@@ -157,7 +168,7 @@ def _keeps(budget: list[int] | None, strict: bool) -> Callable[[Any], Any]:
             return value
         nbytes = value.numel() * value.element_size()
         if nbytes > budget[0]:
-            return _Held(value)
+            return value if replaced and value.is_inference() else _Held(value)
         budget[0] -= nbytes
         return value.detach().clone()
 
@@ -198,15 +209,15 @@ def _used(held: _Held) -> torch.Tensor:
     copy). Raises ``RuntimeError`` when it was changed in place since the call: a replay would read
     other values than the call did; and for an inference tensor (made under ``torch.inference_mode``),
     which has no version counter: whether it changed cannot be told, and a replay that read it changed
-    would name no module or a wrong one (FAR's cache step rewrites its ``kv_cache`` in place). Refused
+    would name no module or a wrong one (FAR's cache step rewrites its ``kv_cache`` in place; one whose
+    entries are replaced, :data:`REPLACED_STATE`, is never held so). Refused
     rather than checked by a fingerprint taken as the call is kept: that would add a reduction over the
     whole cache to every call, and one cheap enough misses values moved or changed in compensation."""
     tensor = held.tensor
     if held.version == -1:
-        raise RuntimeError(  # why and what to do first: a debugger_error's message keeps 200 characters
-            f"a torch.inference_mode tensor has no version counter: a change since to one held from the call "
-            f"(beyond the {cache_hooks.KEPT_BYTES} bytes copied a step) cannot be seen; run under torch.no_grad() "
-            f"to replay it (a {tuple(tensor.shape)} tensor in a list or dict)"
+        raise RuntimeError(  # the point and the fix first: a debugger_error's message keeps 200 characters
+            f"an inference_mode cache tensor (over the {cache_hooks.KEPT_BYTES} bytes copied a step) has no version "
+            f"counter: a change since the call cannot be seen; replay under torch.no_grad() ({tuple(tensor.shape)})"
         )
     if tensor._version != held.version:
         raise RuntimeError(
@@ -216,27 +227,27 @@ def _used(held: _Held) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-def state_positions(forward: Callable[..., Any], state: frozenset[str]) -> frozenset[int]:
+def state_positions(forward: Callable[..., Any], state: frozenset[str]) -> dict[int, str]:
     """The positions at which ``forward`` takes the parameters named in ``state`` (a component's own
     state, :meth:`CallSiteHooks.own_state`) when they are passed by position: ``transformer(x, t, kv_cache)``
     passes FAR's cache as its third argument. Read from the signature once a component (its site's
     plan), never at a call; empty where the signature cannot be read.
 
     >>> state_positions(lambda sample, timestep, kv_cache=None, *, scale=1.0: None, frozenset({"kv_cache", "scale"}))
-    frozenset({2})
+    {2: 'kv_cache'}
     """
     try:
         parameters = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):  # a builtin or an object without one
-        return frozenset()
+        return {}
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    found = set()
+    found = {}
     for index, parameter in enumerate(parameters):
         if parameter.kind not in positional:  # *args, keyword-only: nothing after is given by position
             break
         if parameter.name in state:
-            found.add(index)
-    return frozenset(found)
+            found[index] = parameter.name
+    return found
 
 
 def _shares(value: Any, storage: int) -> bool:
@@ -510,7 +521,7 @@ class CallSiteHooks:
         where: dict[str, Any],
         failed: Failed,
         on_start,
-        keeps: tuple[bool, bool, frozenset[int]],
+        keeps: tuple[bool, bool, dict[int, str]],
         oom: OutOfMemoryWatch | None,
     ):
         """``keeps``: whether the site's calls run stateful hooks, whether a guider places hooks for them, and
