@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components import cache_hooks
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.qwenimage import QWENIMAGE_CALL
@@ -146,3 +147,21 @@ def test_each_use_of_a_kept_call_gets_the_lists_as_the_call_passed_them():
     _, second = sites.kept_call(site)
     assert second["feat_cache"] == [None, None] and second["feat_idx"] == [0]
     assert cache == [None, None] and index == [0]  # and the user's own lists were never written
+
+
+def test_a_feat_cache_held_under_inference_mode_is_replayed_at_its_module(pipes, tmp_path, monkeypatch):
+    # at real size (over the step's bytes of copies) the second frame's feat_cache is held as passed: under
+    # inference_mode its tensors have no version counter, and the replay and the bundle were refused (two
+    # debugger_errors, the Inf named at a block). Its causal convs replace its entries, never write into them
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)  # a real-size feat_cache
+    pipe = pipes["wan22"]
+    with plant_nonfinite(pipe.vae.get_submodule(MODULE), from_call=1):  # the 2nd latent frame: a filled cache
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        with dbg, torch.inference_mode():
+            call(pipe, "wan22")
+        dbg.close()
+    report = dbg.report()
+    assert not [a.message for a in report.anomalies if a.kind == "debugger_error"]
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "vae", MODULE, None)
+    assert error.details["localized_by"] == "output check -> replay with full probes"

@@ -10,13 +10,15 @@ never naming a wrong module; a call given no tensor in a list or dict clones not
 
 from __future__ import annotations
 
+import contextlib
+
 import diffusers
 import pytest
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from torch import nn
 
-from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.diffusion.components import cache_hooks
 from diffusion_debug.diffusion.components.call_sites import kept_as_passed
 from diffusion_debug.op_count import count_aten_ops
@@ -43,17 +45,21 @@ class CachedTransformer(nn.Module):
 
 
 class CachedPipeline(DiffusionPipeline):
-    """Each step's cache ``k`` is negated in place after the call (FAR's next cache step rewrites it)."""
+    """Each step's cache ``k`` is negated in place after the call (FAR's next cache step rewrites it);
+    ``by_position``: the cache passed as the transformer's third argument, not by keyword."""
 
     def __init__(self, transformer, scheduler):
         super().__init__()
         self.register_modules(transformer=transformer, scheduler=scheduler)
 
-    def __call__(self, kv_cache, num_inference_steps=3):
+    def __call__(self, kv_cache, num_inference_steps=3, by_position=False):
         latents = torch.linspace(-1, 1, 8).reshape(1, 2, 4)
         self.scheduler.set_timesteps(num_inference_steps)
         for t in self.scheduler.timesteps:
-            noise = self.transformer(latents, t, kv_cache=kv_cache)
+            if by_position:
+                noise = self.transformer(latents, t, kv_cache)
+            else:
+                noise = self.transformer(latents, t, kv_cache=kv_cache)
             latents = self.scheduler.step(noise, t, latents).prev_sample
             kv_cache["k"].neg_()
         return latents
@@ -64,20 +70,23 @@ def cache():
     return {"k": torch.ones(1, 2, 4), "v": torch.zeros(1, 2, 4)}
 
 
-def watched(tmp_path, user):
+def watched(tmp_path, user, by_position=False, mode=contextlib.nullcontext):
     pipe = CachedPipeline(CachedTransformer(), FlowMatchEulerDiscreteScheduler())
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
-    with dbg:
-        pipe(user)
+    with dbg, mode():
+        pipe(user, by_position=by_position)
     dbg.close()
     return dbg.report()
 
 
-def test_a_kv_cache_rewritten_after_the_call_is_replayed_as_passed_and_left_untouched(tmp_path):
+@pytest.mark.parametrize("by_position", [False, True], ids=["by_keyword", "by_position"])
+def test_a_kv_cache_rewritten_after_the_call_is_replayed_as_passed_and_left_untouched(tmp_path, by_position):
+    # by position (transformer(x, t, kv_cache)) the cache was not known as its own state: held as passed, the
+    # replay read it rewritten, the NaN did not reproduce (named at the transformer) and why() found it finite
     twin = cache()
     CachedPipeline(CachedTransformer(), FlowMatchEulerDiscreteScheduler())(twin)
     user = cache()
-    report = watched(tmp_path, user)
+    report = watched(tmp_path, user, by_position)
     assert all(torch.equal(user[k].view(torch.uint8), twin[k].view(torch.uint8)) for k in twin)  # v: 3, not 4
     (error,) = [a for a in report.anomalies if a.severity == "error"]
     assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "transformer", "root", 1)
@@ -103,6 +112,116 @@ def test_a_cache_beyond_the_bytes_copied_and_changed_since_is_not_replayed(tmp_p
     assert all(changed in m for m in failed)
 
 
+def test_a_held_inference_tensor_is_not_replayed(tmp_path, monkeypatch):
+    # under torch.inference_mode the held cache is an inference tensor, which has no version counter: the
+    # replay read it rewritten (k positive again), the NaN did not reproduce, and why() said the call was finite
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)  # nothing cloned as kept: each tensor held as passed
+    with torch.inference_mode():
+        twin, user = cache(), cache()
+        CachedPipeline(CachedTransformer(), FlowMatchEulerDiscreteScheduler())(twin)
+    report = watched(tmp_path, user, mode=torch.inference_mode)
+    assert all(torch.equal(user[k].view(torch.uint8), twin[k].view(torch.uint8)) for k in twin)
+    (error,) = [a for a in report.anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "transformer", "", 1)
+    failed = [a.message for a in report.anomalies if a.kind == "debugger_error"]
+    assert [m.split(" failed ")[0] for m in failed] == ["The debugger's replay", "The debugger's repro_bundle"]
+    refused = (  # whole within the 200 characters a debugger_error's message keeps
+        "(RuntimeError: an inference_mode cache tensor (over the 0 bytes copied a step) has no version counter: a "
+        "change since the call cannot be seen; replay under torch.no_grad() ((1, 2, 4))); the run went on"
+    )
+    assert all(refused in m for m in failed)
+    with pytest.raises(DiffusionDebugError) as refusal:  # no bundle to replay: never "finite"
+        report.why()
+    assert str(refusal.value) == (
+        "why needs the repro bundle of the run's first NaN/Inf error; this run saved none (no error at a component "
+        "call, repro_bundle is off, or the bundle could not be made: a debugger_error says why)."
+    )
+
+
+def test_a_strict_use_never_reuses_the_half_s_arguments_a_check_made():
+    # a VAE half watched around its VAE's compiled method gets its own arguments made once from the method's
+    # call: made by a check (strict=False: a held tensor read as it is now), they were reused by the replay,
+    # which read the rewritten cache where it had to refuse
+    from types import SimpleNamespace
+
+    from diffusion_debug.diffusion.components.call_sites import CallSiteHooks
+
+    class Half(nn.Module):
+        def forward(self, z, kv_cache):
+            return z + kv_cache["k"]
+
+    half = Half()
+
+    def decode(z, kv_cache):  # the VAE's method (compiled by the user): the half is called in it
+        return half(z * 2, kv_cache=kv_cache)
+
+    def sites_keeping(kv):
+        sites = CallSiteHooks.__new__(CallSiteHooks)
+        sites.through = {("vae", "decoder"): decode}
+        kept = kept_as_passed((torch.ones(2),), {"kv_cache": kv}, [0], state=frozenset({"kv_cache"}))  # held
+        sites.kept = {("vae", "decoder"): kept}
+        return sites
+
+    site = SimpleNamespace(component="vae", prefix="decoder", module=half)
+    kv = {"k": torch.ones(2)}
+    sites = sites_keeping(kv)
+    kv["k"].neg_()  # rewritten in place after the call
+    args, checked = sites.kept_call(site, strict=False)  # a check of the values: read as they are now
+    assert torch.equal(args[0], torch.full((2,), 2.0)) and torch.equal(checked["kv_cache"]["k"], -torch.ones(2))
+    with pytest.raises(RuntimeError, match="was changed in place since"):
+        sites.kept_call(site)
+    kv = {"k": torch.ones(2)}
+    sites = sites_keeping(kv)
+    sites.kept_call(site, strict=False)
+    args, replayed = sites.kept_call(site)  # unchanged: made again strictly, the half's arguments as passed
+    assert torch.equal(args[0], torch.full((2,), 2.0)) and torch.equal(replayed["kv_cache"]["k"], torch.ones(2))
+    assert replayed["kv_cache"]["k"] is not kv["k"]
+    kv["k"].neg_()  # a strict making holds copies: a later check reuses it
+    _, checked = sites.kept_call(site, strict=False)
+    assert torch.equal(checked["kv_cache"]["k"], torch.ones(2))
+
+
+def test_an_own_state_passed_by_position_is_known_from_the_signature():
+    from diffusion_debug.diffusion.components.call_sites import state_positions
+
+    state = frozenset({"kv_cache", "feat_cache"})
+    assert state_positions(CachedTransformer().forward, state) == {2: "kv_cache"}
+    assert state_positions(lambda x, *rest, kv_cache=None: x, state) == {}
+    assert state_positions(print, state) == {}  # no signature to read: nothing by position
+    kv, budget = {"k": torch.ones(4)}, [1 << 20]
+    args, _ = kept_as_passed((torch.ones(1), 1.0, kv), {}, budget, state=state, positions={2: "kv_cache"})
+    assert args[2]["k"] is not kv["k"] and budget == [(1 << 20) - 16]
+
+
+@pytest.mark.parametrize("by_position", [False, True], ids=["by_keyword", "by_position"])
+def test_a_held_inference_tensor_refuses_only_where_its_state_may_be_written_into(by_position, monkeypatch):
+    # the Wan VAE's causal convs replace feat_cache's entries (a new tensor), never write into them: held
+    # under inference_mode, its copy of the list is as passed and is replayed; FAR's kv_cache is written into
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)  # the step's bytes of copies, [0] below
+    state = frozenset({"kv_cache", "feat_cache"})
+    with torch.inference_mode():
+        feat, kv = [torch.ones(2)], {"k": torch.ones(2)}
+
+    def kept(name, value):
+        if by_position:
+            return kept_as_passed((value,), {}, [0], state=state, positions={0: name})
+        return kept_as_passed((), {name: value}, [0], state=state)
+
+    passed, (feat_kept, kv_kept) = feat[0], (kept("feat_cache", feat), kept("kv_cache", kv))
+    held = feat_kept[0][0] if by_position else feat_kept[1]["feat_cache"]
+    assert held[0] is passed  # beyond the bytes copied: held as passed, no clone
+    feat[0] = torch.zeros(2)  # the next call's replacement: not in the kept copy
+    args, kwargs = kept_as_passed(*feat_kept)
+    used = args[0][0] if by_position else kwargs["feat_cache"][0]
+    assert torch.equal(used, torch.ones(2)) and used is not passed  # a copy for the replay to write into
+    with pytest.raises(RuntimeError) as refused:
+        kept_as_passed(*kv_kept)
+    assert str(refused.value) == (
+        "an inference_mode cache tensor (over the 0 bytes copied a step) has no version counter: a change since the "
+        "call cannot be seen; replay under torch.no_grad() ((2,))"
+    )
+
+
 def test_a_call_given_no_tensor_in_a_list_or_dict_clones_nothing():
     sample, cache = torch.ones(2), [None, None]
     with count_aten_ops() as ops:
@@ -121,6 +240,55 @@ def test_a_call_given_no_tensor_in_a_list_or_dict_clones_nothing():
     assert used[0][0] is not residuals[0] and torch.equal(used[0][0], residuals[0])
     read, _ = kept_as_passed(args, {}, strict=False)  # a check of the values: nothing cloned
     assert read[0][0] is residuals[0]
+
+
+def same(a, b) -> bool:
+    """``a`` and ``b`` hold the same containers, keys (a tensor key by its values) and tensors, bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return type(b) is torch.Tensor and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(same(k, j) and same(v, w) for (k, v), (j, w) in zip(a.items(), b.items()))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def test_a_bundle_s_tensor_paths_are_unique_and_its_call_loads_as_saved(tmp_path):
+    # {0: a, "0": b} wrote both as kwargs.kv_cache.0 (one lost, the other loaded twice); a key "x.y" beside
+    # {"x": {"y": ...}} likewise; a tensor key was written nowhere (the bundle did not load)
+    from diffusion_debug.diffusion.replay.bundle import load_call, read_bundle, save_bundle
+
+    def values(start):
+        return torch.arange(start, start + 2, dtype=torch.float32)
+
+    kwargs = {
+        "kv_cache": {0: values(0), "0": values(2), 1: {"k": values(4)}},
+        "by_tensor": {torch.tensor([7.0]): values(6), torch.tensor([7.0]): values(8)},
+        "x.y": values(10),
+        "x": {"y": values(12), "#0": values(14), "": values(16), "#1": [values(18), (values(20),)]},
+        "half": values(22).half(),
+    }
+    args = (values(24), [values(26), {"0": values(28)}])
+    model = CachedTransformer()
+    save_bundle(
+        tmp_path,
+        component="transformer",
+        component_module=model,
+        call_prefix="",
+        args=args,
+        kwargs=kwargs,
+        step=0,
+        timestep=1.0,
+        module="root",
+        anomaly_kind="nonfinite",
+    )
+    meta, tensors = read_bundle(tmp_path)
+    assert len(tensors) == len(meta["dtypes"]) == 17 and meta["dtypes"]["kwargs.half"] == "float16"
+    assert "args.0" in tensors and "kwargs.kv_cache.#1" in tensors and "kwargs.x.y" in tensors
+    _, loaded_args, loaded = load_call(tmp_path, model)
+    assert same(tuple(loaded_args), args) and same(loaded, kwargs)
 
 
 def test_a_bundled_dict_keyed_by_layer_index_loads_with_its_keys(tmp_path):

@@ -24,6 +24,7 @@ for a replay and dropped as the step ends; the store could become a module of it
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
@@ -88,6 +89,13 @@ STATE_ARGUMENTS = frozenset({"feat_cache", "feat_idx", "past_key_values", "kv_ca
 QwenImage VAEs' causal-conv ``feat_cache``, a language model's ``past_key_values``); with the
 names a model lists in diffusers' ``_skip_keys``. Never an input the pipeline made."""
 
+REPLACED_STATE = frozenset({"feat_cache", "feat_idx"})
+"""Own state whose entries a call replaces and never writes into (the Wan and QwenImage VAEs' causal
+convs: ``feat_cache[idx] = cache_x``, a new tensor): a kept call's copy of the list is as it was
+passed whatever later calls do, so a tensor in it held under ``torch.inference_mode`` (no version
+counter) is replayed as held. Every other own state may be written into (FAR's ``kv_cache``): such a
+tensor refuses a replay (:func:`_used`)."""
+
 
 def kept_as_passed(
     args: tuple,
@@ -95,6 +103,7 @@ def kept_as_passed(
     budget: list[int] | None = None,
     strict: bool = True,
     state: frozenset[str] = frozenset(),
+    positions: dict[int, str] | None = None,
 ) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every list and dict in them (two levels deep) copied, so that what
     the call writes into them (the Wan VAE's ``feat_cache``, filled by its causal convs during the
@@ -102,9 +111,10 @@ def kept_as_passed(
     never writes into the user's. ``budget`` (as a call is kept): ``[bytes]`` still to clone this
     step; only the tensors under the keyword arguments named in ``state`` (the component's own state,
     :meth:`CallSiteHooks.own_state`: AnyFlow FAR's ``kv_cache``, rewritten in place by its next
-    chunk's cache step) are cloned, so that one rewritten after the call is seen as it was passed; one
-    beyond the budget is held with its version (:class:`_Held`: a use finds it changed in place,
-    :func:`_used`). The tensors in every other list or dict are held as passed (no op added a call: a
+    chunk's cache step), and under the positional ones at ``positions`` (the same parameters passed by
+    position, by index: :func:`state_positions`), are cloned, so that one rewritten after the call is seen as it
+    was passed; one beyond the budget is held with its version (:class:`_Held`: a use finds it changed
+    in place, :func:`_used`). The tensors in every other list or dict are held as passed (no op added a call: a
     ControlNet's residuals). Without (a use: a replay, a bundle): every tensor in them cloned, so a
     replay never writes into the user's; a held one checked (``strict``; else a check of the values
     the call was passed: nothing cloned, a held tensor read as it is now). The top-level tensors are
@@ -124,13 +134,15 @@ def kept_as_passed(
     keep = _as_passed if budget is not None else _keeps(None, strict)
     copied = None
     for i, value in enumerate(args):
-        if type(value) in _COPIED:
+        if type(value) in _COPIED:  # kept: cloned at an own state's position (FAR's kv_cache passed by position)
             copied = copied or list(args)
-            copied[i] = _copy(value, 0, keep)
+            at = positions.get(i) if positions and budget is not None else None
+            copied[i] = _copy(value, 0, _keeps(budget, strict, at in REPLACED_STATE) if at is not None else keep)
     kept = {}
     for name, value in kwargs.items():
         if type(value) in _COPIED:  # kept: a tensor cloned only in the component's own state
-            kept[name] = _copy(value, 0, _keeps(budget, strict) if budget is not None and name in state else keep)
+            held = budget is not None and name in state
+            kept[name] = _copy(value, 0, _keeps(budget, strict, name in REPLACED_STATE) if held else keep)
         else:
             kept[name] = value
     return (tuple(copied) if copied is not None else args), kept
@@ -140,10 +152,12 @@ def _as_passed(value: Any) -> Any:
     return value
 
 
-def _keeps(budget: list[int] | None, strict: bool) -> Callable[[Any], Any]:
+def _keeps(budget: list[int] | None, strict: bool, replaced: bool = False) -> Callable[[Any], Any]:
     """What becomes of a tensor (or a :class:`_Held` one) in a list or dict of a kept call: kept
-    (``budget``, the component's own state): cloned within it, else held; used (no budget): cloned
-    (``strict``, a held one checked) or read as it is now (a check of its values: nothing cloned)."""
+    (``budget``, the component's own state): cloned within it, else held (an inference tensor of a
+    state whose entries are ``replaced``, :data:`REPLACED_STATE`: as passed, never written into); used
+    (no budget): cloned (``strict``, a held one checked) or read as it is now (a check of its values:
+    nothing cloned)."""
     if budget is None:
         if strict:
             return lambda value: _used(value) if type(value) is _Held else value.detach().clone()
@@ -154,7 +168,7 @@ def _keeps(budget: list[int] | None, strict: bool) -> Callable[[Any], Any]:
             return value
         nbytes = value.numel() * value.element_size()
         if nbytes > budget[0]:
-            return _Held(value)
+            return value if replaced and value.is_inference() else _Held(value)
         budget[0] -= nbytes
         return value.detach().clone()
 
@@ -193,14 +207,47 @@ class _Held:
 def _used(held: _Held) -> torch.Tensor:
     """A copy of a held tensor for a use of its kept call (a replay writing into it writes into the
     copy). Raises ``RuntimeError`` when it was changed in place since the call: a replay would read
-    other values than the call did. Limit: an inference tensor's change is not seen."""
+    other values than the call did; and for an inference tensor (made under ``torch.inference_mode``),
+    which has no version counter: whether it changed cannot be told, and a replay that read it changed
+    would name no module or a wrong one (FAR's cache step rewrites its ``kv_cache`` in place; one whose
+    entries are replaced, :data:`REPLACED_STATE`, is never held so). Refused
+    rather than checked by a fingerprint taken as the call is kept: that would add a reduction over the
+    whole cache to every call, and one cheap enough misses values moved or changed in compensation."""
     tensor = held.tensor
-    if held.version != -1 and tensor._version != held.version:
+    if held.version == -1:
+        raise RuntimeError(  # the point and the fix first: a debugger_error's message keeps 200 characters
+            f"an inference_mode cache tensor (over the {cache_hooks.KEPT_BYTES} bytes copied a step) has no version "
+            f"counter: a change since the call cannot be seen; replay under torch.no_grad() ({tuple(tensor.shape)})"
+        )
+    if tensor._version != held.version:
         raise RuntimeError(
             f"a {tuple(tensor.shape)} tensor the call was passed in a list or dict was changed in place since "
             f"(beyond the {cache_hooks.KEPT_BYTES} bytes copied a step): a replay would not read what the call read"
         )
     return tensor.detach().clone()
+
+
+def state_positions(forward: Callable[..., Any], state: frozenset[str]) -> dict[int, str]:
+    """The positions at which ``forward`` takes the parameters named in ``state`` (a component's own
+    state, :meth:`CallSiteHooks.own_state`) when they are passed by position: ``transformer(x, t, kv_cache)``
+    passes FAR's cache as its third argument. Read from the signature once a component (its site's
+    plan), never at a call; empty where the signature cannot be read.
+
+    >>> state_positions(lambda sample, timestep, kv_cache=None, *, scale=1.0: None, frozenset({"kv_cache", "scale"}))
+    {2: 'kv_cache'}
+    """
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or an object without one
+        return {}
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    found = {}
+    for index, parameter in enumerate(parameters):
+        if parameter.kind not in positional:  # *args, keyword-only: nothing after is given by position
+            break
+        if parameter.name in state:
+            found[index] = parameter.name
+    return found
 
 
 def _shares(value: Any, storage: int) -> bool:
@@ -273,7 +320,8 @@ def read_output(output: Any) -> torch.Tensor | None:
 
 _HALF = object()
 """Marks a kept call of a VAE half watched around its VAE's compiled method once it holds the half's
-own arguments (``(_HALF, (args, kwargs))``)."""
+own arguments: ``(_HALF, (args, kwargs), strict, method's call)``, ``strict`` as they were made
+(:meth:`CallSiteHooks.kept_call`) and the method's call kept as passed, to make them again strictly."""
 
 _OPEN_CALLS = 8
 """Calls of one call site open at once that are timed: a module calling itself deeper than this
@@ -419,28 +467,36 @@ class CallSiteHooks:
                 if stateful:
                     stateful_now.add(site.component)
                 guided = site.component in self.guided and not site.prefix  # its calls keep the guider's hooks
+                in_place = (
+                    site.module.__dict__.get("_compiled_call_impl") is not None
+                )  # compiled_in_place(site.module)
+                method = None  # vae.decode = torch.compile(vae.decode): the half is called in it, with its arguments
+                if not in_place and site.prefix in HALF_METHODS:
+                    method = compiled_methods(root := self.roots[site.component]).get(HALF_METHODS[site.prefix])
+                at = ("state_positions", site.prefix, method is None)  # the own state's positions in what is called
+                if at not in values:  # (memo.get spelled out, as above)
+                    called = eager_module(site.module).forward if method is None else method
+                    values[at] = state_positions(called, self.own_state(site.component))
+                positions = values[at]
                 # the last attach's callbacks while they are the same (a reused debugger's are): each
                 # attach of a 1-step call made them again
                 plan = self._plans.get(key)
-                if plan is None or plan[0] != callbacks or plan[1] is not target or plan[2] != (stateful, guided):
+                keeps = (stateful, guided, positions)
+                if plan is None or plan[0] != callbacks or plan[1] is not target or plan[2] != keeps:
                     where, held = {"device": device}, oom if target is not None else None
                     config = CallArgsConfig(
-                        before=self._before(site, where, failed, on_start, stateful, guided, held),
+                        before=self._before(site, where, failed, on_start, keeps, held),
                         after=self._after(site, where, failed, on_output),
                         skip=busy,
                         on_error=oom.reporter(target) if oom is not None and target is not None else None,
                     )
-                    keeps = (stateful, guided)
                     plan = self._plans[key] = (callbacks, target, keeps, where, config, call_hooks(config))
                 else:
                     plan[3]["device"] = device
-                if site.module.__dict__.get("_compiled_call_impl") is not None:  # compiled_in_place(site.module):
-                    # its hooks would run inside the compiled code
+                if in_place:  # its hooks would run inside the compiled code
                     added.append(wrap_compiled_call(site.module, *plan[5]))
-                elif site.prefix in HALF_METHODS and (
-                    method := compiled_methods(root := self.roots[site.component]).get(HALF_METHODS[site.prefix])
-                ):
-                    self.through[key] = method  # vae.decode = torch.compile(vae.decode): the half is called in it
+                elif method is not None:
+                    self.through[key] = method
                     # set on the component (a torch.compile wrapper's own), else on the original VAE
                     name = HALF_METHODS[site.prefix]  # (not method.__name__: "wrapper" before diffusers 0.33)
                     owner = root if name in root.__dict__ else method.__self__
@@ -465,11 +521,13 @@ class CallSiteHooks:
         where: dict[str, Any],
         failed: Failed,
         on_start,
-        stateful: bool,
-        guided: bool,
+        keeps: tuple[bool, bool, dict[int, str]],
         oom: OutOfMemoryWatch | None,
     ):
+        """``keeps``: whether the site's calls run stateful hooks, whether a guider places hooks for them, and
+        the positions of the component's own state among their arguments (:func:`state_positions`)."""
         key, state = (site.component, site.prefix), self.own_state(site.component)
+        stateful, guided, positions = keeps
 
         def before(module, args, kwargs):
             if oom is not None and oom.last is not None:  # an OOM recorded earlier: let go of its frames
@@ -482,7 +540,7 @@ class CallSiteHooks:
                         if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
                             del held[0]  # start would cut a short list's front: only 4 of 8 were held)
                         held.append((self.kept[key], self.contexts.get(key)))
-                    self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state)
+                    self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state, positions=positions)
                     if stateful:  # its replay starts where the call did
                         found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
                         self.contexts[key] = hook_state(module, found, self._budget)
@@ -600,15 +658,15 @@ class CallSiteHooks:
         step's writes into its ``kv_cache``, which the next replay (an overflow after a NaN) or the repro
         bundle must see as the call was passed. Raises ``RuntimeError`` where a tensor held uncloned
         (beyond the step's bytes of copies) was changed in place since (:func:`_used`), unless not ``strict``
-        (a check of the arguments' values: it is read as it is now)."""
+        (a check of the arguments' values: it is read as it is now). A half watched around its VAE's compiled
+        method gets the half's own arguments, made once from the method's call (:func:`~.compiled.half_arguments`)
+        and made again for a strict use where a check made them (from the tensors as they were then, unchecked)."""
         key = (site.component, site.prefix)
-        method = self.through.get(key)
-        if method is not None and self.kept[key][0] is not _HALF:  # the method's arguments: the half's, once
-            self.kept[key] = (
-                _HALF,
-                half_arguments(method, site.module, *kept_as_passed(*self.kept[key], strict=strict), kept_as_passed),
-            )
-        kept = self.kept[key]
+        method, kept = self.through.get(key), self.kept[key]
+        if method is not None and (kept[0] is not _HALF or (strict and not kept[2])):  # the half's, once
+            passed = kept if kept[0] is not _HALF else kept[3]
+            made = half_arguments(method, site.module, *kept_as_passed(*passed, strict=strict), kept_as_passed)
+            self.kept[key] = kept = (_HALF, made, strict, passed)
         return kept_as_passed(*(kept[1] if kept[0] is _HALF else kept), strict=strict)
 
     def own_state(self, component: str) -> frozenset[str]:

@@ -50,7 +50,12 @@ PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``. Its own walk,
-    not stats.nested's: a skeleton keeps every value and its container type."""
+    not stats.nested's: a skeleton keeps every value and its container type. A tensor's reference is
+    its path, one part a container: a list's index, a string key that holds no ``.`` and does not
+    start with ``#`` (``kwargs.added_cond_kwargs.text_embeds``), else ``#`` and the item's position
+    (``#<i>k`` for what its key holds: a tensor key). No part holds a ``.`` and a container's parts
+    differ, so two tensors never share a path: ``{0: a, "0": b}``, a key ``"x.y"`` beside ``{"x": {"y":
+    ...}}`` and two tensor keys with the same values wrote one name for two tensors (one lost)."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach().contiguous().cpu()
         return {_TENSOR: path}
@@ -58,9 +63,16 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         return obj
     if isinstance(obj, dict):
         if all(type(k) is str for k in obj):
-            return {"__dict__": {k: _pack(v, f"{path}.{k}", tensors) for k, v in obj.items()}}
+            return {
+                "__dict__": {k: _pack(v, f"{path}.{_part(k, i)}", tensors) for i, (k, v) in enumerate(obj.items())}
+            }
         # keys of other types as they were (AnyFlow FAR's kv_cache: layer indices): a pair each
-        return {"__items__": [[_pack(k, "", {}), _pack(v, f"{path}.{k}", tensors)] for k, v in obj.items()]}
+        return {
+            "__items__": [
+                [_pack(k, f"{path}.#{i}k", tensors), _pack(v, f"{path}.#{i}", tensors)]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
     if isinstance(obj, (list, tuple)):
         return {
             "__list__" if isinstance(obj, list) else "__tuple__": [
@@ -68,6 +80,15 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
             ]
         }
     return {"__unsupported__": repr(obj)[:200]}
+
+
+def _part(key: str, position: int) -> str:
+    """A string key's part of a tensor's path (:func:`_pack`).
+
+    >>> _part("sample", 0), _part("a.b", 1), _part("#0", 2)
+    ('sample', '#1', '#2')
+    """
+    return f"#{position}" if "." in key or key.startswith("#") else key
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

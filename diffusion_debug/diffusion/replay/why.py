@@ -524,7 +524,8 @@ def explain_run(
     if origin is None:
         raise DiffusionDebugError(
             "why needs the repro bundle of the run's first NaN/Inf error; this run saved none "
-            "(no error at a component call, or repro_bundle is off)."
+            "(no error at a component call, repro_bundle is off, or the bundle could not be made: a debugger_error "
+            "says why)."
         )
     name, bundle = origin
     component = getattr(pipe, name, None) if name.isidentifier() else None
