@@ -177,24 +177,32 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
     }
 
 
-def python_calls(run: Callable[[], Any], sites: Counter[str] | None = None) -> int:
+def python_calls(run: Callable[[], Any], sites: Counter[str] | None = None, builtins: list[int] | None = None) -> int:
     """Python function calls (frames: the package's, torch's, the pipeline's) made during ``run()``;
-    each counted in ``sites`` too when given, by ``file:line:qualified name`` of its code. The cyclic
+    each counted in ``sites`` too when given, by ``file:line:qualified name`` of its code; ``builtins``
+    (``[0]``): also counts there the calls Python code makes into C functions (``sys.setprofile``'s
+    ``c_call``: ``isinstance``, ``getattr``, ``dict.get``, a tensor method), the per-call work that adds
+    no frame. The cyclic
     collector is run before and kept off during ``run()``: a collection the interpreter starts at a
     moment set by allocations elsewhere runs finalizers (a closed debugger's weakref callbacks,
     ``__del__``) whose calls would be counted as the run's (what :func:`hook_calls` guards against by
     counting nothing a collection runs; here, where every call counts, no collection runs at all)."""
     calls = [0]
+    c_calls = builtins if builtins is not None else [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             calls[0] += 1
+        elif event == "c_call":
+            c_calls[0] += 1
 
     def profile_sites(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             calls[0] += 1
             code = frame.f_code
             sites[f"{code.co_filename}:{code.co_firstlineno}:{getattr(code, 'co_qualname', code.co_name)}"] += 1
+        elif event == "c_call":
+            c_calls[0] += 1
 
     previous, collecting = sys.getprofile(), gc.isenabled()
     gc.collect()
@@ -225,7 +233,10 @@ def added_python_calls(
     the VAE's; the 7th: the text encoder's), the fewer of two each, and ``added_read``, the most of
     them. In fp32 and bf16 all are the same path.
     ``sites``: also ``added_by_site``, the functions whose calls differ (watched minus plain, of the
-    two counted calls of ``added``), to name what moved a count: a process-wide change shows there by name."""
+    two counted calls of ``added``), to name what moved a count: a process-wide change shows there by name.
+    ``added_builtins``: the calls into C functions (:func:`python_calls`' ``builtins``) the counted calls of
+    ``added`` differ by: an ``isinstance``/``getattr``/``dict.get`` chain added per call or per hook makes no
+    frame, and moves this count alone."""
     from .call_cost import one_step
 
     pipe = one_step(pipe)
@@ -239,11 +250,12 @@ def added_python_calls(
         with debugger:
             plain()
 
-    def counted(run: Callable[[], Any]) -> tuple[int, Counter[str] | None]:
+    def counted(run: Callable[[], Any]) -> tuple[int, Counter[str] | None, int]:
         found: Counter[str] | None = Counter() if sites else None
-        return python_calls(run, found), found
+        builtins = [0]
+        return python_calls(run, found, builtins), found, builtins[0]
 
-    def fewest(*counts: tuple[int, Counter[str] | None]) -> tuple[int, Counter[str] | None]:
+    def fewest(*counts: tuple[int, Counter[str] | None, int]) -> tuple[int, Counter[str] | None, int]:
         # the fewest of three: a timed event (a flush, a memory sample) or the garbage collector
         # can land in one call and add thousands of calls that are not its fixed cost
         return min(counts, key=lambda pair: pair[0])
@@ -251,7 +263,7 @@ def added_python_calls(
     try:
         for _ in range(warmup):  # the pipeline's own first calls are in them too: no plain one apart
             watched()
-        unwatched, plain_sites = fewest(*[counted(plain) for _ in range(3)])
+        unwatched, plain_sites, plain_builtins = fewest(*[counted(plain) for _ in range(3)])
         not_read = []
         for _ in range(3):  # run 4 (no group read), three times
             pace.runs = SENTINEL_EVERY - 1
@@ -261,10 +273,11 @@ def added_python_calls(
             for _ in range(2):  # the group's own run (5, 6, 7), twice
                 pace.runs = SENTINEL_EVERY + phase - 1
                 read_runs.setdefault(group, []).append(counted(watched)[0])
-        seen, watched_sites = fewest(*not_read)
+        seen, watched_sites, watched_builtins = fewest(*not_read)
     finally:
         debugger.close()
     out: dict[str, Any] = {"plain": unwatched, "watched": seen, "added": seen - unwatched}
+    out["added_builtins"] = watched_builtins - plain_builtins
     if read:
         out["added_read_by_group"] = {group: min(counts) - unwatched for group, counts in read_runs.items()}
         out["added_read"] = max(out["added_read_by_group"].values())

@@ -10,12 +10,18 @@ the dtype, prompt, argument and busy checks stopped calling per item."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 from diffusion_helpers import run
 
-from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug import DebugConfig, DiffusionModelDebugger, installed
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def python_calls(function) -> int:
@@ -132,3 +138,42 @@ def test_a_reused_debugger_adds_a_bounded_number_of_python_calls_to_a_one_step_f
     assert added < 2800 < first, (added, first)  # 2510 and 17844 on 2026-11-28
     assert dbg._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
     dbg.close()
+
+
+# what a reused debugger's fp16 1-step call at a run no sentinel reads adds, counted in a process of its own
+# (op_counts.added_python_calls): Python frames and the calls Python makes into C functions
+FP16_NOT_READ = """
+import json, tempfile, warnings
+import torch
+warnings.simplefilter("ignore")
+from diffusion_debug import DebugConfig
+from diffusion_debug.testing import tiny_pipeline
+from benchmarks import op_counts
+config = DebugConfig(output_dir=tempfile.mkdtemp(), log_level="error")
+print(json.dumps(op_counts.added_python_calls(tiny_pipeline("sd", dtype=torch.float16), config)))
+"""
+
+
+@pytest.mark.xdist_group("pipeline_forks")
+@pytest.mark.skipif(
+    not installed.GLOBAL_HOOKS_TAKE_KWARGS, reason="before torch 2.6 a probe hooks each module: other counts"
+)
+def test_a_reused_fp16_one_step_call_not_read_adds_pinned_python_and_c_calls(pipeline_forks, tmp_path):
+    """DESIGN: a reused debugger's 1-step tiny SD call adds <= 3 ms in fp16 on the CPU. Its cost there is
+    host work, so it is pinned as counts, which a timing on a shared machine cannot resolve: the Python
+    frames (222 since cost18: test_op_count pins them against fp32's) and, apart, the calls Python code
+    makes into C functions (``isinstance``, ``getattr``, ``dict.get``, a tensor method: no frame, so a
+    chain of them added per call or per hook moved no pin). Counted at main 67649687 (cost30) and at
+    2d2720d (cost23's merge), fewest of three, log level error: 222 and 222 frames, 2764 and 2759 C calls
+    (the run's autocast read, ``ANY_AUTOCAST``, and ReplayMemory.new_run's five new clears); bytecodes
+    47,887 and 47,585 (``sys.settrace``). Of the C calls, the tree walk (``structure.tree_key``: ~1,740) and
+    the detach's ``park`` (~190) are most. A count over its pin names what grew with
+    ``op_counts.added_python_calls(..., sites=True)``."""
+    done = pipeline_forks.run(ROOT, dict(os.environ), [], code=FP16_NOT_READ, outputs=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    added = json.loads(done.stdout.splitlines()[-1])
+    assert added["added"] <= FRAMES, added
+    assert added["added_builtins"] <= C_CALLS, added
+
+
+FRAMES, C_CALLS = 222, 2764
