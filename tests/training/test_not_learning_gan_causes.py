@@ -106,7 +106,9 @@ def test_a_stall_made_at_lr_above_0_is_not_told_as_lr_0_set_since(tmp_path):
     """Both optimizers' gradients cleared before their steps at lr 1e-2, the scheduler setting lr 0 from the second
     iteration on: the run's stall (steps 0-4) is clear at step 5, where the lr is 0: it was told as ``lr_zero``
     ("set it") though its updates were made at 1e-2. Told from the lr recorded at each still update: cleared."""
-    tdbg = _gan(tmp_path, schedule_d=lambda s: float(s == 0), schedule_g=lambda s: float(s == 0), iterations=3, clear=True)
+    tdbg = _gan(
+        tmp_path, schedule_d=lambda s: float(s == 0), schedule_g=lambda s: float(s == 0), iterations=3, clear=True
+    )
     assert _stalls(tdbg) == [(5, None)]
     (found,) = _serious(tdbg)
     d = found.details
