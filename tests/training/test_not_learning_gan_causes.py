@@ -144,3 +144,38 @@ def test_the_runs_stall_names_each_still_optimizers_own_reason(tmp_path):
         f"; for {GENERATOR}: the learning rate is 0 in every param group that holds them: set it (check the "
         "scheduler's warmup)."
     )
+
+
+def test_a_generators_stall_told_as_its_own_is_not_told_again_as_the_runs(tmp_path):
+    """The generator at lr 0; the critic monitored at every iteration and stepped at one in six (the sixth, the 12th,
+    ...: the others' updates move nothing). The run's stall of both (steps 0-4) is told at 5 and the generator's own,
+    held back beside it, at 12 once the critic's step 10 is read moving; then the critic's still updates after its
+    step and the generator's made a run's stall again, told at 16: the generator's stall twice. An optimizer's own
+    stall told and going on is the run's: not told again."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-2)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.0)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data, step = torch.Generator().manual_seed(1), 0
+    for it in range(30):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        opt_d.zero_grad()
+        loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=opt_d, step=step)
+        step += 1
+        if it % 6 == 5:
+            opt_d.step()
+        opt_g.zero_grad()
+        loss = softplus(-discriminator(fake)).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=opt_g, step=step)
+        step += 1
+        opt_g.step()
+    tdbg.close()
+    assert _stalls(tdbg) == [(5, None), (12, GENERATOR)]
+    run, own = _serious(tdbg)
+    assert [c["reason"] for c in run.details["still_causes"]] == ["gradients_cleared", "lr_zero"]
+    assert (own.details["reason"], own.details["first_step"], own.details["last_step"]) == ("lr_zero", 1, 11)

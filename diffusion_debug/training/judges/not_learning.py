@@ -52,7 +52,8 @@ whole model's run at every step, so one optimizer's lr 0 was never told. Its sta
 a still update of every live optimizer is in it (a critic's five steps before the generator's one are the
 critic's), and a stall of every optimizer is the run's, told once. An optimizer's own stall is told only once
 another one's update read since its run began moved weights (held until then: at n_critic 5 with both at lr 0
-the critic's five were told as its own "while the other's moved" before any generator update was read).
+the critic's five were told as its own "while the other's moved" before any generator update was read); one told
+and going on is not told again as the run's (:meth:`StallWatch._told_in_run`).
 One stepped every k monitored steps counts only the readings of its own steps; after the first ten the scheduled
 readings take the optimizers' updates in turn (:meth:`StallWatch.turn`, ``step.detail``), whatever the phase of the
 loop's cycle. The optimizers counted are the live ones (:meth:`StallWatch.given`): given within the last
@@ -216,6 +217,8 @@ class StallWatch:
         if self.updates >= STALL_UPDATES and not self.flagged:
             if self.several and not set(self.run).issuperset(self.live()):  # one optimizer's: its own run tells it
                 return False
+            if self.several and self._told_in_run():  # that optimizer's stall, told: not again as the run's
+                return False
             if (self.several or holder is not None) and self._leaving_lr_zero(holder):  # a warmup from 0
                 return False
             if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks
@@ -231,6 +234,15 @@ class StallWatch:
         key, made = self.pending_optimizer, _held_lr(entry, self.pending_rates)
         before = self.run.get(key, made)
         self.run[key] = math.nan if math.isnan(before) or math.isnan(made) else max(before, made)
+
+    def _told_in_run(self) -> bool:
+        """An optimizer of the run has its own stall told and going on (flagged, not held back): the run's stall is
+        that one, told already. A generator at lr 0 beside a critic stepped at one iteration in six (monitored at
+        each) was told as its own at 12 and again as the run's at 16 (its still updates and the critic's between
+        two steps)."""
+        return any(
+            self.each[key].watch.flagged and not self.each[key].held_back for key in self.run if key in self.each
+        )
 
     def _leaving_lr_zero(self, holder: OptimizerStall | None) -> bool:
         """Of the run's optimizers (``holder``, or the live ones of several) one made each of its still updates in it
