@@ -37,12 +37,23 @@ def _stalls(tdbg):
     return [(a.step, a.details.get("stalled_optimizer")) for a in serious]
 
 
-def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, schedule_d=None, schedule_g=None, critic=4, iterations=8, clear=False):
+def _gan(
+    tmp_path,
+    *,
+    lr_d=1e-2,
+    lr_g=1e-2,
+    schedule_d=None,
+    schedule_g=None,
+    critic=4,
+    iterations=8,
+    clear=False,
+    clear_g=False,
+):
     """A WGAN-style loop on one debugger: the critic (discriminator) stepped ``critic`` times, then the generator
     once, each under its own SGD and, where given, a ``LambdaLR`` of ``schedule_d`` / ``schedule_g`` stepped once
     per iteration (after the generator's step); monitored before each optimizer's step with that optimizer.
-    ``clear``: each step's gradients are cleared between the monitor and ``step()`` (a loop's bug). Returns the
-    debugger (closed)."""
+    ``clear``: each step's gradients are cleared between the monitor and ``step()`` (a loop's bug); ``clear_g``: the
+    generator's only. Returns the debugger (closed)."""
     torch.manual_seed(0)
     generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
     discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -71,7 +82,7 @@ def _gan(tmp_path, *, lr_d=1e-2, lr_g=1e-2, schedule_d=None, schedule_g=None, cr
         loss.backward()
         tdbg.monitor_training_step(loss, optimizer=opt_g, step=step)
         step += 1
-        if clear:
+        if clear or clear_g:
             opt_g.zero_grad()
         opt_g.step()
         for scheduler in schedulers:
@@ -179,3 +190,15 @@ def test_a_generators_stall_told_as_its_own_is_not_told_again_as_the_runs(tmp_pa
     run, own = _serious(tdbg)
     assert [c["reason"] for c in run.details["still_causes"]] == ["gradients_cleared", "lr_zero"]
     assert (own.details["reason"], own.details["first_step"], own.details["last_step"]) == ("lr_zero", 1, 11)
+
+
+def test_a_generators_stall_whose_reading_falls_on_its_lr_0_iterations_is_told(tmp_path):
+    """n_critic 4, the generator's gradients cleared before every step, its lr 0 at iterations 0-1 and then at every
+    odd one (a scheduler stepped per iteration): the scheduled readings take its updates of the odd iterations only,
+    each made at lr 0 and read once the lr is 1 again, so the hold of a warmup from lr 0 kept its stall from being
+    told at all (300 steps). The hold lasts 2 x STALL_UPDATES still updates at most: told at its tenth (its step 89's),
+    from the lr those were made with (0: the readings' own; the cleared gradients of its lr-1 steps are not read)."""
+    tdbg = _gan(tmp_path, schedule_g=lambda s: 0.0 if s < 2 else float(s % 2 == 0), iterations=60, clear_g=True)
+    assert _stalls(tdbg) == [(90, GENERATOR)]
+    d = _serious(tdbg)[0].details
+    assert (d["reason"], d["lr"], d["first_step"], d["last_step"], d["updates"]) == ("lr_zero", 0.0, 4, 89, 10)

@@ -63,7 +63,8 @@ Of several, each run keeps the lr each still update was made with (:attr:`StallW
 groups holding watched parameters, as the step's row read it), and the cause is read from those (``lr_zero`` only
 where every one was 0: a scheduler stepped once per iteration has moved the lr by the time the run is clear), each
 still optimizer's own in the whole run's (``stall_findings``). A run made at lr 0 by an optimizer whose lr has
-left 0 since (a warmup from 0: a GAN's first iteration is n_critic + 1 such updates) is clear only if it goes on.
+left 0 since (a warmup from 0: a GAN's first iteration is n_critic + 1 such updates) is clear only if it goes on, or
+at its 2 x STALL_UPDATES-th (readings falling on the lr-0 steps of a schedule that alternates were held for ever).
 
 Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
 still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
@@ -219,7 +220,8 @@ class StallWatch:
                 return False
             if self.several and self._told_in_run():  # that optimizer's stall, told: not again as the run's
                 return False
-            if (self.several or holder is not None) and self._leaving_lr_zero(holder):  # a warmup from 0
+            # a warmup from 0 (held 2 x STALL_UPDATES at most: a schedule's lr-0 steps, read alone, held it for ever)
+            if (self.several or holder) and self.updates < 2 * STALL_UPDATES and self._leaving_lr_zero(holder):
                 return False
             if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks
                 self.updates, self.moved = 0, True

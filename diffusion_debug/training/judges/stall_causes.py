@@ -18,7 +18,7 @@ ZEROED_RATIO = 1e-6
 between the two (a mask, a hook), not applied."""
 UNSCALED_LOSS = "deepspeed_fp16_unscaled_loss"
 """``not_learning``'s reason where DeepSpeed's fp16 engine without ZeRO backpropagated the loss unscaled
-(``measure.deepspeed_fp16_scale``): found at the first monitored step (``not_learning.judge_unscaled_loss``)."""
+(``measure.deepspeed_fp16_scale``): found at the first monitored step (``stall_findings.judge_unscaled_loss``)."""
 
 
 def diagnose(
