@@ -581,8 +581,7 @@ def not_learning(anomaly: Anomaly) -> str:
         if "updates" not in d:
             return cause[0].upper() + cause[1:] + "."
     else:
-        cause = _NOT_LEARNING.get(d["reason"], "the cause is unknown: check the optimizer and the loop's order")
-        cause = cause.format(dtype=d.get("dtype"), at_step=d.get("grad_norm_at_step", math.nan))
+        cause = _cause(d)
     cleared = d.get("state_empty") and d["reason"] == "gradients_cleared"
     state = "; the optimizer holds no state for them: its step never saw a gradient" if cleared else ""
     if "stalled_optimizer" in d:  # one optimizer of several: the cause is that one, named first
@@ -600,14 +599,26 @@ def not_learning(anomaly: Anomaly) -> str:
         )
     # several optimizers all still: the cause is read from one of them, which the reader must know
     read = f"; read from {d['stepped_optimizer']}, the optimizer that stepped last" if "stepped_optimizer" in d else ""
+    others = ""
     if d.get("still_optimizers"):  # each one's updates in the run: the whole model's stall, every optimizer named
         names = d["still_optimizers"]
         read = f"; the updates of all {len(names)} optimizers are still ({'; '.join(names)})" + read
+        # each other one whose own updates show another cause (a generator's lr 0 beside a critic read last)
+        for name, own in zip(names, d.get("still_causes", ())):
+            if name != d.get("stepped_optimizer") and own["reason"] != d["reason"]:
+                others += f"; for {name}: " + _cause(own)
     return (
         f"No weight moved in the {d['updates']} optimizer steps {d['first_step']}-{d['last_step']} (the largest "
         f"update {d['max_update_ratio']:.3g}x a module's norm) although the gradients are normal (norm "
-        f"{d['grad_norm']:.3g}){read}: " + cause + state + "."
+        f"{d['grad_norm']:.3g}){read}: " + cause + state + others + "."
     )
+
+
+def _cause(d: dict[str, Any]) -> str:
+    """The sentence of a ``not_learning`` reason, with the values it reads from ``d`` (a stall's details, or one
+    optimizer's own cause in the whole run's: ``still_causes``)."""
+    cause = _NOT_LEARNING.get(d["reason"], "the cause is unknown: check the optimizer and the loop's order")
+    return cause.format(dtype=d.get("dtype"), at_step=d.get("grad_norm_at_step", math.nan))
 
 
 # -- what the stability actions did (config: clip_grad_on_explosion, lr_reduce_after_spikes, ...) --

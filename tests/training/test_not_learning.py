@@ -17,7 +17,8 @@ from torch.nn.functional import softplus
 
 from diffusion_debug import DebugConfig
 from diffusion_debug.record import severity_rank
-from diffusion_debug.training.judges.not_learning import STALL_UPDATES, STILL_RATIO, StallWatch, diagnose
+from diffusion_debug.training.judges.not_learning import STALL_UPDATES, STILL_RATIO, StallWatch
+from diffusion_debug.training.judges.stall_causes import diagnose
 from diffusion_debug.training.measure.gradients import TrainableParameters
 
 # the coverage check looks for the optimizers it was not given among the live objects

@@ -35,7 +35,8 @@ from .anomaly_mode import localize_backward
 from .causes import CauseTracker, at_trained_arguments
 from .forward_replay import replay_forwards
 from .module_health import judge_modules
-from .not_learning import StallWatch, judge_optimizer_stall, judge_stall, judge_unscaled_loss
+from .not_learning import StallWatch
+from .stall_findings import judge_optimizer_stall, judge_stall, judge_unscaled_loss
 from .step_checks import StepFlags
 
 

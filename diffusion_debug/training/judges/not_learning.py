@@ -52,12 +52,19 @@ whole model's run at every step, so one optimizer's lr 0 was never told. Its sta
 a still update of every live optimizer is in it (a critic's five steps before the generator's one are the
 critic's), and a stall of every optimizer is the run's, told once. An optimizer's own stall is told only once
 another one's update read since its run began moved weights (held until then: at n_critic 5 with both at lr 0
-the critic's five were told as its own "while the other's moved" before any generator update was read).
+the critic's five were told as its own "while the other's moved" before any generator update was read); one told
+and going on is not told again as the run's (:meth:`StallWatch._told_in_run`).
 One stepped every k monitored steps counts only the readings of its own steps; after the first ten the scheduled
 readings take the optimizers' updates in turn (:meth:`StallWatch.turn`, ``step.detail``), whatever the phase of the
 loop's cycle. The optimizers counted are the live ones (:meth:`StallWatch.given`): given within the last
 :data:`LIVE_STEPS` monitored steps (or twice their own longest gap); one of the same parameters replaces the one before
 it (an optimizer recreated, which Accelerate's ``_optimizers`` and a kept LR scheduler hold alive).
+Of several, each run keeps the lr each still update was made with (:attr:`StallWatch.run`: the largest over the
+groups holding watched parameters, as the step's row read it), and the cause is read from those (``lr_zero`` only
+where every one was 0: a scheduler stepped once per iteration has moved the lr by the time the run is clear), each
+still optimizer's own in the whole run's (``stall_findings``). A run made at lr 0 by an optimizer whose lr has
+left 0 since (a warmup from 0: a GAN's first iteration is n_critic + 1 such updates) is clear only if it goes on, or
+at its 2 x STALL_UPDATES-th (readings falling on the lr-0 steps of a schedule that alternates were held for ever).
 
 Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
 still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
@@ -84,12 +91,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...record import Anomaly, make_anomaly
-from ..measure.deepspeed_fp16_scale import ISSUE, LossScaling
 from ..measure.gradients import TrainableParameters
-from ..measure.optimizer_state import param_groups, raw_optimizer
-from .stall_causes import UNSCALED_LOSS, diagnose
-from .step_gradients import StepGradients, named
+from ..measure.optimizer_state import learning_rates, param_groups
+from .step_gradients import StepGradients
 
 STALL_UPDATES = 5
 """Updates in a row that moved nothing before the run is reported."""
@@ -134,9 +138,13 @@ class StallWatch:
     """``id`` of the optimizer the last monitored step was given: the one whose step the next reading shows."""
     read: OptimizerStall | None = None
     """Of several, the optimizer whose update the last reading was (:meth:`update_each`)."""
-    run: set[int] = field(default_factory=set)
-    """Of several, the optimizers (by ``id``) whose updates are among the current run's still readings: the
-    run is the whole model's only once every one of them is (:meth:`update`)."""
+    pending_rates: list[float] | None = None
+    """The learning rates of the last monitored step's optimizer (``optimizer_state.learning_rates``, read for its
+    row): those its update, the next reading, was made with (a scheduler stepped after it moves them)."""
+    run: dict[int, float] = field(default_factory=dict)
+    """The optimizers (by ``id``) whose updates are among the current run's still readings, each with the largest
+    lr its still updates in it were made with (NaN: not known): of several, the run is the whole model's only once
+    every live one is in it (:meth:`update`), and its cause is read from these (``stall_findings``)."""
     clock: int = 0
     """The last monitored step :meth:`given` was told of (every step of several)."""
     given_to: int = 0
@@ -174,12 +182,16 @@ class StallWatch:
         grad_norm: float,
         skipped: bool,
         weights: Callable[[], list[float]] | None = None,
+        holder: OptimizerStall | None = None,
     ) -> bool:
         """Take the update of ``update_step`` (its per-module ratios) and the norm of the gradients
         it should have applied; True when this update makes the stall clear. ``weights``: the whole
         weights' float64 norms, read when a run of still updates begins and again before it is reported:
         the ratios come from a sampled block of each parameter, and a run that moves only rows
-        outside it (textual inversion trains one row of the token embedding) is not stalled."""
+        outside it (textual inversion trains one row of the token embedding) is not stalled. ``holder``: the
+        optimizer whose own run this watch counts (:meth:`update_each`); the lr each still update was made
+        with is kept in :attr:`run`, and of several a run made at lr 0 whose lr has left 0 since is not clear
+        (:meth:`_leaving_lr_zero`)."""
         skipped, self.policy_skipped = skipped or self.policy_skipped, False
         if self.several:  # the optimizer whose update this is (its stall's, or the run's named from it)
             self.read = self.each.get(self.pending_optimizer)
@@ -201,16 +213,51 @@ class StallWatch:
         self.last_step = update_step
         self.largest = max(self.largest, largest)
         self.grad_norm = min(self.grad_norm, grad_norm)
-        if self.several:  # the run is the whole model's once every optimizer's update is in it
-            self.run.add(self.pending_optimizer)
+        # the lr it was made with, by optimizer: the run is the whole model's once every optimizer's update is in it
+        self._made_at(holder if holder is not None else self.each.get(self.pending_optimizer))
         if self.updates >= STALL_UPDATES and not self.flagged:
-            if self.several and not self.run.issuperset(self.live()):  # one optimizer's: its own run tells it
+            if self.several and not set(self.run).issuperset(self.live()):  # one optimizer's: its own run tells it
+                return False
+            if self.several and self._told_in_run():  # that optimizer's stall, told: not again as the run's
+                return False
+            # a warmup from 0 (held 2 x STALL_UPDATES at most: a schedule's lr-0 steps, read alone, held it for ever)
+            if (self.several or holder) and self.updates < 2 * STALL_UPDATES and self._leaving_lr_zero(holder):
                 return False
             if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks
                 self.updates, self.moved = 0, True
                 return False
             self.flagged = True
             return True
+        return False
+
+    def _made_at(self, entry: OptimizerStall | None) -> None:
+        """The still update just counted was made with :attr:`pending_rates`: :attr:`run` keeps, for its optimizer,
+        the largest lr of its groups that hold watched parameters over the run (NaN once one is not known)."""
+        key, made = self.pending_optimizer, _held_lr(entry, self.pending_rates)
+        before = self.run.get(key, made)
+        self.run[key] = math.nan if math.isnan(before) or math.isnan(made) else max(before, made)
+
+    def _told_in_run(self) -> bool:
+        """An optimizer of the run has its own stall told and going on (flagged, not held back): the run's stall is
+        that one, told already. A generator at lr 0 beside a critic stepped at one iteration in six (monitored at
+        each) was told as its own at 12 and again as the run's at 16 (its still updates and the critic's between
+        two steps)."""
+        return any(
+            self.each[key].watch.flagged and not self.each[key].held_back for key in self.run if key in self.each
+        )
+
+    def _leaving_lr_zero(self, holder: OptimizerStall | None) -> bool:
+        """Of the run's optimizers (``holder``, or the live ones of several) one made each of its still updates in it
+        at lr 0 and has an lr above 0 now: a warmup from lr 0 (a schedule that held it at 0) has just ended, and its
+        next update tells whether it learns. Such a run is not clear yet, only once it goes on (told then from the
+        lrs its updates were made with: not ``lr_zero``). A user warming up from 0 expects no update at the first
+        step of it, and a GAN whose scheduler steps once per iteration makes n_critic + 1 such updates (five at
+        n_critic 4, every optimizer's in them): the clean run stays quiet. An optimizer kept at lr 0 is told."""
+        entries = [holder] if holder is not None else [self.each[key] for key in self.live()]
+        for entry in entries:
+            optimizer = entry.ref()
+            if self.run.get(id(optimizer)) == 0 and _held_lr(entry, learning_rates(optimizer)) > 0:
+                return True
         return False
 
     def some_rank_moved(self) -> None:
@@ -235,7 +282,7 @@ class StallWatch:
         alive = {key: entry for key, entry in self.each.items() if entry.ref() is not None}
         groups = param_groups(optimizer) if params.deepspeed is None else None
         self.params = params
-        indices, modules = _holdings(groups, params)
+        indices, modules, rated = _holdings(groups, params)
         if indices:
             try:
                 ref: Any = weakref.ref(optimizer)
@@ -245,6 +292,7 @@ class StallWatch:
             # kept LR scheduler hold that one alive, which made a one-optimizer run one of two)
             alive = {key: entry for key, entry in alive.items() if set(entry.held).isdisjoint(indices)}
             entry = OptimizerStall(ref, indices, modules, StallWatch(), given_at=self.clock, groups=_shape(groups))
+            entry.rated = rated
             alive[id(optimizer)] = entry
         self.each = alive
         self._count_live()
@@ -255,9 +303,10 @@ class StallWatch:
         groups = param_groups(entry.ref())
         if _shape(groups) == entry.groups or self.params is None:
             return
-        indices, modules = _holdings(groups, self.params)
+        indices, modules, rated = _holdings(groups, self.params)
         if indices:
             entry.held, entry.modules, entry.groups, entry.watch.updates = indices, modules, _shape(groups), 0
+            entry.rated = rated
 
     def given(self, optimizer: Any, joined: int) -> None:
         """The ``joined``-th monitored step was given ``optimizer``: asked at every step of several, and at a step
@@ -295,7 +344,8 @@ class StallWatch:
         """A second optimizer is seen: ``entry``'s, the only one stepped so far, did not count its own run (one
         optimizer's is the whole model's): it takes the whole model's run over (a critic's stall five steps long
         before the generator's first step is its own, not the run's)."""
-        own, self.run = entry.watch, {key} if self.updates else set()
+        own, self.run = entry.watch, {key: self.run.get(key, math.nan)} if self.updates else {}
+        own.run = dict(self.run)  # the lrs its updates were made with (recorded by the one-optimizer watch too)
         own.first_step, own.last_step, own.updates = self.first_step, self.last_step, self.updates
         own.largest, own.grad_norm, own.flagged = self.largest, self.grad_norm, self.flagged
         own.fingerprint = None if self.fingerprint is None else _subset(self.fingerprint, entry.held)
@@ -327,7 +377,9 @@ class StallWatch:
         own = {module: ratio for module, ratio in ratios.items() if module in modules}
         held = entry.held
         its = None if weights is None else lambda: _subset(weights(), held)
-        clear = entry.watch.update(update_step, own, grad_norm=grad_norm, skipped=skipped, weights=its)
+        watch = entry.watch  # the step and the lrs its update was made with
+        watch.pending_optimizer, watch.pending_rates = self.pending_optimizer, self.pending_rates
+        clear = watch.update(update_step, own, grad_norm=grad_norm, skipped=skipped, weights=its, holder=entry)
         if entry.watch.updates == 1:  # its run of still updates begins at this reading
             entry.others_moved = False
         if entry.watch.moved:  # its update moved: each other one's own stall is true now (told at its next still)
@@ -414,13 +466,27 @@ class OptimizerStall:
     read_at: int = 0
     """When its update was last read (:attr:`StallWatch.readings`; 0: never): the least recent is the next
     read (:meth:`StallWatch.turn`)."""
+    rated: list[int] = field(default_factory=list)
+    """The positions, in its learning rates (``optimizer_state.learning_rates``: each group's that has one), of its
+    groups that hold watched parameters: the lr an update of its was made with is their largest (:func:`_held_lr`)."""
 
 
-def _holdings(groups: list[dict] | None, params: TrainableParameters) -> tuple[list[int], frozenset[str]]:
-    """The indices (in ``params``) of the watched parameters ``groups`` hold, and their modules."""
+def _holdings(groups: list[dict] | None, params: TrainableParameters) -> tuple[list[int], frozenset[str], list[int]]:
+    """The indices (in ``params``) of the watched parameters ``groups`` hold, their modules, and the positions (in
+    ``learning_rates``) of the groups holding any of them (:attr:`OptimizerStall.rated`)."""
     held = {id(p) for g in groups or () for p in g["params"]}
     indices = [i for i, p in enumerate(params.params) if id(p) in held]
-    return indices, frozenset(params.module_names[params.module_of[i]] for i in indices)
+    watched = {id(p) for p in params.params}
+    rated = [g for g in groups or () if g.get("lr") is not None]  # ``learning_rates``' groups, in its order
+    rated = [i for i, g in enumerate(rated) if any(id(p) in watched for p in g["params"])]
+    return indices, frozenset(params.module_names[params.module_of[i]] for i in indices), rated
+
+
+def _held_lr(entry: OptimizerStall | None, rates: list[float] | None) -> float:
+    """The largest of ``rates`` (an optimizer's ``learning_rates``) over ``entry``'s groups that hold watched
+    parameters; NaN where not known (no entry: DeepSpeed's copies; an Adafactor that makes its own lr)."""
+    known = [rates[i] for i in entry.rated if i < len(rates)] if entry is not None and rates is not None else []
+    return max(known) if known else math.nan
 
 
 def _shape(groups: list[dict] | None) -> tuple[int, int]:
@@ -429,72 +495,3 @@ def _shape(groups: list[dict] | None) -> tuple[int, int]:
 
 def _subset(values: list[float], indices: list[int]) -> list[float]:
     return [values[i] for i in indices]
-
-
-def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params: TrainableParameters) -> list[Anomaly]:
-    """``not_learning`` at ``step``, the monitored step whose reading made the stall clear. Of several
-    optimizers, the one whose update the last still reading was is diagnosed and named (``stepped_optimizer``),
-    from the reading itself: a compiled step records nothing in its hook."""
-    read = watch.read.ref() if watch.several and watch.read is not None else None
-    stepped = read if read is not None else watch.seen.stepped()  # whose step the last still update was
-    seen = watch.seen.read(raw_optimizer(read)) if read is not None else watch.seen.read()
-    details = {
-        **diagnose(optimizer if stepped is None else stepped, params, watch.grad_norm, seen),
-        "first_step": watch.first_step,
-        "last_step": watch.last_step,
-        "updates": watch.updates,
-        "max_update_ratio": watch.largest,
-        "grad_norm": watch.grad_norm,
-    }
-    if read is not None and watch.read is not None:  # (one alive and no longer given is none of several)
-        details["stepped_optimizer"] = named(read, watch.read.held, params)
-        # every live optimizer's still update is in the run: each is named, not only the one read last
-        live = [watch.each[key] for key in watch.live()]
-        details["still_optimizers"] = [named(entry.ref(), entry.held, params) for entry in live]
-    return [
-        make_anomaly(
-            kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details
-        )
-    ]
-
-
-def judge_optimizer_stall(
-    rank: int, watch: StallWatch, stalled: OptimizerStall, step: Any, params: TrainableParameters
-) -> list[Anomaly]:
-    """``not_learning`` at ``step`` of one optimizer of several (``stalled``, named ``stalled_optimizer``), the
-    monitored step whose reading made its own run of still updates clear, or the next still one once another
-    optimizer's update read in that run moved weights (held back until then: :meth:`StallWatch.update_each`)."""
-    optimizer, own = stalled.ref(), stalled.watch
-    inner = raw_optimizer(optimizer)
-    details = {
-        **diagnose(optimizer, params, own.grad_norm, watch.seen.read(inner)),
-        "first_step": own.first_step,
-        "last_step": own.last_step,
-        "updates": own.updates,
-        "max_update_ratio": own.largest,
-        "grad_norm": own.grad_norm,
-        "stalled_optimizer": named(inner, stalled.held, params),
-        "optimizers": len(watch.live()),
-    }
-    if not stalled.others_moved:  # told without another's update read moving (``StallWatch.update_each``)
-        details["others_moved"] = False
-    return [
-        make_anomaly(
-            kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details
-        )
-    ]
-
-
-def judge_unscaled_loss(rank: int, step: Any, scaling: LossScaling) -> list[Anomaly]:
-    """``not_learning`` at the first monitored step where DeepSpeed's fp16 engine without ZeRO left the loss
-    unscaled in ``engine.backward`` while its optimizer's step divides the gradients by the loss scale
-    (deepspeedai/DeepSpeed#8393: every update ``loss_scale`` x too small), else nothing."""
-    found = scaling.unscaled()
-    if found is None:
-        return []
-    details = {"reason": UNSCALED_LOSS, **found, "issue": ISSUE}
-    return [
-        make_anomaly(
-            kind="not_learning", severity="warning", component="optimizer", step=step, rank=rank, details=details
-        )
-    ]

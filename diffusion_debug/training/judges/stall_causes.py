@@ -18,15 +18,20 @@ ZEROED_RATIO = 1e-6
 between the two (a mask, a hook), not applied."""
 UNSCALED_LOSS = "deepspeed_fp16_unscaled_loss"
 """``not_learning``'s reason where DeepSpeed's fp16 engine without ZeRO backpropagated the loss unscaled
-(``measure.deepspeed_fp16_scale``): found at the first monitored step (``not_learning.judge_unscaled_loss``)."""
+(``measure.deepspeed_fp16_scale``): found at the first monitored step (``stall_findings.judge_unscaled_loss``)."""
 
 
 def diagnose(
-    optimizer: Any, params: TrainableParameters, grad_norm: float = math.nan, seen: dict[str, Any] | None = None
+    optimizer: Any,
+    params: TrainableParameters,
+    grad_norm: float = math.nan,
+    seen: dict[str, Any] | None = None,
+    made_with: float | None = None,
 ) -> dict[str, Any]:
     """Which cause a stalled run looks like (``reason``), with what the optimizer shows
     (``grad_norm``: the gradients' norm over the stalled updates; ``seen``: what its last step
-    received, :meth:`StepGradients.read`)."""
+    received, :meth:`StepGradients.read`; ``made_with``: the largest lr its still updates were made
+    with, recorded at each, where known: else the lr now, which a scheduler may have moved since)."""
     scaling = getattr(getattr(params, "deepspeed", None), "scaling", None)
     unscaled = scaling.unscaled() if scaling is not None else None
     if unscaled is not None:  # DeepSpeed fp16 without ZeRO: every update loss_scale x too small
@@ -50,6 +55,8 @@ def diagnose(
     # a group's lr None is an optimizer that makes its own (transformers' Adafactor, relative_step)
     known = [float(g["lr"]) for g in holding or groups if g.get("lr") is not None]
     evidence["lr"] = max(known) if known else None
+    if made_with is not None and known:  # lr_zero only where every still update was made at lr 0
+        evidence["lr"] = made_with
     if evidence["lr"] == 0 and len(known) == len(holding or groups):
         return {"reason": "lr_zero", **evidence}
     if copies:  # no cause told rather than a wrong one

@@ -1,0 +1,204 @@
+"""The cause a GAN's stall is told with: the lr each still update was made with (recorded at the monitored step
+whose update it is), not the lr a per-iteration LR scheduler has set by the time the stall is clear; a stall whose
+every still update was made at lr 0 is not told where the lr has left 0 since (a warmup from 0: the clean run
+stays quiet), only if it goes on; and a stall of the whole run names each still optimizer's own reason."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.functional import softplus
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.record import severity_rank
+
+pytestmark = pytest.mark.usefixtures("only_the_tests_objects")
+
+DISCRIMINATOR = "SGD holding discriminator.0.weight and 3 more"
+GENERATOR = "SGD holding generator.0.weight and 3 more"
+
+
+def warmup(s):  # the usual linear warmup from lr 0, stepped once per iteration
+    return min(1.0, s / 20)
+
+
+def _config(tmp_path):
+    return DebugConfig(output_dir=str(tmp_path), log_level="error", memory_tracking=False, stream_events=False)
+
+
+def _serious(tdbg):
+    return [a for a in tdbg.report().anomalies if severity_rank(a.severity) >= 1]
+
+
+def _stalls(tdbg):
+    """Each ``not_learning`` as (step, the optimizer named stalled or, for the whole run's, None)."""
+    serious = _serious(tdbg)
+    assert all(a.kind == "not_learning" for a in serious), serious
+    return [(a.step, a.details.get("stalled_optimizer")) for a in serious]
+
+
+def _gan(
+    tmp_path,
+    *,
+    lr_d=1e-2,
+    lr_g=1e-2,
+    schedule_d=None,
+    schedule_g=None,
+    critic=4,
+    iterations=8,
+    clear=False,
+    clear_g=False,
+):
+    """A WGAN-style loop on one debugger: the critic (discriminator) stepped ``critic`` times, then the generator
+    once, each under its own SGD and, where given, a ``LambdaLR`` of ``schedule_d`` / ``schedule_g`` stepped once
+    per iteration (after the generator's step); monitored before each optimizer's step with that optimizer.
+    ``clear``: each step's gradients are cleared between the monitor and ``step()`` (a loop's bug); ``clear_g``: the
+    generator's only. Returns the debugger (closed)."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=lr_d)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=lr_g)
+    schedulers = [
+        torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for opt, schedule in ((opt_d, schedule_d), (opt_g, schedule_g))
+        if schedule is not None
+    ]
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data, step = torch.Generator().manual_seed(1), 0
+    for _ in range(iterations):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        for _ in range(critic):
+            opt_d.zero_grad()
+            loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=opt_d, step=step)
+            step += 1
+            if clear:
+                opt_d.zero_grad()
+            opt_d.step()
+        opt_g.zero_grad()
+        loss = softplus(-discriminator(fake)).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=opt_g, step=step)
+        step += 1
+        if clear or clear_g:
+            opt_g.zero_grad()
+        opt_g.step()
+        for scheduler in schedulers:
+            scheduler.step()
+    tdbg.close()
+    return tdbg
+
+
+def test_a_gan_warming_up_from_lr_0_per_iteration_stays_quiet(tmp_path):
+    """n_critic 4, both optimizers warmed up from lr 0 by a scheduler stepped once per iteration: iteration 0's
+    five updates (steps 0-4, the critic's four and the generator's one) are all made at lr 0 and move nothing, so
+    the whole run's five still updates, every live optimizer's in them, were clear at step 5, where the scheduler
+    has set lr 5e-4 already: told as ``undone_after_step`` (the lr read then). A warmup from 0 is expected to move
+    nothing at its first step; the next update, at lr above 0, moves: nothing to tell."""
+    assert _stalls(_gan(tmp_path, schedule_d=warmup, schedule_g=warmup)) == []
+
+
+def test_a_gan_whose_generator_stays_at_lr_0_is_told_lr_zero_naming_the_generator(tmp_path):
+    """The same warmup, the generator's lr 0 at every step (0 x the schedule): the run's stall at step 5 is not
+    told (the critic leaves lr 0 there, and its next update moves); the generator's own still updates (its steps 4
+    and 9 read among the first ten monitored steps, then one in two scheduled readings: the optimizers' in turn) are
+    told as its own stall, once, at the fifth (its step 39's), with the lr its updates were made with: 0."""
+    tdbg = _gan(tmp_path, lr_g=0.0, schedule_d=warmup, schedule_g=warmup, iterations=12)
+    assert _stalls(tdbg) == [(40, GENERATOR)]
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (d["reason"], d["lr"], d["first_step"], d["last_step"], d["updates"]) == ("lr_zero", 0.0, 4, 39, 5)
+    assert "the learning rate is 0" in found.message
+
+
+def test_a_stall_made_at_lr_above_0_is_not_told_as_lr_0_set_since(tmp_path):
+    """Both optimizers' gradients cleared before their steps at lr 1e-2, the scheduler setting lr 0 from the second
+    iteration on: the run's stall (steps 0-4) is clear at step 5, where the lr is 0: it was told as ``lr_zero``
+    ("set it") though its updates were made at 1e-2. Told from the lr recorded at each still update: cleared."""
+    tdbg = _gan(
+        tmp_path, schedule_d=lambda s: float(s == 0), schedule_g=lambda s: float(s == 0), iterations=3, clear=True
+    )
+    assert _stalls(tdbg) == [(5, None)]
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (d["reason"], d["lr"], d["first_step"], d["last_step"], d["stepped_optimizer"]) == (
+        "gradients_cleared",
+        1e-2,
+        0,
+        4,
+        GENERATOR,
+    )
+    assert [c["reason"] for c in d["still_causes"]] == ["gradients_cleared", "gradients_cleared"]
+    assert [c["lr"] for c in d["still_causes"]] == [1e-2, 1e-2]
+
+
+def test_the_runs_stall_names_each_still_optimizers_own_reason(tmp_path):
+    """The critic at lr 1e-12 (each update rounds away in float32), the generator at lr 0, alternating: the run's
+    stall, clear at step 5 with the critic's step 4, was read from the critic alone: ``undone_after_step``, the
+    generator's lr 0 unnamed. Each still optimizer's reason is a detail (``still_causes``, in the order of
+    ``still_optimizers``) and the message names the one that differs."""
+    tdbg = _gan(tmp_path, lr_d=1e-12, lr_g=0.0, critic=1, iterations=4)
+    assert _stalls(tdbg) == [(5, None)]
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (d["reason"], d["stepped_optimizer"], d["still_optimizers"]) == (
+        "undone_after_step",
+        DISCRIMINATOR,
+        [DISCRIMINATOR, GENERATOR],
+    )
+    (critic, gen) = d["still_causes"]
+    assert (critic["reason"], critic["lr"], gen["reason"], gen["lr"]) == ("undone_after_step", 1e-12, "lr_zero", 0.0)
+    assert math.isfinite(critic["grad_norm_at_step"]) and "grad_norm_at_step" not in gen
+    assert found.message.endswith(
+        f"; for {GENERATOR}: the learning rate is 0 in every param group that holds them: set it (check the "
+        "scheduler's warmup)."
+    )
+
+
+def test_a_generators_stall_told_as_its_own_is_not_told_again_as_the_runs(tmp_path):
+    """The generator at lr 0; the critic monitored at every iteration and stepped at one in six (the sixth, the 12th,
+    ...: the others' updates move nothing). The run's stall of both (steps 0-4) is told at 5 and the generator's own,
+    held back beside it, at 12 once the critic's step 10 is read moving; then the critic's still updates after its
+    step and the generator's made a run's stall again, told at 16: the generator's stall twice. An optimizer's own
+    stall told and going on is the run's: not told again."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-2)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.0)
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
+    data, step = torch.Generator().manual_seed(1), 0
+    for it in range(30):
+        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+        opt_d.zero_grad()
+        loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=opt_d, step=step)
+        step += 1
+        if it % 6 == 5:
+            opt_d.step()
+        opt_g.zero_grad()
+        loss = softplus(-discriminator(fake)).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=opt_g, step=step)
+        step += 1
+        opt_g.step()
+    tdbg.close()
+    assert _stalls(tdbg) == [(5, None), (12, GENERATOR)]
+    run, own = _serious(tdbg)
+    assert [c["reason"] for c in run.details["still_causes"]] == ["gradients_cleared", "lr_zero"]
+    assert (own.details["reason"], own.details["first_step"], own.details["last_step"]) == ("lr_zero", 1, 11)
+
+
+def test_a_generators_stall_whose_reading_falls_on_its_lr_0_iterations_is_told(tmp_path):
+    """n_critic 4, the generator's gradients cleared before every step, its lr 0 at iterations 0-1 and then at every
+    odd one (a scheduler stepped per iteration): the scheduled readings take its updates of the odd iterations only,
+    each made at lr 0 and read once the lr is 1 again, so the hold of a warmup from lr 0 kept its stall from being
+    told at all (300 steps). The hold lasts 2 x STALL_UPDATES still updates at most: told at its tenth (its step 89's),
+    from the lr those were made with (0: the readings' own; the cleared gradients of its lr-1 steps are not read)."""
+    tdbg = _gan(tmp_path, schedule_g=lambda s: 0.0 if s < 2 else float(s % 2 == 0), iterations=60, clear_g=True)
+    assert _stalls(tdbg) == [(90, GENERATOR)]
+    d = _serious(tdbg)[0].details
+    assert (d["reason"], d["lr"], d["first_step"], d["last_step"], d["updates"]) == ("lr_zero", 0.0, 4, 89, 10)
