@@ -262,7 +262,7 @@ def _nonfinite(anomaly: Anomaly) -> str:
             "dtype and weights)."
         )
     advice = "check its dtype, inputs and weights; try float32 or bfloat16"
-    autocast = d.get("weights_dtype")  # its float16 output from float32 weights: it ran under float16 autocast
+    autocast = d.get("dtype") == "float16" and d.get("weights_dtype")  # fp16 from float32 weights: fp16 autocast
     if autocast:
         advice = autocast_advice(where, autocast)
     if d.get("clipped_in"):  # a block clipped it to the dtype's max (Flux's fp16 blocks): the output stayed finite

@@ -275,7 +275,9 @@ def decide(
         block = clipping_block(readings, fraction) if localize and output_finite and not full else None
         if block is not None and _clip_read(component, block, memory):  # its replay names the Inf it clipped
             # (else the Inf keeps its own path: no replay would say it); the Inf read, where the replay shows none
-            inf, seen = seen.first_nonfinite, checks.Suspects(None, None, block)
+            # (only an Inf made there, its inputs finite or unread: one given with its inputs was not)
+            inf = seen.first_nonfinite if seen.first_nonfinite is seen.producer else None
+            seen = checks.Suspects(None, None, block)
         if seen.first_nonfinite is not None or not output_finite:
             received = _once(received)  # (a host read of the kept call's arguments: once a call)
             asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
