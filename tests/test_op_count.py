@@ -759,3 +759,49 @@ def test_a_kept_call_clones_no_tensor_of_a_list_or_dict_that_is_not_the_componen
     )
     assert added_ops(kept, counted()) == {}
     debugger.close()
+
+
+def test_a_clip_text_encoders_sentinel_under_fp16_autocast_reads_its_two_dtypes_in_one_stack_with_no_cast():
+    """Under CPU float16 autocast a float32 CLIP's sentinel reads its float16 projections (``out_proj``, ``fc2``) and
+    a float32 layer output (its stream), held with the call's float32 output and reduced together. Autocast's
+    ``stack`` casts each tensor not of the widest dtype first: the four float16 abs-maxes were four ``_to_copy``
+    before their stack, 7 ops a call. Stacked outside autocast, the stack promotes them itself (exactly): 3. The
+    values are each module's abs-max as it returned, the call's output's too."""
+    from diffusion_debug.probes.fused import HeldAbsmax
+
+    pipe = tiny_pipeline("sd")
+    encoder = pipe.text_encoder
+    ids = pipe.tokenizer(["a photo of a cat"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    debugger = DiffusionModelDebugger(pipe, quiet_config())
+    with torch.autocast("cpu", dtype=torch.float16):
+        with debugger:  # the first run reads it fully; the next ones with its sentinel
+            pipe("a photo of a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), count_aten_ops() as plain:
+            encoder(ids)
+        with debugger, torch.no_grad(), count_aten_ops() as ops:
+            level = debugger._steps.probes.levels["text_encoder"]
+            encoder(ids)
+        debugger.close()
+        outputs = []  # its float16 projections' outputs and its float32 output, as they returned: the reference
+        hooks = [
+            m.register_forward_hook(lambda _m, _a, out: outputs.append(out))
+            for name, m in encoder.named_modules()
+            if name.endswith(("self_attn.out_proj", "mlp.fc2"))
+        ]
+        with torch.no_grad():
+            outputs.append(encoder(ids).last_hidden_state)
+        for hook in hooks:
+            hook.remove()
+        held = HeldAbsmax()
+        for output in outputs:
+            held.add(output)
+        (flushed,) = held.take()
+    assert level == "sentinel"
+    assert added_ops(ops.counts, plain.counts) == {
+        "aten._foreach_abs.default": 1,
+        "aten._foreach_max.default": 1,
+        "aten.stack.default": 1,
+    }
+    assert {t.dtype for t in outputs} == {torch.float16, torch.float32}
+    assert flushed.dtype == torch.float32
+    assert flushed.tolist() == [t.abs().max().item() for t in outputs]

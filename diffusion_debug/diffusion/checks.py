@@ -153,6 +153,7 @@ def nonfinite(
     sd_vae: bool = False,
     dtype: str | None = None,
     near_max: tuple[ModuleReading, ModuleReading] | None = None,
+    read_as: str | None = None,
 ) -> list[Anomaly]:
     """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
     ``origin``: where the run's first NaN/Inf was (a consequence points at it); ``role``: the
@@ -160,14 +161,18 @@ def nonfinite(
     it is Stable Diffusion's VAE (:func:`~.components.inventory.stable_diffusion_vae`); ``dtype``:
     the dtype the component computes in, when known (a float32 VAE is not told to keep to float32);
     ``near_max``: ``(the module that made the near-max values module overflowed on, module's reading)``
-    (:func:`~.replay.near_max.near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s."""
+    (:func:`~.replay.near_max.near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s; ``read_as``: the dtype
+    the module's output was read in, where known and its weights finite (float16 from float32 weights: it ran under
+    float16 autocast, whose advice differs, :func:`_autocast_details`; bfloat16, a NaN weight's: not autocast's)."""
     if near_max is not None and not consequence:
         kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, dtype=dtype)
         return list(near_max_nonfinite(component, *near_max, details=details or {}, **kw))
     if consequence:
         details = {**(details or {}), "passed_on": True, **({"origin": origin} if origin else {})}
     else:
-        details = {**(details or {}), **_vae_details(role, sd_vae, dtype)}
+        found = _autocast_details(dtype, read_as) if read_as == "float16" else {}  # (bfloat16's: no autocast advice)
+        autocast = {**found, "dtype": "float16"} if found else {}
+        details = {**(details or {}), **_vae_details(role, sd_vae, dtype), **autocast}
     return [
         make_anomaly(
             kind="nonfinite",

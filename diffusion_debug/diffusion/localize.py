@@ -25,23 +25,22 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, ContextManager
 
-import torch
 from torch import nn
 
 from ..config import DebugConfig
 from ..probes import ModuleReading
 from ..record import Anomaly, RunRecord
-from ..stats import dtype_max
 from . import checks, origins
 from . import step_values as rows
 from .components.call_sites import CallSiteHooks, kept_arguments
-from .components.computes_in import computes_in
+from .components.computes_in import computes_in, weights_finite
 from .components.inventory import role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
 from .replay.decide import (
     ALREADY_REPORTED,
     NOTHING,
     UNLOCALISED,
+    Clip,
     Decision,
     Overflow,
     ReplayMemory,
@@ -241,7 +240,7 @@ class Localizer:
                 step=step,
             )
             if plan.clipped is not None:  # an Inf a block clipped, read with full probes: the call's finding
-                return found + self._clipped_inf(component, *plan.clipped, None, step, timestep, phase)
+                return found + self._clipped_inf(component, plan.clipped, "full probes", None, step, timestep, phase)
             if plan.failed and "nonfinite" in plan.failed:  # recorded here; the overflow is still checked below
                 raise plan.failed["nonfinite"]
             if plan.source is not None or plan.replay is not None:
@@ -333,13 +332,15 @@ class Localizer:
             details["arguments_finite"] = True
         details.update(source.between)
         near = None if consequence else source.near_max  # made from another module's near-max values
-        return found + self._nonfinite_at(component, module, how, consequence, details, step, timestep, near)
+        dtype = source.dtype
+        return found + self._nonfinite_at(component, module, how, consequence, details, step, timestep, near, dtype)
 
     def _nonfinite_at(
-        self, component: str, module: str, how: str, consequence: bool, details: dict, step, timestep, near_max=None
+        self, component, module, how: str, consequence: bool, details, step, timestep, near_max=None, read_as=None
     ) -> list[Finding]:
         """The ``nonfinite`` anomaly at ``module`` (``how``: what localised it; a ``consequence`` points
-        at the run's origin), settled against the origin (the run's first error becomes it). ``near_max``:
+        at the run's origin; ``read_as``: the dtype its output was read in), settled against the origin (the run's
+        first error becomes it). ``near_max``:
         :attr:`~.replay.decide.Source.near_max` (the error is at the module that made those values, ``module``'s
         NaN/Inf a warning that follows it, with a fold key of its own: no repeat of the error)."""
         made = checks.nonfinite(
@@ -355,6 +356,7 @@ class Localizer:
             sd_vae=component in self.sd_vaes,
             dtype=self.weights_dtype(component, module),
             near_max=near_max,
+            read_as=read_as if read_as is None or weights_finite(self.modules.get(component), module) else None,
         )
         key = ("nonfinite", component, consequence, self.memory.named.setdefault(component, module))  # its entry
         return [(self.settle(a), key + (a.module,) if "near_max_from" in a.details else key) for a in made]
@@ -374,7 +376,8 @@ class Localizer:
         shown = nonfinite_replayed(replayed, self.config.overflow_fraction) if replayed is not None else None
         if shown is not None and shown[0] is not None:
             how, (made, where, near) = "sentinel" if probed else "output check", shown
-            return Source(made, f"{how} -> replay with full probes", False, {**where, **released}, near), len(replayed)
+            how, where = f"{how} -> replay with full probes", {**where, **released}
+            return Source(made.module, how, False, where, near, made.dtype), len(replayed)
         if shown is not None:
             return Source("", "replay with full probes: inputs were already non-finite", True), len(replayed)
         return Source(block, UNLOCALISED, False, released), None
@@ -418,8 +421,8 @@ class Localizer:
             replayed = self.replay(component, plan.replay, step)
             shown = None if replayed is None else overflow_replayed(replayed, plan.replay, fraction, clean=plan.clean)
             plan = self.memory.overflow_shown(plan, shown, len(replayed or ()))
-        if plan.clipped is not None:
-            return self._clipped_inf(component, *plan.clipped, step, timestep, phase)
+        if plan.clipped is not None:  # (its replay's; where the replay showed none, as the sentinel read it: plan.how)
+            return self._clipped_inf(component, plan.clipped, plan.how, plan.replayed, step, timestep, phase)
         reading, how = plan.reading, "full probes" if self.full(component) else "sentinel"
         if plan.known is not None:  # (a reading of its own, "": where its own forward built the values)
             reading, how = plan.known, "sentinel -> replay with full probes"
@@ -448,24 +451,16 @@ class Localizer:
         )
         return [(anomaly, None) for anomaly in made]  # the kind's fold key: the module
 
-    def _clipped_inf(
-        self, component: str, producer: ModuleReading, block: str, replayed: int | None, step, timestep, phase: str
-    ) -> list[Finding]:
-        """The ``nonfinite`` error at ``producer``, the module that made an Inf from finite inputs which
-        ``block`` clipped to the dtype's largest value (its output, and the image, stayed finite). An
+    def _clipped_inf(self, component: str, clip: Clip, how: str, replayed: int | None, step, timestep, phase: str):
+        """The ``nonfinite`` error at ``clip.producer``, the module that made an Inf from finite inputs which
+        ``clip.block`` clipped to (about) the dtype's largest value (its output, and the image, stayed finite). An
         error, not an overflow warning: the module's output overflowed, and what the clip leaves is
         the dtype's max, not the value the model computed. The run's origin when it is the first.
-        ``replayed``: the replay's reading count; None: read in the call with full probes."""
+        ``replayed``: the replay's reading count (None: read in the call)."""
         self.memory.reported.setdefault(component, False)  # a NaN/Inf that escapes later counts here
-        how = "full probes" if replayed is None else "sentinel -> replay with full probes"
-        details = {
-            "phase": phase,
-            "clipped_in": block,
-            "dtype": producer.dtype,
-            "dtype_max": dtype_max(getattr(torch, producer.dtype)) if producer.dtype else None,
-            **({} if replayed is None else {"replay_readings": replayed}),
-        }
-        return self._nonfinite_at(component, producer.module, how, False, details, step, timestep)
+        details = {"phase": phase, **clip.details(), **({} if replayed is None else {"replay_readings": replayed})}
+        made = clip.producer
+        return self._nonfinite_at(component, made.module, how, False, details, step, timestep, None, made.dtype)
 
     # -- replay -------------------------------------------------------------------------------------
     def replay(self, component: str, module: str, step: int | None) -> list[ModuleReading] | None:

@@ -18,7 +18,15 @@ CPU it loops inside the op.
 [tensor([3., inf], dtype=torch.float16)]
 
 A flush stacks its abs-maxes into one 1-d tensor (the ``stack`` a host copy of them made before):
-the probe keeps one object a flush, not one a tensor.
+the probe keeps one object a flush, not one a tensor. Abs-maxes of several dtypes (a float32 stream
+read with float16 projections under float16 autocast) are stacked outside autocast, which would
+cast each one of the narrower dtype first (an op each): the stack promotes them itself, exactly.
+
+>>> with torch.autocast("cpu", dtype=torch.float16):
+...     held.add(torch.tensor([2.0], dtype=torch.float16)), held.add(torch.tensor([-5.0]))
+...     held.take()
+(0, 1)
+[tensor([2., 5.])]
 
 Limits: the outputs are held until :meth:`HeldAbsmax.flush` (the probe's ``take``, or once they
 pass :data:`HELD_BYTES` or number :data:`HELD_TENSORS`), so the peak memory of the watched call grows
@@ -61,6 +69,8 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _FOREACH_MAX = hasattr(torch, "_foreach_max")  # torch >= 2.6
 _VERSION = attrgetter("_version")
+_DTYPE = attrgetter("dtype")
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)  # (one C call)
 
 
 def _absmaxes(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
@@ -144,8 +154,9 @@ class HeldAbsmax:
 
     def flush(self) -> None:
         """Reduce everything held, in one op (two on a CPU), and stack the abs-maxes into one 1-d
-        tensor (a view for one; a stack of several dtypes promotes, exactly; tensors of several
-        devices stay 0-d, one value each); hold nothing after."""
+        tensor (a view for one; a stack of several dtypes promotes, exactly, outside autocast: under
+        it, a cast of each one of the narrower dtype first; tensors of several devices stay 0-d, one
+        value each); hold nothing after."""
         tensors, versions = self.tensors, self.versions
         if not tensors:
             return
@@ -167,8 +178,17 @@ class HeldAbsmax:
                     norms[i] = torch.zeros((), dtype=tensor.dtype, device=tensor.device)
         if not one_device:
             self.flushed.extend(norms)
-        else:
-            self.flushed.append(norms[0].reshape(1) if len(norms) == 1 else torch.stack(norms))
+        elif len(norms) == 1:
+            self.flushed.append(norms[0].reshape(1))
+        elif not _ANY_AUTOCAST():
+            self.flushed.append(torch.stack(norms))
+        else:  # autocast's stack casts each tensor not of the widest dtype (4 a call of a float32 CLIP): none here
+            dtypes = list(map(_DTYPE, norms))  # (no Python call a tensor)
+            if dtypes.count(dtypes[0]) == len(dtypes):
+                self.flushed.append(torch.stack(norms))
+            else:
+                with torch.autocast(norms[0].device.type, enabled=False):
+                    self.flushed.append(torch.stack(norms))
 
     def take(self) -> list[torch.Tensor]:
         """Flush, hand over the flushed tensors (slot ``i``'s value at position ``i`` of them

@@ -262,14 +262,16 @@ def _nonfinite(anomaly: Anomaly) -> str:
             "dtype and weights)."
         )
     advice = "check its dtype, inputs and weights; try float32 or bfloat16"
+    autocast = d.get("dtype") == "float16" and d.get("weights_dtype")  # fp16 from float32 weights: fp16 autocast
+    if autocast:
+        advice = autocast_advice(where, autocast)
     if d.get("clipped_in"):  # a block clipped it to the dtype's max (Flux's fp16 blocks): the output stayed finite
-        largest = f" ({d['dtype_max']:.6g})" if d.get("dtype_max") else ""
         return (
             f"{where} produced Inf from finite inputs ({d['dtype']} overflow); {component}.{d['clipped_in']} "
-            f"clipped it to {d['dtype']}'s largest value{largest}, so the output stayed finite but carries that "
-            f"clipped value, not the one computed ({advice})."
+            f"clipped it to {_clipped_to(d)}, so the output stayed finite but carries that clipped value, not the "
+            "one computed" + (f"; {advice}." if autocast else f" ({advice}).")
         )
-    if d.get("vae_role"):
+    if d.get("vae_role") and not autocast:
         advice = vae_advice(component, d.get("sd_vae", False), d.get("vae_dtype"))
     own = "its own forward" if not anomaly.module else "its forward"
     if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)
@@ -289,7 +291,21 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"given and returned finite values (the last to return: {component}.{d['after']}), its output was "
             f"not ({advice})."
         )
-    return f"{where} produced NaN/Inf from finite inputs ({advice})."
+    return f"{where} produced NaN/Inf from finite inputs" + (f"; {advice}." if autocast else f" ({advice}).")
+
+
+def _clipped_to(details: dict[str, Any]) -> str:
+    """The value a block clipped an Inf to (``clipped_to``, its output's abs-max as read), said against its dtype's
+    largest value: T5 clamps a float16 stream to ``finfo.max - 1000``, Flux's blocks to the max itself.
+
+    >>> _clipped_to({"dtype": "float16", "dtype_max": 65504.0, "clipped_to": 64512.0})
+    "64512, below float16's largest value (65504)"
+    >>> _clipped_to({"dtype": "float16", "dtype_max": 65504.0, "clipped_to": 65504.0})
+    "float16's largest value (65504)"
+    """
+    largest, value = details.get("dtype_max"), details.get("clipped_to")
+    said = f"{details['dtype']}'s largest value" + (f" ({largest:.6g})" if largest else "")
+    return f"{value:.6g}, below {said}" if value is not None and largest and value < largest else said
 
 
 def overflow_risk(anomaly: Anomaly) -> str:

@@ -537,7 +537,7 @@ def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_rep
     localised before (``overflow_where``, kept for the debugger's life), one passed in or tried this run, or a run
     whose ``debug_timeout`` of replays is spent would not replay it, and the Inf was swallowed (an overflow warning,
     no error). There the Inf keeps its own path: its block replayed as a NaN/Inf's."""
-    from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide
+    from diffusion_debug.diffusion.replay.decide import Clip, ReplayMemory, decide
     from diffusion_debug.probes import ModuleReading
 
     wo = ModuleReading("block.0.ff.wo", 0, "float16", None, float("inf"), "float16")
@@ -567,11 +567,52 @@ def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_rep
     assert plan(spent)[:2] == own[:2]
     clipped = ReplayMemory()  # this run's clip, held: decided as that clip, unreplayed
     clipped.overflow_where[key] = None
-    clipped.clipped[key] = (wo, "block.0", 7)
+    clipped.clipped[key] = (Clip(wo, "block.0", 64512.0), 7)
     made = decide("t5", checks.suspects([wo, block], 0.5), [wo, block], memory=clipped, output_finite=True,
                   full=False, leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None,
                   site="", localize=True, fraction=0.5)  # fmt: skip
-    assert (made.replay, made.source, made.overflow.clipped) == (None, None, (wo, "block.0", 7))
+    assert (made.replay, made.source, made.overflow.clipped, made.overflow.replayed) == (
+        None,
+        None,
+        Clip(wo, "block.0", 64512.0),
+        7,
+    )
+
+
+def test_a_sentinels_inf_its_block_was_read_clipping_is_the_finding_where_the_blocks_replay_shows_no_clip():
+    """The clip path (a sentinel read ``wo``'s Inf inside ``block.0`` at T5's clamp) replays the block to name the
+    Inf. Where that replay could not run (no kept call, a replay OOM) or made no Inf again, the plan was the block's
+    plain near-overflow: the Inf the sentinel read was lost (a warning, no error). The plan carries the sentinel's
+    reading, and is then the clip as the sentinel read it: ``wo``'s Inf, clipped in ``block.0`` to 64512."""
+    from diffusion_debug.diffusion.replay.decide import (
+        CLIP_NOT_AGAIN,
+        CLIP_UNREPLAYED,
+        Clip,
+        OverflowReplayed,
+        ReplayMemory,
+        decide,
+    )
+    from diffusion_debug.probes import ModuleReading
+
+    wo = ModuleReading("block.0.ff.wo", 0, "float16", None, float("inf"), "float16")
+    block = ModuleReading("block.0", 0, "float16", None, 64512.0, "float16")
+    made = ModuleReading("block.0.ff", 0, "float16", 1.0, 40000.0, "float16")
+
+    def shown(answer):
+        memory = ReplayMemory()
+        plan = decide("t5", checks.suspects([wo, block], 0.5), [wo, block], memory=memory, output_finite=True,
+                      full=False, leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None,
+                      site="", localize=True, fraction=0.5).overflow  # fmt: skip
+        assert (plan.replay, plan.inf) == ("block.0", wo)
+        found = memory.overflow_shown(plan, answer, 0 if answer is None else 9)
+        return found.clipped, found.how, found.replayed, found.known
+
+    read = Clip(wo, "block.0", 64512.0)
+    assert shown(None) == (read, CLIP_UNREPLAYED, None, None)
+    assert shown(OverflowReplayed(made=made)) == (read, CLIP_NOT_AGAIN, 9, None)
+    assert shown(OverflowReplayed(passed_in=True)) == (read, CLIP_NOT_AGAIN, 9, None)
+    replayed = Clip(wo._replace(input_value=1.0), "block.0", 64512.0)  # the replay's own clip: as it read it
+    assert shown(OverflowReplayed(clipped=replayed)) == (replayed, "sentinel -> replay with full probes", 9, None)
 
 
 @pytest.mark.parametrize(

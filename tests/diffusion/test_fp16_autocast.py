@@ -165,6 +165,26 @@ def test_a_nan_made_from_near_max_values_under_fp16_autocast_advises_autocast_at
     dbg.close()
 
 
+def test_an_inf_a_float32_module_makes_under_fp16_autocast_advises_autocast_not_its_dtype(pipes, tmp_path):
+    """``to_out`` at 4x float16's max under autocast (its weights float32) makes an Inf at step 0 from inputs well
+    below the max: the error's advice was "try float32 or bfloat16" (it is float32 already, and the dtype its
+    weights are in does not change what autocast computes in); it is about autocast, as an ``overflow_risk``'s is."""
+    pipe = pipes["sd"]
+    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        with dbg, autocast():
+            run(pipe, steps=2, output_type="latent")
+    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "unet", UNET_ATTENTION_OUT, 0)
+    assert (error.details["localized_by"], error.details["weights_dtype"]) == (REPLAYED, "float32")
+    assert error.message == (
+        f"unet.{UNET_ATTENTION_OUT} produced NaN/Inf from finite inputs; it ran under float16 autocast (its weights "
+        "are float32): autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run "
+        f"unet.{UNET_ATTENTION_OUT} outside autocast."
+    )
+    dbg.close()
+
+
 def test_clean_runs_in_and_out_of_fp16_autocast_are_quiet_and_bitwise_equal_under_one_attach(pipes, tmp_path):
     """One attach, runs under autocast and out of it in turn (the probes decided again at each change): each
     image is bitwise the unwatched one, and nothing is warned."""
@@ -318,19 +338,14 @@ def test_clean_flux_text_encoders_under_fp16_autocast_stay_quiet_with_their_proj
     dbg.close()
 
 
-def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_its_projection_read(tmp_path):
-    """An fp16 T5 under float16 autocast whose ``wo`` makes an Inf (2x float16's max): T5's block clamps it to
-    64512. From the second run the sentinel reads ``wo`` (its residual projection) and the block in one call: it
-    saw the Inf and the near-max block together, and reported a generic NaN/Inf at ``wo`` plus a near-overflow at
-    the block. The block's near-max value is the clip's consequence: each run has the one error at ``wo``, with
-    the clip said, as the first run's full probes found it."""
+def t5_making_an_inf():
+    """A tiny Flux whose float16 T5 (``text_encoder_2``) under float16 autocast has ``wo`` make an Inf (2x float16's
+    max), which T5's block clamps to ``finfo.max - 1000`` (64504, held in float16 as 64512); and its call."""
     from diffusion_debug.testing import tiny_pipeline
     from diffusion_debug.testing.flux import FLUX_CALL
 
-    wo_name = "encoder.block.0.layer.1.DenseReluDense.wo"
     pipe = tiny_pipeline("flux")
-    t5 = pipe.text_encoder_2.to(torch.float16)
-    wo = t5.get_submodule(wo_name)
+    wo = pipe.text_encoder_2.to(torch.float16).get_submodule(helpers.T5_WO)
     args = FLUX_CALL[0]()
     args.pop("output_type", None)
 
@@ -344,16 +359,59 @@ def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_its_projecti
     handle.remove()
     with torch.no_grad():
         wo.weight.mul_(2 * FP16_MAX / peaks[-1])
+    return pipe, call
+
+
+T5_CLIP = (
+    f"text_encoder_2.{helpers.T5_WO} produced Inf from finite inputs (float16 overflow); text_encoder_2.encoder."
+    "block.0 clipped it to 64512, below float16's largest value (65504), so the output stayed finite but carries "
+    "that clipped value, not the one computed (check its dtype, inputs and weights; try float32 or bfloat16)."
+)
+"""The error at T5's ``wo`` whose Inf its block clamped: the value the block clamps to said (it said 65504)."""
+
+
+def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_its_projection_read(tmp_path):
+    """An fp16 T5 under float16 autocast whose ``wo`` makes an Inf (2x float16's max): T5's block clamps it to
+    64512. From the second run the sentinel reads ``wo`` (its residual projection) and the block in one call: it
+    saw the Inf and the near-max block together, and reported a generic NaN/Inf at ``wo`` plus a near-overflow at
+    the block. The block's near-max value is the clip's consequence: each run has the one error at ``wo``, with
+    the clip said (the value T5 clamps to, not float16's largest), as the first run's full probes found it."""
+    pipe, call = t5_making_an_inf()
     dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
     for _ in range(3):
         with dbg:
             call()
-    clip = "text_encoder_2.encoder.block.0 clipped it to float16's largest value (65504)"
     for number in (1, 2, 3):
-        assert found(dbg, number) == [("nonfinite", "error", "text_encoder_2", wo_name, None)], number
+        assert found(dbg, number) == [("nonfinite", "error", "text_encoder_2", helpers.T5_WO, None)], number
         (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
-        assert clip in error.message
-        assert error.details["clipped_in"] == "encoder.block.0"
+        assert error.message == T5_CLIP
+        assert (error.details["clipped_in"], error.details["clipped_to"]) == ("encoder.block.0", 64512.0)
+    dbg.close()
+
+
+def test_an_inf_a_sentinel_read_its_t5_block_clipping_is_an_error_where_the_blocks_replay_cannot_run(
+    tmp_path, monkeypatch
+):
+    """The T5 above, its block's replay unable to run (no kept call, a replay OOM: ``Localizer.replay`` gives
+    None). From the second run the sentinel read ``wo``'s Inf inside the block at T5's clamp, and the block's replay
+    was to name it: without it, each run's finding was the block's near-overflow warning, the Inf lost. The Inf is
+    the error at ``wo`` as the sentinel read it, the clip said; no warning."""
+    from diffusion_debug.diffusion.localize import Localizer
+    from diffusion_debug.diffusion.replay.decide import CLIP_UNREPLAYED
+
+    pipe, call = t5_making_an_inf()
+    replays = []
+    monkeypatch.setattr(Localizer, "replay", lambda _self, *asked: replays.append(asked[:2]))
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    for _ in range(3):
+        with dbg:
+            call()
+    assert replays == [("text_encoder_2", "encoder.block.0")] * 2  # (runs 2 and 3; run 1 read it fully)
+    for number in (2, 3):
+        assert found(dbg, number) == [("nonfinite", "error", "text_encoder_2", helpers.T5_WO, None)], number
+        (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
+        assert error.message == T5_CLIP
+        assert (error.details["localized_by"], error.details["clipped_in"]) == (CLIP_UNREPLAYED, "encoder.block.0")
     dbg.close()
 
 

@@ -885,3 +885,5 @@ def test_an_inf_an_fp16_t5_block_clamped_below_the_max_after_its_near_max_was_lo
     assert runs[1] == runs[2] == near
     assert runs[3] == runs[4] == [("nonfinite", "error", wo_name)]
     assert [a.details["clipped_in"] for a in errors] == ["encoder.block.0"] * 2
+    clamped = "text_encoder_2.encoder.block.0 clipped it to 64512, below float16's largest value (65504)"  # not 65504
+    assert [clamped in a.message for a in errors] == [True, True]

@@ -24,10 +24,10 @@ def reading(module: str, call: int, output: float) -> ModuleReading:
 def test_a_module_finite_in_its_first_call_does_not_clip_the_inf_its_second_call_returned():
     first = [reading(f"{FFN}.net.2", 0, 2.0), reading(FFN, 0, 2.0), reading("blocks.1", 0, 3.0)]
     second = [reading(f"{FFN}.net.2", 1, float("inf")), reading(FFN, 1, float("inf")), reading("blocks.1", 1, 3.0)]
-    producer, clipped_in = clipped_producer(first + second, "")
+    producer, clipped_in, _ = clipped_producer(first + second, "")
     assert (producer, clipped_in) == (second[0], "blocks.1")  # the second call's block clipped it, not ffn
     unclipped = second[:2] + [reading("blocks.1", 1, float("-inf"))]
-    assert clipped_producer(first + unclipped, "") == (unclipped[0], "")  # nothing around it clipped it
+    assert clipped_producer(first + unclipped, "") == (unclipped[0], "", None)  # nothing around it clipped it
 
 
 def helios() -> diffusers.HeliosPipeline:

@@ -5,10 +5,15 @@
 >>> root = nn.Sequential(nn.Linear(2, 2).to(torch.float16), nn.ReLU())
 >>> computes_in(root, "1"), computes_in(root, "0"), computes_in(root, "no.such")
 ('float16', 'float16', 'float16')
+>>> with torch.no_grad():
+...     root[0].weight[0, 0] = float("nan")
+>>> weights_finite(root, "0"), weights_finite(root, "1"), weights_finite(root, ""), weights_finite(None, "0")
+(False, True, False, True)
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ...stats import dtype_name
@@ -35,3 +40,14 @@ def computes_in(root: nn.Module, module: str) -> str | None:
         if not name:
             return None
         name = name.rpartition(".")[0]
+
+
+def weights_finite(root: nn.Module | None, module: str) -> bool:
+    """Whether every parameter of ``root.module`` (and the modules in it) is finite; True where it is not found. A
+    NaN/Inf made with a NaN/Inf weight is no overflow: no advice about autocast fits it (:func:`..checks.nonfinite`).
+    Read on a NaN/Inf error only."""
+    try:
+        sub = None if root is None else root.get_submodule(module) if module else root
+    except AttributeError:  # a name no module has
+        return True
+    return sub is None or all(bool(torch.isfinite(p).all()) for p in sub.parameters())

@@ -31,8 +31,8 @@ True
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -57,8 +57,8 @@ class ReplayMemory:
     """This run's overflow replays that could not run (no kept call, the budget spent): tried again next run."""
     passed_in: set[Key] = field(default_factory=set)
     """This run's blocks whose near-max values no module made (the call's own arguments brought them)."""
-    clipped: dict[Key, tuple[ModuleReading, str, int]] = field(default_factory=dict)
-    """This run's blocks that clipped an Inf: ``(producer, clipping block, replay reading count)``."""
+    clipped: dict[Key, tuple[Clip, int]] = field(default_factory=dict)
+    """This run's blocks that clipped an Inf: ``(the clip, replay reading count)``."""
     replayed_at_max: set[Key] = field(default_factory=set)
     """This run's blocks at the dtype's max (:func:`at_dtype_max`) replayed once (a clip hides an Inf that way)."""
     reported: dict[str, bool] = field(default_factory=dict)
@@ -152,22 +152,29 @@ class ReplayMemory:
 
     def overflow_shown(self, asked: Overflow, shown: OverflowReplayed | None, count: int) -> Overflow:
         """Keep what the replay ``asked`` for (``count`` readings; ``shown`` None: it could not run) showed;
-        what it means for the call: an Inf clipped there, values passed in (skip), or the module known."""
+        what it means for the call: an Inf clipped there, values passed in (skip), or the module known. Where the
+        sentinel read the clip in the call (``asked.inf``: :func:`clipping_block`) and the replay shows none, the
+        Inf is the call's finding as read: the clip at the module whose Inf the sentinel read."""
         key, reading = asked.key, asked.reading
         self.replayed_at_max.add(key)
+        found = None
         if shown is None:  # no kept call or no replay budget: tried again next run
             self.tried.add(key)
         elif shown.clipped is not None:  # for this run: a later run's call is replayed again
-            self.clipped[key] = (*shown.clipped, count)
-            return Overflow(reading, key, clipped=self.clipped[key])
+            self.clipped[key] = (shown.clipped, count)
+            return Overflow(reading, key, clipped=shown.clipped, replayed=count)
         elif shown.passed_in:  # for this run too
             self.passed_in.add(key)
-            return Overflow(reading, key, skip=True)
+            found = Overflow(reading, key, skip=True)
         else:  # localised once for the debugger's life (until clear)
             self.overflow_where[key] = shown.made
             if shown.between is not None:
                 self.grown[key] = shown.between
-        return self.overflow_known(reading, key)
+        if asked.inf is not None:  # (a clip read in the call is no overflow warning: the Inf is the finding)
+            clip = Clip(asked.inf, reading.module, reading.output_absmax)
+            how, replayed = (CLIP_UNREPLAYED, None) if shown is None else (CLIP_NOT_AGAIN, count)
+            return Overflow(reading, key, clipped=clip, replayed=replayed, how=how)
+        return found if found is not None else self.overflow_known(reading, key)
 
     def overflow_known(self, reading: ModuleReading, key: Key) -> Overflow:
         """The near-overflow of ``key``'s block as localised (named at ``reading``'s block where it was not)."""
@@ -188,14 +195,17 @@ class Source:
     near_max: tuple[ModuleReading, ModuleReading] | None = None
     """``(the module that made the finite values near the dtype's max that module overflowed on, module's
     reading)``: the cause, ``module``'s NaN/Inf its consequence (:func:`near_max_source`)."""
+    dtype: str | None = None
+    """The dtype ``module``'s output was read in (float16 under float16 autocast), where a reading showed it."""
 
 
 @dataclass(frozen=True)
 class Overflow:
     """A call's near-overflow: the ``reading`` that showed it (with full probes, where the component's own
     forward built it: ``between``) and what to do: ``replay`` that block, ``skip`` it (passed in this run),
-    take the Inf a replay found ``clipped`` there, or name the module ``known`` (None: ``reading``'s).
-    ``clean``: the call showed no NaN/Inf (a replay looks for a clipped Inf only then)."""
+    take the Inf a replay found ``clipped`` there (``how`` it was found; ``replayed``: the replay's reading count),
+    or name the module ``known`` (None: ``reading``'s). ``clean``: the call showed no NaN/Inf (a replay looks
+    for a clipped Inf only then)."""
 
     reading: ModuleReading
     key: Key | None = None
@@ -203,9 +213,14 @@ class Overflow:
     clean: bool = True
     replay: str | None = None
     skip: bool = False
-    clipped: tuple[ModuleReading, str, int] | None = None
+    clipped: Clip | None = None
     known: ModuleReading | None = None
     between: dict[str, str] | None = None
+    replayed: int | None = None
+    how: str = "sentinel -> replay with full probes"
+    inf: ModuleReading | None = None
+    """The sentinel's reading of the Inf this block was read clipping in the call (:func:`clipping_block`): the
+    call's finding where the block's replay shows no clip (:meth:`ReplayMemory.overflow_shown`)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +229,7 @@ class Decision:
     call's one finding); its NaN/Inf's ``source``, or the block to ``replay`` for it (neither: none to
     name); its near-``overflow`` (None: none)."""
 
-    clipped: tuple[ModuleReading, str] | None = None
+    clipped: Clip | None = None
     source: Source | None = None
     replay: str | None = None
     overflow: Overflow | None = None
@@ -252,14 +267,17 @@ def decide(
     back in :attr:`Decision.failed`, the other decided all the same: a failure in one check costs no other."""
     if seen is checks.NONE and output_finite:  # a clean call
         return NOTHING
-    source, replay, overflow, failed = None, None, None, {}
+    source, replay, overflow, failed, inf = None, None, None, {}, None
     try:
         clipped = clipped_producer(readings, "") if output_finite and full else None
-        if clipped is not None and clipped[1] and clipped[0] is seen.first_nonfinite:  # what a replay names
+        if clipped is not None and clipped.block and clipped.producer is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
         block = clipping_block(readings, fraction) if localize and output_finite and not full else None
         if block is not None and _clip_read(component, block, memory):  # its replay names the Inf it clipped
-            seen = checks.Suspects(None, None, block)  # (else the Inf keeps its own path: no replay would say it)
+            # (else the Inf keeps its own path: no replay would say it); the Inf read, where the replay shows none
+            # (only an Inf made there, its inputs finite or unread: one given with its inputs was not)
+            inf = seen.first_nonfinite if seen.first_nonfinite is seen.producer else None
+            seen = checks.Suspects(None, None, block)
         if seen.first_nonfinite is not None or not output_finite:
             received = _once(received)  # (a host read of the kept call's arguments: once a call)
             asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
@@ -273,6 +291,7 @@ def decide(
         if near is not None:
             clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
             overflow = _overflow(component, near, between, memory, full, leaf, clean, localize)
+            overflow = overflow if inf is None or overflow.clipped is not None else replace(overflow, inf=inf)
     except Exception as error:  # (the caller's overflow_risk guard records it)
         failed["overflow_risk"] = error
     return Decision(None, source, replay, overflow, failed)
@@ -283,6 +302,10 @@ ALREADY_REPORTED = "already reported"
 
 UNLOCALISED = "sentinel (block level; localize is off, the call was not kept or its replay failed)"
 """How a block's NaN/Inf is named where no replay named the module inside it."""
+
+CLIP_UNREPLAYED = "sentinel, its block's clip read in the call (the call was not kept or its replay failed)"
+CLIP_NOT_AGAIN = "sentinel, its block's clip read in the call (the block's replay made no Inf again)"
+"""How an Inf a block clipped is named as the sentinel read it (:meth:`ReplayMemory.overflow_shown`)."""
 
 
 def unwatched_text(component: str, step: int | None) -> str:
@@ -310,16 +333,16 @@ def _nonfinite(component, seen, readings, memory, full, leaf, received, unwatche
         return Source("", "sentinel: its inputs were already non-finite", True), None
     if full and producer is not None:
         where, near = between_modules(readings, producer.module), near_max_source(readings, producer, fraction)
-        return Source(producer.module, "full probes", False, where, near), None
+        return Source(producer.module, "full probes", False, where, near, producer.dtype), None
     if inputs_known and leaf(component, producer.module):  # (given near-max values: who made them? a replay says)
         if not (localize and unwatched is None and (producer.input_dtype_max_fraction or 0.0) >= fraction):
-            return Source(producer.module, "sentinel (a leaf module)", False), None
-    block = producer.module if producer is not None else site
+            return Source(producer.module, "sentinel (a leaf module)", False, dtype=producer.dtype), None
+    block, dtype = (producer.module, producer.dtype) if producer is not None else (site, None)
     if unwatched is not None:
-        return Source(block, unwatched, False), None
+        return Source(block, unwatched, False, dtype=dtype), None
     if localize:
         return None, block
-    return Source(block, UNLOCALISED, False), None
+    return Source(block, UNLOCALISED, False, dtype=dtype), None
 
 
 def _once(received: Callable[[str, str], bool]) -> Callable[[str, str], bool]:
@@ -393,7 +416,8 @@ def _overflow(component, reading, between, memory, full, leaf, clean, localize) 
     if key in memory.passed_in:
         return Overflow(reading, key, skip=True)
     if key in memory.clipped and clean:
-        return Overflow(reading, key, clipped=memory.clipped[key])
+        clip, count = memory.clipped[key]
+        return Overflow(reading, key, clipped=clip, replayed=count)
     at_max = clean and at_dtype_max(reading) and key not in memory.replayed_at_max
     if (key not in memory.overflow_where or at_max) and key not in memory.tried and localize:
         return Overflow(reading, key, clean, replay=reading.module)
@@ -458,12 +482,30 @@ def _between(replayed: list[ModuleReading], producer: str, given) -> tuple[Modul
     return after, taken[before]
 
 
-def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleReading, str] | None:
-    """``(producer, clipping block)``: the first module in a replay (of ``block``'s call, whose
-    output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, and
-    its innermost enclosing module whose output was finite again (the one that clipped it: Flux's
-    fp16 blocks clip to +-65504); None when no module made an Inf. A half-precision reading's value
-    is its abs-max: Inf exactly for an Inf without a NaN. An enclosing module is judged by its call
+class Clip(NamedTuple):
+    """An Inf a block clipped (:func:`clipped_producer`)."""
+
+    producer: ModuleReading
+    """The reading of the module whose output held the Inf, made from finite inputs."""
+    block: str
+    """The module that clipped it (its output finite again)."""
+    value: float | None
+    """What the block clipped it to, its output's abs-max as read (None: not read): Flux's blocks clip a float16
+    stream to 65504, T5's to ``finfo.max - 1000`` (64504, stored as float16's 64512)."""
+
+    def details(self) -> dict:
+        """What the ``nonfinite`` anomaly at the producer says of the clip."""
+        dtype = self.producer.dtype
+        largest = dtype_max(getattr(torch, dtype)) if dtype else None
+        return {"clipped_in": self.block, "dtype": dtype, "dtype_max": largest, "clipped_to": self.value}
+
+
+def clipped_producer(replayed: list[ModuleReading], block: str) -> Clip | None:
+    """``(producer, clipping block, the value it clipped to)``: the first module in a replay (of ``block``'s
+    call, whose output was finite) whose output held Inf (no NaN: a clip keeps a NaN) from finite inputs, its
+    innermost enclosing module whose output was finite again (the one that clipped it: Flux's fp16 blocks
+    clip to +-65504) and that module's output abs-max; None when no module made an Inf. A half-precision
+    reading's value is its abs-max: Inf exactly for an Inf without a NaN. An enclosing module is judged by its call
     that ran the producer, its first reading after it (readings come in the order modules returned):
     Helios calls its transformer twice a step, and a block finite in the first call did not clip the
     Inf its second call returned."""
@@ -472,12 +514,13 @@ def clipped_producer(replayed: list[ModuleReading], block: str) -> tuple[ModuleR
     if at is None:
         return None
     producer = replayed[at]
-    returned: dict[str, bool] = {}  # each module's first return after the producer: the call around it
+    returned: dict[str, ModuleReading] = {}  # each module's first return after the producer: the call around it
     for r in replayed[at + 1 :]:
-        returned.setdefault(r.module, r.output_finite)
+        returned.setdefault(r.module, r)
     parts = producer.module.split(".")
     enclosing = (".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
-    return producer, next((name for name in enclosing if returned.get(name)), block)
+    clipped = next((returned[n] for n in enclosing if n in returned and returned[n].output_finite), None)
+    return Clip(producer, block, None) if clipped is None else Clip(producer, clipped.module, clipped.output_absmax)
 
 
 def clipping_block(readings: list[ModuleReading], fraction: float) -> ModuleReading | None:
@@ -493,8 +536,8 @@ def clipping_block(readings: list[ModuleReading], fraction: float) -> ModuleRead
 
 def nonfinite_replayed(
     replayed: list[ModuleReading], fraction: float
-) -> tuple[str | None, dict[str, str], tuple[ModuleReading, ModuleReading] | None] | None:
-    """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module, where
+) -> tuple[ModuleReading | None, dict[str, str], tuple[ModuleReading, ModuleReading] | None] | None:
+    """What the replay with full probes of a call whose output held a NaN/Inf shows: ``(module's reading, where
     inside it, what made the near-max values it overflowed on)``, the first module that made it from
     finite inputs (:func:`between_modules`; :func:`~.near_max.near_max_source` at ``fraction`` of the dtype's max:
     the same diagnosis as full probes read in the call); ``(None, {}, None)`` where the first module to
@@ -503,7 +546,7 @@ def nonfinite_replayed(
     producer = checks.find_producer(replayed)
     if producer is not None:
         near = near_max_source(replayed, producer, fraction)
-        return producer.module, between_modules(replayed, producer.module), near
+        return producer, between_modules(replayed, producer.module), near
     return (None, {}, None) if checks.first_nonfinite(replayed) is not None else None
 
 
@@ -512,8 +555,8 @@ class OverflowReplayed:
     """What the replay with full probes of a block whose output came near its dtype's max shows
     (:func:`overflow_replayed`): one of ``clipped``, ``passed_in`` or ``made`` (None: the replay named none)."""
 
-    clipped: tuple[ModuleReading, str] | None = None
-    """``(producer, clipping block)``: a module made an Inf the block clipped to the max."""
+    clipped: Clip | None = None
+    """A module made an Inf the block clipped to the max."""
     passed_in: bool = False
     """Every module took the near-max values in with its inputs: no module made an overflow."""
     made: ModuleReading | None = None
