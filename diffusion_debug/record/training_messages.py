@@ -174,6 +174,24 @@ def distributed_split(anomaly: Anomaly) -> str:
     )
 
 
+def grad_scaler_not_given(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    fix = "pass it as monitor_training_step(..., scaler=scaler)"
+    if "scale" in d:  # found in the calling code, and taken
+        read = "already unscaled" if d.get("already_unscaled") else f"{d['grad_norm']:.4g} unscaled"
+        return (
+            f"At step {anomaly.step}: the gradients are scaled by a GradScaler (scale {d['scale']:g}) that was not "
+            f"passed to monitor_training_step; found in the calling code, it is used from this step on (the gradient "
+            f"norm read {d['grad_norm_read']:.4g}, {read}): {fix}."
+        )
+    return (
+        f"At step {anomaly.step}: the gradient norm read {d['grad_norm']:.4g} with no GradScaler given, and the "
+        f"calling code holds {d['scalers']} GradScalers in use: the gradients are read as they are, scaled by the one "
+        f"that scales this loss (an explosion or NaN that is not one); pass that one as "
+        f"monitor_training_step(..., scaler=scaler)."
+    )
+
+
 def nonfinite_gradients(anomaly: Anomaly) -> str:
     """The training side's ``nonfinite``: gradients that hold NaN/Inf, or the backward op that
     autograd anomaly mode caught (``details["localization"]`` alone)."""

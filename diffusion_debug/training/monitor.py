@@ -37,17 +37,12 @@ from .judges.causes import trace_causes
 from .judges.local_judging import Judgement, LocalJudge
 from .judges.samples import SampleAccumulator, judge_samples
 from .measure.gradients import TrainableParameters
-from .measure.optimizer_state import (
-    find_scaler,
-    gradients_complete,
-    learning_rates,
-    scale_tensor,
-    tracking_enabled,
-)
+from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, scale_tensor, tracking_enabled
 from .measure.pre_reduction import REDUCTIONS, engine_of
 from .measure.shards import ShardNorms
 from .measure.step_measurer import StepMeasurer
 from .measure.step_row import SLOTS, LocalReadings, Measurement, StepRow, gathered_rows_to_host
+from .measure.unnamed_scaler import UnnamedScaler
 from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
@@ -97,6 +92,7 @@ class StepMonitor:
             rank=ctx.rank,
             sketch=measurer.updates,
             history=history,
+            rates=measurer.learning_rates,
         )
         self.exchange = RankExchange(ctx, strict=config.strict)
         self.sharded = params.sharded  # replicated: whole parameters on every rank (FSDP1's are shards)
@@ -115,6 +111,8 @@ class StepMonitor:
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
+        self.scalers = UnnamedScaler()
+        """A GradScaler the loop uses without passing it (``measure.unnamed_scaler``): found once, then the step's."""
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -131,6 +129,8 @@ class StepMonitor:
         measured = self._measure(step, call)  # never raises: a failure is the failed row
         self._pre_reduction_failed(step)
         own, local = self._to_host(step, measured)  # the step's one host transfer
+        if own.grad_norm > self.config.grad_explosion_threshold or own.nonfinite_parameters > 0:  # scaled?
+            own, local = self.scalers.read_unscaled(self.sink, step, own, local, measured, call, self.ctx)
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
         if self.ctx.distributed:
@@ -262,7 +262,8 @@ class StepMonitor:
         try:
             if step.failure is not None:
                 raise step.failure
-            scaler = find_scaler(self.accelerator, call.optimizer, call.scaler)
+            given = call.scaler if call.scaler is not None else self.scalers.found()  # (a weak reference's call)
+            scaler = find_scaler(self.accelerator, call.optimizer, given)
             step.last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
             measured = self.measurer.measure(
                 scaler=scaler,
