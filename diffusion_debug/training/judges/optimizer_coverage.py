@@ -151,10 +151,25 @@ def judge_coverage(
         unfrozen = sum(id(p) in inside for p in outside)
         if unfrozen:
             details["outside"]["unfrozen"] = unfrozen
+        nonfinite = _nonfinite_gradients(outside)
+        if nonfinite:  # the step that finds them unfrozen (or added) reads their gradients once
+            details["outside"]["nonfinite_gradients"] = nonfinite
     if missing:
         split = split or (lambda name: ("model", name))
         details["not_optimized"] = _described([split(name) for name in missing])
     return make_anomaly(kind="unwatched_parameters", component="optimizer", step=step, rank=rank, details=details)
+
+
+def _nonfinite_gradients(params: list[torch.Tensor]) -> int:
+    """How many of ``params`` hold a NaN/Inf gradient now (one read of one flag each, in one transfer
+    per device; a sparse gradient by its values): read only where the check finds parameters outside
+    the watch, whose gradients the steps do not read."""
+    grads = [p.grad for p in params if p.grad is not None]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        values = g.coalesce()._values() if g.is_sparse else g
+        by_device.setdefault(values.device, []).append((~torch.isfinite(values.detach())).any())
+    return sum(int(torch.stack(flags).sum().item()) for flags in by_device.values())
 
 
 def _embeddings_beside_adapters(models: Iterable[nn.Module], held: dict[int, torch.Tensor]) -> set[int]:
