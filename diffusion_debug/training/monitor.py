@@ -42,7 +42,7 @@ from .measure.pre_reduction import REDUCTIONS, engine_of
 from .measure.shards import ShardNorms
 from .measure.step_measurer import StepMeasurer
 from .measure.step_row import SLOTS, LocalReadings, Measurement, StepRow, gathered_rows_to_host
-from .measure.unnamed_scaler import UnnamedScaler
+from .measure.unnamed_scaler import NO_SCALER, UnnamedScaler
 from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
@@ -262,7 +262,7 @@ class StepMonitor:
         try:
             if step.failure is not None:
                 raise step.failure
-            given = call.scaler if call.scaler is not None else self.scalers.found()  # (a weak reference's call)
+            given = call.scaler if call.scaler is not None else self.scalers.found.get(id(call.optimizer), NO_SCALER)()
             scaler = find_scaler(self.accelerator, call.optimizer, given)
             step.last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
             measured = self.measurer.measure(

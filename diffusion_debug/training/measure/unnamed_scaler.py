@@ -2,14 +2,14 @@
 gradients hold the loss scale (65,536 at the start), read as an exploding norm at every step, and each
 overflow it skips as a NaN gradient error.
 
-It is looked for once a run, at the first measured step with no scaler known whose gradients look so: a
-norm above ``grad_explosion_threshold``, or a non-finite one (a clean step pays one comparison, no call).
+It is looked for once an optimizer, at its first measured step with no scaler known whose gradients
+look so: a norm above ``grad_explosion_threshold``, or a non-finite one (a clean step pays one comparison, no call).
 The place looked is the code that called the monitor: each calling frame's locals and globals, and one
 attribute deep in each of their objects (a trainer's ``self.scaler``), for an enabled
 ``torch.amp.GradScaler`` that has scaled a loss. One found: that step's row and norms are read again
-unscaled on the host (divided by its scale, unless ``unscale_`` ran already), the scaler is used from
-then on as if passed, and an info ``grad_scaler_not_given`` says so. Several: a warning names the fix
-(``scaler=``) and the gradients are read as they are.
+unscaled on the host (divided by its scale, unless ``unscale_`` ran already), the scaler is used for
+that optimizer's steps from then on as if passed, and an info ``grad_scaler_not_given`` says so.
+Several: a warning names the fix (``scaler=``) and the gradients are read as they are.
 
 >>> import torch
 >>> scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
@@ -47,7 +47,7 @@ class _Gone:
     pass
 
 
-_NONE = weakref.ref(_Gone())
+NO_SCALER = weakref.ref(_Gone())
 """A dead reference (it answers None): no scaler found."""
 
 
@@ -102,14 +102,20 @@ def _take(value: Any, kinds: tuple[type, ...], found: dict[int, Any]) -> None:
 
 
 class UnnamedScaler:
-    """The GradScaler found in use though not passed (see the module docstring): looked for once
-    (:attr:`sought`), then :attr:`found` (a weak reference; dead: none) taken as the step's scaler."""
+    """The GradScaler found in use though not passed (see the module docstring): looked for once an
+    optimizer (:attr:`sought`), then taken as the scaler of that optimizer's steps (:attr:`found`; a GAN's
+    other optimizer, whose loss it may not scale, is looked for at a step of its own)::
+
+        scaler = scalers.found.get(id(optimizer), NO_SCALER)()  # None: none found (no Python call)
+    """
 
     __slots__ = ("sought", "found")
 
     def __init__(self) -> None:
-        self.sought = False
-        self.found: weakref.ref = _NONE
+        self.sought: set[int] = set()
+        """The optimizers (by ``id``) whose steps were looked at."""
+        self.found: dict[int, weakref.ref] = {}
+        """Per optimizer (by ``id``), a weak reference to the scaler found at one of its steps."""
 
     def read_unscaled(
         self, sink: Any, step: Any, row: StepRow, local: LocalReadings, measured: Measurement, call: Any, ctx: Any
@@ -119,7 +125,7 @@ class UnnamedScaler:
         monitor's caller, its finding emitted through ``sink`` (``core.AnomalySink``) and the scaler
         found made the step's (``step.last``). Never raises (before the step's collectives): an error
         of ours is recorded and the row left as it is."""
-        if self.sought or step.last is None or step.last[1] is not None or row.scaled:
+        if id(call.optimizer) in self.sought or step.last is None or step.last[1] is not None or row.scaled:
             return row, local
         try:
             frame = sys._getframe(1)
@@ -133,7 +139,7 @@ class UnnamedScaler:
             frame = None  # no reference cycle through the frames
         if found is not None:
             sink.emit(found, log=ctx.is_main)
-        scaler = self.found()
+        scaler = self.found.get(id(call.optimizer), NO_SCALER)()
         if scaler is not None:  # the skip of this step, told at the next one (or at close), is the scaler's
             step.last = (step.last[0], scaler, getattr(scaler, "_per_optimizer_states", None))
         return row, local
@@ -149,10 +155,10 @@ class UnnamedScaler:
         rank: int,
         frame: Any,
     ) -> tuple[StepRow, LocalReadings, Anomaly | None]:
-        """Once: the GradScaler the code of ``frame`` (the monitor's caller) and its callers hold. Found
-        alone: ``row`` and ``local`` read unscaled (``measured.norms`` too) and the info that says so;
-        several: the warning; none: nothing. The row and readings as they are but where one was found."""
-        self.sought = True
+        """Once an ``optimizer``: the GradScaler the code of ``frame`` (the monitor's caller) and its callers
+        hold. Found alone: ``row`` and ``local`` read unscaled (``measured.norms`` too) and the info that says
+        so; several: the warning; none: nothing. The row and readings as they are but where one was found."""
+        self.sought.add(id(optimizer))
         held = scalers_in_callers(frame)
         if not held:
             return row, local, None
@@ -162,7 +168,7 @@ class UnnamedScaler:
             return row, local, make_anomaly("grad_scaler_not_given", severity="warning", **where, details=details)
         scaler = held[0]
         try:
-            self.found = weakref.ref(scaler)
+            self.found[id(optimizer)] = weakref.ref(scaler)
         except TypeError:  # no weak reference: not kept (looked for once all the same)
             pass
         scale = float(scaler.get_scale())
