@@ -767,6 +767,56 @@ def test_a_text_encoder_the_optimizer_holds_frozen_and_unfreezes_later_is_named_
         )
 
 
+def test_a_lora_adapter_added_mid_run_is_named_as_added_the_step_the_optimizer_holds_it(tmp_path, _tiny_unet):
+    # a LoRA run (peft adapter "first") given a second adapter at step 2, its parameters added to the optimizer
+    # (add_param_group) and a NaN in one of their (unwatched) gradients then: named at step 2 as added since the
+    # debugger was made (it read "frozen when the TrainingDebugger was made and unfrozen since", though they did
+    # not exist then), with the NaN gradient it holds; step 3's NaN loss points at it
+    from peft import LoraConfig
+
+    unet = copy.deepcopy(_tiny_unet).train().requires_grad_(False)
+    torch.manual_seed(0)
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"]), adapter_name="first")
+    optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-4)
+    tdbg = TrainingDebugger(unet, config=_config(tmp_path))
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(2, 4, unet.config.cross_attention_dim, generator=generator)
+    noise = torch.randn(sample.shape, generator=generator)
+    for step in range(4):
+        if step == 2:
+            second = LoraConfig(r=4, lora_alpha=4, target_modules=["to_k"], init_lora_weights="gaussian")
+            unet.add_adapter(second, adapter_name="second")
+            unet.set_adapters(["first", "second"])
+            added = [p for name, p in unet.named_parameters() if ".second." in name]
+            optimizer.add_param_group({"params": [p.requires_grad_(True) for p in added], "lr": 1e-4})
+        loss = ((unet(sample, torch.tensor([100, 700]), context).sample - noise) ** 2).mean()
+        loss.backward()
+        if step == 2:
+            added[0].grad.view(-1)[0] = float("nan")
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    tdbg.close()
+    warnings = _warnings(tdbg.report().anomalies)
+    assert [(a.kind, a.step) for a in warnings] == [
+        ("unwatched_parameters", 2),
+        ("nonfinite_loss", 3),
+        ("nonfinite", 3),
+    ]
+    outside = warnings[0].details["outside"]
+    assert (outside["count"], outside["added"], outside["nonfinite_gradients"]) == (len(added), len(added), 1)
+    assert "unfrozen" not in outside
+    listed = ", ".join(f"{group} ({n})" for group, n in outside["groups"].items())
+    assert warnings[0].message == (
+        f"At step 2: the optimizer trains {len(added)} parameter tensor(s) ({outside['values']:,} values) added to "
+        f"the watched model(s) since the TrainingDebugger was made, in {listed}: "
+        "1 of them holds NaN/Inf gradients now, and later NaN gradients and updates are not seen; make the "
+        "TrainingDebugger after adding them."
+    )
+    assert warnings[1].details["cause"]["step"] == 2
+
+
 def _mlp_loop(tmp_path, steps, *, after_step=None, set_to_none=True):
     """SGD on an MLP, monitored each step; ``after_step(step, model, optimizer, tdbg)`` after
     ``optimizer.step()``. Returns the debugger (closed)."""

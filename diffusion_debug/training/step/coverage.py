@@ -73,7 +73,10 @@ class CoverageWatch:
         history = self.history
         try:
             self._covered = self._coverage(optimizer)
-            checked, found = check_coverage(self.params, self.watched, optimizer, self.accelerator, step, self.ctx)
+            frozen_then = frozenset(map(id, self._frozen))
+            checked, found = check_coverage(
+                self.params, self.watched, optimizer, self.accelerator, step, self.ctx, frozen_then
+            )
         except Exception as error:
             history.coverage_checked = True
             where = "comparing the optimizer with the watched parameters"
