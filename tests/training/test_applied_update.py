@@ -321,3 +321,27 @@ def test_a_lora_resumed_early_under_a_warmup_is_quiet_and_a_real_spike_in_it_is_
         ("lr_spike", 6, spiked, "applied_update")
     ]
     assert told[0].details["update_to_weight_ratio"] > 20  # 29x the weight, with that step's own update
+
+
+def test_a_growing_module_whose_ratio_climbs_under_twice_a_step_is_told_when_it_rises():
+    # growth from zero reads FALLING ratios (about 2/k after k updates): a module taken as growing at the
+    # first comparison whose ratio then rises (3, 5, 9, 17, ... each under 2x its last) is no growth; before:
+    # never told while each step stayed under GROWTH_MARGIN times its last
+    from diffusion_debug.training.measure.updates import judge_applied_update
+
+    growing: dict[str, float] = {}
+    told = []
+    ratios = [3.0, 5.0, 9.0, 17.0, 33.0, 65.0, 129.0, 257.0, 390.0]
+    for i, ratio in enumerate(ratios):
+        found = judge_applied_update(
+            0, 3 + i, {"lora_B": ratio}, 1.0, detected_at=4 + i, growing=growing, first=i == 0, warming=True
+        )
+        told += [(a.kind, a.step, a.module, a.details["update_to_weight_ratio"]) for a in found]
+    assert told[0] == ("lr_spike", 4, "lora_B", 5.0)
+    # falling ratios (a weight grown from zero) stay quiet until under the threshold, judged as any other then
+    growing, quiet = {}, []
+    for i, ratio in enumerate([3.0, 1.7, 1.2, 1.1, 0.5]):
+        quiet += judge_applied_update(
+            0, 3 + i, {"lora_B": ratio}, 1.0, detected_at=4 + i, growing=growing, first=i == 0, warming=True
+        )
+    assert quiet == [] and growing == {}

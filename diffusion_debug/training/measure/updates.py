@@ -37,9 +37,10 @@ convolutions) grows from nothing: its ratio is not judged where it was zero at t
 comparison. A debugger made a few steps into the run (a resume from an early checkpoint) finds it grown
 a little: under a warmup each update is larger than the last, and the one read first may be 1-2x the
 weight it has grown to. So a module above the threshold at the first comparison while the learning rate
-rises, by at most :data:`GROWTH_FIRST_MAX`, is taken as growing: told only once a later update reads
-more than :data:`GROWTH_MARGIN` times its last ratio, and judged as any other once one reads under the
-threshold; a real spike at that very first comparison under a warmup is told only above that bound. An
+rises, by at most :data:`GROWTH_FIRST_MAX`, is taken as growing: told once a later update reads more
+than :data:`GROWTH_MARGIN` times the smallest ratio it read (growth reads falling ratios), and judged as
+any other once one reads under the threshold; a real spike at that very first comparison under a warmup
+is told only above that bound. An
 ``nn.Embedding``'s block is its last rows: the tokens a script adds are appended there
 (``resize_token_embeddings``), and textual inversion and Custom Diffusion train only those, putting
 every other row back after each step (its middle rows never move: the update read 0, and a new token's
@@ -70,10 +71,10 @@ from .wrappers import local_part
 
 SAMPLED = 128
 """Consecutive elements kept of each parameter."""
-GROWTH_MARGIN = 2.0
-"""How much more than its last ratio a growing module's update may read and still be growth: a weight
-grown from zero under a warmup reads about ``2 / k`` after ``k`` updates, falling, and the sketch's
-sample errs by a third at worst (the module docstring)."""
+GROWTH_MARGIN = 1.25
+"""How much more than the smallest ratio it has read a growing module's update may read and still be
+growth: a weight grown from zero under a warmup reads about ``2 / k`` after ``k`` updates, FALLING; a
+ratio that rises (3, 5, 9, ... each under twice its last) is no growth."""
 GROWTH_FIRST_MAX = 4.0
 """The largest ratio at the first comparison taken as growth: a weight grown from zero by one update,
 its next under a linear warmup from 0 reads 2 (twice the lr), its sign flipped or not."""
@@ -104,7 +105,8 @@ class UpdateSketch:
         self.grown_from_zero: set[str] | None = None
         """Modules whose sampled weights were all zero at the first comparison (never judged)."""
         self.growing: dict[str, float] = {}
-        """Modules taken as still growing from zero (:func:`judge_applied_update`), each with its last ratio."""
+        """Modules taken as still growing from zero (:func:`judge_applied_update`), each with the smallest
+        ratio it read."""
         self.table_modules: frozenset[str] = frozenset()
         """The sampled modules whose block is an embedding table's last rows (their ratio is those rows')."""
         self.kept_at: int | None = None
@@ -359,9 +361,9 @@ def judge_applied_update(
     modules whose figure is an embedding table's last rows' (``details["last_rows"]``: the top one
     is such a table, whose whole norm moved far less where only those rows train). ``growing``
     (``UpdateSketch.growing``, updated here): the modules taken as still growing from zero, each with
-    its last ratio; at the ``first`` comparison while ``warming`` (the learning rate rose) each module
+    the smallest ratio it read; at the ``first`` comparison while ``warming`` (the learning rate rose) each module
     above the threshold (up to :data:`GROWTH_FIRST_MAX`) joins it; one leaves it at an update under the
-    threshold, or is told at one of more than :data:`GROWTH_MARGIN` times its last ratio.
+    threshold, or is told at one of more than :data:`GROWTH_MARGIN` times that smallest ratio.
 
     >>> growing = {}
     >>> judge_applied_update(0, 3, {"lora_B": 2.0}, 1.0, detected_at=4, growing=growing, first=True, warming=True)
@@ -420,15 +422,16 @@ def _grown(growing: dict[str, float], ratios: dict[str, float], threshold: float
 
 def _not_growth(above: list[tuple[str, float]], growing: dict[str, float], joins: bool) -> list[tuple[str, float]]:
     """The modules over the threshold whose update is not a growing module's (``joins``: those above it now
-    join ``growing``); each growing one keeps its latest ratio."""
+    join ``growing``); each growing one keeps the smallest ratio it read, and one told leaves it."""
     told = []
     for module, ratio in above:
-        last = growing.get(module)
-        if (last is None and joins and ratio <= GROWTH_FIRST_MAX) or (
-            last is not None and ratio <= GROWTH_MARGIN * last
-        ):
+        least = growing.get(module)
+        if least is None and joins and ratio <= GROWTH_FIRST_MAX:
             growing[module] = ratio
+        elif least is not None and ratio <= GROWTH_MARGIN * least:
+            growing[module] = min(least, ratio)
         else:
+            growing.pop(module, None)
             told.append((module, ratio))
     return told
 
