@@ -9,7 +9,18 @@ attribute deep in each of their objects (a trainer's ``self.scaler``), for an en
 ``torch.amp.GradScaler`` that has scaled a loss. One found: that step's row and norms are read again
 unscaled on the host (divided by its scale, unless ``unscale_`` ran already), the scaler is used for
 that optimizer's steps from then on as if passed, and an info ``grad_scaler_not_given`` says so.
-Several: a warning names the fix (``scaler=``) and the gradients are read as they are.
+Several: a warning names the fix (``scaler=``) and the gradients are read as they are. A ``scaler=``
+given (a disabled one too) is never searched past.
+
+One found is the optimizer's only once it steps it: ``unscale_(optimizer)`` ran before the monitor, or
+at the next step the scaler's per-step state of the step found (``update()`` replaced it) holds the
+optimizer (``scaler.step(optimizer)`` ran). Otherwise (a second, fp16 model's scaler beside a plain fp32
+one) it is dropped at that next step, read as it is from then on, and a warning ``grad_scaler_not_given``
+tells the norm the step found read (a real explosion there was read divided by its scale).
+
+The calling frames' locals are read through ``frame.f_locals``: before Python 3.13 that stores a copy of
+a function's locals on its frame, which kept the step's batch alive until the loop returned; the copy
+is emptied once read (the frame's own variables are untouched: the next ``locals()`` fills it again).
 
 >>> import torch
 >>> scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
@@ -27,6 +38,7 @@ the scale times too large): pass ``scaler=``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import types
 import weakref
@@ -35,12 +47,14 @@ from typing import Any
 import torch
 
 from ...record import Anomaly, make_anomaly
-from .optimizer_state import scale_tensor, scaler_already_unscaled
+from .optimizer_state import raw_optimizer, scale_tensor, scaler_already_unscaled
 from .step_row import LocalReadings, Measurement, StepRow
 
 FRAMES_LOOKED = 16
 """Calling frames whose locals and globals are looked through."""
 _NOT_OBJECTS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+_SNAPSHOT_LOCALS = sys.version_info < (3, 13)
+"""``frame.f_locals`` of a function is a copy stored on the frame (PEP 667 made it a view in 3.13)."""
 
 
 class _Gone:
@@ -77,28 +91,66 @@ def scalers_in_callers(frame: Any) -> list[Any]:
     for _ in range(FRAMES_LOOKED):
         if frame is None:
             break
+        snapshot = _SNAPSHOT_LOCALS and bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED)  # a function's
         for namespace in (frame.f_locals, frame.f_globals):
             if id(namespace) in seen:
                 continue
             seen.add(id(namespace))
-            for value in list(namespace.values()):
-                _take(value, kinds, found)
-                if issubclass(type(value), _NOT_OBJECTS):
-                    continue
-                try:
-                    attributes = object.__getattribute__(value, "__dict__")
-                except Exception:  # no __dict__ (slots, a C object): nothing one level down
-                    continue
-                if isinstance(attributes, dict):
-                    for inner in list(attributes.values()):
-                        _take(inner, kinds, found)
+            values = list(namespace.values())
+            if snapshot and namespace is not frame.f_globals:
+                namespace.clear()  # the copy stored on the frame: it would hold the step's locals alive
+            snapshot = False
+            _take_all(values, kinds, found)
         frame = frame.f_back
     return list(found.values())
+
+
+def _take_all(values: list[Any], kinds: tuple[type, ...], found: dict[int, Any]) -> None:
+    for value in values:
+        _take(value, kinds, found)
+        if issubclass(type(value), _NOT_OBJECTS):
+            continue
+        try:
+            attributes = object.__getattribute__(value, "__dict__")
+        except Exception:  # no __dict__ (slots, a C object): nothing one level down
+            continue
+        if isinstance(attributes, dict):
+            for inner in list(attributes.values()):
+                _take(inner, kinds, found)
 
 
 def _take(value: Any, kinds: tuple[type, ...], found: dict[int, Any]) -> None:
     if _in_use(value, kinds):
         found.setdefault(id(value), value)
+
+
+class _OnTrial:
+    """The scaler found at an optimizer's step whose ``unscale_`` had not run: in :attr:`UnnamedScaler.found`
+    until the next step calls it (as a weak reference is called), which keeps it (``scaler.step`` of that
+    optimizer ran: its key is in the per-step state of the step found) or drops it, with the warning."""
+
+    __slots__ = ("owner", "key", "keys", "scaler", "states", "sink", "warning", "log")
+
+    def __init__(self, owner: UnnamedScaler, optimizer: Any, scaler: Any, sink: Any, warning: Anomaly, log: bool):
+        self.owner, self.key, self.sink, self.warning, self.log = owner, id(optimizer), sink, warning, log
+        self.keys = {id(optimizer), id(raw_optimizer(optimizer))}
+        self.scaler = weakref.ref(scaler)
+        self.states = getattr(scaler, "_per_optimizer_states", None)  # the step found's: update() replaces it
+
+    def __call__(self) -> Any:
+        scaler = self.scaler()
+        if scaler is not None and getattr(scaler, "_per_optimizer_states", None) is self.states:
+            return scaler  # no update() since the step found: nothing to tell yet
+        if scaler is not None and isinstance(self.states, dict) and not self.keys.isdisjoint(self.states):
+            self.owner.found[self.key] = self.scaler
+            return scaler
+        self.owner.found[self.key] = NO_SCALER
+        if scaler is not None:
+            try:
+                self.sink.emit(self.warning, ("grad_scaler_not_given", "dropped", self.key), log=self.log)
+            except Exception as error:  # never breaks the step that calls it
+                self.sink.debugger_error("dropping the GradScaler found", error, step=self.warning.step)
+        return None
 
 
 class UnnamedScaler:
@@ -115,7 +167,8 @@ class UnnamedScaler:
         self.sought: set[int] = set()
         """The optimizers (by ``id``) whose steps were looked at."""
         self.found: dict[int, weakref.ref] = {}
-        """Per optimizer (by ``id``), a weak reference to the scaler found at one of its steps."""
+        """Per optimizer (by ``id``), a weak reference to the scaler found at one of its steps (or, until its
+        next step, the scaler on trial: :class:`_OnTrial`; called alike)."""
 
     def read_unscaled(
         self, sink: Any, step: Any, row: StepRow, local: LocalReadings, measured: Measurement, call: Any, ctx: Any
@@ -125,13 +178,20 @@ class UnnamedScaler:
         monitor's caller, its finding emitted through ``sink`` (``core.AnomalySink``) and the scaler
         found made the step's (``step.last``). Never raises (before the step's collectives): an error
         of ours is recorded and the row left as it is."""
-        if id(call.optimizer) in self.sought or step.last is None or step.last[1] is not None or row.scaled:
+        if (
+            id(call.optimizer) in self.sought
+            or call.scaler is not None  # given, if disabled: the user's answer
+            or step.last is None
+            or step.last[1] is not None
+            or row.scaled
+        ):
             return row, local
         try:
             frame = sys._getframe(1)
             row, local, found = self.seek(
                 row, local, measured, call.optimizer, step=step.index, rank=ctx.rank, frame=frame
             )
+            scaler = self.taken(call.optimizer, found, sink, ctx.is_main)
         except Exception as error:
             sink.debugger_error("looking for the GradScaler in use", error, step=step.index, rank=ctx.rank)
             return row, local
@@ -139,7 +199,6 @@ class UnnamedScaler:
             frame = None  # no reference cycle through the frames
         if found is not None:
             sink.emit(found, log=ctx.is_main)
-        scaler = self.found.get(id(call.optimizer), NO_SCALER)()
         if scaler is not None:  # the skip of this step, told at the next one (or at close), is the scaler's
             step.last = (step.last[0], scaler, getattr(scaler, "_per_optimizer_states", None))
         return row, local
@@ -167,10 +226,6 @@ class UnnamedScaler:
             where = {"component": "model", "step": step, "rank": rank}
             return row, local, make_anomaly("grad_scaler_not_given", severity="warning", **where, details=details)
         scaler = held[0]
-        try:
-            self.found[id(optimizer)] = weakref.ref(scaler)
-        except TypeError:  # no weak reference: not kept (looked for once all the same)
-            pass
         scale = float(scaler.get_scale())
         unscaled = scaler_already_unscaled(scaler, optimizer)
         divisor = 1.0 if unscaled or not scale > 0 else scale
@@ -187,4 +242,23 @@ class UnnamedScaler:
                 measured.norms = measured.norms / divisor
         details["grad_norm"] = row.grad_norm
         where = {"component": "model", "step": step, "rank": rank}
-        return row, local, make_anomaly("grad_scaler_not_given", severity="info", **where, details=details)
+        found = make_anomaly("grad_scaler_not_given", severity="info", **where, details=details)
+        found.details["_scaler"] = scaler  # for :meth:`taken`, which removes it
+        return row, local, found
+
+    def taken(self, optimizer: Any, found: Anomaly | None, sink: Any, log: bool) -> Any:
+        """The scaler ``found`` (the info of :meth:`seek`) made ``optimizer``'s: kept if ``unscale_(optimizer)``
+        ran, else on trial until its next step (:class:`_OnTrial`). The scaler, or None (none found)."""
+        scaler = found.details.pop("_scaler", None) if found is not None else None
+        if scaler is None:
+            return None
+        d = found.details
+        if d["already_unscaled"]:
+            self.found[id(optimizer)] = weakref.ref(scaler)
+            return scaler
+        details = {"dropped": True, "scale": d["scale"], "grad_norm": d["grad_norm_read"]}
+        details["grad_norm_unscaled"] = d["grad_norm"]
+        where = {"component": "model", "step": found.step, "rank": found.rank}
+        warning = make_anomaly("grad_scaler_not_given", severity="warning", **where, details=details)
+        self.found[id(optimizer)] = _OnTrial(self, optimizer, scaler, sink, warning, log)
+        return scaler
