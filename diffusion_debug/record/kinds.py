@@ -381,20 +381,6 @@ register_kind(
     message=training_messages.unwatched_parameters,
 )
 register_kind(
-    "grad_scaler_not_given",
-    severity="warning",
-    colour="#dbdb8d",
-    meaning=(
-        "A plain loop scales its loss with a GradScaler it did not pass as scaler=: its gradients hold the loss "
-        "scale, read as an exploding norm and each overflow it skips as a NaN gradient. An info where the debugger "
-        "found that scaler in the calling code and reads the gradients unscaled from then on; a warning where the "
-        "calling code holds several, and which one scales the loss is not known."
-    ),
-    action="Pass it: monitor_training_step(loss, optimizer=optimizer, step=step, scaler=scaler).",
-    stage=0,
-    message=training_messages.grad_scaler_not_given,
-)
-register_kind(
     "nonfinite_loss_weight",
     severity="error",
     colour="#c5b0d5",

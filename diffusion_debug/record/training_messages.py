@@ -174,32 +174,6 @@ def distributed_split(anomaly: Anomaly) -> str:
     )
 
 
-def grad_scaler_not_given(anomaly: Anomaly) -> str:
-    d = anomaly.details
-    fix = "pass it as monitor_training_step(..., scaler=scaler)"
-    if d.get("dropped"):  # found, tried for a step, and not this optimizer's
-        return (
-            f"At step {anomaly.step}: the GradScaler found in the calling code (scale {d['scale']:g}) did not step "
-            f"this optimizer (scaler.step(optimizer) did not run): dropped from the next step on; step "
-            f"{anomaly.step}'s gradient norm read {d['grad_norm']:.4g} (read as {d['grad_norm_unscaled']:.4g} at "
-            "that step). If this model's loss is scaled, pass its GradScaler as monitor_training_step(..., "
-            "scaler=scaler)."
-        )
-    if "scale" in d:  # found in the calling code, and taken
-        read = "already unscaled" if d.get("already_unscaled") else f"{d['grad_norm']:.4g} unscaled"
-        return (
-            f"At step {anomaly.step}: the gradients are scaled by a GradScaler (scale {d['scale']:g}) that was not "
-            f"passed to monitor_training_step; found in the calling code, it is used from this step on (the gradient "
-            f"norm read {d['grad_norm_read']:.4g}, {read}): {fix}."
-        )
-    return (
-        f"At step {anomaly.step}: the gradient norm read {d['grad_norm']:.4g} with no GradScaler given, and the "
-        f"calling code holds {d['scalers']} GradScalers in use: the gradients are read as they are, scaled by the one "
-        f"that scales this loss (an explosion or NaN that is not one); pass that one as "
-        f"monitor_training_step(..., scaler=scaler)."
-    )
-
-
 def nonfinite_gradients(anomaly: Anomaly) -> str:
     """The training side's ``nonfinite``: gradients that hold NaN/Inf, or the backward op that
     autograd anomaly mode caught (``details["localization"]`` alone)."""

@@ -301,10 +301,9 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         batch) lets a non-finite step be replayed under autograd anomaly mode to name the
         backward op; ``per_sample_loss`` (one value per sample, or the loss before reduction,
         ``[batch, ...]`` with ``timesteps``: each sample's mean) makes timestep buckets exact;
-        ``scaler`` is a GradScaler used without Accelerate (one the calling code holds but does not
-        pass is found at the first step that looks scaled: ``measure.unnamed_scaler``). ``inputs``
-        (the batch: a tensor or a dict / list / tuple of them) is checked for NaN/Inf on the device
-        (``nonfinite_input``, named before the NaN loss it causes). ``max_grad_norm`` (the ``max_norm`` you clip with)
+        ``scaler`` is a GradScaler used without Accelerate. ``inputs`` (the batch: a tensor or a
+        dict / list / tuple of them) is checked for NaN/Inf on the device (``nonfinite_input``,
+        named before the NaN loss it causes). ``max_grad_norm`` (the ``max_norm`` you clip with)
         sets the step's ``grad_norm_clipped``; if you clip *before* monitoring, pass what
         ``clip_grad_norm_`` returned as ``grad_norm`` (the pre-clip norm; a tensor stays on the
         device). ``step`` is recorded plus ``config.step_offset``. Per sample (``samples``):

@@ -37,12 +37,17 @@ from .judges.causes import trace_causes
 from .judges.local_judging import Judgement, LocalJudge
 from .judges.samples import SampleAccumulator, judge_samples
 from .measure.gradients import TrainableParameters
-from .measure.optimizer_state import find_scaler, gradients_complete, learning_rates, scale_tensor, tracking_enabled
+from .measure.optimizer_state import (
+    find_scaler,
+    gradients_complete,
+    learning_rates,
+    scale_tensor,
+    tracking_enabled,
+)
 from .measure.pre_reduction import REDUCTIONS, engine_of
 from .measure.shards import ShardNorms
 from .measure.step_measurer import StepMeasurer
 from .measure.step_row import SLOTS, LocalReadings, Measurement, StepRow, gathered_rows_to_host
-from .measure.unnamed_scaler import NO_SCALER, UnnamedScaler
 from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
@@ -111,8 +116,6 @@ class StepMonitor:
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
-        self.scalers = UnnamedScaler()
-        """A GradScaler the loop uses without passing it (``measure.unnamed_scaler``): found once, then the step's."""
 
     def monitor(self, call: Call) -> dict[str, Any]:
         failure = self._accumulate(call)
@@ -129,8 +132,6 @@ class StepMonitor:
         measured = self._measure(step, call)  # never raises: a failure is the failed row
         self._pre_reduction_failed(step)
         own, local = self._to_host(step, measured)  # the step's one host transfer
-        if own.grad_norm > self.config.grad_explosion_threshold or own.nonfinite_parameters > 0:  # scaled?
-            own, local = self.scalers.read_unscaled(self.sink, step, own, local, measured, call, self.ctx)
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
         if self.ctx.distributed:
@@ -262,8 +263,7 @@ class StepMonitor:
         try:
             if step.failure is not None:
                 raise step.failure
-            given = call.scaler if call.scaler is not None else self.scalers.found.get(id(call.optimizer), NO_SCALER)()
-            scaler = find_scaler(self.accelerator, call.optimizer, given)
+            scaler = find_scaler(self.accelerator, call.optimizer, call.scaler)
             step.last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
             measured = self.measurer.measure(
                 scaler=scaler,
