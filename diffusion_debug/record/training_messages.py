@@ -432,19 +432,34 @@ def unwatched_parameters(anomaly: Anomaly) -> str:
         outside = d["outside"]
         unfrozen = outside.get("unfrozen", 0)
         remake = "make the TrainingDebugger after unfreezing them (or unfreeze them before making it)"
+        bad = outside.get("nonfinite_gradients", 0)
+        unseen = (
+            f"{bad} of them {'holds' if bad == 1 else 'hold'} NaN/Inf gradients now, and later NaN gradients and "
+            "updates are not seen"
+            if bad
+            else "their NaN gradients and updates are not seen"
+        )
+        added = outside.get("added", 0)
         if unfrozen == outside["count"]:
             parts.append(
                 f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) of the "
                 f"watched model(s) that were frozen when the TrainingDebugger was made and unfrozen since, in "
-                f"{_groups(outside['groups'])}: their NaN gradients and updates are not seen; {remake}"
+                f"{_groups(outside['groups'])}: {unseen}; {remake}"
+            )
+        elif added == outside["count"]:  # a LoRA adapter added mid-run
+            parts.append(
+                f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) added "
+                f"to the watched model(s) since the TrainingDebugger was made, in {_groups(outside['groups'])}: "
+                f"{unseen}; make the TrainingDebugger after adding them"
             )
         else:
-            where = "not watched" if unfrozen else "outside the watched model(s)"
+            where = "not watched" if unfrozen or added else "outside the watched model(s)"
             of_them = f" ({unfrozen} of them frozen when the TrainingDebugger was made and unfrozen since: {remake})"
+            new = f" ({added} of them added to the watched model(s) since the TrainingDebugger was made)"
             parts.append(
                 f"the optimizer trains {outside['count']} parameter tensor(s) ({outside['values']:,} values) {where}, "
-                f"in {_groups(outside['groups'])}{of_them if unfrozen else ''}: their NaN gradients and updates are "
-                'not seen; watch them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...)'
+                f"in {_groups(outside['groups'])}{of_them if unfrozen else ''}{new if added else ''}: {unseen}; "
+                'watch them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...)'
             )
     if "not_optimized" in d:
         missing = d["not_optimized"]

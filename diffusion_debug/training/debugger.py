@@ -330,6 +330,9 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         swaps, grads = self._swaps, None  # every watched parameter still where it was, before a gradient is read
         try:  # ParameterSwaps: its quick check or its whole one (no Python call but follow's)
             whole = optimizer is None or optimizer is not swaps.optimizer() or not history.joined % SWAP_CHECK_EVERY
+            groups, count, frozen = swaps.trained  # the followed optimizer trains more since: unfrozen, a group added
+            if len(groups) != count or not all(map(is_, map(attrgetter("grad"), frozen), repeat(None))):
+                whole, history.coverage_checked = True, False  # followed again, and compared with the optimizer now
             if not (follow := whole):  # the optimizer's lists and their items; a watched parameter with no
                 # gradient (one put in its place that the optimizer was not given may have it): the whole check
                 (dicts, keys, held), (lists, items) = swaps.quick, swaps.quick_items

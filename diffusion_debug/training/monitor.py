@@ -97,6 +97,7 @@ class StepMonitor:
             rank=ctx.rank,
             sketch=measurer.updates,
             history=history,
+            rates=measurer.learning_rates,
         )
         self.exchange = RankExchange(ctx, strict=config.strict)
         self.sharded = params.sharded  # replicated: whole parameters on every rank (FSDP1's are shards)

@@ -27,7 +27,8 @@ a compiled forward reads.
 Limits: a parameter shared by two watched models is watched once, under the first name; a
 model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter
 frozen when the debugger was made and unfrozen later is not watched (the ``unwatched_parameters``
-warning names it, with the advice to make the debugger after unfreezing). FSDP2's and ZeRO's
+warning names it, with the advice to make the debugger after unfreezing: at the first step it has a
+gradient where the optimizer held it, :attr:`ParameterSwaps.trained`). FSDP2's and ZeRO's
 parameters are not followed when replaced (they swap their own each forward); FSDP1's
 (``FullyShardedDataParallel(use_orig_params=True)``) are, as a replicated model's: it keeps each
 parameter object and gives it back its shard after each forward and backward. FSDP1's units and
@@ -41,7 +42,8 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, compress, repeat
+from operator import and_, attrgetter, is_, not_, or_
 from typing import Any, Iterator, Mapping
 
 from torch import nn
@@ -214,6 +216,9 @@ class _Gone:
 
 _NO_OPTIMIZER = weakref.ref(_Gone())
 """A dead reference (it answers None): no optimizer followed yet."""
+_GRAD = attrgetter("grad")
+_NOTHING_FOLLOWED: tuple[list, int, tuple] = ([], 0, ())
+""":attr:`ParameterSwaps.trained` with no optimizer followed: always the same."""
 
 
 class ParameterSwaps:
@@ -267,7 +272,18 @@ class ParameterSwaps:
     compiled module is recompiled, no forward pays for it), and nothing between steps: a
     replacement is seen at the next monitored step."""
 
-    __slots__ = ("roots", "names", "lists", "check", "replaced", "error", "optimizer", "quick", "quick_items")
+    __slots__ = (
+        "roots",
+        "names",
+        "lists",
+        "check",
+        "replaced",
+        "error",
+        "optimizer",
+        "quick",
+        "quick_items",
+        "trained",
+    )
 
     def __init__(self, watched: WatchedModels, names: list[str], lists: list[list], *, on: bool = True):
         self.roots = {component: unwrap_model(model) for component, model in watched.models.items()}
@@ -287,6 +303,20 @@ class ParameterSwaps:
         """With :attr:`quick`: the groups' ``params`` lists and the parameters they held, in order, checked
         by identity (``all(map(is_, chain.from_iterable(lists), items))``): a parameter put in another's
         place in the same list (``params[0] = new``, ``params[:] = ...``) is seen at the next step."""
+        self.trained: tuple[list, int, tuple] = _NOTHING_FOLLOWED
+        """What the optimizer :attr:`optimizer` may start to train (:meth:`follow`): its ``param_groups``
+        list, how many groups it held, and the parameters in them that were frozen with no gradient.
+        The debugger checks at every step, with no Python call, that it holds as many groups and that
+        none of those parameters has a gradient::
+
+            groups, count, frozen = swaps.trained
+            same = len(groups) == count and all(map(is_, map(attrgetter("grad"), frozen), repeat(None)))
+
+        else more parameters train than it watches since (``add_param_group``: a LoRA adapter added; a
+        part the optimizer holds unfrozen, ``text_encoder.requires_grad_(True)``): the optimizer is compared
+        with the watched parameters at that step (``unwatched_parameters``, before the NaN loss a NaN
+        gradient of theirs makes at the next). A part unfrozen that the optimizer does not hold trains
+        nothing; a new optimizer holding new parameters is compared within ``COVERAGE_EVERY`` steps."""
         if on:
             self.check = self._resolved()
 
@@ -294,7 +324,7 @@ class ParameterSwaps:
         """After a whole check passed at a step with ``optimizer``: :attr:`quick` made of its torch
         optimizer's (inside Accelerate's wrapper) ``param_groups``' ``params`` lists. None where they
         are not plain attributes and dicts (every step then takes the whole check)."""
-        self.optimizer, self.quick, self.quick_items = _NO_OPTIMIZER, _OFF, ((), ())
+        self.optimizer, self.quick, self.quick_items, self.trained = _NO_OPTIMIZER, _OFF, ((), ()), _NOTHING_FOLLOWED
         if self.check is _OFF:  # the watch is off: its whole check is free
             return
         raw = raw_optimizer(optimizer)
@@ -311,7 +341,13 @@ class ParameterSwaps:
         # not the optimizer's own dict (its ``param_groups`` list reassigned is seen by the whole check, or by a
         # watched parameter left with no gradient): held here, it kept its ``state`` (Adam's moments) alive
         self.quick = (tuple(groups), ("params",) * len(groups), tuple(lists))
-        self.quick_items = (tuple(lists), tuple(chain.from_iterable(lists)))
+        items = tuple(chain.from_iterable(lists))
+        self.quick_items = (tuple(lists), items)
+        # the unwatched frozen ones with no gradient, in C (a GAN's optimizers take turns: follow runs each step)
+        watched = map(set(map(id, self.lists[0])).__contains__, map(id, items))
+        frozen = map(not_, map(or_, watched, map(attrgetter("requires_grad"), items)))
+        gradless = map(is_, map(_GRAD, items), repeat(None))
+        self.trained = (groups, len(groups), tuple(compress(items, map(and_, frozen, gradless))))
         self.optimizer = reference
 
     def refresh(self) -> None:
@@ -319,6 +355,7 @@ class ParameterSwaps:
         (:attr:`replaced` set when one is new), and the check made again. An error of ours here
         (or one :attr:`error` kept) leaves the watch off from then on: recorded once."""
         self.check, self.optimizer, self.quick, self.quick_items = _OFF, _NO_OPTIMIZER, _OFF, ((), ())  # all next
+        self.trained = _NOTHING_FOLLOWED
         error, self.error = self.error, None
         if error is not None:
             raise error

@@ -254,3 +254,94 @@ def test_blocks_of_several_dtypes_are_summed_per_module_as_a_naive_loop(missing,
     assert list(ratios) == ["a", "b", "c", "d", "z"] == list(reference)  # e: not sampled
     assert ratios == pytest.approx(reference, rel=1e-6) and ratios["z"] == math.inf
     assert ratios["d"] == reference["d"]  # float64 blocks: summed exactly as the loop
+
+
+def _resumed_lora(tmp_path, _tiny_unet, *, spike_after=None):
+    """A LoRA run on the tiny UNet (peft adapters, lora_B zero at the start) under diffusers' linear warmup
+    (lr 0 at step 0, 1e-3 at step 20), stopped after step 1 and resumed from its state dicts (a new model,
+    optimizer and scheduler) with a debugger made then, steps 2-9; ``spike_after``: after that step's
+    optimizer step, one lora_B's weights are multiplied by 30 (an update of 29x its norm). The debugger
+    (closed) and the lora_B module."""
+    from diffusers.optimization import get_scheduler
+    from peft import LoraConfig
+
+    from diffusion_debug import TrainingDebugger
+
+    def made():
+        unet = copy.deepcopy(_tiny_unet).train().requires_grad_(False)
+        torch.manual_seed(0)
+        unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+        optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-3)
+        return unet, optimizer, get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=20)
+
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, _tiny_unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(2, 4, _tiny_unet.config.cross_attention_dim, generator=generator)
+    noise = torch.randn(sample.shape, generator=generator)
+    spiked = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.default"
+
+    def train(unet, optimizer, scheduler, steps, tdbg=None):
+        for step in steps:
+            loss = ((unet(sample, torch.tensor([500, 100]), context).sample - noise) ** 2).mean()
+            loss.backward()
+            if tdbg is not None:
+                tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            if step == spike_after:
+                with torch.no_grad():
+                    unet.get_submodule(spiked).weight.mul_(30.0)
+
+    first = made()
+    train(*first, range(2))
+    saved = copy.deepcopy([first[0].state_dict(), first[1].state_dict(), first[2].state_dict()])
+    unet, optimizer, scheduler = made()  # the resume: a new process's objects, loaded
+    for thing, state in zip((unet, optimizer, scheduler), saved):
+        thing.load_state_dict(state)
+    assert unet.get_submodule(spiked).weight.abs().amax() > 0  # lora_B grown a little: not zero
+    with TrainingDebugger(unet, config=DebugConfig(output_dir=str(tmp_path), log_level="error")) as tdbg:
+        train(unet, optimizer, scheduler, range(2, 10), tdbg)
+    tdbg.close()
+    return tdbg, spiked
+
+
+def test_a_lora_resumed_early_under_a_warmup_is_quiet_and_a_real_spike_in_it_is_told(tmp_path, _tiny_unet):
+    # a LoRA resumed at step 2 of a 20-step warmup: its lora_B weights have grown from zero for one update,
+    # and each next update is larger (the lr rises) than the weight so far: 1-2x its norm, read as an
+    # lr_spike on lora_B at the first comparison (updates.py: the skip was only for a weight still zero)
+    tdbg, _ = _resumed_lora(tmp_path / "quiet", _tiny_unet)
+    assert [(a.kind, a.step, a.module) for a in tdbg.report().anomalies if a.severity != "info"] == []
+    ratios = [row["max_applied_update_ratio"] for row in tdbg.report().steps[1:]]
+    assert ratios[0] > 1.0, ratios  # the reading that was told: growth, not a spike
+    # the same run with one lora_B multiplied by 30 after step 6's update: told at step 6, on that module
+    tdbg, spiked = _resumed_lora(tmp_path / "spike", _tiny_unet, spike_after=6)
+    told = [a for a in tdbg.report().anomalies if a.severity != "info"]
+    assert [(a.kind, a.step, a.module, a.details["reason"]) for a in told] == [
+        ("lr_spike", 6, spiked, "applied_update")
+    ]
+    assert told[0].details["update_to_weight_ratio"] > 20  # 29x the weight, with that step's own update
+
+
+def test_a_growing_module_whose_ratio_climbs_under_twice_a_step_is_told_when_it_rises():
+    # growth from zero reads FALLING ratios (about 2/k after k updates): a module taken as growing at the
+    # first comparison whose ratio then rises (3, 5, 9, 17, ... each under 2x its last) is no growth; before:
+    # never told while each step stayed under GROWTH_MARGIN times its last
+    from diffusion_debug.training.measure.updates import judge_applied_update
+
+    growing: dict[str, float] = {}
+    told = []
+    ratios = [3.0, 5.0, 9.0, 17.0, 33.0, 65.0, 129.0, 257.0, 390.0]
+    for i, ratio in enumerate(ratios):
+        found = judge_applied_update(
+            0, 3 + i, {"lora_B": ratio}, 1.0, detected_at=4 + i, growing=growing, first=i == 0, warming=True
+        )
+        told += [(a.kind, a.step, a.module, a.details["update_to_weight_ratio"]) for a in found]
+    assert told[0] == ("lr_spike", 4, "lora_B", 5.0)
+    # falling ratios (a weight grown from zero) stay quiet until under the threshold, judged as any other then
+    growing, quiet = {}, []
+    for i, ratio in enumerate([3.0, 1.7, 1.2, 1.1, 0.5]):
+        quiet += judge_applied_update(
+            0, 3 + i, {"lora_B": ratio}, 1.0, detected_at=4 + i, growing=growing, first=i == 0, warming=True
+        )
+    assert quiet == [] and growing == {}

@@ -8,6 +8,7 @@ import gc
 import logging
 import math
 import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -641,9 +642,10 @@ def test_a_replaced_parameter_is_watched_and_no_compiled_module_is_recompiled(tm
 def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_of_the_nan_they_make(
     tmp_path, unet_loop, _tiny_unet
 ):
-    # the down blocks frozen when the debugger is made, unfrozen at step 1 (a text encoder unfrozen at
-    # step N): their NaN gradient at step 3 goes unseen, and the NaN loss of step 4 points at the
-    # unwatched_parameters warning that names them, not at the forward pass
+    # the down blocks frozen when the debugger is made (the optimizer holds them), unfrozen after step 1 (a text
+    # encoder unfrozen at step N): named at step 2, the first step they have gradients (before: at the next step
+    # with an anomaly, or within 100 steps), their NaN gradient at step 3 goes unseen, and the NaN loss of step 4
+    # points at the unwatched_parameters warning that names them, not at the forward pass
     unet = copy.deepcopy(_tiny_unet)
     unet.down_blocks.requires_grad_(False)
 
@@ -657,16 +659,22 @@ def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_
 
     optimizer = lambda model: torch.optim.AdamW(model.parameters(), lr=1e-4)  # noqa: E731 (holds the frozen ones)
     tdbg, _ = unet_loop(_config(tmp_path), 5, unet=unet, optimizer=optimizer, after_step=after_step, plant=plant)
-    found = {a.kind: a for a in _warnings(tdbg.report().anomalies) if a.step == 4}
+    warnings = _warnings(tdbg.report().anomalies)
+    assert [(a.kind, a.step) for a in warnings if a.kind in ("unwatched_parameters", "nonfinite_loss")] == [
+        ("unwatched_parameters", 2),
+        ("nonfinite_loss", 4),
+    ]
+    found = {a.kind: a for a in warnings}
     unwatched = found["unwatched_parameters"]
     count = len(list(unet.down_blocks.parameters()))
     assert unwatched.details["outside"]["count"] == unwatched.details["outside"]["unfrozen"] == count
     assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
+    assert found["nonfinite_loss"].details["cause"]["step"] == 2
     # inside the watched model: the advice is to make the debugger after unfreezing, not to watch another model
     values = sum(p.numel() for p in unet.down_blocks.parameters())
     blocks = [len(list(block.parameters())) for block in unet.down_blocks]
     assert unwatched.message == (
-        f"At step 4: the optimizer trains {count} parameter tensor(s) ({values:,} values) of the watched model(s) "
+        f"At step 2: the optimizer trains {count} parameter tensor(s) ({values:,} values) of the watched model(s) "
         "that were frozen when the TrainingDebugger was made and unfrozen since, in "
         f"UNet2DConditionModel down_blocks.0 ({blocks[0]}), UNet2DConditionModel down_blocks.1 ({blocks[1]}): "
         "their NaN gradients and updates are not seen; "
@@ -675,9 +683,10 @@ def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_
 
 
 def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the_nan_it_makes(tmp_path, _tiny_unet):
-    # a learned input scale added with add_param_group at step 1 (a new embedding, a new module's
-    # weights): not watched; its NaN update at step 3 makes step 4's loss NaN, which points at the
-    # unwatched_parameters warning naming it, not at the forward pass
+    # a learned input scale added with add_param_group after step 1 (a new embedding, a new module's
+    # weights, a LoRA adapter added): not watched, named at step 2, the first step the optimizer holds it
+    # (before: at step 4, the next step with an anomaly); its NaN update at step 3 makes step 4's loss NaN,
+    # which points at the unwatched_parameters warning naming it, not at the forward pass
     unet = copy.deepcopy(_tiny_unet).train()
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
     tdbg = TrainingDebugger(unet, config=_config(tmp_path))
@@ -698,10 +707,114 @@ def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the
             optimizer.add_param_group({"params": [scale], "lr": 1e-3})
     tdbg.close()
     found = {a.kind: a for a in _warnings(tdbg.report().anomalies)}
-    assert found["unwatched_parameters"].step == 4
+    assert found["unwatched_parameters"].step == 2
     assert found["unwatched_parameters"].details["outside"]["count"] == 1
     assert found["nonfinite_loss"].step == 4
     assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
+    assert found["nonfinite_loss"].details["cause"]["step"] == 2
+
+
+def test_a_text_encoder_the_optimizer_holds_frozen_and_unfreezes_later_is_named_the_step_it_trains(tmp_path, _tiny_sd):
+    # one optimizer over the UNet and the text encoder, the text encoder frozen until step 2 (trained from step
+    # N), the debugger watching the UNet alone, a NaN in the text encoder's (unwatched) gradient at step 2: before,
+    # never named (the coverage watch followed only the watched models' frozen parameters and how many the
+    # optimizer holds, and neither changes), step 3's NaN loss pointed at nothing; now named at step 2, the first
+    # step it has gradients, with the NaN gradient it holds then, and step 3's NaN loss points at that warning
+    unet = copy.deepcopy(_tiny_sd.unet).train()
+    text_encoder = copy.deepcopy(_tiny_sd.text_encoder).train().requires_grad_(False)
+    optimizer = torch.optim.AdamW([*unet.parameters(), *text_encoder.parameters()], lr=1e-4)
+    tdbg = TrainingDebugger(unet, config=_config(tmp_path))
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
+    ids = torch.randint(0, text_encoder.config.vocab_size, (1, 4), generator=generator)
+    noise = torch.randn(sample.shape, generator=generator)
+    final = next(p for name, p in text_encoder.named_parameters() if name.endswith("final_layer_norm.weight"))
+    for step in range(4):
+        if step == 2:
+            text_encoder.requires_grad_(True)
+        loss = ((unet(sample, torch.tensor([500]), text_encoder(ids)[0]).sample - noise) ** 2).mean()
+        loss.backward()
+        if step == 2:
+            final.grad[0] = float("nan")
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    tdbg.close()
+    warnings = _warnings(tdbg.report().anomalies)
+    assert [(a.kind, a.step) for a in warnings] == [
+        ("unwatched_parameters", 2),
+        ("nonfinite_loss", 3),
+        ("nonfinite", 3),
+    ]
+    unwatched, loss, gradients = warnings
+    outside, count = unwatched.details["outside"], len(list(text_encoder.parameters()))
+    assert (outside["count"], outside["nonfinite_gradients"], "unfrozen" in outside) == (count, 1, False)
+    owner = type(text_encoder).__name__  # its module prefixes differ between transformers 4 and 5: read them
+    groups = Counter(
+        f"{owner} {'.'.join(name.rpartition('.')[0].split('.')[:2])}" for name, _ in text_encoder.named_parameters()
+    )
+    assert outside["groups"] == dict(groups.most_common())
+    listed = ", ".join(f"{group} ({n})" for group, n in groups.most_common())
+    assert unwatched.message == (
+        f"At step 2: the optimizer trains {count} parameter tensor(s) ({outside['values']:,} values) outside the "
+        f"watched model(s), in {listed}: 1 of them holds NaN/Inf gradients now, and later NaN gradients and updates "
+        'are not seen; watch them too: TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, ...).'
+    )
+    for consequence in (loss, gradients):
+        assert (consequence.details["cause"]["kind"], consequence.details["cause"]["step"]) == (
+            "unwatched_parameters",
+            2,
+        )
+
+
+def test_a_lora_adapter_added_mid_run_is_named_as_added_the_step_the_optimizer_holds_it(tmp_path, _tiny_unet):
+    # a LoRA run (peft adapter "first") given a second adapter at step 2, its parameters added to the optimizer
+    # (add_param_group) and a NaN in one of their (unwatched) gradients then: named at step 2 as added since the
+    # debugger was made (it read "frozen when the TrainingDebugger was made and unfrozen since", though they did
+    # not exist then), with the NaN gradient it holds; step 3's NaN loss points at it
+    from peft import LoraConfig
+
+    unet = copy.deepcopy(_tiny_unet).train().requires_grad_(False)
+    torch.manual_seed(0)
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"]), adapter_name="first")
+    optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-4)
+    tdbg = TrainingDebugger(unet, config=_config(tmp_path))
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(2, 4, unet.config.cross_attention_dim, generator=generator)
+    noise = torch.randn(sample.shape, generator=generator)
+    for step in range(4):
+        if step == 2:
+            second = LoraConfig(r=4, lora_alpha=4, target_modules=["to_k"], init_lora_weights="gaussian")
+            unet.add_adapter(second, adapter_name="second")
+            unet.set_adapters(["first", "second"])
+            added = [p for name, p in unet.named_parameters() if ".second." in name]
+            optimizer.add_param_group({"params": [p.requires_grad_(True) for p in added], "lr": 1e-4})
+        loss = ((unet(sample, torch.tensor([100, 700]), context).sample - noise) ** 2).mean()
+        loss.backward()
+        if step == 2:
+            added[0].grad.view(-1)[0] = float("nan")
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    tdbg.close()
+    warnings = _warnings(tdbg.report().anomalies)
+    assert [(a.kind, a.step) for a in warnings] == [
+        ("unwatched_parameters", 2),
+        ("nonfinite_loss", 3),
+        ("nonfinite", 3),
+    ]
+    outside = warnings[0].details["outside"]
+    assert (outside["count"], outside["added"], outside["nonfinite_gradients"]) == (len(added), len(added), 1)
+    assert "unfrozen" not in outside
+    listed = ", ".join(f"{group} ({n})" for group, n in outside["groups"].items())
+    assert warnings[0].message == (
+        f"At step 2: the optimizer trains {len(added)} parameter tensor(s) ({outside['values']:,} values) added to "
+        f"the watched model(s) since the TrainingDebugger was made, in {listed}: "
+        "1 of them holds NaN/Inf gradients now, and later NaN gradients and updates are not seen; make the "
+        "TrainingDebugger after adding them."
+    )
+    assert warnings[1].details["cause"]["step"] == 2
 
 
 def _mlp_loop(tmp_path, steps, *, after_step=None, set_to_none=True):

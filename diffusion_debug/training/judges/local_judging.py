@@ -81,8 +81,11 @@ class LocalJudge:
         rank: int,
         sketch: UpdateSketch,
         history: Any,
+        rates: Any = None,
     ):
         self.params = params
+        self.rates = rates
+        """The measurer's ``LearningRateWatch``: whether the learning rate rose at the step (None: not known)."""
         self.order = order
         self.model = model
         self.rank = rank
@@ -206,7 +209,9 @@ class LocalJudge:
         """The previous step's update as measured from the weights: ``lr_spike`` at that step the
         first time it moves a module by more than ``update_ratio_threshold`` x its norm (again only
         after an update under it), unless that step has an ``lr_spike`` already."""
-        judged.applied_update = self.sketch.ratios(squares)
+        sketch = self.sketch
+        first = sketch.grown_from_zero is None  # the sketch's first comparison (``ratios`` sets it)
+        judged.applied_update = sketch.ratios(squares)
         update_step = self.history.previous_step
         found = judge_applied_update(
             self.rank,
@@ -214,8 +219,11 @@ class LocalJudge:
             judged.applied_update,
             config.update_ratio_threshold,
             detected_at=index,
-            skip=self.sketch.grown_from_zero or set(),
-            tables=self.sketch.table_modules,
+            skip=sketch.grown_from_zero or set(),
+            tables=sketch.table_modules,
+            growing=sketch.growing,
+            first=first,
+            warming=self.rates is not None and self.rates.rose,  # a warmup: a resumed LoRA's lora_B still grows
         )
         flagged_before, self.history.update_flagged = self.history.update_flagged, bool(found)
         causes: CauseTracker = self.history.causes

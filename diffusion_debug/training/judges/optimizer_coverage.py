@@ -78,9 +78,16 @@ def optimizers_of(optimizer: Any, accelerator: Any, watched: set[int]) -> list[A
 
 
 def check_coverage(
-    params: TrainableParameters, watched: Any, optimizer: Any, accelerator: Any, step: Any, ctx: Any
+    params: TrainableParameters,
+    watched: Any,
+    optimizer: Any,
+    accelerator: Any,
+    step: Any,
+    ctx: Any,
+    frozen_then: frozenset[int] | None = None,
 ) -> tuple[bool, Anomaly | None]:
-    """``(checked, finding)``: not checked while no optimizer is known (none passed, none prepared)."""
+    """``(checked, finding)``: not checked while no optimizer is known (none passed, none prepared).
+    ``frozen_then``: the watched models' parameters (by ``id``) frozen when the debugger was made."""
     optimizers = optimizers_of(optimizer, accelerator, {id(p) for p in params.params})
     if not optimizers:
         return False, None
@@ -98,6 +105,7 @@ def check_coverage(
         flat=flat,
         trained=trained,
         watched_models=watched.models.values(),
+        frozen_then=frozen_then,
     )
 
 
@@ -112,6 +120,7 @@ def judge_coverage(
     flat: set[int] = frozenset(),
     trained: list[torch.Tensor] = (),
     watched_models: Iterable[nn.Module] = (),
+    frozen_then: frozenset[int] | None = None,
 ) -> Anomaly | None:
     """The ``unwatched_parameters`` warning, or None when every trainable parameter the optimizers
     hold is watched and every watched one is held. ``models``: modules to name outside parameters
@@ -120,7 +129,8 @@ def judge_coverage(
     train the ``flat`` partitions (by ``id``) of the ``trained`` parameters. An outside parameter
     that one of the ``watched_models`` holds was frozen when the debugger was made and unfrozen
     since (``details["outside"]["unfrozen"]``: the advice is then to make the debugger after
-    unfreezing, not to watch another model)."""
+    unfreezing, not to watch another model); with ``frozen_then`` (the ids of those frozen then), one
+    not among them was added since (a LoRA adapter: ``details["outside"]["added"]``)."""
     if not optimizers:
         return None
     live = cache(lambda: live_objects((torch.optim.Optimizer, nn.Module)))  # both kinds, at most one lookup
@@ -149,12 +159,30 @@ def judge_coverage(
         details["outside"]["values"] = sum(p.numel() for p in outside)
         inside = {id(p) for model in watched_models for p in unwrap_model(model).parameters()}
         unfrozen = sum(id(p) in inside for p in outside)
-        if unfrozen:
-            details["outside"]["unfrozen"] = unfrozen
+        added = 0 if frozen_then is None else sum(id(p) in inside and id(p) not in frozen_then for p in outside)
+        if unfrozen - added:
+            details["outside"]["unfrozen"] = unfrozen - added
+        if added:
+            details["outside"]["added"] = added
+        nonfinite = _nonfinite_gradients(outside)
+        if nonfinite:  # the step that finds them unfrozen (or added) reads their gradients once
+            details["outside"]["nonfinite_gradients"] = nonfinite
     if missing:
         split = split or (lambda name: ("model", name))
         details["not_optimized"] = _described([split(name) for name in missing])
     return make_anomaly(kind="unwatched_parameters", component="optimizer", step=step, rank=rank, details=details)
+
+
+def _nonfinite_gradients(params: list[torch.Tensor]) -> int:
+    """How many of ``params`` hold a NaN/Inf gradient now (one read of one flag each, in one transfer
+    per device; a sparse gradient by its values): read only where the check finds parameters outside
+    the watch, whose gradients the steps do not read."""
+    grads = [p.grad for p in params if p.grad is not None]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        values = g.coalesce()._values() if g.is_sparse else g
+        by_device.setdefault(values.device, []).append((~torch.isfinite(values.detach())).any())
+    return sum(int(torch.stack(flags).sum().item()) for flags in by_device.values())
 
 
 def _embeddings_beside_adapters(models: Iterable[nn.Module], held: dict[int, torch.Tensor]) -> set[int]:

@@ -297,15 +297,19 @@ class LearningRateWatch:
         self.largest: list[float] = []
         self.rates: list[float] = []
         """The rates the last :meth:`read` took (the step row's, which its description reuses)."""
+        self.rose = False
+        """At the last :meth:`read`, some group's rate was above its rate at the read before (a warmup)."""
 
     def read(self, optimizer: Any) -> tuple[float, float, float]:
         rates = self.rates = learning_rates(optimizer)
-        best, jump = 1.0, (math.nan, math.nan)
+        best, jump, self.rose = 1.0, (math.nan, math.nan), False
         if len(rates) != len(self.previous):  # a new optimizer or new groups: start again
             self.previous, self.largest = list(rates), list(rates)
             return (rates[0] if rates else math.nan), *jump
         for i, lr in enumerate(rates):
             before, top = self.previous[i], self.largest[i]
+            if lr > before:  # (a comparison: no call)
+                self.rose = True
             if lr > top and before > 0 and lr / before > best:
                 best, jump = lr / before, (before, lr)
             self.previous[i], self.largest[i] = lr, max(top, lr)

@@ -27,29 +27,33 @@ True
 >>> sketch.ratios(read_now(sketch.measure(torch.device("cpu"))))  # one module, the root; exact under 128 elements
 {'': 1.5811388300841898}
 
-Limits: for a parameter of more than 128 elements the block is a sample, not the whole: the ratio is
-a sketch (on the tiny UNet's first AdamW update: 1.7% median error, 33% at worst); a parameter whose
-storage is not dense is left out; when parameters' storage is replaced the sketch starts again, at
-once when the first parameter's was, else within :data:`STORAGE_ROUND` monitored steps (a replaced
+Limits: for a parameter of more than 128 elements the block is a sample, not the whole: the ratio is a
+sketch (on the tiny UNet's first AdamW update: 1.7% median error, 33% at worst); a parameter whose
+storage is not dense is left out; when parameters' storage is replaced the sketch starts again, at once
+when the first parameter's was, else within :data:`STORAGE_ROUND` monitored steps (a replaced
 parameter's block reads as unmoved until then); anything else that writes the weights between two
-monitored steps counts as the update. A module that starts at zero (LoRA's ``lora_B``, ControlNet's
-zero convolutions) grows from nothing: its ratio is not judged (zero at this sketch's first comparison:
-a debugger made a few steps into the run, a resume from an early checkpoint under a warmup, judges it,
-and its next updates may read about 1x its norm, an ``lr_spike``). An ``nn.Embedding``'s block is its
-last rows: the tokens a script adds are appended there (``resize_token_embeddings``), and textual
-inversion and Custom Diffusion train only those, putting every other row back after each step (its
-middle rows never move: the update read 0, and a new token's row moved 100 times its norm in a step
-went unseen; an ``lr_spike`` there says the figure is the last rows', not the whole table's); a full
-fine-tune's last CLIP rows are its start and end tokens, in every prompt (on the tiny CLIP, AdamW: the
-last rows' ratio 3.5e-3, the whole table's 7.4e-4, the middle's 1.0e-6, weight decay alone). A table whose
-last row is its ``padding_idx`` (zero, never trained) is sampled in its middle. One whose last rows
-no prompt uses (T5's vocabulary padded to 32128, Llama 3's reserved tokens) reads weight decay alone
-there in a full fine-tune: a spike is seen at the model's other modules, and ``not_learning`` checks
-the whole weights. The
-blocks are views, each holding its parameter's whole storage: a model moved or cast mid-run
-(``model.to``) keeps its old weights' memory until the sketch's next keep or reading (the steps
-around a scheduled one, ``step.detail``) takes them again; ``TrainingDebugger.close`` lets go of
-them (:meth:`UpdateSketch.release`).
+monitored steps counts as the update. A module that starts at zero (LoRA's ``lora_B``, ControlNet's zero
+convolutions) grows from nothing: its ratio is not judged where it was zero at this sketch's first
+comparison. A debugger made a few steps into the run (a resume from an early checkpoint) finds it grown
+a little: under a warmup each update is larger than the last, and the one read first may be 1-2x the
+weight it has grown to. So a module above the threshold at the first comparison while the learning rate
+rises, by at most :data:`GROWTH_FIRST_MAX`, is taken as growing: told once a later update reads more
+than :data:`GROWTH_MARGIN` times the smallest ratio it read (growth reads falling ratios), and judged as
+any other once one reads under the threshold; a real spike at that very first comparison under a warmup
+is told only above that bound. An
+``nn.Embedding``'s block is its last rows: the tokens a script adds are appended there
+(``resize_token_embeddings``), and textual inversion and Custom Diffusion train only those, putting
+every other row back after each step (its middle rows never move: the update read 0, and a new token's
+row moved 100 times its norm in a step went unseen; an ``lr_spike`` there says the figure is the last
+rows', not the whole table's); a full fine-tune's last CLIP rows are its start and end tokens, in every
+prompt (on the tiny CLIP, AdamW: the last rows' ratio 3.5e-3, the whole table's 7.4e-4, the middle's
+1.0e-6, weight decay alone). A table whose last row is its ``padding_idx`` (zero, never trained) is
+sampled in its middle. One whose last rows no prompt uses (T5's vocabulary padded to 32128, Llama 3's
+reserved tokens) reads weight decay alone there in a full fine-tune: a spike is seen at the model's
+other modules, and ``not_learning`` checks the whole weights. The blocks are views, each holding its
+parameter's whole storage: a model moved or cast mid-run (``model.to``) keeps its old weights' memory
+until the sketch's next keep or reading (the steps around a scheduled one, ``step.detail``) takes them
+again; ``TrainingDebugger.close`` lets go of them (:meth:`UpdateSketch.release`).
 """
 
 from __future__ import annotations
@@ -67,6 +71,13 @@ from .wrappers import local_part
 
 SAMPLED = 128
 """Consecutive elements kept of each parameter."""
+GROWTH_MARGIN = 1.25
+"""How much more than the smallest ratio it has read a growing module's update may read and still be
+growth: a weight grown from zero under a warmup reads about ``2 / k`` after ``k`` updates, FALLING; a
+ratio that rises (3, 5, 9, ... each under twice its last) is no growth."""
+GROWTH_FIRST_MAX = 4.0
+"""The largest ratio at the first comparison taken as growth: a weight grown from zero by one update,
+its next under a linear warmup from 0 reads 2 (twice the lr), its sign flipped or not."""
 STORAGE_ROUND = 8
 """Monitored steps in which the storage check (:meth:`UpdateSketch._moved`) goes round every parameter."""
 _TOP_MODULES = 5
@@ -93,6 +104,9 @@ class UpdateSketch:
         module's number of blocks, and the blocks in module order (None: they are already)."""
         self.grown_from_zero: set[str] | None = None
         """Modules whose sampled weights were all zero at the first comparison (never judged)."""
+        self.growing: dict[str, float] = {}
+        """Modules taken as still growing from zero (:func:`judge_applied_update`), each with the smallest
+        ratio it read."""
         self.table_modules: frozenset[str] = frozenset()
         """The sampled modules whose block is an embedding table's last rows (their ratio is those rows')."""
         self.kept_at: int | None = None
@@ -206,7 +220,7 @@ class UpdateSketch:
         self._sums = {}
         self._sampled_names = [self.params.module_names[m] for m in sampled.tolist()]
         self.table_modules = frozenset(self.params.module_of_parameter(i) for i in self._order if i in tables)
-        self.grown_from_zero = None
+        self.grown_from_zero, self.growing = None, {}
 
     def ratios(self, values: list[float]) -> dict[str, float]:
         """``||dw|| / ||w||`` per module from a :meth:`measure` reading back on the host
@@ -338,18 +352,41 @@ def judge_applied_update(
     detected_at: Any,
     skip: set[str] = frozenset(),
     tables: frozenset[str] = frozenset(),
+    growing: dict[str, float] | None = None,
+    first: bool = False,
+    warming: bool = False,
 ) -> list[Anomaly]:
     """``lr_spike`` (reason ``applied_update``) for the optimizer step of ``update_step`` when it
     moved a module (outside ``skip``) by more than ``threshold`` times its norm. ``tables``: the
     modules whose figure is an embedding table's last rows' (``details["last_rows"]``: the top one
-    is such a table, whose whole norm moved far less where only those rows train)."""
+    is such a table, whose whole norm moved far less where only those rows train). ``growing``
+    (``UpdateSketch.growing``, updated here): the modules taken as still growing from zero, each with
+    the smallest ratio it read; at the ``first`` comparison while ``warming`` (the learning rate rose) each module
+    above the threshold (up to :data:`GROWTH_FIRST_MAX`) joins it; one leaves it at an update under the
+    threshold, or is told at one of more than :data:`GROWTH_MARGIN` times that smallest ratio.
+
+    >>> growing = {}
+    >>> judge_applied_update(0, 3, {"lora_B": 2.0}, 1.0, detected_at=4, growing=growing, first=True, warming=True)
+    []
+    >>> judge_applied_update(0, 4, {"lora_B": 1.5}, 1.0, detected_at=5, growing=growing), growing
+    ([], {'lora_B': 1.5})
+    >>> [a.module for a in judge_applied_update(0, 5, {"lora_B": 30.0}, 1.0, detected_at=6, growing=growing)]
+    ['lora_B']
+    >>> spike = judge_applied_update(0, 3, {"conv": 10.0}, 1.0, detected_at=4, growing={}, first=True, warming=True)
+    >>> [a.module for a in spike]  # above GROWTH_FIRST_MAX at the first comparison: no growth
+    ['conv']
+    """
     values = np.fromiter(ratios.values(), dtype=np.float64, count=len(ratios))
     finite = np.isfinite(values)  # one numpy pass where a per-module loop ran every step
     hits = (finite & (values > threshold)).nonzero()[0]
+    if growing:  # a resumed run's first updates (no call on a run with none)
+        _grown(growing, ratios, threshold)
     if not len(hits):  # the usual step: no list or sort made (two Python calls)
         return []
     names = list(ratios)
     above = [(names[i], ratios[names[i]]) for i in hits.tolist()]
+    if growing is not None and (growing or (first and warming)):
+        above = _not_growth(above, growing, first and warming)
     over = sorted(((m, r) for m, r in above if m not in skip), key=lambda kv: -kv[1])
     if not over:
         return []
@@ -375,6 +412,28 @@ def judge_applied_update(
             details=details,
         )
     ]
+
+
+def _grown(growing: dict[str, float], ratios: dict[str, float], threshold: float) -> None:
+    """Each growing module whose update read at most ``threshold`` leaves ``growing``: grown, judged from now on."""
+    for module in [m for m in growing if m in ratios and ratios[m] <= threshold]:
+        del growing[module]
+
+
+def _not_growth(above: list[tuple[str, float]], growing: dict[str, float], joins: bool) -> list[tuple[str, float]]:
+    """The modules over the threshold whose update is not a growing module's (``joins``: those above it now
+    join ``growing``); each growing one keeps the smallest ratio it read, and one told leaves it."""
+    told = []
+    for module, ratio in above:
+        least = growing.get(module)
+        if least is None and joins and ratio <= GROWTH_FIRST_MAX:
+            growing[module] = ratio
+        elif least is not None and ratio <= GROWTH_MARGIN * least:
+            growing[module] = min(least, ratio)
+        else:
+            growing.pop(module, None)
+            told.append((module, ratio))
+    return told
 
 
 @torch.no_grad()

@@ -1,9 +1,12 @@
 """When a monitored step compares the optimizer with the watched parameters again (:class:`CoverageWatch`),
-and what it records (``judges.optimizer_coverage`` compares): at the first step with an optimizer; then,
-every :data:`COVERAGE_EVERY` monitored steps and at a step with an anomaly, where more of the parameters
-frozen when the debugger was made train (``requires_grad_(True)`` mid-run: a text encoder unfrozen at step
-N) or the optimizer checked then holds others (``add_param_group``). Unwatched, they are named before the
-step's consequences link to them (a NaN loss then points at the ``unwatched_parameters`` warning).
+and what it records (``judges.optimizer_coverage`` compares): at the first step with an optimizer; at the
+first step where the optimizer followed holds more groups, or an unwatched parameter it held frozen has a
+gradient (``watched_models.ParameterSwaps.trained``: ``add_param_group``, a text encoder it holds unfrozen
+at step N; the debugger sets :attr:`~.state.History.coverage_checked` back); then, every
+:data:`COVERAGE_EVERY` monitored steps and at a step with an anomaly, where more of the parameters frozen
+when the debugger was made train (``requires_grad_(True)`` mid-run) or the optimizer checked then holds
+others. Unwatched, they are named before the step's consequences link to them (a NaN loss then points at
+the ``unwatched_parameters`` warning); their own gradients are not read.
 
 Limits: a GAN's other optimizer is not compared with the one checked; a look costs a walk of the frozen
 parameters and the optimizer's groups, so it is not made at every step.
@@ -70,7 +73,10 @@ class CoverageWatch:
         history = self.history
         try:
             self._covered = self._coverage(optimizer)
-            checked, found = check_coverage(self.params, self.watched, optimizer, self.accelerator, step, self.ctx)
+            frozen_then = frozenset(map(id, self._frozen))
+            checked, found = check_coverage(
+                self.params, self.watched, optimizer, self.accelerator, step, self.ctx, frozen_then
+            )
         except Exception as error:
             history.coverage_checked = True
             where = "comparing the optimizer with the watched parameters"
