@@ -43,7 +43,8 @@ register_kind(
     ),
     action=(
         "Check that module's dtype and weights (fp16 overflow is the usual cause: try float32 or "
-        "bfloat16, or an fp16-fix VAE); in training lower the learning rate or check the loss."
+        "bfloat16, or an fp16-fix VAE; a float32 model under float16 autocast: autocast to bfloat16 or run "
+        "the module outside autocast); in training lower the learning rate or check the loss."
     ),
     training_action=(
         "Fix what the message says it follows first; else lower the learning rate or warm it up, check that "

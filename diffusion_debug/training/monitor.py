@@ -393,7 +393,6 @@ class StepMonitor:
                 )
             else:  # its update, read at the next step, applies gradients not measured: it is not judged
                 stall.pending_grad_norm = math.nan
-            # several: the one whose update the next reading shows; the lrs it is made with (its row's, read already)
             stall.pending_optimizer, stall.pending_rates = id(call.optimizer), self.measurer.learning_rates.rates
             if local.samples is not None:
                 found = judge_samples(
