@@ -356,7 +356,7 @@ class Localizer:
             sd_vae=component in self.sd_vaes,
             dtype=self.weights_dtype(component, module),
             near_max=near_max,
-            read_as=read_as if read_as is None or weights_finite(self.modules.get(component), module) else None,
+            read_as=read_as if read_as != "float16" or weights_finite(self.modules.get(component), module) else None,
         )
         key = ("nonfinite", component, consequence, self.memory.named.setdefault(component, module))  # its entry
         return [(self.settle(a), key + (a.module,) if "near_max_from" in a.details else key) for a in made]

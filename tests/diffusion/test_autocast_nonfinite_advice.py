@@ -101,3 +101,42 @@ def test_an_inf_given_with_its_inputs_inside_a_clipping_block_is_not_carried_as_
     assert ReplayMemory().overflow_shown(given, None, 0).clipped is None
     made = wo._replace(input_value=1.0)
     assert plan(made).inf == made
+
+
+def test_a_nan_weight_stored_in_float8_is_named_at_its_module(tmp_path):
+    """diffusers' layerwise casting stores a UNet's weights in float8 (computing in float32): ``isfinite`` is not
+    implemented for float8, and the check of the module's weights (whether autocast advice fits) raised inside the
+    error's making: a debugger_error, and the NaN named at ``unet`` with no module one step late. No autocast here:
+    the weights are read only for a float16 output under autocast, and a weight it cannot read is no evidence."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
+    if not hasattr(pipe.unet, "enable_layerwise_casting"):
+        pytest.skip("diffusers without layerwise casting")
+    with torch.no_grad():
+        pipe.unet.get_submodule(TO_OUT).weight[0, 0] = math.nan
+    pipe.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            run(pipe, steps=2, output_type="latent")
+        found = [(a.severity, a.kind, a.component, a.module, a.step) for a in dbg.report().anomalies]
+    finally:
+        dbg.close()
+    assert ("error", "nonfinite", "unet", TO_OUT, 0) in found
+    assert not [f for f in found if f[1] == "debugger_error"]
+
+
+def test_weights_it_cannot_read_count_as_not_finite():
+    """Meta (accelerate's sequential offload between calls) and float8 weights: no answer, so no autocast advice,
+    never an exception inside an error's making."""
+    from diffusion_debug.diffusion.components.computes_in import weights_finite
+
+    with torch.device("meta"):
+        meta = torch.nn.Linear(2, 2)
+    fp8 = torch.nn.Linear(2, 2).to(torch.float8_e4m3fn)
+    assert (weights_finite(meta, ""), weights_finite(fp8, ""), weights_finite(torch.nn.Linear(2, 2), "")) == (
+        False,
+        False,
+        True,
+    )
