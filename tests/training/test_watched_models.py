@@ -799,11 +799,12 @@ def test_a_lora_adapter_added_mid_run_is_named_as_added_the_step_the_optimizer_h
         optimizer.zero_grad()
     tdbg.close()
     warnings = _warnings(tdbg.report().anomalies)
-    assert [(a.kind, a.step) for a in warnings] == [
-        ("unwatched_parameters", 2),
-        ("nonfinite_loss", 3),
-        ("nonfinite", 3),
-    ]
+    # step 3: the NaN the added adapter's update made reaches the loss (peft with diffusers 0.42); with the floor's
+    # diffusers 0.32 only the gradients hold it. Either way the cause is named at step 2
+    assert [(a.kind, a.step) for a in warnings] in (
+        [("unwatched_parameters", 2), ("nonfinite_loss", 3), ("nonfinite", 3)],
+        [("unwatched_parameters", 2), ("nonfinite", 3)],
+    )
     outside = warnings[0].details["outside"]
     assert (outside["count"], outside["added"], outside["nonfinite_gradients"]) == (len(added), len(added), 1)
     assert "unfrozen" not in outside
@@ -814,7 +815,7 @@ def test_a_lora_adapter_added_mid_run_is_named_as_added_the_step_the_optimizer_h
         "1 of them holds NaN/Inf gradients now, and later NaN gradients and updates are not seen; make the "
         "TrainingDebugger after adding them."
     )
-    assert warnings[1].details["cause"]["step"] == 2
+    assert all(a.details["cause"]["step"] == 2 for a in warnings if a.kind == "nonfinite_loss")
 
 
 def _mlp_loop(tmp_path, steps, *, after_step=None, set_to_none=True):
