@@ -205,7 +205,10 @@ class UserPath:
     def budgets(self) -> dict[str, bool | None]:
         """DESIGN's budgets in the dtypes users run: the GPU's ratios on the GPU-shaped proxy, the
         CPU's 3 ms on the tiny pipeline's 1-step call (judged by the 95% interval of its median:
-        None, undecided, where the interval straddles the budget), the op count at SD1.5 topology."""
+        None, undecided, where the interval straddles the budget), the compiled ratio by the 95%
+        interval of its paired median too (a compiled round's ratio scatters by +-8% on this CPU:
+        a median of 12 rounds read 1.01x and 1.06x for the same code in one quiet sitting), the op
+        count at SD1.5 topology."""
         out: dict[str, bool | None] = {}
         for dtype, table in self.features.items():
             out[f"{dtype} default <= 1.05x (GPU budget, SD1.5-shaped proxy)"] = (
@@ -216,7 +219,9 @@ class UserPath:
             step = f"{dtype.removesuffix(NO_CLIP)} training step{NO_CLIP if dtype.endswith(NO_CLIP) else ''}"
             out[f"{step} <= 1.03x (GPU budget, SD1.5-shaped proxy)"] = table.ratio(WATCHED_STEP) <= 1.03
         for dtype, table in self.compiled.items():
-            out[f"{dtype} compiled watched <= 1.05x (GPU budget, SD1.5-shaped proxy)"] = table.ratio("watched") <= 1.05
+            out[f"{dtype} compiled watched <= 1.05x (GPU budget, SD1.5-shaped proxy)"] = within(
+                table.ratio_interval("watched"), 1.05
+            )
             out[f"{dtype} compiled: no graph break, no recompile"] = not any(self.dynamo[dtype].values())
         for dtype, table in self.one_step.items():
             out[f"{dtype} reused debugger adds <= 3 ms to a 1-step tiny SD call"] = within(
@@ -317,7 +322,7 @@ def run(
     controlled_rounds: int = 160,
     split_rounds: int = 15,
     training_rounds: int = 20,
-    compiled_rounds: int = 12,
+    compiled_rounds: int = 40,
     training_clips: tuple[float | None, ...] = (CLIP, None),
     quick: bool = False,
     parts: tuple[str, ...] = PARTS,
