@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # The largest values of the int options that size something: beyond them a run only fails late
 # (an OverflowError once the pipeline loaded) or allocates for nothing.
 MAX_HISTORY_SIZE = 10_000_000
-"""``history_size``: ring buffers of this many step rows (and 10x as many anomalies)."""
+"""``history_size``: ring buffers of this many step rows and events each (and 10x as many anomalies)."""
 MAX_LOSS_SPIKE_WINDOW = 100_000
 """``loss_spike_window``: the window is sorted at every monitored step."""
 MAX_TIMESTEP_BUCKETS = 10_000
@@ -184,7 +184,8 @@ class DebugConfig:
     """Seconds of localisation replays one pipeline run may spend (each FreeInit pass is a run); once
     spent, no new replay starts (one already running finishes). Training reports a replay that took longer."""
     history_size: int = 1000
-    """Steps kept in memory (ring buffer; at most 10000000); older ones live on in events.jsonl."""
+    """Step rows and events kept in memory (ring buffers of this many each, 10x as many anomalies; at most
+    10000000); older ones live on in events.jsonl."""
     stream_events: bool = True
     """Stream events to ``events.jsonl`` while running (otherwise only on save)."""
     debug_file_prefix: str = "run"
