@@ -443,3 +443,50 @@ def test_a_compiled_fp16_unets_watched_step_adds_a_pinned_number_of_python_calls
         assert 0 < per_step <= 110, (per_step, added)  # 103.75 (comp30); 154 at 512968dd
     finally:
         dbg.close()
+
+
+def test_a_watched_call_leaves_every_dict_under_a_compiled_unet_with_its_version_tag(tmp_path):
+    """Dynamo's guards skip what a dict whose version tag (PEP 509) is unchanged holds (a module's
+    parameters, its attributes): a debugger that wrote into, or set and took back, anything under the
+    compiled UNet would send every later UNet call through the whole guard tree (1.8M instructions a
+    call on the SD1.5-shaped proxy, callgrind) with no recompile to show it. comp31 (callgrind, the
+    fp16 proxy): the guard tree's instructions a 4-step call 7,276,428 plain, 7,282,663 watched. Pinned
+    here over every dict of every module under the wrapper (4584 on tiny SD), across an attach, a
+    watched call and a detach."""
+    guards = pytest.importorskip("torch._C._dynamo.guards")
+    dict_version = getattr(guards, "dict_version", None)
+    if dict_version is None:
+        pytest.skip("this torch has no dict_version")
+    torch._dynamo.reset()
+    counters.clear()
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    compile_unet(pipe, "torch.compile", "aot_eager")
+
+    def call():
+        generator = torch.Generator().manual_seed(0)
+        return pipe("a cat", num_inference_steps=2, output_type="latent", generator=generator).images
+
+    def tags() -> dict:
+        found = {("wrapper", "__dict__"): dict_version(vars(pipe.unet))}
+        for name, module in pipe.unet._orig_mod.named_modules():
+            found[name, "__dict__"] = dict_version(vars(module))
+            for attribute, value in vars(module).items():
+                if isinstance(value, dict):
+                    found[name, attribute] = dict_version(value)
+        return found
+
+    plain = call()  # compiles
+    before = dynamo_counts()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:  # the first call's full reads, then a reused debugger's
+            call()
+        tagged = tags()
+        with dbg:
+            watched = call()
+        assert [key for key, tag in tags().items() if tagged.get(key) != tag] == []
+        assert len(tagged) > 1000
+        assert dynamo_counts() == before
+        assert torch.equal(watched, plain)
+    finally:
+        dbg.close()
