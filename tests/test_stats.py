@@ -262,6 +262,31 @@ def test_host_copy_values_against_each_tensors_own_tolist_across_dtype_runs():
     assert named(rows) == named(naive) and [len(r) for r in rows] == [1] * 10 + [0, 4, 1]
 
 
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
+def test_host_copy_under_autocast_joins_its_pieces_in_one_op_with_the_same_values(autocast):
+    """A step's values join in one float64 ``cat`` (their dtypes mixed: float32 statistics, fp16 abs-maxes,
+    int64 counts). Autocast's ``cat`` casts each piece not of the widest dtype first (an op each: 4 on a
+    step's copy, every step of a user's ``with torch.autocast(...)``); the join runs outside autocast,
+    where ``cat`` promotes them itself, exactly."""
+    from diffusion_debug.op_count import count_aten_ops
+    from diffusion_debug.stats import HostCopy
+
+    tensors = [
+        torch.tensor([1.5, -2.25], dtype=torch.float32),
+        torch.tensor(65504.0, dtype=torch.float16),
+        torch.tensor(3.0, dtype=torch.float16),
+        torch.tensor(2**40 + 1),  # a count float32 would round
+        torch.tensor([0.1, 7.0], dtype=torch.bfloat16),
+    ]
+    naive = [t.double().reshape(-1).tolist() for t in tensors]
+    HostCopy([torch.ones(1)])  # (the device's empty float64 buffer, made once a process)
+    with torch.autocast("cpu", dtype=autocast), count_aten_ops() as ops:
+        rows = HostCopy(tensors).wait()
+    assert rows == naive
+    assert ops.counts == {"aten.stack.default": 1, "aten.cat.default": 1}, ops.counts  # no _to_copy
+    assert torch.is_autocast_cpu_enabled() is False  # (left as it was)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_scalars_to_host_reads_what_to_host_reads_in_one_stack_where_the_values_share_a_dtype(dtype):
     from diffusion_debug.op_count import count_aten_ops

@@ -49,6 +49,8 @@ from ..stats import (
 )
 from . import checks
 
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)  # (one C call)
+
 # min and max are not in the row: no check and no report reads them, and they cost a pass each
 STAT_KEYS = ("shape", "dtype", "mean", "std", "absmax", "l2", "nan", "posinf", "neginf")
 ROW_TENSORS = ("latents", "model_output", "uncond", "cond", "pred_original_sample")  # row order
@@ -460,9 +462,14 @@ def measure_call(
             low, high = flat.amin(dim=1), flat.amax(dim=1)  # (3.8 against 0.23 ms at 512x512 in fp16)
         else:  # one kernel
             low, high = torch.aminmax(flat, dim=1)
-        if probe is None and (low.dtype is torch.float16 or low.dtype is torch.bfloat16):  # (exact) read with the
-            low, high = low.float(), high.float()  # float32 count by one stack, as an fp32 image's: no float64 join
-        scalars = [(x.abs() <= 1).sum(dtype=torch.float32), *low.unbind(), *high.unbind()]
+        inside = (x.abs() <= 1).sum(dtype=torch.float32)
+        if probe is None and not _ANY_AUTOCAST():  # the count and each image's extremes in one read: one cat,
+            # which promotes fp16/bf16 extremes to the count's float32 itself, exactly (2 casts and a stack before)
+            host = read_now(torch.cat((inside.reshape(1), low, high)))
+            return _decoded(host, tensor.numel(), [])
+        if probe is None and (low.dtype is torch.float16 or low.dtype is torch.bfloat16):  # under autocast, whose
+            low, high = low.float(), high.float()  # cat casts (and refuses fp16 beside bf16): a float32 stack
+        scalars = [inside, *low.unbind(), *high.unbind()]
     else:
         absmax = absmax_on_device(tensor) if tensor is not None else None  # None: empty or meta
         scalars = [absmax] if absmax is not None else []
@@ -475,11 +482,17 @@ def measure_call(
         readings = probe[2](rows[n:])
     if not decoded:
         return CallValues(readings, host[0] if scalars else None)
-    images = (n - 1) // 2
-    lows, highs = host[1 : 1 + images], host[1 + images : n]
+    return _decoded(host[:n], tensor.numel(), readings)
+
+
+def _decoded(host: list[float], size: int, readings: list[ModuleReading]) -> CallValues:
+    """A decoded image's values from ``host``: the count of its ``size`` values within [-1, 1], then each
+    image's lowest, then each one's highest."""
+    images = (len(host) - 1) // 2
+    lows, highs = host[1 : 1 + images], host[1 + images :]
     bounds = lows + highs  # the output's abs-max from each image's extremes: no op of its own
     absmax = math.nan if any(map(math.isnan, bounds)) else max(map(abs, bounds))  # builtins: no frame a value
     values = CallValues(readings, absmax)
-    values.outside_fraction = 1.0 - host[0] / tensor.numel()
+    values.outside_fraction = 1.0 - host[0] / size
     values.image_ranges = [high - low for low, high in zip(lows, highs)]
     return values

@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 _READS = {"item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"}
 _HOST_BUFFERS: dict[int, weakref.ref] = {}  # id -> the host buffer a HostCopy filled
 _EMPTY_FLOAT64: dict[torch.device, torch.Tensor] = {}
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)  # (one C call)
 
 
 def detached(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,9 @@ class HostCopy:
                 if t.requires_grad:
                     tracked = True
                     break
-            if tracked:
+            if _ANY_AUTOCAST():  # (one C call) a user's ``with torch.autocast(...)`` around the pipeline
+                host, layout = _joined(device, own)
+            elif tracked:
                 with torch.no_grad():  # no graph for the copy (a detach each would be an op per value)
                     pieces, layout = _flat_parts(device, own)
                     host = torch.cat(pieces)
@@ -99,6 +102,17 @@ class HostCopy:
             for i, row in zip(part[0], _rows(*part)):
                 out[i] = row
         return out
+
+
+def _joined(device: torch.device, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, bool]]]:
+    """The float64 buffer and layout of ``tensors`` joined outside autocast (and autograd): under it,
+    ``stack`` and ``cat`` cast each piece not of the widest dtype first (an op each: a step's fp16
+    abs-maxes beside its float32 statistics, at every step of a user's ``with torch.autocast(...)``)
+    and refuse fp16 beside bf16 (``Unexpected floating ScalarType``); outside, ``cat`` promotes
+    them itself into the float64 buffer, exactly."""
+    with torch.autocast(device.type, enabled=False), torch.no_grad():
+        pieces, layout = _flat_parts(device, tensors)
+        return torch.cat(pieces), layout
 
 
 def _rows(indices: list[int], host: torch.Tensor, event: Any, layout: list[tuple[int, bool]]) -> list[list[float]]:

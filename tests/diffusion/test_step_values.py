@@ -238,12 +238,18 @@ def test_a_decoded_image_is_checked_in_five_cpu_ops_against_a_naive_reference(dt
         values = step_values.measure_call(images, None, decoded_images=True)
     # |x| <= 1 summed (abs, le, sum), the extremes of each image (aminmax on a GPU; on this CPU amin
     # and amax, whose aminmax along a dim takes 7 to 16 times as long), and the one transfer: the
-    # values stacked, an fp16 image's extremes made float32 first (exact), as the count is
-    checks = ("abs.default", "le.Scalar", "sum.default", "amin.default", "amax.default", "stack.default")
+    # count and the extremes joined by one cat, which makes an fp16 image's extremes float32 itself
+    # (exact), as the count is (two _to_copy and a stack before)
+    checks = ("abs.default", "le.Scalar", "sum.default", "amin.default", "amax.default", "cat.default")
     expected = {f"aten.{op}": 1 for op in checks}
-    if dtype != torch.float32:
-        expected["aten._to_copy.default"] = 2
     assert ops.counts == expected
+    if dtype == torch.float16:  # under autocast (whose cat would cast, and refuse fp16 beside bf16): as before
+        with torch.autocast("cpu", dtype=torch.bfloat16), count_aten_ops() as ops:
+            under = step_values.measure_call(images, None, decoded_images=True)
+        expected = {**expected, "aten.stack.default": 1, "aten._to_copy.default": 2}
+        del expected["aten.cat.default"]
+        assert ops.counts == expected
+        assert (under.outside_fraction, under.image_ranges[2:]) == (values.outside_fraction, values.image_ranges[2:])
     x = images.double()
     outside = [v for v in x.flatten().tolist() if not abs(v) <= 1]  # NaN and Inf are outside
     assert values.outside_fraction == pytest.approx(len(outside) / x.numel())
