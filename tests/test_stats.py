@@ -262,6 +262,33 @@ def test_host_copy_values_against_each_tensors_own_tolist_across_dtype_runs():
     assert named(rows) == named(naive) and [len(r) for r in rows] == [1] * 10 + [0, 4, 1]
 
 
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
+def test_host_copy_under_autocast_casts_nothing_and_reads_what_it_reads_outside_it(autocast):
+    """A step's values under the user's ``torch.autocast``: autocast's ``cat`` cast each piece not of the widest
+    dtype (the float64 buffer: every piece) in an op of its own, 3 ``_to_copy`` a step of an SD pipeline under
+    float16 autocast, and its ``stack`` took float32 and its own dtype only (float16 values under bfloat16 autocast
+    raised). Joined outside autocast: the ops and the values of a copy made outside it."""
+    from diffusion_debug.op_count import count_aten_ops
+    from diffusion_debug.stats import HostCopy
+
+    tensors = [
+        torch.tensor(1.5, dtype=torch.float16),
+        torch.tensor(-2.0, dtype=torch.float16),
+        torch.tensor(0.1),
+        torch.tensor(0.25, dtype=torch.bfloat16),
+        torch.tensor(3.0, dtype=torch.bfloat16),
+        torch.tensor([1.0, 2.0], dtype=torch.float16),
+        torch.tensor(7),
+    ]
+    with count_aten_ops() as outside:
+        expected = HostCopy(tensors).wait()
+    with torch.autocast("cpu", dtype=autocast):
+        with count_aten_ops() as ops:
+            rows = HostCopy(tensors).wait()
+    assert ops.counts == outside.counts and "aten._to_copy.default" not in ops.counts
+    assert rows == expected == [[1.5], [-2.0], [0.10000000149011612], [0.25], [3.0], [1.0, 2.0], [7.0]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_scalars_to_host_reads_what_to_host_reads_in_one_stack_where_the_values_share_a_dtype(dtype):
     from diffusion_debug.op_count import count_aten_ops

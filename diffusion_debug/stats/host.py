@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 _READS = {"item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"}
 _HOST_BUFFERS: dict[int, weakref.ref] = {}  # id -> the host buffer a HostCopy filled
 _EMPTY_FLOAT64: dict[torch.device, torch.Tensor] = {}
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)  # (one C call)
 
 
 def detached(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,12 @@ class HostCopy:
                 if t.requires_grad:
                     tracked = True
                     break
-            if tracked:
+            if _ANY_AUTOCAST():  # the user's torch.autocast: its cat casts each piece not of the widest dtype
+                # (the float64 buffer's: each one, an op a piece) and its stack raises on a half dtype not its own
+                with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                    pieces, layout = _flat_parts(device, own)
+                    host = torch.cat(pieces)
+            elif tracked:
                 with torch.no_grad():  # no graph for the copy (a detach each would be an op per value)
                     pieces, layout = _flat_parts(device, own)
                     host = torch.cat(pieces)
