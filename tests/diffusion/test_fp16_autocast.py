@@ -338,15 +338,16 @@ def test_clean_flux_text_encoders_under_fp16_autocast_stay_quiet_with_their_proj
     dbg.close()
 
 
-def t5_making_an_inf():
+def t5_making_an_inf(**extra):
     """A tiny Flux whose float16 T5 (``text_encoder_2``) under float16 autocast has ``wo`` make an Inf (2x float16's
-    max), which T5's block clamps to ``finfo.max - 1000`` (64504, held in float16 as 64512); and its call."""
+    max, at each of its calls), which T5's block clamps to ``finfo.max - 1000`` (64504, held in float16 as 64512);
+    and its call (with ``extra`` arguments)."""
     from diffusion_debug.testing import tiny_pipeline
     from diffusion_debug.testing.flux import FLUX_CALL
 
     pipe = tiny_pipeline("flux")
     wo = pipe.text_encoder_2.to(torch.float16).get_submodule(helpers.T5_WO)
-    args = FLUX_CALL[0]()
+    args = {**FLUX_CALL[0](), **extra}
     args.pop("output_type", None)
 
     def call():
@@ -358,7 +359,7 @@ def t5_making_an_inf():
     call()
     handle.remove()
     with torch.no_grad():
-        wo.weight.mul_(2 * FP16_MAX / peaks[-1])
+        wo.weight.mul_(2 * FP16_MAX / min(peaks))
     return pipe, call
 
 
@@ -412,6 +413,37 @@ def test_an_inf_a_sentinel_read_its_t5_block_clipping_is_an_error_where_the_bloc
         (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
         assert error.message == T5_CLIP
         assert (error.details["localized_by"], error.details["clipped_in"]) == (CLIP_UNREPLAYED, "encoder.block.0")
+    dbg.close()
+
+
+def test_an_inf_a_t5_called_twice_a_call_clipped_is_its_one_error_where_the_blocks_replay_cannot_run(
+    tmp_path, monkeypatch
+):
+    """True CFG (a negative prompt, ``true_cfg_scale`` > 1) calls the Flux's T5 twice a pipeline call, its block's
+    replay unable to run. The first call's Inf was the error at ``wo`` as the sentinel read it (the block tried this
+    run); at the second the tried block was no longer decided as the clip: its near-max value, the clip's consequence,
+    was an ``overflow_risk`` at ``encoder.block.0`` beside the error. One cause, one finding: the error at ``wo``."""
+    import inspect
+
+    from diffusers import FluxPipeline
+
+    from diffusion_debug.diffusion.localize import Localizer
+    from diffusion_debug.diffusion.replay.decide import CLIP_UNREPLAYED
+
+    if "true_cfg_scale" not in inspect.signature(FluxPipeline.__call__).parameters:
+        pytest.skip("FluxPipeline without true_cfg_scale (diffusers < 0.33)")
+    pipe, call = t5_making_an_inf(negative_prompt="a dog", true_cfg_scale=2.0)
+    replays = []
+    monkeypatch.setattr(Localizer, "replay", lambda _self, *asked: replays.append(asked[:2]))
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    for _ in range(2):
+        with dbg:
+            call()
+    assert replays == [("text_encoder_2", "encoder.block.0")]  # run 2's first T5 call (run 1 read it fully)
+    assert found(dbg, 2) == [("nonfinite", "error", "text_encoder_2", helpers.T5_WO, None)]
+    (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == 2]
+    assert error.message == T5_CLIP
+    assert (error.details["localized_by"], error.details["clipped_in"]) == (CLIP_UNREPLAYED, "encoder.block.0")
     dbg.close()
 
 
