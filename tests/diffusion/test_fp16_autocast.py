@@ -140,19 +140,32 @@ def test_a_large_float32_stream_no_float16_op_takes_stays_quiet_under_fp16_autoc
     dbg.close()
 
 
-def test_a_nan_made_from_near_max_values_under_fp16_autocast_advises_autocast_at_their_maker(pipes, tmp_path):
+def test_a_nan_made_from_near_max_values_under_fp16_autocast_advises_autocast_at_their_maker(tmp_path):
     """``fc1`` at 90% of float16's max under autocast, and ``fc2``, given them, overflows: the error is at
     ``fc1``, whose advice was 'run this component in bfloat16 or float32, or upcast this module' (it is float32
-    already); it is now about autocast, as an ``overflow_risk``'s is."""
-    pipe = pipes["sd"]
+    already); it is now about autocast, as an ``overflow_risk``'s is. A pipeline of its own: its first run reads
+    the text encoder with full probes (the session's shared one had been read so by an earlier test, and this test
+    passed in its file and failed alone), its second with the sentinel. Under full probes the negative prompt's
+    call (CFG) was given the prompt's call's output reading first (read after the call's end was marked): a second
+    error, 'text_encoder produced NaN/Inf ... in its own forward', which became the run's origin."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
     fc2 = pipe.text_encoder.get_submodule(FC2)
     with near_max(pipe, "text_encoder", FC1, 0.9), scaled(fc2, 10.0):
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
-        with dbg, autocast():
-            run(pipe, steps=2, output_type="latent")
+        for _ in range(2):
+            with dbg, autocast():
+                run(pipe, steps=2, output_type="latent")
     errors = [a for a in dbg.report().anomalies if a.severity == "error"]
-    assert [(a.kind, a.component, a.module, a.step) for a in errors] == [("nonfinite", "text_encoder", FC1, None)]
-    (error,) = errors
+    assert [(a.kind, a.component, a.module, a.step, a.details["run"]) for a in errors] == [
+        ("nonfinite", "text_encoder", FC1, None, 1),
+        ("nonfinite", "text_encoder", FC1, None, 2),
+    ]
+    assert [a.details["localized_by"] for a in errors] == ["full probes", REPLAYED]
+    (unet,) = [a for a in dbg.report().anomalies if a.component == "unet" and a.details.get("run") == 1]
+    assert unet.details["origin"] == f"text_encoder {FC1}"
+    error = errors[0]
     details = error.details
     assert (details["overflowed_in"], details["dtype"], details["weights_dtype"]) == (FC2, "float16", "float32")
     assert error.message == (
