@@ -19,6 +19,7 @@ from .messages import counted, follows, memory_source
 if TYPE_CHECKING:
     from .anomaly import Anomaly
 
+
 def _after_origin(anomaly: Anomaly, text: str) -> str:
     """``text`` pointing at the run's first NaN/Inf (``details["origin"]``, set when a later error
     became its consequence), else as it is."""
@@ -151,7 +152,11 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"{where} produced NaN/Inf from finite inputs in hidden states the pipeline did not pass on (its "
             "denoising loop was given finite values), so the result is not affected; an fp16 overflow in a "
             "final layer often does this"
-        ) + (f"; {autocast_advice(where, autocast)}." if autocast else " (check its dtype and weights; try float32 or bfloat16).")
+        ) + (
+            f"; {autocast_advice(where, autocast)}."
+            if autocast
+            else " (check its dtype and weights; try float32 or bfloat16)."
+        )
     if d.get("unwatched_call"):  # a component replaced during the call: its first call ran before any hook
         return (
             f"{where}'s output held NaN/Inf in its first call after it was replaced during the pipeline's call "
