@@ -806,3 +806,18 @@ def test_a_clip_text_encoders_sentinel_under_fp16_autocast_reads_its_two_dtypes_
     assert {t.dtype for t in outputs} == {torch.float16, torch.float32}
     assert flushed.dtype == torch.float32
     assert flushed.tolist() == [t.abs().max().item() for t in outputs]
+
+
+def test_an_sd_pipeline_under_fp16_autocast_adds_no_cast_a_step():
+    """A float32 SD pipeline under the user's ``with torch.autocast("cpu", dtype=torch.float16)``: the step's one
+    ``cat`` of its values for the host (stats/host.py) ran under autocast, whose ``cat`` casts each piece not of
+    the widest dtype (the float64 buffer's) first: 2.25 ``_to_copy`` a step, 16 added ops a step. Joined outside
+    autocast, the cat promotes them itself (exactly, as outside it): no cast, 13.75. A call is made first, in the
+    same autocast region: autocast caches its float16 copies of the weights from the first call on, and a first
+    call counted would read as 51 casts a step fewer in the plain pipeline's per-step count."""
+    pipe = tiny_pipeline("sd")
+    with torch.autocast("cpu", dtype=torch.float16):
+        pipe("a photo of a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="np")
+        counts = op_counts.inference_ops(pipe, quiet_config())
+    assert "aten._to_copy.default" not in counts["added_by_op"], counts
+    assert counts["added_ops_per_step"] == 13.75, counts

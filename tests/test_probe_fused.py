@@ -128,6 +128,21 @@ def test_a_flush_keeps_one_tensor_whatever_its_dtypes_and_a_value_a_tensor_acros
     assert [(t.shape, t.device.type) for t in flushed] == [((), "cpu"), ((), "meta")]
 
 
+@pytest.mark.parametrize("autocast, dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+def test_abs_maxes_of_one_half_dtype_under_the_other_half_dtypes_autocast_are_stacked_as_outside_it(autocast, dtype):
+    """Autocast's ``stack`` takes float32 and its own dtype only: two float16 abs-maxes under bfloat16 autocast (a
+    float16 component's sentinel in a bfloat16 autocast region) took the one-dtype shortcut, a stack under autocast,
+    and raised "Unexpected floating ScalarType". Stacked outside autocast: the values as read outside it, no cast."""
+    held = HeldAbsmax()
+    with torch.autocast("cpu", dtype=autocast):
+        held.add(torch.tensor([1.0, -3.0], dtype=dtype))
+        held.add(torch.tensor([math.inf, 2.0], dtype=dtype))
+        with count_aten_ops() as ops:
+            (flushed,) = held.take()
+    assert flushed.dtype == dtype and flushed.tolist() == [3.0, math.inf]
+    assert ops.counts == {"aten._foreach_abs.default": 1, "aten._foreach_max.default": 1, "aten.stack.default": 1}
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_fused_sentinel_records_no_graph_while_training_and_propagates_nan(dtype):
     model = Blocks().to(dtype)

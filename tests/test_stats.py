@@ -287,6 +287,33 @@ def test_host_copy_under_autocast_joins_its_pieces_in_one_op_with_the_same_value
     assert torch.is_autocast_cpu_enabled() is False  # (left as it was)
 
 
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
+def test_host_copy_under_autocast_casts_nothing_and_reads_what_it_reads_outside_it(autocast):
+    """A step's values under the user's ``torch.autocast``: autocast's ``cat`` cast each piece not of the widest
+    dtype (the float64 buffer: every piece) in an op of its own, 3 ``_to_copy`` a step of an SD pipeline under
+    float16 autocast, and its ``stack`` took float32 and its own dtype only (float16 values under bfloat16 autocast
+    raised). Joined outside autocast: the ops and the values of a copy made outside it."""
+    from diffusion_debug.op_count import count_aten_ops
+    from diffusion_debug.stats import HostCopy
+
+    tensors = [
+        torch.tensor(1.5, dtype=torch.float16),
+        torch.tensor(-2.0, dtype=torch.float16),
+        torch.tensor(0.1),
+        torch.tensor(0.25, dtype=torch.bfloat16),
+        torch.tensor(3.0, dtype=torch.bfloat16),
+        torch.tensor([1.0, 2.0], dtype=torch.float16),
+        torch.tensor(7),
+    ]
+    with count_aten_ops() as outside:
+        expected = HostCopy(tensors).wait()
+    with torch.autocast("cpu", dtype=autocast):
+        with count_aten_ops() as ops:
+            rows = HostCopy(tensors).wait()
+    assert ops.counts == outside.counts and "aten._to_copy.default" not in ops.counts
+    assert rows == expected == [[1.5], [-2.0], [0.10000000149011612], [0.25], [3.0], [1.0, 2.0], [7.0]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_scalars_to_host_reads_what_to_host_reads_in_one_stack_where_the_values_share_a_dtype(dtype):
     from diffusion_debug.op_count import count_aten_ops
@@ -338,3 +365,28 @@ def test_plain_tensor_unwraps_a_subclass_of_own_ops_only_where_its_storage_is_it
     jagged = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(1, 3)], layout=torch.jagged)
     parameter = torch.nn.Parameter(base.clone())
     assert plain_tensor(jagged) is jagged and plain_tensor(parameter) is parameter
+
+
+def test_autocast_off_keeps_autocasts_cache_of_cast_weights_where_autocast_was_turned_on_without_a_region():
+    """``torch.set_autocast_enabled`` turns autocast on with no region (nesting count 0): leaving a plain
+    ``torch.autocast(enabled=False)`` region there clears autocast's cache of cast weights, and the user's next
+    call casts every weight again. A host copy under it keeps the cache: the next call casts what it did."""
+    from diffusion_debug.op_count import count_aten_ops
+    from diffusion_debug.stats import HostCopy
+
+    linear, x = torch.nn.Linear(4, 4), torch.ones(2, 4)
+    torch.set_autocast_enabled("cpu", True)
+    try:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        torch.autocast_increment_nesting()  # autocast caches weight casts only inside a region: warm it in one
+        linear(x)
+        torch.autocast_decrement_nesting()
+        with count_aten_ops() as warm:
+            linear(x)
+        HostCopy([torch.tensor(1.0, dtype=torch.float16), torch.tensor(2.0)]).wait()
+        with count_aten_ops() as after:
+            linear(x)
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.clear_autocast_cache()
+    assert after.counts == warm.counts, (warm.counts, after.counts)

@@ -416,11 +416,13 @@ class CallEvents:
             host = _host_rows(values)
             for component, (first, size, readings) in parts.items():
                 if readings is not None:
-                    marks = []  # where each of its calls' readings end
+                    marks, prefixes = [], []  # where each of its calls' readings end; its call site
                     for site, _, _, _, _, _, mark, *_ in encoded:
                         if site.component == component:  # (a call held with its sentinel out: none of its own)
                             marks.append(mark if mark is not None else marks[-1] if marks else 0)
-                    by_call[component] = readings_by_call(readings(host[first : first + size]), marks)
+                            prefixes.append(site.prefix)
+                    got = readings(host[first : first + size])
+                    by_call[component] = readings_by_call(got, _site_read_last(got, marks, prefixes))
         except Exception as error:  # recorded; the calls go unchecked rather than the run broken
             self.guards.failed(encoded[0][1].where, error, encoded[0][7])
             return
@@ -677,6 +679,15 @@ def _output_absmaxes(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if not fused:
         return [absmax_on_device(output) for output in outputs]
     return list(_absmaxes([detached(output) for output in outputs])[0])
+
+
+def _site_read_last(readings: list[ModuleReading], marks: list[int], prefixes: list[str]) -> list[int]:
+    """Each call's end (``marks``: its probe's pending readings as its output was held) moved past the reading of its
+    call site's own module (``prefixes``) where that comes next: a full probe reads a module that had hooks at its
+    attach (the call site's own) by a hook after them, so the module's reading, its call's last, came after the mark
+    and opened the next call's readings (the negative prompt's CLIP call under CFG then had the prompt's NaN output
+    first, its input unread: a second error, "made in its own forward", that became the run's origin)."""
+    return [m + 1 if m < len(readings) and readings[m].module == p else m for m, p in zip(marks, prefixes)]
 
 
 def _pipeline_call_runs() -> bool:

@@ -154,6 +154,7 @@ def nonfinite(
     dtype: str | None = None,
     near_max: tuple[ModuleReading, ModuleReading] | None = None,
     read_as: str | None = None,
+    autocast: str | None = None,
 ) -> list[Anomaly]:
     """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
     ``origin``: where the run's first NaN/Inf was (a consequence points at it); ``role``: the
@@ -163,7 +164,8 @@ def nonfinite(
     ``near_max``: ``(the module that made the near-max values module overflowed on, module's reading)``
     (:func:`~.replay.near_max.near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s; ``read_as``: the dtype
     the module's output was read in, where known and its weights finite (float16 from float32 weights: it ran under
-    float16 autocast, whose advice differs, :func:`_autocast_details`; bfloat16, a NaN weight's: not autocast's)."""
+    float16 autocast, whose advice differs, :func:`_autocast_details`; bfloat16, a NaN weight's: not autocast's);
+    ``autocast``: the dtype an open autocast computed the component in (a float32 VAE's advice says it)."""
     if near_max is not None and not consequence:
         kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, dtype=dtype)
         return list(near_max_nonfinite(component, *near_max, details=details or {}, **kw))
@@ -171,8 +173,8 @@ def nonfinite(
         details = {**(details or {}), "passed_on": True, **({"origin": origin} if origin else {})}
     else:
         found = _autocast_details(dtype, read_as) if read_as == "float16" else {}  # (bfloat16's: no autocast advice)
-        autocast = {**found, "dtype": "float16"} if found else {}
-        details = {**(details or {}), **_vae_details(role, sd_vae, dtype), **autocast}
+        autocast_dtype, autocast = autocast, {**found, "dtype": "float16"} if found else {}
+        details = {**(details or {}), **_vae_details(role, sd_vae, dtype, autocast_dtype), **autocast}
     return [
         make_anomaly(
             kind="nonfinite",
@@ -241,14 +243,15 @@ def near_max_nonfinite(
     return origin, consequence
 
 
-def _vae_details(role: str, sd_vae: bool, dtype: str | None = None) -> dict[str, Any]:
+def _vae_details(role: str, sd_vae: bool, dtype: str | None = None, autocast: str | None = None) -> dict[str, Any]:
     """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is
-    Stable Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there) and the dtype it
-    computes in (``vae_dtype``, when known)."""
+    Stable Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there), the dtype its weights
+    are in (``vae_dtype``, when known) and, float32 ones, the ``autocast`` dtype it computed in (``vae_autocast``)."""
     vae_role = has_check(role, "vae")
     if not vae_role:
         return {"vae_role": False}
-    return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {})}
+    ran_under = {"vae_autocast": autocast} if autocast and dtype == "float32" else {}
+    return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {}), **ran_under}
 
 
 # -- fp16 / bf16 overflow -------------------------------------------------------------------

@@ -33,7 +33,7 @@ from ..record import Anomaly, RunRecord
 from . import checks, origins
 from . import step_values as rows
 from .components.call_sites import CallSiteHooks, kept_arguments
-from .components.computes_in import computes_in, weights_finite
+from .components.computes_in import autocast_over, computes_in, weights_finite
 from .components.inventory import role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
 from .replay.decide import (
@@ -357,6 +357,7 @@ class Localizer:
             dtype=self.weights_dtype(component, module),
             near_max=near_max,
             read_as=read_as if read_as != "float16" or weights_finite(self.modules.get(component), module) else None,
+            autocast=autocast_over(self.modules.get(component)),
         )
         key = ("nonfinite", component, consequence, self.memory.named.setdefault(component, module))  # its entry
         return [(self.settle(a), key + (a.module,) if "near_max_from" in a.details else key) for a in made]

@@ -20,7 +20,9 @@ CPU it loops inside the op.
 A flush stacks its abs-maxes into one 1-d tensor (the ``stack`` a host copy of them made before):
 the probe keeps one object a flush, not one a tensor. Abs-maxes of several dtypes (a float32 stream
 read with float16 projections under float16 autocast) are stacked outside autocast, which would
-cast each one of the narrower dtype first (an op each): the stack promotes them itself, exactly.
+cast each one of the narrower dtype first (an op each): the stack promotes them itself, exactly. So
+are those of one half dtype under the other's autocast (float16 under bfloat16), where autocast's
+stack raises.
 
 >>> with torch.autocast("cpu", dtype=torch.float16):
 ...     held.add(torch.tensor([2.0], dtype=torch.float16)), held.add(torch.tensor([-5.0]))
@@ -43,6 +45,8 @@ import math
 from operator import attrgetter
 
 import torch
+
+from ..stats import autocast_off
 
 HELD_BYTES = 128 * 2**20
 """The held outputs are reduced once they reach this many bytes (SD1.5's UNet at 512x512 with
@@ -69,7 +73,6 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _FOREACH_MAX = hasattr(torch, "_foreach_max")  # torch >= 2.6
 _VERSION = attrgetter("_version")
-_DTYPE = attrgetter("dtype")
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)  # (one C call)
 
 
@@ -182,13 +185,10 @@ class HeldAbsmax:
             self.flushed.append(norms[0].reshape(1))
         elif not _ANY_AUTOCAST():
             self.flushed.append(torch.stack(norms))
-        else:  # autocast's stack casts each tensor not of the widest dtype (4 a call of a float32 CLIP): none here
-            dtypes = list(map(_DTYPE, norms))  # (no Python call a tensor)
-            if dtypes.count(dtypes[0]) == len(dtypes):
+        else:  # autocast's stack casts each tensor not of the widest dtype (4 a call of a float32 CLIP) and raises
+            # on a half dtype not its own (float16 abs-maxes under bfloat16 autocast, one dtype or several): none here
+            with autocast_off(norms[0].device.type):
                 self.flushed.append(torch.stack(norms))
-            else:
-                with torch.autocast(norms[0].device.type, enabled=False):
-                    self.flushed.append(torch.stack(norms))
 
     def take(self) -> list[torch.Tensor]:
         """Flush, hand over the flushed tensors (slot ``i``'s value at position ``i`` of them

@@ -1,8 +1,9 @@
 """The run's record (layer 3): anomalies and their kinds, strict JSON, the run directory.
 
 Rooms: ``anomaly`` (Anomaly, the one kind registry and its factory), ``kinds`` (the built-in
-kinds), their message builders: ``inference_messages``, ``training_messages`` and ``messages``
-(what both share: the phrase naming a cause, the debugger's own kinds), ``jsonio`` (strict JSON files),
+kinds), their message builders: ``inference_messages`` (the advice it ends with by dtype: ``advice``),
+``training_messages`` and ``messages`` (what both share: the phrase naming a cause, the debugger's own kinds),
+``jsonio`` (strict JSON files),
 ``run_record`` (the live, bounded record of a run), ``run_dir`` (naming, creating and loading a
 run directory), ``run_claim`` (a live run's hold on its directory).
 """

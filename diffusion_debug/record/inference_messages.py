@@ -13,114 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .advice import autocast_advice, near_max_advice, overflow_advice, vae_advice
 from .messages import counted, follows, memory_source
 
 if TYPE_CHECKING:
     from .anomaly import Anomaly
-
-FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
-
-
-def vae_advice(component: str = "vae", sd_vae: bool = False, dtype: str | None = None) -> str:
-    """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
-    ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
-    ``details["sd_vae"]``); another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept
-    in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``), and one not
-    called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE
-    under ``force_upcast`` too) is told so: no dtype advice fits it.
-
-    >>> vae_advice("vae")
-    'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
-    >>> vae_advice("vae", dtype="bfloat16")
-    'run the VAE in float32: pipe.vae.to(torch.float32)'
-    >>> vae_advice("movq", dtype="float16")
-    'keep movq in float32 (pipe.movq.to(torch.float32))'
-    >>> vae_advice("movq", dtype="float32")
-    'it ran in float32, so this is no half-precision overflow: check its weights and inputs'
-    """
-    if dtype == "float32":
-        return "it ran in float32, so this is no half-precision overflow: check its weights and inputs"
-    if component != "vae":
-        return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
-    if dtype == "bfloat16":
-        return "run the VAE in float32: pipe.vae.to(torch.float32)"
-    if not sd_vae:
-        return "keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)"
-    return (
-        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) "
-        f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
-    )
-
-
-def near_max_advice(where: str, details: dict[str, Any]) -> str:
-    """What to do about values near their dtype's max that ``where`` (``component.module``) made, on which
-    the next module overflowed (``details``: the ``nonfinite``'s ``dtype``, ``vae_role``, ``sd_vae``).
-    bfloat16 holds float32's range, so no wider dtype helps there: the values are wrong, not the precision.
-
-    >>> near_max_advice("unet.conv_out", {"dtype": "float16"})
-    'run this component in bfloat16 or float32, or upcast this module'
-    >>> near_max_advice("vae.decoder.conv_in", {"dtype": "bfloat16", "vae_role": True}).split(":")[0]
-    "bfloat16 holds float32's range, so float32 overflows on these values too"
-
-    Made under float16 autocast (``weights_dtype``, kept where the weights differ: :func:`overflow_advice`), the
-    VAE's too: it is float32 already, and its weights' dtype does not change what autocast computes in.
-
-    >>> near_max_advice("vae.decoder.conv_in", {"dtype": "float16", "weights_dtype": "float32", "vae_role": True})
-    'it ran under float16 autocast (its weights are float32): autocast to bfloat16 instead (torch.autocast(..., \
-dtype=torch.bfloat16)) or run vae.decoder.conv_in outside autocast'
-    """
-    dtype = details.get("dtype")
-    if dtype == "float16" and details.get("weights_dtype"):  # float32 weights under float16 autocast
-        return autocast_advice(where, details["weights_dtype"])
-    if dtype in ("bfloat16", "float32"):
-        wider = "bfloat16 holds float32's range, so float32 overflows on these values too"
-        wider = wider if dtype == "bfloat16" else "no wider dtype holds them"
-        return f"{wider}: check {where}'s weights and the scale of its inputs"
-    if details.get("vae_role"):
-        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), dtype)
-    if dtype == "float16":
-        return "run this component in bfloat16 or float32, or upcast this module"
-    return "compute this component in bfloat16 or float32"
-
-
-def overflow_advice(where: str, details: dict[str, Any]) -> str:
-    """What to do about values ``where`` (``component.module``, or the component) made near the max of the
-    dtype it ran in (``details``: the ``overflow_risk``'s ``dtype``, ``vae_role``, ``sd_vae``). A wider dtype
-    holds fp16's values; bfloat16's largest value is float32's, so no dtype gives bf16's more room: their
-    scale is what to change (as :func:`near_max_advice` says of a NaN/Inf made from them).
-
-    >>> overflow_advice("unet.conv_out", {"dtype": "float16"})
-    'run this component in bfloat16 or float32, or upcast this module'
-    >>> overflow_advice("unet.conv_out", {"dtype": "bfloat16"}).split(":")[0]
-    "bfloat16 holds float32's range, so float32 gives these values no more room"
-
-    A float16 output of a module whose weights are not (``weights_dtype``, kept where they differ) ran under
-    ``torch.autocast``: the component is float32 already, and its weights' dtype does not change what
-    autocast computes in.
-
-    >>> overflow_advice("unet.conv_out", {"dtype": "float16", "weights_dtype": "float32"}).split(":")[0]
-    'it ran under float16 autocast (its weights are float32)'
-    """
-    if details.get("dtype") == "float16" and details.get("weights_dtype"):
-        return autocast_advice(where, details["weights_dtype"])
-    if details.get("dtype") == "bfloat16":
-        return (
-            "bfloat16 holds float32's range, so float32 gives these values no more room: "
-            f"check {where}'s weights and the scale of its inputs"
-        )
-    if details.get("vae_role"):
-        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), details.get("dtype"))
-    return "run this component in bfloat16 or float32, or upcast this module"
-
-
-def autocast_advice(where: str, weights_dtype: str) -> str:
-    """What to do about float16 values near the max that ``where`` made under float16 autocast, its weights being
-    ``weights_dtype``: what autocast computes in is what to change (:func:`overflow_advice`, :func:`near_max_advice`).
-    """
-    return (
-        f"it ran under float16 autocast (its weights are {weights_dtype}): autocast to bfloat16 instead "
-        f"(torch.autocast(..., dtype=torch.bfloat16)) or run {where} outside autocast"
-    )
 
 
 def _after_origin(anomaly: Anomaly, text: str) -> str:
@@ -165,11 +62,12 @@ def _nonfinite(anomaly: Anomaly) -> str:
         where = f"{component}.{anomaly.module}" if anomaly.module else component
         listed, run = ", ".join(f"{n}=" for n in d["passed_as"]), d.get("run")
         method = "pipe(...)" if d["made_in"] == "__call__" else f"pipe.{d['made_in']}"
+        autocast = _fp16_autocast(d)  # (the maker's, as its error advised)
+        fix = f"fix {where}, not the input; {autocast_advice(where, autocast)}." if autocast else None
         return (
             f"{where} made NaN/Inf in {f'run {run}' if run else 'an earlier run'} ({method}), and it "
-            f"was passed back to a later call as {listed} (first seen by {d['seen_in']}); fix {where} (check its "
-            "dtype, inputs and weights; try float32 or bfloat16), not the input."
-        )
+            f"was passed back to a later call as {listed} (first seen by {d['seen_in']}); "
+        ) + (fix or f"fix {where} (check its dtype, inputs and weights; try float32 or bfloat16), not the input.")
     if how == "call arguments":
         shown = ", ".join(d["arguments"]) if d["arguments"] else "its inputs"
         made = f"{d['seen_in']} received non-finite {shown} that no watched component and no pipeline input made: "
@@ -248,11 +146,16 @@ def _nonfinite(anomaly: Anomaly) -> str:
         earlier = f"the first NaN/Inf at {origin}" if origin else "the earlier anomaly (the first NaN/Inf producer)"
         return f"{component} received non-finite input and passed it on; fix {earlier} rather than {component}."
     where = f"{component}.{anomaly.module}" if anomaly.module else component
+    autocast = _fp16_autocast(d)
     if d.get("unread_output"):  # an encoder's last layers, which the pipeline skipped (SDXL's hidden_states[-2])
         return (
             f"{where} produced NaN/Inf from finite inputs in hidden states the pipeline did not pass on (its "
             "denoising loop was given finite values), so the result is not affected; an fp16 overflow in a "
-            "final layer often does this (check its dtype and weights; try float32 or bfloat16)."
+            "final layer often does this"
+        ) + (
+            f"; {autocast_advice(where, autocast)}."
+            if autocast
+            else " (check its dtype and weights; try float32 or bfloat16)."
         )
     if d.get("unwatched_call"):  # a component replaced during the call: its first call ran before any hook
         return (
@@ -262,7 +165,6 @@ def _nonfinite(anomaly: Anomaly) -> str:
             "dtype and weights)."
         )
     advice = "check its dtype, inputs and weights; try float32 or bfloat16"
-    autocast = d.get("dtype") == "float16" and d.get("weights_dtype")  # fp16 from float32 weights: fp16 autocast
     if autocast:
         advice = autocast_advice(where, autocast)
     if d.get("clipped_in"):  # a block clipped it to the dtype's max (Flux's fp16 blocks): the output stayed finite
@@ -271,8 +173,9 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"clipped it to {_clipped_to(d)}, so the output stayed finite but carries that clipped value, not the "
             "one computed" + (f"; {advice}." if autocast else f" ({advice}).")
         )
-    if d.get("vae_role") and not autocast:
-        advice = vae_advice(component, d.get("sd_vae", False), d.get("vae_dtype"))
+    if d.get("vae_role") and not autocast:  # (a float32 VAE under autocast: its advice says the autocast, after "; ")
+        advice = vae_advice(component, d.get("sd_vae", False), d.get("vae_dtype"), d.get("vae_autocast"))
+        autocast = d.get("vae_dtype") == "float32" and d.get("vae_autocast")
     own = "its own forward" if not anomaly.module else "its forward"
     if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)
         return (
@@ -292,6 +195,12 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"not ({advice})."
         )
     return f"{where} produced NaN/Inf from finite inputs" + (f"; {advice}." if autocast else f" ({advice}).")
+
+
+def _fp16_autocast(details: dict[str, Any]) -> str | None:
+    """The dtype of the weights of a module whose float16 output came from them (``weights_dtype``: float32 weights
+    under float16 autocast, :func:`~diffusion_debug.diffusion.checks.nonfinite`), None otherwise."""
+    return details.get("weights_dtype") if details.get("dtype") == "float16" else None
 
 
 def _clipped_to(details: dict[str, Any]) -> str:

@@ -59,7 +59,7 @@ register_kind(
     severity="warning",
     colour="#ff7f0e",
     meaning="An activation came close to the largest value its dtype can hold; one more step up and it becomes Inf.",
-    action=(  # the message's advice, by the dtype it ran in (inference_messages.overflow_advice)
+    action=(  # the message's advice, by the dtype it ran in (advice.overflow_advice)
         "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE); "
         "under float16 autocast (float32 weights): autocast to bfloat16 instead, or run it outside autocast; "
         "in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and the "

@@ -20,7 +20,7 @@ from .batched import (
     queue_tensors,
     summarize,
 )
-from .host import HostCopy, count_host_transfers, detached, read_now, to_device
+from .host import HostCopy, autocast_off, count_host_transfers, detached, read_now, to_device
 from .nested import absmax_on_device, call_tensors, cuda_devices, iter_tensors, map_tensors, tensors_in, walk_tensors
 from .tensors import (
     PendingStats,
@@ -42,6 +42,7 @@ from .tensors import (
 
 __all__ = [
     "HostCopy",
+    "autocast_off",
     "count_host_transfers",
     "detached",
     "PendingStats",

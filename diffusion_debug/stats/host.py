@@ -27,8 +27,9 @@ never passes through Python (none in this package) are not seen.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -110,9 +111,23 @@ def _joined(device: torch.device, tensors: Sequence[torch.Tensor]) -> tuple[torc
     abs-maxes beside its float32 statistics, at every step of a user's ``with torch.autocast(...)``)
     and refuse fp16 beside bf16 (``Unexpected floating ScalarType``); outside, ``cat`` promotes
     them itself into the float64 buffer, exactly."""
-    with torch.autocast(device.type, enabled=False), torch.no_grad():
+    with autocast_off(device.type), torch.no_grad():
         pieces, layout = _flat_parts(device, tensors)
         return torch.cat(pieces), layout
+
+
+@contextlib.contextmanager
+def autocast_off(device_type: str) -> Iterator[None]:
+    """Autocast off for ``device_type`` within the block, its cache of cast weights kept: leaving a
+    ``torch.autocast`` region whose nesting count falls to 0 clears that cache, which a user who turned
+    autocast on with ``torch.set_autocast_enabled`` (no region, count 0) would then refill, a cast a
+    weight at the next call; one count more around the region keeps it (2 C calls)."""
+    torch.autocast_increment_nesting()
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        torch.autocast_decrement_nesting()
 
 
 def _rows(indices: list[int], host: torch.Tensor, event: Any, layout: list[tuple[int, bool]]) -> list[list[float]]:

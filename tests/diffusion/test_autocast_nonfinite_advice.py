@@ -21,14 +21,15 @@ GENERIC = "check its dtype, inputs and weights; try float32 or bfloat16"
 @contextlib.contextmanager
 def nan_weight(module):
     """One NaN in ``module``'s weight while the block runs, put back after."""
-    kept = module.weight[0, 0].item()
+    flat = module.weight.view(-1)
+    kept = flat[0].item()
     with torch.no_grad():
-        module.weight[0, 0] = math.nan
+        flat[0] = math.nan
     try:
         yield
     finally:
         with torch.no_grad():
-            module.weight[0, 0] = kept
+            flat[0] = kept
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
@@ -51,12 +52,43 @@ def test_a_nan_weight_of_a_float32_module_under_autocast_keeps_the_generic_advic
     assert error.message == f"unet.{TO_OUT} produced NaN/Inf from finite inputs ({GENERIC})."
 
 
+VAE_FP16 = (
+    "it ran under float16 autocast (its weights are float32): check its weights and inputs; if they are finite, "
+    "autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast"
+)
+VAE_BF16 = (
+    "it ran under bfloat16 autocast (its weights are float32), whose range is float32's, so this is no overflow of "
+    "a narrow dtype: check its weights and inputs"
+)
+"""A float32 VAE's advice under autocast where no float16 overflow of its module was read (a NaN weight)."""
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
+def test_a_nan_weight_of_a_float32_vae_under_autocast_is_not_told_it_ran_in_float32(pipes, tmp_path, autocast_dtype):
+    """A NaN in a float32 VAE's ``decoder.conv_in`` weight under autocast: its advice read "it ran in float32, so this
+    is no half-precision overflow", false under autocast (it computed in float16, or bfloat16). It says the autocast
+    it ran under, and what to check."""
+    pipe = pipes["sd"]
+    with nan_weight(pipe.vae.get_submodule("decoder.conv_in")):
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        try:
+            with torch.autocast("cpu", dtype=autocast_dtype), dbg:
+                run(pipe, steps=1)
+            errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+        finally:
+            dbg.close()
+    (error,) = errors
+    assert (error.kind, error.component, error.module) == ("nonfinite", "vae", "decoder.conv_in")
+    advised = VAE_FP16 if autocast_dtype == torch.float16 else VAE_BF16
+    assert error.message == f"vae.decoder.conv_in produced NaN/Inf from finite inputs; {advised}."
+
+
 def advice(read_as, role="", weights="float32", **details):
     """The message and ``weights_dtype`` of the error at ``m`` (``weights``) under autocast to ``read_as``."""
     with torch.autocast("cpu", dtype=getattr(torch, read_as)):
         (anomaly,) = checks.nonfinite(
             "vae" if role else "unet", "m", step=0, timestep=None, localized_by="full probes", role=role,
-            dtype=weights, read_as=read_as, details=details,
+            dtype=weights, read_as=read_as, details=details, autocast=read_as,
         )  # fmt: skip
     return anomaly.message, anomaly.details.get("weights_dtype")
 
@@ -70,8 +102,7 @@ def test_only_a_float16_inf_of_a_float32_module_is_advised_about_autocast():
     )
     assert advice("float16") == (f"unet.m produced NaN/Inf from finite inputs; {ac}.", "float32")
     assert advice("bfloat16") == (f"unet.m produced NaN/Inf from finite inputs ({GENERIC}).", None)
-    vae = "it ran in float32, so this is no half-precision overflow: check its weights and inputs"
-    assert advice("bfloat16", role="vae") == (f"vae.m produced NaN/Inf from finite inputs ({vae}).", None)
+    assert advice("bfloat16", role="vae") == (f"vae.m produced NaN/Inf from finite inputs; {VAE_BF16}.", None)
     clip = {"clipped_in": "b", "dtype": "bfloat16", "dtype_max": 3.4e38, "clipped_to": None}
     assert advice("bfloat16", **clip) == (
         "unet.m produced Inf from finite inputs (bfloat16 overflow); unet.b clipped it to bfloat16's largest value "

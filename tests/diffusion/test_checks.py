@@ -536,8 +536,9 @@ def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_rep
     """The clip path is taken only where the block's replay runs now or this run already holds its clip: a block
     localised before (``overflow_where``, kept for the debugger's life), one passed in or tried this run, or a run
     whose ``debug_timeout`` of replays is spent would not replay it, and the Inf was swallowed (an overflow warning,
-    no error). There the Inf keeps its own path: its block replayed as a NaN/Inf's."""
-    from diffusion_debug.diffusion.replay.decide import Clip, ReplayMemory, decide
+    no error). There the Inf keeps its own path: its block replayed as a NaN/Inf's; but for a block whose replay was
+    tried this run and could not run: the clip as the sentinel read it (its own path warned the block too)."""
+    from diffusion_debug.diffusion.replay.decide import CLIP_UNREPLAYED, Clip, ReplayMemory, decide
     from diffusion_debug.probes import ModuleReading
 
     wo = ModuleReading("block.0.ff.wo", 0, "float16", None, float("inf"), "float16")
@@ -558,10 +559,21 @@ def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_rep
     assert plan(known) == (None, False, "block.0")  # at the max (T5's 64504, within 1000): replayed once a run
     known.replayed_at_max.add(key)
     assert plan(known) == own
-    for kept in ("tried", "passed_in"):
-        memory = ReplayMemory()
-        getattr(memory, kept).add(key)
-        assert plan(memory)[:2] == own[:2], kept
+    memory = ReplayMemory()
+    memory.passed_in.add(key)
+    assert plan(memory)[:2] == own[:2]
+    tried = ReplayMemory()  # its replay could not run this run (a second T5 call under true CFG): the clip as read
+    tried.tried.add(key)
+    made = decide("t5", checks.suspects([wo, block], 0.5), [wo, block], memory=tried, output_finite=True,
+                  full=False, leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None,
+                  site="", localize=True, fraction=0.5)  # fmt: skip
+    assert (made.replay, made.source, made.overflow.replay, made.overflow.clipped, made.overflow.how) == (
+        None,
+        None,
+        None,
+        Clip(wo, "block.0", 64512.0),
+        CLIP_UNREPLAYED,
+    )
     spent = ReplayMemory(timeout=1.0)
     spent.seconds = 1.0
     assert plan(spent)[:2] == own[:2]

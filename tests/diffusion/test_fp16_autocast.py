@@ -140,19 +140,32 @@ def test_a_large_float32_stream_no_float16_op_takes_stays_quiet_under_fp16_autoc
     dbg.close()
 
 
-def test_a_nan_made_from_near_max_values_under_fp16_autocast_advises_autocast_at_their_maker(pipes, tmp_path):
+def test_a_nan_made_from_near_max_values_under_fp16_autocast_advises_autocast_at_their_maker(tmp_path):
     """``fc1`` at 90% of float16's max under autocast, and ``fc2``, given them, overflows: the error is at
     ``fc1``, whose advice was 'run this component in bfloat16 or float32, or upcast this module' (it is float32
-    already); it is now about autocast, as an ``overflow_risk``'s is."""
-    pipe = pipes["sd"]
+    already); it is now about autocast, as an ``overflow_risk``'s is. A pipeline of its own: its first run reads
+    the text encoder with full probes (the session's shared one had been read so by an earlier test, and this test
+    passed in its file and failed alone), its second with the sentinel. Under full probes the negative prompt's
+    call (CFG) was given the prompt's call's output reading first (read after the call's end was marked): a second
+    error, 'text_encoder produced NaN/Inf ... in its own forward', which became the run's origin."""
+    from diffusion_debug.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("sd")
     fc2 = pipe.text_encoder.get_submodule(FC2)
     with near_max(pipe, "text_encoder", FC1, 0.9), scaled(fc2, 10.0):
         dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
-        with dbg, autocast():
-            run(pipe, steps=2, output_type="latent")
+        for _ in range(2):
+            with dbg, autocast():
+                run(pipe, steps=2, output_type="latent")
     errors = [a for a in dbg.report().anomalies if a.severity == "error"]
-    assert [(a.kind, a.component, a.module, a.step) for a in errors] == [("nonfinite", "text_encoder", FC1, None)]
-    (error,) = errors
+    assert [(a.kind, a.component, a.module, a.step, a.details["run"]) for a in errors] == [
+        ("nonfinite", "text_encoder", FC1, None, 1),
+        ("nonfinite", "text_encoder", FC1, None, 2),
+    ]
+    assert [a.details["localized_by"] for a in errors] == ["full probes", REPLAYED]
+    (unet,) = [a for a in dbg.report().anomalies if a.component == "unet" and a.details.get("run") == 1]
+    assert unet.details["origin"] == f"text_encoder {FC1}"
+    error = errors[0]
     details = error.details
     assert (details["overflowed_in"], details["dtype"], details["weights_dtype"]) == (FC2, "float16", "float32")
     assert error.message == (
@@ -338,15 +351,16 @@ def test_clean_flux_text_encoders_under_fp16_autocast_stay_quiet_with_their_proj
     dbg.close()
 
 
-def t5_making_an_inf():
+def t5_making_an_inf(**extra):
     """A tiny Flux whose float16 T5 (``text_encoder_2``) under float16 autocast has ``wo`` make an Inf (2x float16's
-    max), which T5's block clamps to ``finfo.max - 1000`` (64504, held in float16 as 64512); and its call."""
+    max, at each of its calls), which T5's block clamps to ``finfo.max - 1000`` (64504, held in float16 as 64512);
+    and its call (with ``extra`` arguments)."""
     from diffusion_debug.testing import tiny_pipeline
     from diffusion_debug.testing.flux import FLUX_CALL
 
     pipe = tiny_pipeline("flux")
     wo = pipe.text_encoder_2.to(torch.float16).get_submodule(helpers.T5_WO)
-    args = FLUX_CALL[0]()
+    args = {**FLUX_CALL[0](), **extra}
     args.pop("output_type", None)
 
     def call():
@@ -358,7 +372,7 @@ def t5_making_an_inf():
     call()
     handle.remove()
     with torch.no_grad():
-        wo.weight.mul_(2 * FP16_MAX / peaks[-1])
+        wo.weight.mul_(2 * FP16_MAX / min(peaks))
     return pipe, call
 
 
@@ -412,6 +426,37 @@ def test_an_inf_a_sentinel_read_its_t5_block_clipping_is_an_error_where_the_bloc
         (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
         assert error.message == T5_CLIP
         assert (error.details["localized_by"], error.details["clipped_in"]) == (CLIP_UNREPLAYED, "encoder.block.0")
+    dbg.close()
+
+
+def test_an_inf_a_t5_called_twice_a_call_clipped_is_its_one_error_where_the_blocks_replay_cannot_run(
+    tmp_path, monkeypatch
+):
+    """True CFG (a negative prompt, ``true_cfg_scale`` > 1) calls the Flux's T5 twice a pipeline call, its block's
+    replay unable to run. The first call's Inf was the error at ``wo`` as the sentinel read it (the block tried this
+    run); at the second the tried block was no longer decided as the clip: its near-max value, the clip's consequence,
+    was an ``overflow_risk`` at ``encoder.block.0`` beside the error. One cause, one finding: the error at ``wo``."""
+    import inspect
+
+    from diffusers import FluxPipeline
+
+    from diffusion_debug.diffusion.localize import Localizer
+    from diffusion_debug.diffusion.replay.decide import CLIP_UNREPLAYED
+
+    if "true_cfg_scale" not in inspect.signature(FluxPipeline.__call__).parameters:
+        pytest.skip("FluxPipeline without true_cfg_scale (diffusers < 0.33)")
+    pipe, call = t5_making_an_inf(negative_prompt="a dog", true_cfg_scale=2.0)
+    replays = []
+    monkeypatch.setattr(Localizer, "replay", lambda _self, *asked: replays.append(asked[:2]))
+    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+    for _ in range(2):
+        with dbg:
+            call()
+    assert replays == [("text_encoder_2", "encoder.block.0")]  # run 2's first T5 call (run 1 read it fully)
+    assert found(dbg, 2) == [("nonfinite", "error", "text_encoder_2", helpers.T5_WO, None)]
+    (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == 2]
+    assert error.message == T5_CLIP
+    assert (error.details["localized_by"], error.details["clipped_in"]) == (CLIP_UNREPLAYED, "encoder.block.0")
     dbg.close()
 
 

@@ -323,6 +323,38 @@ def test_a_nan_an_encoder_made_passed_back_by_the_user_at_a_later_call_is_the_en
     dbg.close()
 
 
+def test_a_nan_an_encoder_made_under_fp16_autocast_passed_back_later_is_advised_about_autocast(pipes, tmp_path):
+    """The float32 text encoder's NaN made under float16 autocast, its embeddings passed back to a later call: the
+    encoding's error advises autocast (its float16 output, float32 weights), and the later call's error, which
+    names the same module, said "try float32 or bfloat16" (it is float32, and autocast computed it in float16): it
+    advises autocast as the error it points at does."""
+    pipe = pipes["sd"]
+    made = next(n for n, _ in pipe.text_encoder.named_modules() if n.endswith("layers.0.mlp.fc1"))
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with torch.autocast("cpu", dtype=torch.float16):
+        # planted before the debugger's hooks (its first run reads the encoder fully): they read the NaN as returned
+        with plant_nonfinite(pipe.text_encoder.get_submodule(made), value=float("nan")), dbg:
+            embeds, negative = pipe.encode_prompt("a cat", "cpu", 1, True, negative_prompt="")
+        with dbg:  # the encoding's run, then a new one
+            for _ in range(2):
+                run(pipe, steps=1, prompt=None, prompt_embeds=embeds, negative_prompt_embeds=negative)
+    found = [(a.component, a.module, a.details.get("run"), a.details.get("passed_as")) for a in errors(dbg.report())]
+    passed_as = ["prompt_embeds", "negative_prompt_embeds"]
+    assert found == [("text_encoder", made, 1, None), ("text_encoder", made, 1, passed_as)]  # run 2's: made in run 1
+    autocast = (
+        "it ran under float16 autocast (its weights are float32): autocast to bfloat16 instead (torch.autocast(..., "
+        f"dtype=torch.bfloat16)) or run text_encoder.{made} outside autocast."
+    )
+    first, passed_back = errors(dbg.report())
+    assert first.message == f"text_encoder.{made} produced NaN/Inf from finite inputs; {autocast}"
+    assert passed_back.message == (
+        f"text_encoder.{made} made NaN/Inf in run 1 (pipe.encode_prompt), and it was passed back to a later call as "
+        f"prompt_embeds=, negative_prompt_embeds= (first seen by unet); fix text_encoder.{made}, not the input; "
+        + autocast
+    )
+    dbg.close()
+
+
 def test_latents_a_call_returned_with_the_unets_nan_passed_to_the_next_call_are_the_unets(pipes, tmp_path):
     """A call's ``output_type="latent"`` latents, made non-finite by the UNet at step 1, passed as ``latents=`` to
     the next call: run 2's error is the UNet's conv at step 1 of run 1, the latents the way it came."""

@@ -153,6 +153,28 @@ def test_a_nan_in_a_layer_the_pipeline_does_not_read_is_a_warning_naming_its_mod
     dbg.close()
 
 
+def test_a_nan_in_a_layer_the_pipeline_does_not_read_under_fp16_autocast_is_advised_about_autocast(sdxl, tmp_path):
+    """The float32 CLIP's last layer under float16 autocast: its NaN (a float16 output, float32 weights) is the
+    warning whose advice said "try float32 or bfloat16" (it is float32, and autocast computed it in float16); it
+    advises autocast, as the error of a NaN the pipeline reads does."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        dbg, _, module, _ = watched(sdxl, tmp_path, "text_encoder", "encoder.layers.1.mlp.fc2")
+    (found,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite"]
+    assert (found.severity, found.component, found.module, found.details["unread_output"]) == (
+        "warning",
+        "text_encoder",
+        module,
+        True,
+    )
+    assert found.message == (
+        f"text_encoder.{module} produced NaN/Inf from finite inputs in hidden states the pipeline did not pass "
+        "on (its denoising loop was given finite values), so the result is not affected; an fp16 overflow "
+        "in a final layer often does this; it ran under float16 autocast (its weights are float32): autocast to "
+        f"bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run text_encoder.{module} outside autocast."
+    )
+    dbg.close()
+
+
 def test_policy_raise_lets_a_run_whose_nan_went_unread_finish(sdxl, tmp_path):
     plain = sdxl_call(sdxl)
     dbg, images, _, unet_calls = watched(sdxl, tmp_path, "text_encoder", "encoder.layers.1.mlp.fc2", policy="raise")

@@ -18,6 +18,7 @@ from torch import nn
 
 from ...stats import dtype_name
 from ..replay.copies import layerwise_casting
+from .autocast import autocast_dtype, autocast_state, execution_device_type
 from .inventory import module_dtype
 
 
@@ -58,3 +59,16 @@ def weights_finite(root: nn.Module | None, module: str) -> bool:
         return not flags or bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
     except (RuntimeError, NotImplementedError):
         return False
+
+
+def autocast_over(root: nn.Module | None) -> str | None:
+    """The dtype the ``torch.autocast`` open now computes ``root``'s autocast ops in, on the device type it computes
+    on (None: no autocast reaches it; CUDA's leaves a component on the CPU in its own dtype). Read on a NaN/Inf
+    only: a float32 VAE under autocast did not run in float32 (:func:`~..checks.nonfinite`'s advice).
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     autocast_over(nn.Linear(2, 2)), autocast_over(None)
+    ('bfloat16', None)
+    """
+    under = autocast_dtype(autocast_state(), execution_device_type(root)) if root is not None else None
+    return dtype_name(under) if under is not None else None

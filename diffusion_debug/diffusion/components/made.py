@@ -182,6 +182,8 @@ def made_origin(made: Made, passed_as: list[str], origin: Anomaly) -> Anomaly:
     }
     if "run" in maker.details:
         details["run"] = maker.details["run"]
+    if "weights_dtype" in maker.details:  # a float32 module's float16 output under autocast: the advice its error gave
+        details.update(dtype=maker.details.get("dtype"), weights_dtype=maker.details["weights_dtype"])
     return make_anomaly(
         kind="nonfinite",
         severity="error",

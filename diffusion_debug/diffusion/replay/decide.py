@@ -273,11 +273,11 @@ def decide(
         if clipped is not None and clipped.block and clipped.producer is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
         block = clipping_block(readings, fraction) if localize and output_finite and not full else None
-        if block is not None and _clip_read(component, block, memory):  # its replay names the Inf it clipped
-            # (else the Inf keeps its own path: no replay would say it); the Inf read, where the replay shows none
-            # (only an Inf made there, its inputs finite or unread: one given with its inputs was not)
-            inf = seen.first_nonfinite if seen.first_nonfinite is seen.producer else None
-            seen = checks.Suspects(None, None, block)
+        # the Inf read, where the replay shows none or cannot run (only an Inf made there, its inputs finite or
+        # unread: one given with its inputs was not)
+        made_inf = seen.first_nonfinite if seen.first_nonfinite is seen.producer else None
+        if block is not None and _clip_read(component, block, memory, made_inf):  # its replay names the Inf it
+            inf, seen = made_inf, checks.Suspects(None, None, block)  # clipped (else: its own path, as no replay says)
         if seen.first_nonfinite is not None or not output_finite:
             received = _once(received)  # (a host read of the kept call's arguments: once a call)
             asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
@@ -290,7 +290,7 @@ def decide(
             near, between = overflow_between(readings, fraction) or (None, None)
         if near is not None:
             clean = seen.first_nonfinite is None and output_finite  # else the NaN/Inf is localised above
-            overflow = _overflow(component, near, between, memory, full, leaf, clean, localize)
+            overflow = _overflow(component, near, between, memory, full, leaf, clean, localize, inf)
             overflow = overflow if inf is None or overflow.clipped is not None else replace(overflow, inf=inf)
     except Exception as error:  # (the caller's overflow_risk guard records it)
         failed["overflow_risk"] = error
@@ -373,12 +373,15 @@ def _again(component, seen, memory, received, site, step) -> bool:
     return (moved or unsure or resumed) and not received(component, site)
 
 
-def _clip_read(component: str, block: ModuleReading, memory: ReplayMemory) -> bool:
-    """Whether :func:`_overflow` reads the clip of ``block`` (clean, localising): this run holds it, or replays
-    the block now (not passed in nor tried this run, not localised before unless at the max, replays' time left)."""
+def _clip_read(component: str, block: ModuleReading, memory: ReplayMemory, inf: ModuleReading | None) -> bool:
+    """Whether :func:`_overflow` reads the clip of ``block`` (clean, localising): this run holds it, replays the
+    block now (not passed in nor tried this run, not localised before unless at the max, replays' time left), or
+    tried its replay this run and the sentinel read the Inf made inside it (``inf``: the clip as read, again)."""
     key = (component, block.module)
-    if key in memory.passed_in or key in memory.tried:
+    if key in memory.passed_in:
         return False
+    if key in memory.tried:  # (a second call of it in a run: T5 under true CFG)
+        return inf is not None
     at_max = at_dtype_max(block) and key not in memory.replayed_at_max
     again = (key not in memory.overflow_where or at_max) and memory.seconds < memory.timeout
     return key in memory.clipped or again
@@ -407,9 +410,11 @@ def at_dtype_max(reading: ModuleReading) -> bool:
     return (reading.output_absmax or 0.0) >= near
 
 
-def _overflow(component, reading, between, memory, full, leaf, clean, localize) -> Overflow:
+def _overflow(component, reading, between, memory, full, leaf, clean, localize, inf=None) -> Overflow:
     """What to do of the near-overflow ``reading``: named as read (full probes, a leaf), else by its block's
-    replay, once for the debugger's life; once a run again at the max (:func:`at_dtype_max`; ``clean``: no NaN/Inf)."""
+    replay, once for the debugger's life; once a run again at the max (:func:`at_dtype_max`; ``clean``: no NaN/Inf).
+    A block whose replay could not run this run, read clipping the Inf ``inf`` made inside it, is that clip as read:
+    its near-max value the clip's consequence, no warning of its own."""
     if full or leaf(component, reading.module):
         return Overflow(reading, between=between)
     key = (component, reading.module)
@@ -418,6 +423,8 @@ def _overflow(component, reading, between, memory, full, leaf, clean, localize) 
     if key in memory.clipped and clean:
         clip, count = memory.clipped[key]
         return Overflow(reading, key, clipped=clip, replayed=count)
+    if inf is not None and key in memory.tried:
+        return Overflow(reading, key, clipped=Clip(inf, reading.module, reading.output_absmax), how=CLIP_UNREPLAYED)
     at_max = clean and at_dtype_max(reading) and key not in memory.replayed_at_max
     if (key not in memory.overflow_where or at_max) and key not in memory.tried and localize:
         return Overflow(reading, key, clean, replay=reading.module)

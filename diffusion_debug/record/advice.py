@@ -1,0 +1,130 @@
+"""The advice a message about values near or past their dtype's largest ends with, chosen by the dtype the module
+ran in: a half dtype's overflow (a wider dtype, the VAE's own fixes), bfloat16's or float32's (no wider dtype helps:
+the values are wrong), and the ``torch.autocast`` a float32 module ran under (what autocast computes in is what to
+change, not the weights' dtype). Pure: strings from an anomaly's details (``record/inference_messages.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
+
+
+def vae_advice(
+    component: str = "vae", sd_vae: bool = False, dtype: str | None = None, autocast: str | None = None
+) -> str:
+    """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
+    ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
+    ``details["sd_vae"]``); another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept
+    in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``), and one not
+    called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE
+    under ``force_upcast`` too) is told so: no dtype advice fits it; but under ``torch.autocast`` (``autocast``: the
+    dtype it computed in) it did not: the autocast is said, and float16's advice holds where its weights are finite.
+
+    >>> vae_advice("vae")
+    'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
+    >>> vae_advice("vae", dtype="bfloat16")
+    'run the VAE in float32: pipe.vae.to(torch.float32)'
+    >>> vae_advice("movq", dtype="float16")
+    'keep movq in float32 (pipe.movq.to(torch.float32))'
+    >>> vae_advice("movq", dtype="float32")
+    'it ran in float32, so this is no half-precision overflow: check its weights and inputs'
+    >>> vae_advice("vae", dtype="float32", autocast="float16")
+    'it ran under float16 autocast (its weights are float32): check its weights and inputs; if they are finite, \
+autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast'
+    """
+    if dtype == "float32" and autocast == "float16":  # (a NaN weight's, or no module's output read)
+        return (
+            f"it ran under float16 autocast (its weights are float32): check its weights and inputs; if they are "
+            f"finite, autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run {component} "
+            "outside autocast"
+        )
+    if dtype == "float32" and autocast:
+        return (
+            f"it ran under {autocast} autocast (its weights are float32), whose range is float32's, so this is no "
+            "overflow of a narrow dtype: check its weights and inputs"
+        )
+    if dtype == "float32":
+        return "it ran in float32, so this is no half-precision overflow: check its weights and inputs"
+    if component != "vae":
+        return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
+    if dtype == "bfloat16":
+        return "run the VAE in float32: pipe.vae.to(torch.float32)"
+    if not sd_vae:
+        return "keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)"
+    return (
+        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) "
+        f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
+    )
+
+
+def near_max_advice(where: str, details: dict[str, Any]) -> str:
+    """What to do about values near their dtype's max that ``where`` (``component.module``) made, on which
+    the next module overflowed (``details``: the ``nonfinite``'s ``dtype``, ``vae_role``, ``sd_vae``).
+    bfloat16 holds float32's range, so no wider dtype helps there: the values are wrong, not the precision.
+
+    >>> near_max_advice("unet.conv_out", {"dtype": "float16"})
+    'run this component in bfloat16 or float32, or upcast this module'
+    >>> near_max_advice("vae.decoder.conv_in", {"dtype": "bfloat16", "vae_role": True}).split(":")[0]
+    "bfloat16 holds float32's range, so float32 overflows on these values too"
+
+    Made under float16 autocast (``weights_dtype``, kept where the weights differ: :func:`overflow_advice`), the
+    VAE's too: it is float32 already, and its weights' dtype does not change what autocast computes in.
+
+    >>> near_max_advice("vae.decoder.conv_in", {"dtype": "float16", "weights_dtype": "float32", "vae_role": True})
+    'it ran under float16 autocast (its weights are float32): autocast to bfloat16 instead (torch.autocast(..., \
+dtype=torch.bfloat16)) or run vae.decoder.conv_in outside autocast'
+    """
+    dtype = details.get("dtype")
+    if dtype == "float16" and details.get("weights_dtype"):  # float32 weights under float16 autocast
+        return autocast_advice(where, details["weights_dtype"])
+    if dtype in ("bfloat16", "float32"):
+        wider = "bfloat16 holds float32's range, so float32 overflows on these values too"
+        wider = wider if dtype == "bfloat16" else "no wider dtype holds them"
+        return f"{wider}: check {where}'s weights and the scale of its inputs"
+    if details.get("vae_role"):
+        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), dtype)
+    if dtype == "float16":
+        return "run this component in bfloat16 or float32, or upcast this module"
+    return "compute this component in bfloat16 or float32"
+
+
+def overflow_advice(where: str, details: dict[str, Any]) -> str:
+    """What to do about values ``where`` (``component.module``, or the component) made near the max of the
+    dtype it ran in (``details``: the ``overflow_risk``'s ``dtype``, ``vae_role``, ``sd_vae``). A wider dtype
+    holds fp16's values; bfloat16's largest value is float32's, so no dtype gives bf16's more room: their
+    scale is what to change (as :func:`near_max_advice` says of a NaN/Inf made from them).
+
+    >>> overflow_advice("unet.conv_out", {"dtype": "float16"})
+    'run this component in bfloat16 or float32, or upcast this module'
+    >>> overflow_advice("unet.conv_out", {"dtype": "bfloat16"}).split(":")[0]
+    "bfloat16 holds float32's range, so float32 gives these values no more room"
+
+    A float16 output of a module whose weights are not (``weights_dtype``, kept where they differ) ran under
+    ``torch.autocast``: the component is float32 already, and its weights' dtype does not change what
+    autocast computes in.
+
+    >>> overflow_advice("unet.conv_out", {"dtype": "float16", "weights_dtype": "float32"}).split(":")[0]
+    'it ran under float16 autocast (its weights are float32)'
+    """
+    if details.get("dtype") == "float16" and details.get("weights_dtype"):
+        return autocast_advice(where, details["weights_dtype"])
+    if details.get("dtype") == "bfloat16":
+        return (
+            "bfloat16 holds float32's range, so float32 gives these values no more room: "
+            f"check {where}'s weights and the scale of its inputs"
+        )
+    if details.get("vae_role"):
+        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), details.get("dtype"))
+    return "run this component in bfloat16 or float32, or upcast this module"
+
+
+def autocast_advice(where: str, weights_dtype: str) -> str:
+    """What to do about float16 values near the max that ``where`` made under float16 autocast, its weights being
+    ``weights_dtype``: what autocast computes in is what to change (:func:`overflow_advice`, :func:`near_max_advice`).
+    """
+    return (
+        f"it ran under float16 autocast (its weights are {weights_dtype}): autocast to bfloat16 instead "
+        f"(torch.autocast(..., dtype=torch.bfloat16)) or run {where} outside autocast"
+    )
