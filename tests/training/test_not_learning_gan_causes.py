@@ -3,8 +3,6 @@ whose update it is), not the lr a per-iteration LR scheduler has set by the time
 every still update was made at lr 0 is not told where the lr has left 0 since (a warmup from 0: the clean run
 stays quiet), only if it goes on; and a stall of the whole run names each still optimizer's own reason."""
 
-import math
-
 import pytest
 import torch
 from torch.nn.functional import softplus
@@ -136,21 +134,26 @@ def test_a_stall_made_at_lr_above_0_is_not_told_as_lr_0_set_since(tmp_path):
 
 def test_the_runs_stall_names_each_still_optimizers_own_reason(tmp_path):
     """The critic at lr 1e-12 (each update rounds away in float32), the generator at lr 0, alternating: the run's
-    stall, clear at step 5 with the critic's step 4, was read from the critic alone: ``undone_after_step``, the
-    generator's lr 0 unnamed. Each still optimizer's reason is a detail (``still_causes``, in the order of
-    ``still_optimizers``) and the message names the one that differs."""
+    stall, clear at step 5 with the critic's step 4, was read from the critic alone, the generator's lr 0 unnamed.
+    Each still optimizer's reason is a detail (``still_causes``, in the order of ``still_optimizers``) and the
+    message names the one that differs. The critic's is its float32 rounding (was ``undone_after_step``)."""
     tdbg = _gan(tmp_path, lr_d=1e-12, lr_g=0.0, critic=1, iterations=4)
     assert _stalls(tdbg) == [(5, None)]
     (found,) = _serious(tdbg)
     d = found.details
-    assert (d["reason"], d["stepped_optimizer"], d["still_optimizers"]) == (
-        "undone_after_step",
+    assert (d["reason"], d["dtype"], d["stepped_optimizer"], d["still_optimizers"]) == (
+        "below_precision",
+        "float32",
         DISCRIMINATOR,
         [DISCRIMINATOR, GENERATOR],
     )
     (critic, gen) = d["still_causes"]
-    assert (critic["reason"], critic["lr"], gen["reason"], gen["lr"]) == ("undone_after_step", 1e-12, "lr_zero", 0.0)
-    assert math.isfinite(critic["grad_norm_at_step"]) and "grad_norm_at_step" not in gen
+    assert (critic["reason"], critic["dtype"], critic["lr"]) == ("below_precision", "float32", 1e-12)
+    assert (gen["reason"], gen["lr"]) == ("lr_zero", 0.0)
+    assert (
+        f"read from {DISCRIMINATOR}, the optimizer that stepped last: the weights are float32 and each update "
+        "(lr 1e-12) is smaller than their rounding step: raise the learning rate" in found.message
+    )
     assert found.message.endswith(
         f"; for {GENERATOR}: the learning rate is 0 in every param group that holds them: set it (check the "
         "scheduler's warmup)."

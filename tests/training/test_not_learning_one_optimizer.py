@@ -1,0 +1,116 @@
+"""The cause a one-optimizer stall is told with: the lr its still updates were made with (recorded at the monitored
+step whose update each is, as several optimizers' are), not the lr at the report; float32 weights whose every update
+is below their rounding step (lr 1e-12) told ``below_precision``, not ``undone_after_step``."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig
+from diffusion_debug.record import severity_rank
+from diffusion_debug.training.judges.stall_causes import diagnose
+from diffusion_debug.training.measure.gradients import TrainableParameters
+
+pytestmark = pytest.mark.usefixtures("only_the_tests_objects")
+
+
+def _config(tmp_path):
+    return DebugConfig(output_dir=str(tmp_path), log_level="error", memory_tracking=False, stream_events=False)
+
+
+def _serious(tdbg):
+    return [a for a in tdbg.report().anomalies if severity_rank(a.severity) >= 1]
+
+
+def _stall_text(d, cause):
+    return (
+        f"No weight moved in the {d['updates']} optimizer steps {d['first_step']}-{d['last_step']} (the largest "
+        f"update 0x a module's norm) although the gradients are normal (norm {d['grad_norm']:.3g}): {cause}."
+    )
+
+
+LR_ZERO = "the learning rate is 0 in every param group that holds them: set it (check the scheduler's warmup)"
+
+
+def test_one_optimizer_at_lr_0_for_five_steps_then_raised_is_told_lr_zero(tmp_path, unet_loop):
+    """AdamW at lr 0 for steps 0-4, its lr set to 1e-4 by hand after step 4's step: the stall (the updates of steps
+    0-4) is clear at step 5, where the lr is 1e-4 already. Read then, it was ``undone_after_step`` ("something after
+    step() puts them back"); read from the lr each still update was made with, 0: ``lr_zero``."""
+
+    def raise_lr(step, unet, optimizer):
+        if step == 4:
+            optimizer.param_groups[0]["lr"] = 1e-4
+
+    tdbg, losses = unet_loop(_config(tmp_path), 7, lr=0.0, after_step=raise_lr)
+    assert len(set(losses[:6])) == 1 and losses[6] != losses[5]  # still at lr 0, learning from step 5's update
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["lr"], d["first_step"], d["last_step"], d["updates"]) == (
+        "not_learning",
+        5,
+        "lr_zero",
+        0.0,
+        0,
+        4,
+        5,
+    )
+    assert found.message == _stall_text(d, LR_ZERO)
+
+
+def test_float32_weights_whose_updates_round_away_are_told_below_precision(tmp_path, mlp):
+    """AdamW at lr 1e-12 on float32 weights (none of them 0: an update of 1e-12 moves a weight at 0): each update,
+    about 1e-12 an element, is below half a float32 ulp of every weight, so none moves; the rounding check was fp16/
+    bf16's only and the step's reading (the gradients received) made it ``undone_after_step``. An adaptive step moves
+    each element by about the lr: its norm lr x sqrt(numel) over the weights' norm is below float32's epsilon / 2."""
+    from diffusion_debug import TrainingDebugger
+
+    optimizer = torch.optim.AdamW(mlp.parameters(), lr=1e-12)
+    tdbg = TrainingDebugger(mlp, config=_config(tmp_path))
+    x, before = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), copy.deepcopy(mlp.state_dict())
+    for step in range(7):
+        loss = mlp(x).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    tdbg.close()
+    assert all(torch.equal(before[name], value) for name, value in mlp.state_dict().items())  # rounded away
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.kind, found.step, d["reason"], d["dtype"], d["lr"], d["state_empty"]) == (
+        "not_learning",
+        5,
+        "below_precision",
+        "float32",
+        1e-12,
+        False,
+    )
+    weight_norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in mlp.parameters()))
+    numel = sum(p.numel() for p in mlp.parameters())
+    assert d["step_ratio"] == pytest.approx(1e-12 * max(d["grad_norm"], math.sqrt(numel)) / weight_norm, rel=1e-9)
+    assert d["step_ratio"] < torch.finfo(torch.float32).eps / 2
+    assert found.message == _stall_text(
+        d,
+        "the weights are float32 and each update (lr 1e-12) is smaller than their rounding step: raise the learning "
+        "rate (check its units and the scheduler's base lr)",
+    )
+
+
+def test_float32_weights_under_sgd_read_the_plain_step_with_its_momentum():
+    # SGD: lr x |g| / |w|, with momentum at most |g| / (1 - momentum); above float32's epsilon / 2 it is no rounding
+    model = torch.nn.Linear(64, 64)
+    model(torch.ones(16, 64)).pow(2).mean().backward()
+    params = TrainableParameters.of(model)
+    grad_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    weight_norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in model.parameters()))
+    plain, momentum, large = (
+        diagnose(torch.optim.SGD(model.parameters(), lr=1e-12), params, grad_norm),
+        diagnose(torch.optim.SGD(model.parameters(), lr=1e-12, momentum=0.9), params, grad_norm),
+        diagnose(torch.optim.SGD(model.parameters(), lr=1e-3), params, grad_norm),
+    )
+    assert (plain["reason"], plain["dtype"], plain["state_empty"]) == ("below_precision", "float32", True)
+    assert plain["step_ratio"] == pytest.approx(1e-12 * grad_norm / weight_norm, rel=1e-9)
+    assert momentum["step_ratio"] == pytest.approx(1e-12 * grad_norm / 0.1 / weight_norm, rel=1e-9)
+    assert large["step_ratio"] > torch.finfo(torch.float32).eps / 2 and large["reason"] == "gradients_cleared"
