@@ -1,6 +1,7 @@
 """The cause a one-optimizer stall is told with: the lr its still updates were made with (recorded at the monitored
 step whose update each is, as several optimizers' are), not the lr at the report; float32 weights whose every update
-is below their rounding step (lr 1e-12) told ``below_precision``, not ``undone_after_step``."""
+is below their rounding step (lr 1e-12) told ``below_precision``, not ``undone_after_step``; and a scheduler holding a
+base lr above 0 at 0 (a warmup from 0) waited for up to 2 x STALL_UPDATES still updates, an lr set to 0 by hand not."""
 
 import copy
 import math
@@ -114,3 +115,27 @@ def test_float32_weights_under_sgd_read_the_plain_step_with_its_momentum():
     assert plain["step_ratio"] == pytest.approx(1e-12 * grad_norm / weight_norm, rel=1e-9)
     assert momentum["step_ratio"] == pytest.approx(1e-12 * grad_norm / 0.1 / weight_norm, rel=1e-9)
     assert large["step_ratio"] > torch.finfo(torch.float32).eps / 2 and large["reason"] == "gradients_cleared"
+
+
+def test_one_optimizer_held_at_lr_0_by_its_scheduler_is_told_at_its_tenth_still_update(tmp_path, unet_loop):
+    """A scheduler holding a base lr of 1e-4 at 0 (its lambda 0: a warmup from 0 that never leaves it) is waited for
+    as a warmup's (a GAN's critic stepped six times before the generator's first step reads five such updates
+    alone), not for ever: told at its tenth still update, with the lr those were made with."""
+
+    def held_at_zero(unet):
+        optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-4)
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0)  # lr 0, initial_lr 1e-4 in its group
+        return optimizer
+
+    tdbg, _ = unet_loop(_config(tmp_path), 12, optimizer=held_at_zero)
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (found.step, d["reason"], d["lr"], d["first_step"], d["last_step"], d["updates"]) == (
+        10,
+        "lr_zero",
+        0.0,
+        0,
+        9,
+        10,
+    )
+    assert found.message == _stall_text(d, LR_ZERO)
