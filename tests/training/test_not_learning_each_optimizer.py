@@ -535,3 +535,18 @@ def test_a_stall_told_as_one_optimizers_is_not_told_again_as_the_runs_when_the_o
     assert _stalls(tdbg) == [(40, GENERATOR)]
     (found,) = _serious(tdbg)
     assert (found.details["first_step"], found.details["last_step"], found.details["reason"]) == (8, 39, "lr_zero")
+
+
+def test_a_discriminator_whose_step_never_runs_beside_a_generator_at_lr_0_is_one_stall_of_the_run(tmp_path):
+    """The critic's step never runs (a loop's bug), the generator at lr 0: an optimizer whose ``step()`` is not seen
+    in the run while the other's is may be stepped at one iteration in k (not stalled: the run's stall is withheld),
+    but not for ever: after its tenth still update the run's stall is told, once, naming each one's cause (its own
+    stalls, held back beside it, are not told: the critic's own was told at its tenth "alone", and the generator's
+    folded under it)."""
+    tdbg, _ = _gan(tmp_path, skip_d=True, lr_g=0.0, iterations=30)
+    ((step, optimizer),) = _stalls(tdbg)
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (step, optimizer, d["first_step"], d["last_step"], d["updates"]) == (40, None, 0, 39, 20)
+    assert d["still_optimizers"] == [DISCRIMINATOR, GENERATOR]
+    assert [(c["reason"], c["lr"]) for c in d["still_causes"]] == [("gradients_cleared", 1e-2), ("lr_zero", 0.0)]

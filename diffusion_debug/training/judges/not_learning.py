@@ -102,7 +102,7 @@ class StallWatch:
     policy_skipped: bool = False
     """Policy ``skip`` zeroed the last step's gradients: its update is not judged."""
     fingerprint: list[float] | None = None
-    """The whole weights' float64 norms when this run of still updates began (see :meth:`update`)."""
+    """The whole weights' float64 norms when this run of still updates began (:meth:`update`)."""
     moved: bool = False
     """The last update taken moved this rank's weights (its sampled blocks, or the whole weights checked before a
     report): under several processes every rank learns whether any rank's did (:meth:`some_rank_moved`)."""
@@ -166,14 +166,11 @@ class StallWatch:
         weights: Callable[[], list[float]] | None = None,
         holder: OptimizerStall | None = None,
     ) -> bool:
-        """Take the update of ``update_step`` (its per-module ratios) and the norm of the gradients
-        it should have applied; True when this update makes the stall clear. ``weights``: the whole
-        weights' float64 norms, read when a run of still updates begins and again before it is reported:
-        the ratios come from a sampled block of each parameter, and a run that moves only rows
-        outside it (textual inversion trains one row of the token embedding) is not stalled. ``holder``: the
-        optimizer whose own run this watch counts (:meth:`update_each`); the lr each still update was made
-        with is kept in :attr:`run`, and of several a run made at lr 0 whose lr has left 0 since is not clear
-        (:meth:`_leaving_lr_zero`)."""
+        """Take the update of ``update_step`` (its per-module ratios) and the norm of the gradients it should have
+        applied; True when this update makes the stall clear. ``weights``: the whole weights' float64 norms, read when
+        a run begins and before it is reported (a run moving only rows outside the sampled blocks, as textual
+        inversion's, is not stalled). ``holder``: the optimizer whose own run this watch counts (:meth:`update_each`);
+        the lr each still update was made with is kept in :attr:`run` (:meth:`_leaving_lr_zero`)."""
         skipped, self.policy_skipped = skipped or self.policy_skipped, False
         if self.several:  # the optimizer whose update this is (its stall's, or the run's named from it)
             self.read = self.each.get(self.pending_optimizer)
@@ -252,10 +249,11 @@ class StallWatch:
     def _not_stepped(self) -> bool:
         """Of the run's optimizers one's ``step()`` was not seen in it while another's was (the hooks read: not
         compiled): a critic monitored at each iteration and stepped at one in six is not stalled (the run's stall, its
-        cause guessed, was told at 5 and the generator's own lr 0 again at 12)."""
-        seen = self.seen.readings
-        keys = [id(raw_optimizer(self.each[key].ref())) for key in self.run if key in self.each]
-        return any(key in seen for key in keys) and not all(key in seen for key in keys)
+        cause guessed, was told at 5 and the generator's own lr 0 again at 12); not for ever (a step that never runs:
+        the run's stall after that one's 2 x STALL_UPDATES-th still update)."""
+        seen = {k: id(raw_optimizer(self.each[k].ref())) in self.seen.readings for k in self.run if k in self.each}
+        late = 2 * STALL_UPDATES
+        return any(seen.values()) and any(not s and self.each[k].watch.updates < late for k, s in seen.items())
 
     def some_rank_moved(self) -> None:
         """Some rank's weights moved in the update this step read (this rank's or another's: a rank's
@@ -391,8 +389,9 @@ class StallWatch:
         if clear and (self.flagged or not entry.others_moved):
             entry.held_back = True
             return None
-        # not for ever (the other's steps all skipped by a GradScaler): told as not known to be alone
-        if entry.held_back and not self.flagged and entry.watch.updates >= 2 * STALL_UPDATES:
+        # not for ever (the other's steps all skipped by a GradScaler): told as not known to be alone (a run withheld
+        # for a step not seen is told as the run's instead: :meth:`_not_stepped`)
+        if entry.held_back and not (self.flagged or self.withheld) and entry.watch.updates >= 2 * STALL_UPDATES:
             entry.held_back = False
             return entry
         return entry if clear else None
