@@ -7,11 +7,11 @@ moved no module by more than :data:`STILL_RATIO` of its norm while the gradients
 finite and above the vanishing threshold, the run is stalled at the step that showed the last of them; the cause
 is read from the optimizer, once (``stall_causes.diagnose``), with the lr its still updates were made with
 (:attr:`StallWatch.run`): it holds none of the watched parameters, or that lr is 0 for them, or every update rounds
-away (fp16/bf16 weights with optimizer state; else a step below half the dtype's epsilon of the weights' norm, float32
-too), else what ``optimizer.step()`` itself received (:class:`StepGradients`, a step pre-hook on each optimizer the
-debugger is given, reading only while a run of still updates lasts; a compiled step reads nothing): no gradient
-(``gradients_cleared``), zeroed ones (``gradients_zeroed``: a mask or hook between the monitor and the step), or
-the gradients the monitor read (``undone_after_step``: something after the step put the weights back). Where no
+away (fp16/bf16 weights: optimizer state, or a plain step below half their epsilon of the weights' norm), else what
+``optimizer.step()`` itself received (:class:`StepGradients`, a step pre-hook on each optimizer the debugger is given,
+reading only while a run of still updates lasts; a compiled step reads nothing): no gradient (``gradients_cleared``),
+zeroed ones (``gradients_zeroed``: a mask or hook between the monitor and the step), or the gradients the monitor read:
+float32 steps below a quarter of its epsilon round away (``below_precision``), else ``undone_after_step``. Where no
 step was seen an optimizer without state for them is read as cleared gradients, one with state as ``unknown``; under
 DeepSpeed's copies (ZeRO-1/2's flat partitions, stage 0's float32 masters) past an lr of 0 the cause is ``unknown``.
 

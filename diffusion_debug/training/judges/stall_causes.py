@@ -71,13 +71,6 @@ def diagnose(
         evidence["step_ratio"] = _share(evidence["lr"] * grad_norm, params, held)
         if evidence["step_ratio"] < resolution:  # lr x |g| / |w|: a plain gradient step rounds away
             return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
-    full = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.is_floating_point()})
-    if not low and full and evidence["lr"] is not None and math.isfinite(grad_norm):
-        # float32 weights round an update away too, below their own rounding step (lr 1e-12 was ``undone_after_step``)
-        resolution = max(float(torch.finfo(p.dtype).eps) for p in held if p.is_floating_point()) / 2
-        evidence["step_ratio"] = _share(evidence["lr"] * _largest_step(holding, held, grad_norm), params, held)
-        if evidence["step_ratio"] < resolution:
-            return {"reason": "below_precision", "dtype": "/".join(full), **evidence}
     if seen is None and (not evidence["state_empty"] or getattr(params, "deepspeed", None) is not None):
         # no step seen, and its state shows its steps saw gradients (or DeepSpeed's engine, whose stage 0 in
         # float32 its hook reads: a compiled step's, one given no optimizer): no cause told rather than a wrong one
@@ -90,6 +83,16 @@ def diagnose(
     monitored = grad_norm if math.isfinite(grad_norm) else 0.0  # none known: zeroed means exactly 0
     if seen["grad_norm_at_step"] <= ZEROED_RATIO * monitored:
         return {"reason": "gradients_zeroed", **evidence}
+    full = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.is_floating_point()})
+    if not low and full and evidence["lr"] is not None and math.isfinite(grad_norm):
+        # the step received the gradients and the weights did not move: float32 weights round an update away too
+        # (lr 1e-12 was ``undone_after_step``). Only after what the step received (an estimate never outweighs it:
+        # gradients cleared before step() were told below_precision), and only below a quarter of the epsilon (the
+        # smallest half-ulp relative to a weight's norm: 2^-25 in float32): an update surely rounded away
+        resolution = max(float(torch.finfo(p.dtype).eps) for p in held if p.is_floating_point()) / 4
+        evidence["step_ratio"] = _share(evidence["lr"] * _largest_step(holding, held, grad_norm), params, held)
+        if evidence["step_ratio"] < resolution:
+            return {"reason": "below_precision", "dtype": "/".join(full), **evidence}
     return {"reason": "undone_after_step", **evidence}
 
 
