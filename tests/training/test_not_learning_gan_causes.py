@@ -58,8 +58,9 @@ def test_a_gan_warming_up_from_lr_0_per_iteration_stays_quiet(tmp_path, _gan):
 def test_a_gan_whose_critic_steps_six_times_or_more_warming_up_from_lr_0_stays_quiet(tmp_path, critic, _gan):
     """n_critic 6 (and 8), the same warmup: the critic's first five updates, all at lr 0, are read before the
     generator is first given (step 6): one optimizer's run, whose lr is still 0 at step 5 (the scheduler steps after
-    the generator's step), told there as ``lr_zero``. Its scheduler scales a base lr above 0 to 0: a warmup from 0,
-    waited for as the n_critic 4 one is (2 x STALL_UPDATES still updates at most); the next updates move."""
+    the generator's step), told there as ``lr_zero``. Its scheduler, not stepped yet, set that lr 0 from a base above
+    0: a warmup from 0 at its start, waited for as the n_critic 4 one is (2 x STALL_UPDATES still updates at most); the
+    next updates move."""
     assert _stalls(_gan(tmp_path, schedule_d=warmup, schedule_g=warmup, critic=critic, iterations=4)) == []
 
 

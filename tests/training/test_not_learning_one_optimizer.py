@@ -1,7 +1,8 @@
 """The cause a one-optimizer stall is told with: the lr its still updates were made with (recorded at the monitored
 step whose update each is, as several optimizers' are), not the lr at the report; float32 weights whose every update
-is below their rounding step (lr 1e-12) told ``below_precision``, not ``undone_after_step``; and a scheduler holding a
-base lr above 0 at 0 (a warmup from 0) waited for up to 2 x STALL_UPDATES still updates, an lr set to 0 by hand not."""
+is below their rounding step (lr 1e-12) told ``below_precision``, not ``undone_after_step`` (what step() received
+decides first); and an lr 0 that a scheduler at its start set (a warmup from 0) waited for up to 2 x STALL_UPDATES
+still updates, one of a schedule stepped past its start or set to 0 by hand not."""
 
 import copy
 import math
@@ -160,25 +161,55 @@ def test_float32_gradients_cleared_before_step_are_told_cleared_not_below_precis
     )
 
 
-def test_one_optimizer_held_at_lr_0_by_its_scheduler_is_told_at_its_tenth_still_update(tmp_path, unet_loop):
-    """A scheduler holding a base lr of 1e-4 at 0 (its lambda 0: a warmup from 0 that never leaves it) is waited for
-    as a warmup's (a GAN's critic stepped six times before the generator's first step reads five such updates
-    alone), not for ever: told at its tenth still update, with the lr those were made with."""
+def _linear(warmup, total):  # transformers' get_linear_schedule_with_warmup(optimizer, warmup, total)'s lambda
+    return lambda s: s / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
 
-    def held_at_zero(unet):
-        optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-4)
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0)  # lr 0, initial_lr 1e-4 in its group
-        return optimizer
 
-    tdbg, _ = unet_loop(_config(tmp_path), 12, optimizer=held_at_zero)
+def _by_hand_at_2(step, optimizer, scheduler):
+    if step == 2:
+        optimizer.param_groups[0]["lr"] = 0.0
+
+
+# (lambda, stepped each step, before each step, (step told, first, last, updates)): main's steps, but the unstepped
+# warmup's (a scheduler at its start: an epoch's, a GAN iteration's), waited for up to 2 x STALL_UPDATES
+SCHEDULED = {
+    "linear_ends_at_0": (_linear(1, 3), True, None, (8, 3, 7, 5)),
+    "lambda_held_at_0": (lambda s: s // 100, True, None, (5, 0, 4, 5)),
+    "set_to_0_by_hand": (lambda s: 1.0, False, _by_hand_at_2, (7, 2, 6, 5)),
+    "at_its_start": (lambda s: 0.0, False, None, (10, 0, 9, 10)),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEDULED))
+def test_one_optimizer_at_lr_0_under_a_scheduler_is_waited_for_only_at_the_schedulers_start(tmp_path, case):
+    """AdamW at 1e-4 under a ``LambdaLR`` (kept, as a loop keeps it). Its lr is 0 (from a base above 0, so
+    ``initial_lr`` > 0 in the group: every group once any scheduler is built) in each case; only a scheduler not
+    stepped since it was built and whose lr 0 is still there can be a warmup from 0 about to go on. gan31 held every
+    one up to 2 x STALL_UPDATES readings, one in five steps read after the first ten: a linear schedule ended at 0 from
+    step 3 (warmup 1, total 3) was told at 25 (main 8), a lambda s // 100 at 10 (main 5), an lr set to 0 by hand at
+    step 2 under an unstepped scheduler at 20 (main 7)."""
+    from diffusion_debug import TrainingDebugger
+
+    schedule, stepped, before_step, expected = SCHEDULED[case]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    tdbg = TrainingDebugger(model, config=_config(tmp_path))
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    for step in range(30):
+        if before_step is not None:
+            before_step(step, optimizer, scheduler)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+        if stepped:
+            scheduler.step()
+    tdbg.close()
     (found,) = _serious(tdbg)
     d = found.details
-    assert (found.step, d["reason"], d["lr"], d["first_step"], d["last_step"], d["updates"]) == (
-        10,
-        "lr_zero",
-        0.0,
-        0,
-        9,
-        10,
-    )
+    assert (found.step, d["first_step"], d["last_step"], d["updates"]) == expected
+    assert (d["reason"], d["lr"]) == ("lr_zero", 0.0)
     assert found.message == _stall_text(d, LR_ZERO)

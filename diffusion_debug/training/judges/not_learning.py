@@ -46,9 +46,9 @@ steps counts only its own readings; after the first ten the scheduled readings t
 (:meth:`StallWatch.turn`, ``step.detail``). The optimizers counted are the live ones (:meth:`StallWatch.given`):
 given within the last :data:`LIVE_STEPS` monitored steps (or twice their own longest gap); one of the same parameters
 replaces the one before it (recreated: Accelerate's ``_optimizers`` keeps the old one alive). A run made at lr 0 by
-an optimizer whose lr has left 0 since, or whose scheduler scales a base lr above 0 to 0 (a warmup from 0: a GAN's
-first iteration is n_critic + 1 such updates), is clear only if it goes on, or at its 2 x STALL_UPDATES-th (a
-schedule alternating lr 0 read on its lr-0 steps alone); of one optimizer an lr set by hand since is not waited for.
+an optimizer whose lr has left 0 since, or whose LR scheduler, not stepped since built, set that 0 (a warmup from 0:
+a GAN's first iteration is n_critic + 1 such updates), is clear only if it goes on, or at its 2 x STALL_UPDATES-th; a
+schedule stepped past its start (ended at 0), or an lr set to 0 by hand under one, is told at the fifth.
 
 Before a stall is reported the whole weights' float64 norms are checked too (read when the run began and at its
 end), since the ratios come from one sampled block per parameter.
@@ -72,7 +72,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..measure.gradients import TrainableParameters
-from ..measure.optimizer_state import learning_rates, param_groups, raw_optimizer
+from ..measure.optimizer_state import learning_rates, param_groups, raw_optimizer, warming_up_from_zero
 from .step_gradients import StepGradients
 
 STALL_UPDATES = 5
@@ -231,8 +231,8 @@ class StallWatch:
 
     def _leaving_lr_zero(self, holder: OptimizerStall | None) -> bool:
         """Of the run's optimizers (``holder``, the live ones of several, or the one) one made each of its still
-        updates in it at lr 0 and has an lr above 0 now (not of one optimizer: set by hand), or a scheduler scales its
-        base lr above 0 to 0: a warmup from 0, whose next updates tell whether it learns: not clear yet. A GAN whose
+        updates in it at lr 0 and has an lr above 0 now (not of one optimizer: set by hand), or a scheduler at its
+        start set that 0 (``warming_up_from_zero``): a warmup from 0, whose next updates tell if it learns. A GAN whose
         scheduler steps once per iteration makes n_critic + 1 such updates (at n_critic 6 the critic's first five,
         read before the generator is given, are one optimizer's): the clean run stays quiet. Kept at lr 0: told."""
         keys = self.live() if self.several else [self.pending_optimizer]
@@ -242,7 +242,7 @@ class StallWatch:
                 continue
             if (self.several or holder is not None) and _held_lr(entry, learning_rates(optimizer)) > 0:
                 return True
-            if any(g["lr"] == 0 and (g.get("initial_lr") or 0) > 0 for g in _rated(entry, param_groups(optimizer))):
+            if warming_up_from_zero(optimizer, _rated(entry, param_groups(optimizer))):
                 return True
         return False
 
