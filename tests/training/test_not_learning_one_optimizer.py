@@ -170,6 +170,11 @@ def _by_hand_at_2(step, optimizer, scheduler):
         optimizer.param_groups[0]["lr"] = 0.0
 
 
+def _saved_at_0(step, optimizer, scheduler):  # a checkpoint: its state_dict() makes the scheduler's __dict__
+    if step == 0:
+        scheduler.state_dict()
+
+
 # (lambda, stepped each step, before each step, (step told, first, last, updates)): main's steps, but the unstepped
 # warmup's (a scheduler at its start: an epoch's, a GAN iteration's), waited for up to 2 x STALL_UPDATES
 SCHEDULED = {
@@ -177,6 +182,7 @@ SCHEDULED = {
     "lambda_held_at_0": (lambda s: s // 100, True, None, (5, 0, 4, 5)),
     "set_to_0_by_hand": (lambda s: 1.0, False, _by_hand_at_2, (7, 2, 6, 5)),
     "at_its_start": (lambda s: 0.0, False, None, (10, 0, 9, 10)),
+    "at_its_start_saved": (lambda s: 0.0, False, _saved_at_0, (10, 0, 9, 10)),
 }
 
 

@@ -125,12 +125,16 @@ def warming_up_from_zero(optimizer: Any, groups: list[dict]) -> bool:
     if not held or raw is None:
         return False
     given = {id(optimizer): optimizer, id(raw): raw}
-    for scheduler in gc.get_referrers(*given.values()):
-        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):  # torch's: a frame, a list, a wrapper
+    for referrer in gc.get_referrers(*given.values()):
+        if isinstance(referrer, torch.optim.lr_scheduler.LRScheduler):  # torch's (not a frame, a list, a wrapper)
+            scheduler = {key: getattr(referrer, key, None) for key in ("optimizer", "last_epoch", "_last_lr")}
+        elif isinstance(referrer, dict) and "_last_lr" in referrer:  # its ``__dict__``, once its state_dict() made it
+            scheduler = referrer
+        else:
             continue
-        last = getattr(scheduler, "_last_lr", None)
-        if id(getattr(scheduler, "optimizer", None)) not in given or getattr(scheduler, "last_epoch", None) != 0:
+        if id(scheduler.get("optimizer")) not in given or scheduler.get("last_epoch") != 0:
             continue
-        if any(g is group and set_lr == 0 for group, set_lr in zip(raw.param_groups, last or ()) for g in held):
+        last = scheduler.get("_last_lr") or ()
+        if any(g is group and set_lr == 0 for group, set_lr in zip(raw.param_groups, last) for g in held):
             return True
     return False
