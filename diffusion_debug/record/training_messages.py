@@ -563,6 +563,10 @@ _NOT_LEARNING = {
         "the weights are {dtype} and each update is smaller than their rounding step: keep float32 master weights "
         "(mixed precision) or raise the learning rate"
     ),
+    "below_precision_full": (  # float32 weights: no master copy to keep, the lr is what is too small
+        "the weights are {dtype} and each update (lr {lr:g}) is smaller than their rounding step: raise the learning "
+        "rate (check its units and the scheduler's base lr)"
+    ),
     "gradients_zeroed": (
         "their gradients reach optimizer.step() zeroed (norm {at_step:.3g} there): a mask or hook between "
         "monitor_training_step and step() zeroes the rows that should learn (textual inversion's mask must keep "
@@ -632,8 +636,11 @@ def not_learning(anomaly: Anomaly) -> str:
 def _cause(d: dict[str, Any]) -> str:
     """The sentence of a ``not_learning`` reason, with the values it reads from ``d`` (a stall's details, or one
     optimizer's own cause in the whole run's: ``still_causes``)."""
-    cause = _NOT_LEARNING.get(d["reason"], "the cause is unknown: check the optimizer and the loop's order")
-    return cause.format(dtype=d.get("dtype"), at_step=d.get("grad_norm_at_step", math.nan))
+    reason = d["reason"]
+    if reason == "below_precision" and "float16" not in d.get("dtype", ""):  # float16 and bfloat16 keep masters
+        reason = "below_precision_full"
+    cause = _NOT_LEARNING.get(reason, "the cause is unknown: check the optimizer and the loop's order")
+    return cause.format(dtype=d.get("dtype"), at_step=d.get("grad_norm_at_step", math.nan), lr=d.get("lr") or 0.0)
 
 
 # -- what the stability actions did (config: clip_grad_on_explosion, lr_reduce_after_spikes, ...) --

@@ -170,3 +170,113 @@ def shared_eight(launch_eight, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("eight")
     stdout, stderr = launch_eight(output_dir, SHARED_EIGHT)
     return output_dir, stdout, stderr
+
+
+@pytest.fixture(scope="session")
+def gan_loop():
+    """``run(config, *, lr_d=1e-2, lr_g=1e-2, iterations=8, critic=1, d_every=1, d_stepped=None, schedule_d=None,
+    schedule_g=None, clear=False, clear_g=False, skip_d=False, d_stops=None, g_starts=None, g_grows_at=None,
+    fail_at=None, compiled=False, clear_at=None)``: a GAN's loop on one debugger (``{"generator", "discriminator"}``,
+    two small MLPs), each model under its own SGD without momentum, monitored before each optimizer's step with that
+    optimizer: the discriminator (critic) ``critic`` times an iteration (an int, or a function of the iteration) at
+    the iterations ``it % d_every == 0``, then the generator once; a ``LambdaLR`` of ``schedule_d`` / ``schedule_g``
+    stepped once an iteration, after the generator's step. Faults: ``lr_d`` / ``lr_g`` (``d_stops``: the
+    discriminator's lr 0 from that iteration; ``g_starts``: the generator's 1e-2 from that one); ``clear``: each
+    step's gradients cleared between the monitor and ``step()``, ``clear_g`` the generator's only; ``skip_d``: the
+    discriminator's step never runs, ``d_stepped(it)``: only at the iterations it says. Seams: ``g_grows_at``: the
+    generator's optimizer holds its first layer only until that iteration, where its last layer is added at lr 1e-2
+    (``add_param_group``); ``fail_at``: that monitored step's measurement fails; ``compiled``: each
+    ``optimizer.step()`` is ``torch.compile``'d; ``clear_at``: ``clear_debug_history()`` after that iteration.
+    Returns the debugger (closed) and each optimizer's monitored steps (``{"d": [...], "g": [...]}``)."""
+    from torch.nn.functional import softplus
+
+    from diffusion_debug import TrainingDebugger
+
+    def run(
+        config,
+        *,
+        lr_d=1e-2,
+        lr_g=1e-2,
+        iterations=8,
+        critic=1,
+        d_every=1,
+        d_stepped=None,
+        schedule_d=None,
+        schedule_g=None,
+        clear=False,
+        clear_g=False,
+        skip_d=False,
+        d_stops=None,
+        g_starts=None,
+        g_grows_at=None,
+        fail_at=None,
+        compiled=False,
+        clear_at=None,
+    ):
+        generator, discriminator = gan_models()
+        opt_d = torch.optim.SGD(discriminator.parameters(), lr=lr_d)
+        opt_g = torch.optim.SGD((generator if g_grows_at is None else generator[0]).parameters(), lr=lr_g)
+        schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+            for opt, schedule in ((opt_d, schedule_d), (opt_g, schedule_g))
+            if schedule is not None
+        ]
+        tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=config)
+        if fail_at is not None:  # that measurement raises (recorded; the step is judged unmeasured)
+            measure, calls = tdbg._steps.measurer.measure, iter(range(10**6))
+            planted = RuntimeError("planted")
+            tdbg._steps.measurer.measure = lambda *a, **k: (
+                (_ for _ in ()).throw(planted) if next(calls) == fail_at else measure(*a, **k)
+            )
+        step_d, step_g = opt_d.step, opt_g.step
+        if compiled:
+            torch._dynamo.reset()
+            step_d, step_g = (torch.compile(lambda o=o: o.step(), backend="eager") for o in (opt_d, opt_g))
+        data = torch.Generator().manual_seed(1)
+        step, steps = 0, {"d": [], "g": []}
+        for it in range(iterations):
+            real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
+            if it == d_stops:
+                opt_d.param_groups[0]["lr"] = 0.0
+            if it == g_starts:
+                opt_g.param_groups[0]["lr"] = 1e-2
+            if it == g_grows_at:
+                opt_g.add_param_group({"params": list(generator[2].parameters()), "lr": 1e-2})
+            for _ in range((critic(it) if callable(critic) else critic) if it % d_every == 0 else 0):
+                opt_d.zero_grad()
+                loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
+                loss_d.backward()
+                tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=step)
+                steps["d"].append(step)
+                step += 1
+                if clear:
+                    opt_d.zero_grad()
+                if not skip_d and (d_stepped is None or d_stepped(it)):
+                    step_d()
+            opt_g.zero_grad()
+            loss_g = softplus(-discriminator(fake)).mean()
+            loss_g.backward()
+            tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=step)
+            steps["g"].append(step)
+            step += 1
+            if clear or clear_g:
+                opt_g.zero_grad()
+            step_g()
+            for scheduler in schedulers:
+                scheduler.step()
+            if it == clear_at:
+                tdbg.clear_debug_history()
+        tdbg.close()
+        if compiled:
+            torch._dynamo.reset()
+        return tdbg, steps
+
+    return run
+
+
+def gan_models():
+    """A GAN's generator (4 -> 8 -> 4) and discriminator (4 -> 8 -> 1), seeded: the same at every call."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return generator, discriminator

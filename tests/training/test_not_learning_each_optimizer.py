@@ -33,81 +33,15 @@ def _models():
     return generator, discriminator
 
 
-def _gan(
-    tmp_path,
-    *,
-    lr_d=1e-2,
-    lr_g=1e-2,
-    iterations=8,
-    d_every=1,
-    critic=1,
-    d_stops=None,
-    g_starts=None,
-    g_grows_at=None,
-    fail_at=None,
-    compiled=False,
-    clear_g=False,
-    skip_d=False,
-    clear_at=None,
-):
-    """A GAN's loop on one debugger, each model under its own SGD without momentum, monitored before each
-    optimizer's step with that optimizer (the discriminator's only at the iterations it steps: every
-    ``d_every``-th, ``critic`` times in a row: a WGAN's n_critic). Faults: ``lr_d`` 0 (from iteration
-    ``d_stops`` on: its scheduler's; ``lr_g`` 1e-2 from ``g_starts`` on); ``clear_g``: the generator's
-    gradients cleared before its step; ``skip_d``: the discriminator's step never runs (a loop's bug).
-    ``clear_at``: the debugger's history is cleared after that iteration (``clear_debug_history``). Seams:
-    ``g_grows_at``: the generator's optimizer holds its first layer only until that iteration, where its last
-    layer is added at lr 1e-2 (``add_param_group``); ``fail_at``: that monitored step's measurement fails;
-    ``compiled``: each ``optimizer.step()`` is ``torch.compile``'d. Returns the debugger (closed) and the
-    monitored step of each optimizer's monitored steps, in order."""
-    generator, discriminator = _models()
-    opt_d = torch.optim.SGD(discriminator.parameters(), lr=lr_d)
-    opt_g = torch.optim.SGD((generator if g_grows_at is None else generator[0]).parameters(), lr=lr_g)
-    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
-    if fail_at is not None:  # that measurement raises (recorded; the step is judged unmeasured)
-        measure, calls = tdbg._steps.measurer.measure, iter(range(10**6))
-        planted = RuntimeError("planted")
-        tdbg._steps.measurer.measure = lambda *a, **k: (
-            (_ for _ in ()).throw(planted) if next(calls) == fail_at else measure(*a, **k)
-        )
-    step_d, step_g = opt_d.step, opt_g.step
-    if compiled:
-        torch._dynamo.reset()
-        step_d, step_g = (torch.compile(lambda o=o: o.step(), backend="eager") for o in (opt_d, opt_g))
-    data = torch.Generator().manual_seed(1)
-    step, steps = 0, {"d": [], "g": []}
-    for it in range(iterations):
-        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
-        if it == d_stops:
-            opt_d.param_groups[0]["lr"] = 0.0
-        if it == g_starts:
-            opt_g.param_groups[0]["lr"] = 1e-2
-        if it == g_grows_at:
-            opt_g.add_param_group({"params": list(generator[2].parameters()), "lr": 1e-2})
-        for _ in range(critic if it % d_every == 0 else 0):
-            opt_d.zero_grad()
-            loss_d = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
-            loss_d.backward()
-            tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=step)
-            steps["d"].append(step)
-            step += 1
-            if not skip_d:
-                step_d()
-        opt_g.zero_grad()
-        loss_g = softplus(-discriminator(fake)).mean()
-        loss_g.backward()
-        tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=step)
-        steps["g"].append(step)
-        step += 1
-        if clear_g:
-            opt_g.zero_grad()
-        step_g()
-        if it == clear_at:
-            tdbg.clear_debug_history()
-    tdbg.close()
-    if compiled:
-        torch._dynamo.reset()
-    return tdbg, steps
+@pytest.fixture
+def _gan(gan_loop):
+    """``_gan(tmp_path, **options)``: the shared GAN loop (``conftest.gan_loop``: its options), the discriminator
+    stepped once an iteration by default. Returns the debugger (closed) and each optimizer's monitored steps."""
+
+    def run(tmp_path, **options):
+        return gan_loop(_config(tmp_path), **options)
+
+    return run
 
 
 def _stall(found, reason, optimizer, first, last, step):
@@ -118,12 +52,12 @@ def _stall(found, reason, optimizer, first, last, step):
     return d
 
 
-def test_a_clean_gan_stays_quiet(tmp_path):
+def test_a_clean_gan_stays_quiet(tmp_path, _gan):
     tdbg, _ = _gan(tmp_path)
     assert _serious(tdbg) == []
 
 
-def test_a_discriminator_whose_lr_is_0_is_named_while_the_generator_learns(tmp_path):
+def test_a_discriminator_whose_lr_is_0_is_named_while_the_generator_learns(tmp_path, _gan):
     tdbg, steps = _gan(tmp_path, lr_d=0.0)
     # its updates are read at the monitored step after each of its own: 1, 3, 5, 7, 9 (the fifth clear at 9)
     assert steps["d"][:5] == [0, 2, 4, 6, 8]
@@ -133,7 +67,7 @@ def test_a_discriminator_whose_lr_is_0_is_named_while_the_generator_learns(tmp_p
     assert "the learning rate is 0" in found.message
 
 
-def test_a_generator_whose_gradients_are_cleared_before_its_step_is_named(tmp_path):
+def test_a_generator_whose_gradients_are_cleared_before_its_step_is_named(tmp_path, _gan):
     tdbg, steps = _gan(tmp_path, clear_g=True)
     assert steps["g"][:5] == [1, 3, 5, 7, 9]
     (found,) = _serious(tdbg)
@@ -142,7 +76,7 @@ def test_a_generator_whose_gradients_are_cleared_before_its_step_is_named(tmp_pa
     assert (d["held_at_step"], d["cleared_at_step"], d["held_by_optimizer"]) == (4, 4, 4)
 
 
-def test_a_discriminator_stepped_every_other_iteration_is_no_stall_and_its_lr_0_is_one(tmp_path):
+def test_a_discriminator_stepped_every_other_iteration_is_no_stall_and_its_lr_0_is_one(tmp_path, _gan):
     tdbg, steps = _gan(tmp_path, d_every=2, iterations=12)
     assert steps["d"][:3] == [0, 3, 6] and _serious(tdbg) == []
     tdbg, steps = _gan(tmp_path / "lr0", d_every=2, iterations=18, lr_d=0.0)
@@ -155,14 +89,14 @@ def test_a_discriminator_stepped_every_other_iteration_is_no_stall_and_its_lr_0_
     _stall(found, "lr_zero", DISCRIMINATOR, 0, 21, 22)
 
 
-def test_a_discriminator_whose_step_never_runs_is_named(tmp_path):
+def test_a_discriminator_whose_step_never_runs_is_named(tmp_path, _gan):
     tdbg, _ = _gan(tmp_path, skip_d=True)
     (found,) = _serious(tdbg)
     # no step seen: its optimizer keeps no state (SGD without momentum keeps none anyway)
     _stall(found, "gradients_cleared", DISCRIMINATOR, 0, 8, 9)
 
 
-def test_both_optimizers_stalled_are_one_stall_of_the_whole_run(tmp_path):
+def test_both_optimizers_stalled_are_one_stall_of_the_whole_run(tmp_path, _gan):
     """Both stalled: the whole model's stall (at the fifth still update, step 5) is the one reported; neither
     optimizer's own run is reported beside it while every update stays still."""
     tdbg, _ = _gan(tmp_path, lr_d=0.0, lr_g=0.0)
@@ -205,7 +139,7 @@ def test_under_accelerate_a_stalled_discriminator_is_named(tmp_path, fresh_accel
     _stall(found, "lr_zero", DISCRIMINATOR, 0, 8, 9)
 
 
-def test_a_stall_of_one_optimizer_goes_on_after_clear_debug_history_and_is_reported_again(tmp_path):
+def test_a_stall_of_one_optimizer_goes_on_after_clear_debug_history_and_is_reported_again(tmp_path, _gan):
     tdbg, _ = _gan(tmp_path, lr_d=0.0, iterations=9, clear_at=5)  # cleared after step 11, reported at 9
     (found,) = _serious(tdbg)
     # the next reading of its update: step 12's, read in full at 13 (the steps after a finding read in full)
@@ -219,7 +153,7 @@ def _stalls(tdbg):
     return [(a.step, a.details.get("stalled_optimizer")) for a in _serious(tdbg) if a.kind == "not_learning"]
 
 
-def test_a_wgan_critic_whose_lr_is_0_is_its_own_stall_told_once_while_the_generator_learns(tmp_path):
+def test_a_wgan_critic_whose_lr_is_0_is_its_own_stall_told_once_while_the_generator_learns(tmp_path, _gan):
     """n_critic 5 (D, D, D, D, D, G): the first five readings are all the critic's updates. The whole model's
     run counted them as the run's stall at step 5 (naming the critic as the one that stepped last) while the
     generator learns, then the critic's own run at step 10 and the run's again at 17 and 23 (five of the critic's
@@ -242,7 +176,7 @@ def test_a_wgan_critic_whose_lr_is_0_is_its_own_stall_told_once_while_the_genera
     assert "stepped_optimizer" not in d
 
 
-def test_a_wgan_whose_optimizers_both_have_lr_0_is_one_stall_of_the_whole_run(tmp_path):
+def test_a_wgan_whose_optimizers_both_have_lr_0_is_one_stall_of_the_whole_run(tmp_path, _gan):
     """n_critic 5, both lr 0: the critic's five still updates (read at 1-5) were told at step 5 as its own stall
     "while the other optimizer's updates moved theirs", though no update of the generator had been read (its
     first, step 5's, is read at 6) and it never moves. An optimizer's own stall is told only once another one's
@@ -268,7 +202,7 @@ def test_a_wgan_whose_optimizers_both_have_lr_0_is_one_stall_of_the_whole_run(tm
     )
 
 
-def test_a_critic_that_stalls_after_the_first_ten_steps_is_read_in_its_turn(tmp_path):
+def test_a_critic_that_stalls_after_the_first_ten_steps_is_read_in_its_turn(tmp_path, _gan):
     """n_critic 4 (D, D, D, D, G: five steps a cycle), the critic's lr 0 from step 15: after the first ten
     monitored steps one in five reads an update (``step.detail``), always at the same phase of a five-step
     cycle, the generator's step: the critic's stall was never read. The scheduled reading goes to each
@@ -283,7 +217,7 @@ def test_a_critic_that_stalls_after_the_first_ten_steps_is_read_in_its_turn(tmp_
 
 @pytest.mark.parametrize("iterations", [12, 24])
 def test_a_long_stall_of_both_optimizers_reads_the_whole_weights_a_fixed_number_of_times(
-    tmp_path, monkeypatch, iterations
+    tmp_path, monkeypatch, iterations, _gan
 ):
     """Both stalled: the run's stall stands, and each optimizer's own, clear at its fifth still update, is held
     back. Its flag was dropped there with its count at five or more, so every later still reading of it read the
@@ -299,7 +233,7 @@ def test_a_long_stall_of_both_optimizers_reads_the_whole_weights_a_fixed_number_
     assert len(calls) == 6
 
 
-def test_an_optimizers_stall_held_back_beside_the_runs_is_told_once_the_other_learns_again(tmp_path):
+def test_an_optimizers_stall_held_back_beside_the_runs_is_told_once_the_other_learns_again(tmp_path, _gan):
     """Both stalled, then the generator's lr set from step 16: the run's stall (step 5) ends at the first of its
     moving updates read, and the critic's own stall, held back since its fifth still update, is told at its next
     still update read (its step 24's, in its turn), once."""
@@ -371,7 +305,7 @@ def test_an_optimizer_no_longer_given_is_not_one_of_two(tmp_path, fresh_accelera
     assert tdbg._steps.history.stall.several is False
 
 
-def test_an_optimizers_added_param_group_counts_in_its_own_updates(tmp_path):
+def test_an_optimizers_added_param_group_counts_in_its_own_updates(tmp_path, _gan):
     """The generator's optimizer holds its first layer at lr 0 until iteration 1, then its last layer too
     (``add_param_group``, lr 1e-2): its updates move that layer from step 3. Its holdings were fixed at its first
     step, so its own run read only the first layer and its stall was told ("moved none of its weights"); they
@@ -380,7 +314,7 @@ def test_an_optimizers_added_param_group_counts_in_its_own_updates(tmp_path):
     assert _stalls(tdbg) == []
 
 
-def test_an_unmeasured_steps_update_is_credited_to_its_own_optimizer(tmp_path):
+def test_an_unmeasured_steps_update_is_credited_to_its_own_optimizer(tmp_path, _gan):
     """The critic's step 2 measured nothing (a failed measurement, recorded): the update it applies, read at
     step 3, was credited to the optimizer of the last step judged, the generator's (at lr 0), whose own run it
     joined (its modules still in the critic's update): the generator's stall was told at step 8 with a critic's
@@ -392,7 +326,7 @@ def test_an_unmeasured_steps_update_is_credited_to_its_own_optimizer(tmp_path):
     _stall(found, "lr_zero", GENERATOR, 3, 11, 12)
 
 
-def test_the_runs_stall_read_from_a_compiled_step_names_the_optimizer_of_the_last_still_update(tmp_path):
+def test_the_runs_stall_read_from_a_compiled_step_names_the_optimizer_of_the_last_still_update(tmp_path, _gan):
     """Both compiled steps still (the critic's lr 0, the generator's gradients cleared before its step): the run's
     stall, clear at step 5 with the critic's step 4, named the optimizer from what the step's hook recorded last,
     and a compiled step records nothing: no name, and the cause read from step 5's optimizer, the generator's
@@ -507,31 +441,28 @@ def test_an_optimizers_stall_held_back_for_want_of_another_moving_update_is_told
     assert "moved theirs" not in found.message
 
 
-def test_a_stall_told_as_one_optimizers_is_not_told_again_as_the_runs_when_the_other_is_no_longer_given(tmp_path):
+def test_a_stall_told_as_one_optimizers_is_not_told_again_as_the_runs_when_the_other_is_no_longer_given(
+    tmp_path, _gan
+):
     """n_critic 8 for four iterations, then the generator (lr 0) alone: its own stall is told at 40 (its steps
     8-39) while the critic is still live; once the critic is no longer live (one optimizer: the whole run's watch
     again) the same stall was told a second time as the run's at 45. The one left takes its told stall over."""
-    generator, discriminator = _models()
-    opt_d = torch.optim.SGD(discriminator.parameters(), lr=1e-2)
-    opt_g = torch.optim.SGD(generator.parameters(), lr=0.0)
-    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=_config(tmp_path))
-    data, step = torch.Generator().manual_seed(1), 0
-    for it in range(60):
-        real, fake = torch.randn(16, 4, generator=data) + 3, generator(torch.randn(16, 4, generator=data))
-        for _ in range(8 if it < 4 else 0):
-            opt_d.zero_grad()
-            loss = softplus(-discriminator(real)).mean() + softplus(discriminator(fake.detach())).mean()
-            loss.backward()
-            tdbg.monitor_training_step(loss, optimizer=opt_d, step=step)
-            step += 1
-            opt_d.step()
-        opt_g.zero_grad()
-        loss = softplus(-discriminator(fake)).mean()
-        loss.backward()
-        tdbg.monitor_training_step(loss, optimizer=opt_g, step=step)
-        step += 1
-        opt_g.step()
-    tdbg.close()
+    tdbg, _ = _gan(tmp_path, lr_g=0.0, critic=lambda it: 8 if it < 4 else 0, iterations=60)
     assert _stalls(tdbg) == [(40, GENERATOR)]
     (found,) = _serious(tdbg)
     assert (found.details["first_step"], found.details["last_step"], found.details["reason"]) == (8, 39, "lr_zero")
+
+
+def test_a_discriminator_whose_step_never_runs_beside_a_generator_at_lr_0_is_one_stall_of_the_run(tmp_path, _gan):
+    """The critic's step never runs (a loop's bug), the generator at lr 0: an optimizer whose ``step()`` is not seen
+    in the run while the other's is may be stepped at one iteration in k (not stalled: the run's stall is withheld),
+    but not for ever: after its tenth still update the run's stall is told, once, naming each one's cause (its own
+    stalls, held back beside it, are not told: the critic's own was told at its tenth "alone", and the generator's
+    folded under it)."""
+    tdbg, _ = _gan(tmp_path, skip_d=True, lr_g=0.0, iterations=30)
+    ((step, optimizer),) = _stalls(tdbg)
+    (found,) = _serious(tdbg)
+    d = found.details
+    assert (step, optimizer, d["first_step"], d["last_step"], d["updates"]) == (40, None, 0, 39, 20)
+    assert d["still_optimizers"] == [DISCRIMINATOR, GENERATOR]
+    assert [(c["reason"], c["lr"]) for c in d["still_causes"]] == [("gradients_cleared", 1e-2), ("lr_zero", 0.0)]

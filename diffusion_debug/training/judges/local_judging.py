@@ -248,6 +248,9 @@ class LocalJudge:
         )
         clear = watch.update(**reading)
         judged.flags.weights_moved = watch.moved  # several processes: OR-ed by the step's reduce
+        if watch.read_on:  # a run's stall withheld (one optimizer not stepped): the others' own stalls read on
+            watch.read_on = False
+            self._read_near()
         if clear:
             found = judge_stall(self.rank, watch, index, optimizer, self.params)
             judged.anomalies += found

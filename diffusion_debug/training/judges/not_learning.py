@@ -1,28 +1,19 @@
 """A run that does not learn: the optimizer steps move no weight although the gradients are
 normal (:class:`StallWatch`), and which of the usual causes it looks like (:func:`diagnose`).
 
-The update each optimizer step applied comes from the weights themselves (``updates``: the
-sketch's ``||dw|| / ||w||`` per module, known at the next monitored step). When
-:data:`STALL_UPDATES` updates in a row moved no module by more than :data:`STILL_RATIO` of its
-norm while the gradients they should have applied were finite and above the vanishing threshold,
-the run is stalled at the step that showed the last of them; the cause is read from the
-optimizer, once: it holds none of the watched parameters, or its learning rate is 0 for them, or
-the weights are fp16/bf16 and every update rounds away (the optimizer keeps state for them, or
-it keeps none, as SGD without momentum, and a plain step ``lr x |g| / |w|`` is below half the
-dtype's epsilon), else what ``optimizer.step()`` itself received (:class:`StepGradients`, a step
-pre-hook on each optimizer the debugger is given, from its first step judged, reading only while a run of
-still updates lasts; a compiled step reads nothing; of several optimizers, the one whose update the last
-still reading was is diagnosed and named, ``stepped_optimizer``, in the message too): no
-gradient at all (``gradients_cleared``: ``zero_grad()`` between ``backward()`` and ``step()``), zeroed
-ones (``gradients_zeroed``: a mask or hook between the monitor and the step zeroed the rows that should
-learn, as a textual-inversion mask that misses the placeholder token), or the gradients the monitor read
-(``undone_after_step``: the step applied them and something after it put the weights back). Where no
-step was seen (an optimizer without step hooks) an optimizer without state for the watched parameters is
-read as cleared gradients, as AdamW's is; SGD without momentum keeps none whatever happens, so there only
-the step's hook tells; one with state for them saw gradients, and its cause is ``unknown``. DeepSpeed's
-engine steps copies of the watched tensors (ZeRO-1/2's flat partitions, whose step hook fires but reads
-nothing of theirs; stage 0's float32 masters in bf16/fp16): past an lr of 0 the cause is ``unknown`` there.
-Stage 0 in float32 steps the watched parameters themselves: its step is read as any optimizer's.
+The update each optimizer step applied comes from the weights themselves (``updates``: the sketch's
+``||dw|| / ||w||`` per module, known at the next monitored step). When :data:`STALL_UPDATES` updates in a row
+moved no module by more than :data:`STILL_RATIO` of its norm while the gradients they should have applied were
+finite and above the vanishing threshold, the run is stalled at the step that showed the last of them; the cause
+is read from the optimizer, once (``stall_causes.diagnose``), with the lr its still updates were made with
+(:attr:`StallWatch.run`): it holds none of the watched parameters, or that lr is 0 for them, or every update rounds
+away (fp16/bf16 weights: optimizer state, or a plain step below half their epsilon of the weights' norm), else what
+``optimizer.step()`` itself received (:class:`StepGradients`, a step pre-hook on each optimizer the debugger is given,
+reading only while a run of still updates lasts; a compiled step reads nothing): no gradient (``gradients_cleared``),
+zeroed ones (``gradients_zeroed``: a mask or hook between the monitor and the step), or the gradients the monitor read:
+float32 steps below a quarter of its epsilon round away (``below_precision``), else ``undone_after_step``. Where no
+step was seen an optimizer without state for them is read as cleared gradients, one with state as ``unknown``; under
+DeepSpeed's copies (ZeRO-1/2's flat partitions, stage 0's float32 masters) past an lr of 0 the cause is ``unknown``.
 
 >>> watch = StallWatch()
 >>> [watch.update(step, {"a": 0.0, "b": 0.0}, grad_norm=0.5, skipped=False) for step in range(5)]
@@ -43,43 +34,32 @@ embedding table's new rows, all in the last rank's shard, and puts every other r
 >>> watch.updates, watch.flagged
 (0, False)
 
-Where several optimizers hold watched parameters (a GAN's generator's and discriminator's, a text encoder's
-beside a UNet's), each keeps its own run of still updates too (:meth:`StallWatch.update_each`): a reading
-is the update of the optimizer the monitored step before it was given (the monitor's contract: one call
-before each optimizer's step, with it), read from its own modules; the other's moving updates ended the
-whole model's run at every step, so one optimizer's lr 0 was never told. Its stall names it
-(``stalled_optimizer``) where the whole model's is not reported: the whole model's run is a stall only once
-a still update of every live optimizer is in it (a critic's five steps before the generator's one are the
-critic's), and a stall of every optimizer is the run's, told once. An optimizer's own stall is told only once
-another one's update read since its run began moved weights (held until then: at n_critic 5 with both at lr 0
-the critic's five were told as its own "while the other's moved" before any generator update was read); one told
-and going on is not told again as the run's (:meth:`StallWatch._told_in_run`).
-One stepped every k monitored steps counts only the readings of its own steps; after the first ten the scheduled
-readings take the optimizers' updates in turn (:meth:`StallWatch.turn`, ``step.detail``), whatever the phase of the
-loop's cycle. The optimizers counted are the live ones (:meth:`StallWatch.given`): given within the last
-:data:`LIVE_STEPS` monitored steps (or twice their own longest gap); one of the same parameters replaces the one before
-it (an optimizer recreated, which Accelerate's ``_optimizers`` and a kept LR scheduler hold alive).
-Of several, each run keeps the lr each still update was made with (:attr:`StallWatch.run`: the largest over the
-groups holding watched parameters, as the step's row read it), and the cause is read from those (``lr_zero`` only
-where every one was 0: a scheduler stepped once per iteration has moved the lr by the time the run is clear), each
-still optimizer's own in the whole run's (``stall_findings``). A run made at lr 0 by an optimizer whose lr has
-left 0 since (a warmup from 0: a GAN's first iteration is n_critic + 1 such updates) is clear only if it goes on, or
-at its 2 x STALL_UPDATES-th (readings falling on the lr-0 steps of a schedule that alternates were held for ever).
+Where several optimizers hold watched parameters (a GAN's generator's and discriminator's), each keeps its own run
+of still updates too (:meth:`StallWatch.update_each`): a reading is the update of the optimizer the monitored step
+before it was given (the monitor's contract: one call before each optimizer's step, with it), read from its own
+modules. Its stall names it (``stalled_optimizer``) where the whole model's is not reported: the whole model's run is
+a stall only once a still update of every live optimizer is in it and each one's ``step()`` was seen in it where any
+was (a critic monitored at each iteration and stepped at one in six is not stalled), told once; an optimizer's own
+is told only once another one's update read since its run began moved weights (or at its 2 x STALL_UPDATES-th); one
+told and going on is not told again as the run's (:meth:`StallWatch._told_in_run`). One stepped every k monitored
+steps counts only its own readings; after the first ten the scheduled readings take the optimizers' updates in turn
+(:meth:`StallWatch.turn`, ``step.detail``). The optimizers counted are the live ones (:meth:`StallWatch.given`):
+given within the last :data:`LIVE_STEPS` monitored steps (or twice their own longest gap); one of the same parameters
+replaces the one before it (recreated: Accelerate's ``_optimizers`` keeps the old one alive). A run made at lr 0 by
+an optimizer whose lr has left 0 since, or whose LR scheduler, not stepped since built, set that 0 (a warmup from 0:
+a GAN's first iteration is n_critic + 1 such updates), is clear only if it goes on, or at its 2 x STALL_UPDATES-th; a
+schedule stepped past its start (ended at 0), or an lr set to 0 by hand under one, is told at the fifth.
 
-Before a stall is reported the whole weights are checked too (their float64 norms, read when the run of
-still updates began and again at its end: two host reads per :data:`STALL_UPDATES` steps while
-the sampled blocks stay still), since the ratios come from one sampled block per parameter.
+Before a stall is reported the whole weights' float64 norms are checked too (read when the run began and at its
+end), since the ratios come from one sampled block per parameter.
 
-Limits: a step skipped by the GradScaler (or by policy ``skip``) restarts the count, and a
-warmup that starts at lr 0 moves nothing for one step (five are needed). Across ranks an update
-counts where every rank reads it: every rank reads the steps the schedule details on every rank
-(``step.detail``: the first ten, then one in five), so each run of five still updates holds one of
-them; a shard that moves only in updates another rank alone read is not seen moving. A rank that
-reads every step after a finding of its own may count five still updates before the next such step,
-and its stall is withdrawn there (the reduce's ``stalled`` flag apart from ``anomalies``: a withdrawn stall
-costs no details exchange). Weight decay
-alone still moves the weights (AdamW with ``zero_grad(set_to_none=False)`` before ``step()``): such
-a run is not reported. The diagnosis is an elimination from what the optimizer shows, not a proof.
+Limits: a step skipped by the GradScaler (or by policy ``skip``) restarts the count; a warmup that starts at lr 0
+moves nothing for one step (five are needed). Across ranks an update counts where every rank reads it: every rank
+reads the steps the schedule details on every rank (``step.detail``: the first ten, then one in five), so each run
+of five still updates holds one; a shard moving only in updates another rank alone read is not seen moving. A rank
+reading every step after a finding of its own may count five still updates before the next such step, its stall
+withdrawn there (the reduce's ``stalled`` flag: no details exchange). Weight decay alone still moves the weights
+(AdamW, ``zero_grad(set_to_none=False)`` before ``step()``): not reported. An elimination, not a proof.
 """
 
 from __future__ import annotations
@@ -92,7 +72,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..measure.gradients import TrainableParameters
-from ..measure.optimizer_state import learning_rates, param_groups
+from ..measure.optimizer_state import learning_rates, param_groups, raw_optimizer, warming_up_from_zero
 from .step_gradients import StepGradients
 
 STALL_UPDATES = 5
@@ -122,16 +102,14 @@ class StallWatch:
     policy_skipped: bool = False
     """Policy ``skip`` zeroed the last step's gradients: its update is not judged."""
     fingerprint: list[float] | None = None
-    """The whole weights' float64 norms when this run of still updates began (see :meth:`update`)."""
+    """The whole weights' float64 norms when this run of still updates began (:meth:`update`)."""
     moved: bool = False
-    """The last update taken moved this rank's weights (its sampled blocks, or the whole weights checked
-    before a report): under several processes every rank learns whether any rank's did
-    (:meth:`some_rank_moved`)."""
+    """The last update taken moved this rank's weights (its sampled blocks, or the whole weights checked before a
+    report): under several processes every rank learns whether any rank's did (:meth:`some_rank_moved`)."""
     seen: StepGradients = field(default_factory=lambda: StepGradients())
     """What the optimizer's step received, watched while a run of still updates lasts (:meth:`follow_step`)."""
     each: dict[int, OptimizerStall] = field(default_factory=dict)
-    """Each optimizer the monitor was given that holds watched parameters (by ``id`` of the one given): its
-    own run of still updates, counted where several do (:attr:`several`; :meth:`update_each`)."""
+    """Each optimizer given that holds watched parameters (by ``id``): its own run of still updates."""
     several: bool = False
     """Several live optimizers hold watched parameters (a GAN's generator's and discriminator's)."""
     pending_optimizer: int = 0
@@ -152,6 +130,10 @@ class StallWatch:
     before: int = 0
     params: TrainableParameters | None = None
     """The watched parameters (what each optimizer's holdings are listed in)."""
+    withheld: bool = False
+    """This run is no stall of the run: one optimizer of it was not stepped (:meth:`_not_stepped`); ``read_on``: just
+    withheld, the steps after read in full (the others' own stalls, held back, wait for a moving update read)."""
+    read_on: bool = False
     readings: int = 0
     """Of several, the scheduled readings taken so far (:attr:`OptimizerStall.read_at` counts by it:
     :meth:`turn`, :meth:`read_in_turn`)."""
@@ -184,14 +166,11 @@ class StallWatch:
         weights: Callable[[], list[float]] | None = None,
         holder: OptimizerStall | None = None,
     ) -> bool:
-        """Take the update of ``update_step`` (its per-module ratios) and the norm of the gradients
-        it should have applied; True when this update makes the stall clear. ``weights``: the whole
-        weights' float64 norms, read when a run of still updates begins and again before it is reported:
-        the ratios come from a sampled block of each parameter, and a run that moves only rows
-        outside it (textual inversion trains one row of the token embedding) is not stalled. ``holder``: the
-        optimizer whose own run this watch counts (:meth:`update_each`); the lr each still update was made
-        with is kept in :attr:`run`, and of several a run made at lr 0 whose lr has left 0 since is not clear
-        (:meth:`_leaving_lr_zero`)."""
+        """Take the update of ``update_step`` (its per-module ratios) and the norm of the gradients it should have
+        applied; True when this update makes the stall clear. ``weights``: the whole weights' float64 norms, read when
+        a run begins and before it is reported (a run moving only rows outside the sampled blocks, as textual
+        inversion's, is not stalled). ``holder``: the optimizer whose own run this watch counts (:meth:`update_each`);
+        the lr each still update was made with is kept in :attr:`run` (:meth:`_leaving_lr_zero`)."""
         skipped, self.policy_skipped = skipped or self.policy_skipped, False
         if self.several:  # the optimizer whose update this is (its stall's, or the run's named from it)
             self.read = self.each.get(self.pending_optimizer)
@@ -209,6 +188,7 @@ class StallWatch:
             self.first_step, self.largest, self.grad_norm = update_step, 0.0, grad_norm
             self.fingerprint = weights() if weights is not None else None
             self.run.clear()
+            self.withheld = False
         self.updates += 1
         self.last_step = update_step
         self.largest = max(self.largest, largest)
@@ -220,8 +200,11 @@ class StallWatch:
                 return False
             if self.several and self._told_in_run():  # that optimizer's stall, told: not again as the run's
                 return False
+            if self.several and self._not_stepped():  # no run's stall: the next updates read in full, once a run
+                self.withheld, self.read_on = True, not self.withheld
+                return False
             # a warmup from 0 (held 2 x STALL_UPDATES at most: a schedule's lr-0 steps, read alone, held it for ever)
-            if (self.several or holder) and self.updates < 2 * STALL_UPDATES and self._leaving_lr_zero(holder):
+            if self.updates < 2 * STALL_UPDATES and self._leaving_lr_zero(holder):
                 return False
             if weights is not None and weights() != self.fingerprint:  # moved outside the sampled blocks
                 self.updates, self.moved = 0, True
@@ -247,18 +230,30 @@ class StallWatch:
         )
 
     def _leaving_lr_zero(self, holder: OptimizerStall | None) -> bool:
-        """Of the run's optimizers (``holder``, or the live ones of several) one made each of its still updates in it
-        at lr 0 and has an lr above 0 now: a warmup from lr 0 (a schedule that held it at 0) has just ended, and its
-        next update tells whether it learns. Such a run is not clear yet, only once it goes on (told then from the
-        lrs its updates were made with: not ``lr_zero``). A user warming up from 0 expects no update at the first
-        step of it, and a GAN whose scheduler steps once per iteration makes n_critic + 1 such updates (five at
-        n_critic 4, every optimizer's in them): the clean run stays quiet. An optimizer kept at lr 0 is told."""
-        entries = [holder] if holder is not None else [self.each[key] for key in self.live()]
-        for entry in entries:
+        """Of the run's optimizers (``holder``, the live ones of several, or the one) one made each of its still
+        updates in it at lr 0 and has an lr above 0 now (not of one optimizer: set by hand), or a scheduler at its
+        start set that 0 (``warming_up_from_zero``): a warmup from 0, whose next updates tell if it learns. A GAN whose
+        scheduler steps once per iteration makes n_critic + 1 such updates (at n_critic 6 the critic's first five,
+        read before the generator is given, are one optimizer's): the clean run stays quiet. Kept at lr 0: told."""
+        keys = self.live() if self.several else [self.pending_optimizer]
+        for entry in [holder] if holder is not None else [self.each[key] for key in keys if key in self.each]:
             optimizer = entry.ref()
-            if self.run.get(id(optimizer)) == 0 and _held_lr(entry, learning_rates(optimizer)) > 0:
+            if self.run.get(id(optimizer)) != 0:
+                continue
+            if (self.several or holder is not None) and _held_lr(entry, learning_rates(optimizer)) > 0:
+                return True
+            if warming_up_from_zero(optimizer, _rated(entry, param_groups(optimizer))):
                 return True
         return False
+
+    def _not_stepped(self) -> bool:
+        """Of the run's optimizers one's ``step()`` was not seen in it while another's was (the hooks read: not
+        compiled): a critic monitored at each iteration and stepped at one in six is not stalled (the run's stall, its
+        cause guessed, was told at 5 and the generator's own lr 0 again at 12); not for ever (a step that never runs:
+        the run's stall after that one's 2 x STALL_UPDATES-th still update)."""
+        seen = {k: id(raw_optimizer(self.each[k].ref())) in self.seen.readings for k in self.run if k in self.each}
+        late = 2 * STALL_UPDATES
+        return any(seen.values()) and any(not s and self.each[k].watch.updates < late for k, s in seen.items())
 
     def some_rank_moved(self) -> None:
         """Some rank's weights moved in the update this step read (this rank's or another's: a rank's
@@ -394,8 +389,9 @@ class StallWatch:
         if clear and (self.flagged or not entry.others_moved):
             entry.held_back = True
             return None
-        # not for ever (the other's steps all skipped by a GradScaler): told as not known to be alone
-        if entry.held_back and not self.flagged and entry.watch.updates >= 2 * STALL_UPDATES:
+        # not for ever (the other's steps all skipped by a GradScaler): told as not known to be alone (a run withheld
+        # for a step not seen is told as the run's instead: :meth:`_not_stepped`)
+        if entry.held_back and not (self.flagged or self.withheld) and entry.watch.updates >= 2 * STALL_UPDATES:
             entry.held_back = False
             return entry
         return entry if clear else None
@@ -487,6 +483,12 @@ def _held_lr(entry: OptimizerStall | None, rates: list[float] | None) -> float:
     parameters; NaN where not known (no entry: DeepSpeed's copies; an Adafactor that makes its own lr)."""
     known = [rates[i] for i in entry.rated if i < len(rates)] if entry is not None and rates is not None else []
     return max(known) if known else math.nan
+
+
+def _rated(entry: OptimizerStall, groups: list[dict] | None) -> list[dict]:
+    """``entry``'s groups that hold watched parameters and have an lr (:attr:`OptimizerStall.rated`)."""
+    rated = [g for g in groups or () if g.get("lr") is not None]
+    return [rated[i] for i in entry.rated if i < len(rated)]
 
 
 def _shape(groups: list[dict] | None) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..measure.deepspeed_fp16_scale import ISSUE
-from ..measure.gradients import TrainableParameters
+from ..measure.gradients import TrainableParameters, weight_fingerprint
 from ..measure.optimizer_state import param_groups, raw_optimizer
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -68,8 +68,7 @@ def diagnose(
         return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
     if low and evidence["lr"] is not None:  # no state: cleared gradients, or an optimizer that keeps none (SGD)
         resolution = max(float(torch.finfo(p.dtype).eps) for p in held if p.dtype in _LOW_PRECISION) / 2
-        weight_norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in held))
-        evidence["step_ratio"] = evidence["lr"] * grad_norm / weight_norm if weight_norm > 0 else math.inf
+        evidence["step_ratio"] = _share(evidence["lr"] * grad_norm, params, held)
         if evidence["step_ratio"] < resolution:  # lr x |g| / |w|: a plain gradient step rounds away
             return {"reason": "below_precision", "dtype": "/".join(low), **evidence}
     if seen is None and (not evidence["state_empty"] or getattr(params, "deepspeed", None) is not None):
@@ -84,4 +83,34 @@ def diagnose(
     monitored = grad_norm if math.isfinite(grad_norm) else 0.0  # none known: zeroed means exactly 0
     if seen["grad_norm_at_step"] <= ZEROED_RATIO * monitored:
         return {"reason": "gradients_zeroed", **evidence}
+    full = sorted({str(p.dtype).removeprefix("torch.") for p in held if p.is_floating_point()})
+    if not low and full and evidence["lr"] is not None and math.isfinite(grad_norm):
+        # the step received the gradients and the weights did not move: float32 weights round an update away too
+        # (lr 1e-12 was ``undone_after_step``). Only after what the step received (an estimate never outweighs it:
+        # gradients cleared before step() were told below_precision), and only below a quarter of the epsilon (the
+        # smallest half-ulp relative to a weight's norm: 2^-25 in float32): an update surely rounded away
+        resolution = max(float(torch.finfo(p.dtype).eps) for p in held if p.is_floating_point()) / 4
+        evidence["step_ratio"] = _share(evidence["lr"] * _largest_step(holding, held, grad_norm), params, held)
+        if evidence["step_ratio"] < resolution:
+            return {"reason": "below_precision", "dtype": "/".join(full), **evidence}
     return {"reason": "undone_after_step", **evidence}
+
+
+def _share(step: float, params: TrainableParameters, held: list[torch.Tensor]) -> float:
+    """``step`` (an update's norm) over the float64 norm of the weights ``held`` (of ``params``: this rank's, in one
+    read; inf where that is 0)."""
+    ids = {id(p) for p in held}
+    norms = weight_fingerprint(params)
+    norm = math.sqrt(sum(norms[i] ** 2 for i, p in enumerate(params.params) if id(p) in ids))
+    return step / norm if norm > 0 else math.inf
+
+
+def _largest_step(holding: list[dict], held: list[torch.Tensor], grad_norm: float) -> float:
+    """The norm of the largest update per unit of lr an optimizer of ``holding`` (its groups that hold the watched
+    ``held``) makes from gradients of norm ``grad_norm``: an adaptive one (Adam's, Adagrad's, Lion's: groups with
+    ``eps`` or ``betas``) moves each element by about the lr, sqrt(numel); a plain step ``|g|``, its momentum at
+    most ``|g| / (1 - momentum)`` (SGD's)."""
+    if any("eps" in g or "betas" in g for g in holding):
+        return max(grad_norm, math.sqrt(sum(p.numel() for p in held)))
+    momentum = max((float(g.get("momentum") or 0.0) for g in holding), default=0.0)
+    return grad_norm / (1 - momentum) if momentum < 1 else math.inf

@@ -2,9 +2,9 @@
 ``not_learning`` anomaly of the whole run (:func:`judge_stall`), of one optimizer of several
 (:func:`judge_optimizer_stall`), and DeepSpeed's unscaled fp16 loss found at the first step
 (:func:`judge_unscaled_loss`). The cause is :func:`~.stall_causes.diagnose`'s, read from the lr each still
-update was made with where several optimizers hold watched parameters (``StallWatch.run``: a per-iteration
-LR scheduler has moved it by the time the run is clear); a single optimizer's is read from the lr at the report.
-A whole run's stall of several names each still optimizer's own reason (``still_causes``)."""
+update was made with (``StallWatch.run``: a scheduler stepped per iteration, or an lr set by hand, has moved it by
+the time the run is clear), one optimizer's as several's. A whole run's stall of several names each still optimizer's
+own reason (``still_causes``)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ def judge_stall(rank: int, watch: StallWatch, step: Any, optimizer: Any, params:
     read = watch.read.ref() if watch.several and watch.read is not None else None
     stepped = read if read is not None else watch.seen.stepped()  # whose step the last still update was
     seen = watch.seen.read(raw_optimizer(read)) if read is not None else watch.seen.read()
-    made = _made_with(watch, read) if read is not None else None  # one optimizer's: the lr now, as ever
+    # the lr its still updates were made with (one optimizer's too: at lr 0 for steps 0-4, then raised by hand, it
+    # was read at the report, above 0, and told ``undone_after_step``)
+    made = _made_with(watch, id(read) if read is not None else watch.pending_optimizer)
     details = {
         **diagnose(optimizer if stepped is None else stepped, params, watch.grad_norm, seen, made),
         "first_step": watch.first_step,
@@ -62,13 +64,14 @@ def _own_cause(
     optimizer = entry.ref()
     if entry is not watch.read:
         seen = watch.seen.read(raw_optimizer(optimizer))
-        read = diagnose(optimizer, params, watch.grad_norm, seen, _made_with(watch, optimizer))
+        read = diagnose(optimizer, params, watch.grad_norm, seen, _made_with(watch, id(optimizer)))
     return {key: read[key] for key in _OWN_CAUSE if key in read}
 
 
-def _made_with(watch: StallWatch, optimizer: Any) -> float | None:
-    """The largest lr ``optimizer``'s still updates in ``watch``'s run were made with (None: not known)."""
-    made = watch.run.get(id(optimizer), math.nan)
+def _made_with(watch: StallWatch, key: int) -> float | None:
+    """The largest lr the still updates in ``watch``'s run of the optimizer ``key`` (the ``id`` of the one given)
+    were made with (None: not known)."""
+    made = watch.run.get(key, math.nan)
     return None if math.isnan(made) else made
 
 
@@ -81,7 +84,7 @@ def judge_optimizer_stall(
     optimizer, own = stalled.ref(), stalled.watch
     inner = raw_optimizer(optimizer)
     details = {
-        **diagnose(optimizer, params, own.grad_norm, watch.seen.read(inner), _made_with(own, optimizer)),
+        **diagnose(optimizer, params, own.grad_norm, watch.seen.read(inner), _made_with(own, id(optimizer))),
         "first_step": own.first_step,
         "last_step": own.last_step,
         "updates": own.updates,

@@ -10,6 +10,7 @@ raises on a second ``unscale_`` in the same step.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -111,3 +112,29 @@ def learning_rates(optimizer: Any) -> list[float]:
     """Each group's lr; a group whose lr is None (transformers' Adafactor with ``relative_step``,
     which computes its own) has none to read."""
     return [float(g["lr"]) for g in param_groups(optimizer) or [] if "lr" in g and g["lr"] is not None]
+
+
+def warming_up_from_zero(optimizer: Any, groups: list[dict]) -> bool:
+    """Of ``groups`` (``optimizer``'s), one is at lr 0 from a base lr above 0 (``initial_lr``) that an LR scheduler
+    not stepped since it was built (``last_epoch`` 0: a warmup from 0 at its start, stepped once an epoch or a GAN's
+    iteration) set and that is still there: its ``_last_lr``, not an lr set by hand since. Not a schedule stepped
+    past its start (one that decayed or ended at 0, or held at 0 by a lambda). The scheduler is found among the
+    objects that refer to the optimizer (``gc.get_referrers``: a heap scan, asked only of such a group)."""
+    held = [g for g in groups if g.get("lr") == 0 and (g.get("initial_lr") or 0) > 0]
+    raw = raw_optimizer(optimizer)
+    if not held or raw is None:
+        return False
+    given = {id(optimizer): optimizer, id(raw): raw}
+    for referrer in gc.get_referrers(*given.values()):
+        if isinstance(referrer, torch.optim.lr_scheduler.LRScheduler):  # torch's (not a frame, a list, a wrapper)
+            scheduler = {key: getattr(referrer, key, None) for key in ("optimizer", "last_epoch", "_last_lr")}
+        elif isinstance(referrer, dict) and "_last_lr" in referrer:  # its ``__dict__``, once its state_dict() made it
+            scheduler = referrer
+        else:
+            continue
+        if id(scheduler.get("optimizer")) not in given or scheduler.get("last_epoch") != 0:
+            continue
+        last = scheduler.get("_last_lr") or ()
+        if any(g is group and set_lr == 0 for group, set_lr in zip(raw.param_groups, last) for g in held):
+            return True
+    return False
