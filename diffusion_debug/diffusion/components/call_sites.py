@@ -89,12 +89,12 @@ STATE_ARGUMENTS = frozenset({"feat_cache", "feat_idx", "past_key_values", "kv_ca
 QwenImage VAEs' causal-conv ``feat_cache``, a language model's ``past_key_values``); with the
 names a model lists in diffusers' ``_skip_keys``. Never an input the pipeline made."""
 
-REPLACED_STATE = frozenset({"feat_cache", "feat_idx"})
+REPLACED_STATE = frozenset({"feat_cache", "feat_idx", "kv_caches"})
 """Own state whose entries a call replaces and never writes into (the Wan and QwenImage VAEs' causal
-convs: ``feat_cache[idx] = cache_x``, a new tensor): a kept call's copy of the list is as it was
-passed whatever later calls do, so a tensor in it held under ``torch.inference_mode`` (no version
-counter) is replayed as held. Every other own state may be written into (FAR's ``kv_cache``): such a
-tensor refuses a replay (:func:`_used`)."""
+convs: ``feat_cache[idx] = cache_x``, a new tensor; GLM-Image's ``kv_caches``, each write a ``torch.cat``):
+a kept call's copy of the list is as it was passed whatever later calls do, so a tensor in it held under
+``torch.inference_mode`` (no version counter) is replayed as held. Every other own state may be written
+into (FAR's ``kv_cache``): such a tensor refuses a replay (:func:`_used`)."""
 
 
 def kept_as_passed(
@@ -138,11 +138,21 @@ def kept_as_passed(
             copied = copied or list(args)
             at = positions.get(i) if positions and budget is not None else None
             copied[i] = _copy(value, 0, _keeps(budget, strict, at in REPLACED_STATE) if at is not None else keep)
+        elif type(value) is _Object:  # used: made again
+            copied = copied or list(args)
+            copied[i] = value.made(keep)
+        elif positions and budget is not None and i in positions and _plain(value):  # an object of own state
+            copied = copied or list(args)
+            copied[i] = _Object(value, 0, _keeps(budget, strict, positions[i] in REPLACED_STATE))
     kept = {}
     for name, value in kwargs.items():
         if type(value) in _COPIED:  # kept: a tensor cloned only in the component's own state
             held = budget is not None and name in state
             kept[name] = _copy(value, 0, _keeps(budget, strict, name in REPLACED_STATE) if held else keep)
+        elif type(value) is _Object:  # used: made again
+            kept[name] = value.made(keep)
+        elif budget is not None and name in state and _plain(value):  # kept: GLM-Image's kv_caches, as it is now
+            kept[name] = _Object(value, 0, _keeps(budget, strict, name in REPLACED_STATE))
         else:
             kept[name] = value
     return (tuple(copied) if copied is not None else args), kept
@@ -191,6 +201,57 @@ def _item(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:
 
 
 _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
+
+
+_OBJECT_DEPTH = 4
+"""How deep a kept object of own state is copied: GLM-Image's cache -> its layers' list -> a layer -> its lists."""
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a plain Python object a kept call copies (as own state): its attributes in a
+    ``__dict__``; not a tensor, a module, a class or a callable."""
+    return (
+        isinstance(getattr(value, "__dict__", None), dict)
+        and not isinstance(value, (torch.Tensor, nn.Module, type))
+        and not callable(value)
+    )
+
+
+def _snapshot(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:
+    """``value`` (an attribute of a kept object, or an item of one of its lists or dicts) as kept (``keep``: a
+    tensor cloned or held; a plain object an :class:`_Object`) or made again for a use (an ``_Object`` made)."""
+    kind = type(value)
+    if isinstance(value, torch.Tensor) or kind is _Held:
+        return keep(value)
+    if kind is _Object:
+        return value.made(keep)
+    if depth >= _OBJECT_DEPTH:
+        return value
+    if kind is list or kind is tuple:
+        copied = [_snapshot(v, depth + 1, keep) for v in value]
+        return copied if kind is list else tuple(copied)
+    if kind is dict:
+        return {k: _snapshot(v, depth + 1, keep) for k, v in value.items()}
+    return _Object(value, depth + 1, keep) if _plain(value) else value
+
+
+class _Object:
+    """A plain object of a kept call's own state, as it was at the call: its attributes (GLM-Image's
+    ``GlmImageKVCache``: each layer's ``mode``, ``write``/``read``/``skip``, and its key and value lists),
+    its tensors kept as a list's are. Each use makes a new object of its class (:meth:`made`), so a replay
+    runs as the call did (a ``read`` call reads the cache, though the pipeline has set ``skip`` since) and
+    writes into its copy, never into the user's."""
+
+    __slots__ = ("cls", "attributes")
+
+    def __init__(self, value: Any, depth: int, keep: Callable[[Any], Any]) -> None:
+        self.cls = type(value)
+        self.attributes = {k: _snapshot(v, depth, keep) for k, v in vars(value).items()}
+
+    def made(self, keep: Callable[[Any], Any]) -> Any:
+        made = self.cls.__new__(self.cls)
+        vars(made).update({k: _snapshot(v, 0, keep) for k, v in self.attributes.items()})
+        return made
 
 
 class _Held:
