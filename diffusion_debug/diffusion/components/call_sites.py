@@ -119,7 +119,9 @@ def kept_as_passed(
     replay never writes into the user's; a held one checked (``strict``; else a check of the values
     the call was passed: nothing cloned, a held tensor read as it is now). The top-level tensors are
     the same objects (a tensor changed in place is seen changed: a limit of every kept call, but for
-    the latents a scheduler steps: :meth:`CallSiteHooks.keep_apart`).
+    the latents a scheduler steps: :meth:`CallSiteHooks.keep_apart`). Own state passed as a plain object
+    (GLM-Image's ``kv_caches``) is kept as it was at the call, attributes and all (:class:`_Object`), and
+    made anew at each use.
 
     >>> cache, index = [None, None], [0]
     >>> args, kwargs = kept_as_passed((cache,), {"feat_idx": index})
