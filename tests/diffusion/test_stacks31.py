@@ -6,7 +6,8 @@ then dropped); one pipeline moved fp32 -> fp16 -> fp32 -> bf16 -> fp32 between c
 backend set on a transformer (``set_attention_backend``, which also makes it the process's active one); a
 call with ``output_type="latent"`` and the user's own ``vae.decode`` after it, fp16 under ``inference_mode``;
 img2img at full strength in one step and at 0.3 of 4 steps (one step runs); the attach made inside
-``torch.inference_mode`` and the next call outside it."""
+``torch.inference_mode`` and the next call outside it; diffusers' ``SDCFGCutoffCallback``, which drops the
+unconditional half of the batch mid-call."""
 
 from __future__ import annotations
 
@@ -137,3 +138,13 @@ def test_an_attach_made_inside_inference_mode_then_a_call_outside_it(tmp_path):
     dbg.close()
     assert torch.equal(inside, expected) and torch.equal(outside, expected)
     assert noisy(dbg) == []
+
+
+def test_diffusers_cfg_cutoff_callback_drops_the_unconditional_half_mid_call(tmp_path):
+    from diffusers.callbacks import SDCFGCutoffCallback
+
+    def cut(pipe):  # from step 1 on: the conditional half of the prompt embeddings, guidance off
+        callback = SDCFGCutoffCallback(cutoff_step_ratio=None, cutoff_step_index=1)
+        return sd_call(pipe, 3, callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["prompt_embeds"])
+
+    like_its_twin(tmp_path, lambda: tiny_pipeline("sd"), [cut, cut])
