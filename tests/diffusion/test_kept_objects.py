@@ -161,3 +161,153 @@ def test_a_kept_object_is_the_state_it_was_passed_and_a_use_writes_only_into_its
     assert [len(layer.keys) for layer in again.layers] == [1, 0]
     assert [len(layer.keys) for layer in user.layers] == [1, 1]
     assert user.layers[0].mode == "skip" and user.layers[0].keys[0] is key
+
+
+KLEIN = pytest.mark.skipif(not hasattr(diffusers, "Flux2KleinKVPipeline"), reason="no Flux2 Klein KV here")
+KLEIN_MODULE = "transformer_blocks.0.attn.to_out.0"
+
+
+def klein_kv():
+    """A tiny Flux2 Klein KV pipeline: its transformer extracts the reference image's keys and values into a
+    ``Flux2KVCache`` (``kv_cache``, an object whose layers' entries each store replaces) at step 0, and reads
+    them (``kv_cache_mode="cached"``) from step 1 on."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinKVPipeline,
+        Flux2Transformer2DModel,
+    )
+
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        out_channels=None,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False,
+    )
+    vae = AutoencoderKLFlux2(
+        down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+        block_out_channels=(16, 32),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+    components = dict(scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder=None, tokenizer=None)
+    pipe = Flux2KleinKVPipeline(**components, vae=vae, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def klein_edit(pipe) -> torch.Tensor:
+    image = PIL.Image.fromarray((np.arange(64 * 64 * 3).reshape(64, 64, 3) % 251).astype(np.uint8))
+    return pipe(
+        image=image,
+        prompt_embeds=torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(1)),
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+
+
+@contextlib.contextmanager
+def nan_while_cached(pipe):
+    """A NaN in ``KLEIN_MODULE``'s output whenever its call reads the reference cache (steps 1 and 2)."""
+    modes = []
+
+    def kept(module, args, kwargs):
+        modes[:] = [kwargs.get("kv_cache_mode")]
+
+    def nan(module, args, output):
+        if modes and modes[0] == "cached":
+            output = output.clone()
+            output.view(-1)[-1] = float("nan")
+            return output
+        return None
+
+    hooks = [
+        pipe.transformer.register_forward_pre_hook(kept, with_kwargs=True),
+        pipe.transformer.get_submodule(KLEIN_MODULE).register_forward_hook(nan),
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@KLEIN
+def test_a_real_size_flux2_klein_reference_cache_under_inference_mode_is_replayed(tmp_path, monkeypatch):
+    # beyond the step's bytes of copies an inference tensor has no version counter; Flux2KVCache's entries are
+    # replaced by each store (an object of own state, like every diffusers cache object), never written into:
+    # held as passed, replayed, and the NaN named at its module
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)
+    twin, pipe = klein_kv(), klein_kv()
+    with nan_while_cached(twin), torch.no_grad():
+        expected = klein_edit(twin)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with nan_while_cached(pipe), dbg, torch.inference_mode():
+        seen = klein_edit(pipe)
+    dbg.close()
+    assert torch.equal(seen.isnan(), expected.isnan()) and torch.equal(seen.nan_to_num(), expected.nan_to_num())
+    report = dbg.report()
+    assert [a.message for a in report.anomalies if a.kind == "debugger_error"] == []
+    errors = [(a.kind, a.component, a.module, a.step) for a in report.anomalies if a.severity == "error"]
+    assert errors == [("nonfinite", "transformer", KLEIN_MODULE, 1)]
+
+
+class StaticLayer:
+    def __init__(self, key):
+        self.keys = key
+
+    def update(self, key):
+        self.keys.index_copy_(0, torch.tensor([0]), key)  # transformers' StaticCache: written into
+
+
+def test_an_object_passed_as_past_key_values_may_be_written_into_so_its_inference_tensor_refuses_a_replay(monkeypatch):
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)
+    with torch.inference_mode():
+        user = StaticLayer(torch.ones(2))
+    kept = kept_as_passed((), {"past_key_values": user}, [0], state=frozenset({"past_key_values"}))
+    with pytest.raises(RuntimeError, match="^an inference_mode cache tensor"):
+        kept_as_passed(*kept)
+
+
+class Slotted:
+    __slots__ = ("keys",)
+
+
+class WithSlots(Slotted):
+    def __init__(self):
+        self.keys, self.mode = torch.ones(2), "read"
+
+
+class WithOdd:
+    def __init__(self):
+        from diffusers.configuration_utils import FrozenDict
+
+        self.frozen = FrozenDict(n=1)
+
+
+def test_an_object_a_snapshot_cannot_rebuild_is_passed_as_it_is():
+    # a dict, list, tuple or set subclass (FrozenDict, OrderedDict, a ModelOutput) keeps its items outside
+    # its __dict__, an object with __slots__ its slots: rebuilt from its __dict__ it would be empty
+    from diffusers.configuration_utils import FrozenDict
+
+    state = frozenset({"kv_cache"})
+    for user in (FrozenDict(n=1), WithSlots()):
+        kept = kept_as_passed((), {"kv_cache": user}, [1 << 20], state=state)
+        assert kept_as_passed(*kept)[1]["kv_cache"] is user
+    user = WithOdd()
+    used = kept_as_passed(*kept_as_passed((), {"kv_cache": user}, [1 << 20], state=state))[1]["kv_cache"]
+    assert type(used) is WithOdd and used is not user and used.frozen is user.frozen and dict(used.frozen) == {"n": 1}

@@ -94,7 +94,14 @@ REPLACED_STATE = frozenset({"feat_cache", "feat_idx", "kv_caches"})
 convs: ``feat_cache[idx] = cache_x``, a new tensor; GLM-Image's ``kv_caches``, each write a ``torch.cat``):
 a kept call's copy of the list is as it was passed whatever later calls do, so a tensor in it held under
 ``torch.inference_mode`` (no version counter) is replayed as held. Every other own state may be written
-into (FAR's ``kv_cache``): such a tensor refuses a replay (:func:`_used`)."""
+into (FAR's ``kv_cache``): such a tensor refuses a replay (:func:`_used`). Own state passed as a plain object
+is replaced too (:data:`WRITTEN_OBJECTS`)."""
+
+WRITTEN_OBJECTS = frozenset({"past_key_values", "cache_params"})
+"""Own state passed as a plain object whose tensors a call may write into (transformers' ``StaticCache``:
+``index_copy_``). Every other object of own state has its entries replaced, never written into: diffusers'
+cache objects (Flux2 Klein KV's, QwenImage 2.1's, Wan-Animate 2's and the SANA-WM refiner's ``kv_cache``,
+GLM-Image's ``kv_caches``) only assign their attributes, or append (GLM-Image's ``torch.cat``)."""
 
 
 def kept_as_passed(
@@ -145,7 +152,7 @@ def kept_as_passed(
             copied[i] = value.made(keep)
         elif positions and budget is not None and i in positions and _plain(value):  # an object of own state
             copied = copied or list(args)
-            copied[i] = _Object(value, 0, _keeps(budget, strict, positions[i] in REPLACED_STATE))
+            copied[i] = _Object(value, 0, _keeps(budget, strict, positions[i] not in WRITTEN_OBJECTS))
     kept = {}
     for name, value in kwargs.items():
         if type(value) in _COPIED:  # kept: a tensor cloned only in the component's own state
@@ -154,7 +161,7 @@ def kept_as_passed(
         elif type(value) is _Object:  # used: made again
             kept[name] = value.made(keep)
         elif budget is not None and name in state and _plain(value):  # kept: GLM-Image's kv_caches, as it is now
-            kept[name] = _Object(value, 0, _keeps(budget, strict, name in REPLACED_STATE))
+            kept[name] = _Object(value, 0, _keeps(budget, strict, name not in WRITTEN_OBJECTS))
         else:
             kept[name] = value
     return (tuple(copied) if copied is not None else args), kept
@@ -210,12 +217,15 @@ _OBJECT_DEPTH = 4
 
 
 def _plain(value: Any) -> bool:
-    """Whether ``value`` is a plain Python object a kept call copies (as own state): its attributes in a
-    ``__dict__``; not a tensor, a module, a class or a callable."""
+    """Whether ``value`` is a plain Python object a kept call copies (as own state): all its attributes in a
+    ``__dict__``; not a tensor, a module, a class or a callable; not a dict, list, tuple or set subclass
+    (FrozenDict, OrderedDict, a ModelOutput: items outside the ``__dict__``) nor with ``__slots__``, which a
+    copy made from the ``__dict__`` would lose (such an object is passed as it is)."""
     return (
         isinstance(getattr(value, "__dict__", None), dict)
-        and not isinstance(value, (torch.Tensor, nn.Module, type))
+        and not isinstance(value, (torch.Tensor, nn.Module, type, dict, list, tuple, set, frozenset))
         and not callable(value)
+        and not any(vars(kind).get("__slots__") for kind in type(value).__mro__)
     )
 
 
