@@ -155,7 +155,7 @@ def test_a_kept_object_is_the_state_it_was_passed_and_a_use_writes_only_into_its
     used = kept_as_passed(args, kwargs)[1]["kv_caches"]  # a replay's: a copy made again at each use
     assert type(used) is Cache and used is not user
     assert [(layer.mode, len(layer.keys)) for layer in used.layers] == [("read", 1), (None, 0)]
-    assert torch.equal(used.layers[0].keys[0], key) and used.layers[0].keys[0] is not key
+    assert used.layers[0].keys[0] is key  # held uncloned: never written into
     used.layers[1].store(torch.ones(2))  # the replay's write
     again = kept_as_passed(args, kwargs)[1]["kv_caches"]
     assert [len(layer.keys) for layer in again.layers] == [1, 0]
@@ -311,3 +311,25 @@ def test_an_object_a_snapshot_cannot_rebuild_is_passed_as_it_is():
     user = WithOdd()
     used = kept_as_passed(*kept_as_passed((), {"kv_cache": user}, [1 << 20], state=state))[1]["kv_cache"]
     assert type(used) is WithOdd and used is not user and used.frozen is user.frozen and dict(used.frozen) == {"n": 1}
+
+
+def test_an_object_whose_entries_are_replaced_is_held_uncloned_at_keep_and_at_use():
+    # its tensors are never written into (a replay's store replaces them in its copy): nothing to clone, no
+    # byte of the step's copies spent; one changed in place since (no_grad: a version) still refuses a strict use
+    key, value = torch.ones(2), torch.zeros(2)
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    user = Cache(2)
+    user.layers[0].store(key)
+    user.layers[1].store(frozen)
+    user.mode = value
+    budget = [1 << 20]
+    kept = kept_as_passed((), {"kv_caches": user}, budget, state=frozenset({"kv_caches"}))
+    assert budget == [1 << 20]
+    for strict in (True, False):
+        used = kept_as_passed(*kept, strict=strict)[1]["kv_caches"]
+        assert used.layers[0].keys[0] is key and used.layers[1].keys[0] is frozen and used.mode is value
+    value.add_(1)
+    assert kept_as_passed(*kept, strict=False)[1]["kv_caches"].mode is value
+    with pytest.raises(RuntimeError, match=r"^a \(2,\) tensor the call was passed .* was changed in place since"):
+        kept_as_passed(*kept)

@@ -149,19 +149,19 @@ def kept_as_passed(
             copied[i] = _copy(value, 0, _keeps(budget, strict, at in REPLACED_STATE) if at is not None else keep)
         elif type(value) is _Object:  # used: made again
             copied = copied or list(args)
-            copied[i] = value.made(keep)
+            copied[i] = value.made(_replaced_use(strict) if value.replaced else keep)
         elif positions and budget is not None and i in positions and _plain(value):  # an object of own state
             copied = copied or list(args)
-            copied[i] = _Object(value, 0, _keeps(budget, strict, positions[i] not in WRITTEN_OBJECTS))
+            copied[i] = _object(value, positions[i], budget, strict)
     kept = {}
     for name, value in kwargs.items():
         if type(value) in _COPIED:  # kept: a tensor cloned only in the component's own state
             held = budget is not None and name in state
             kept[name] = _copy(value, 0, _keeps(budget, strict, name in REPLACED_STATE) if held else keep)
         elif type(value) is _Object:  # used: made again
-            kept[name] = value.made(keep)
+            kept[name] = value.made(_replaced_use(strict) if value.replaced else keep)
         elif budget is not None and name in state and _plain(value):  # kept: GLM-Image's kv_caches, as it is now
-            kept[name] = _Object(value, 0, _keeps(budget, strict, name not in WRITTEN_OBJECTS))
+            kept[name] = _object(value, name, budget, strict)
         else:
             kept[name] = value
     return (tuple(copied) if copied is not None else args), kept
@@ -169,6 +169,29 @@ def kept_as_passed(
 
 def _as_passed(value: Any) -> Any:
     return value
+
+
+def _object(value: Any, name: str, budget: list[int], strict: bool) -> _Object:
+    """A kept object of own state: one whose entries are replaced (all but :data:`WRITTEN_OBJECTS`) holds its
+    tensors as passed, uncloned (no byte of the step's copies: GLM-Image's and Flux2 Klein's caches at real
+    size), each with its version (an inference tensor as it is); one written into, cloned as a list's."""
+    if name in WRITTEN_OBJECTS:
+        return _Object(value, 0, _keeps(budget, strict))
+    kept = _Object(value, 0, _held_replaced)
+    kept.replaced = True
+    return kept
+
+
+def _held_replaced(value: Any) -> Any:
+    return value if type(value) is _Held or value.is_inference() else _Held(value)
+
+
+def _replaced_use(strict: bool) -> Callable[[Any], Any]:
+    """What a use of a kept object whose entries are replaced makes of its tensors: each as held (a replay's
+    store replaces it in the replay's copy, never writes into it), a held one checked (``strict``)."""
+    if strict:
+        return lambda value: _used(value, clone=False) if type(value) is _Held else value
+    return lambda value: value.tensor if type(value) is _Held else value
 
 
 def _keeps(budget: list[int] | None, strict: bool, replaced: bool = False) -> Callable[[Any], Any]:
@@ -254,10 +277,10 @@ class _Object:
     runs as the call did (a ``read`` call reads the cache, though the pipeline has set ``skip`` since) and
     writes into its copy, never into the user's."""
 
-    __slots__ = ("cls", "attributes")
+    __slots__ = ("cls", "attributes", "replaced")
 
     def __init__(self, value: Any, depth: int, keep: Callable[[Any], Any]) -> None:
-        self.cls = type(value)
+        self.cls, self.replaced = type(value), False  # replaced: its tensors held uncloned (:func:`_object`)
         self.attributes = {k: _snapshot(v, depth, keep) for k, v in vars(value).items()}
 
     def made(self, keep: Callable[[Any], Any]) -> Any:
@@ -277,15 +300,16 @@ class _Held:
         self.tensor, self.version = tensor, -1 if tensor.is_inference() else tensor._version
 
 
-def _used(held: _Held) -> torch.Tensor:
+def _used(held: _Held, clone: bool = True) -> torch.Tensor:
     """A copy of a held tensor for a use of its kept call (a replay writing into it writes into the
-    copy). Raises ``RuntimeError`` when it was changed in place since the call: a replay would read
-    other values than the call did; and for an inference tensor (made under ``torch.inference_mode``),
-    which has no version counter: whether it changed cannot be told, and a replay that read it changed
-    would name no module or a wrong one (FAR's cache step rewrites its ``kv_cache`` in place; one whose
-    entries are replaced, :data:`REPLACED_STATE`, is never held so). Refused
-    rather than checked by a fingerprint taken as the call is kept: that would add a reduction over the
-    whole cache to every call, and one cheap enough misses values moved or changed in compensation."""
+    copy; the tensor itself where no replay writes into it, not ``clone``: :func:`_replaced_use`).
+    Raises ``RuntimeError`` when it was changed in place since the call: a replay would read other values
+    than the call did; and for an inference tensor (made under ``torch.inference_mode``), which has no
+    version counter: whether it changed cannot be told, and a replay that read it changed would name no
+    module or a wrong one (FAR's cache step rewrites its ``kv_cache`` in place; one whose entries are
+    replaced, :data:`REPLACED_STATE`, is never held so). Refused rather than checked by a fingerprint
+    taken as the call is kept: that would add a reduction over the whole cache to every call, and one
+    cheap enough misses values moved or changed in compensation."""
     tensor = held.tensor
     if held.version == -1:
         raise RuntimeError(  # the point and the fix first: a debugger_error's message keeps 200 characters
@@ -297,7 +321,7 @@ def _used(held: _Held) -> torch.Tensor:
             f"a {tuple(tensor.shape)} tensor the call was passed in a list or dict was changed in place since "
             f"(beyond the {cache_hooks.KEPT_BYTES} bytes copied a step): a replay would not read what the call read"
         )
-    return tensor.detach().clone()
+    return tensor.detach().clone() if clone else tensor
 
 
 def state_positions(forward: Callable[..., Any], state: frozenset[str]) -> dict[int, str]:
