@@ -89,12 +89,19 @@ STATE_ARGUMENTS = frozenset({"feat_cache", "feat_idx", "past_key_values", "kv_ca
 QwenImage VAEs' causal-conv ``feat_cache``, a language model's ``past_key_values``); with the
 names a model lists in diffusers' ``_skip_keys``. Never an input the pipeline made."""
 
-REPLACED_STATE = frozenset({"feat_cache", "feat_idx"})
+REPLACED_STATE = frozenset({"feat_cache", "feat_idx", "kv_caches"})
 """Own state whose entries a call replaces and never writes into (the Wan and QwenImage VAEs' causal
-convs: ``feat_cache[idx] = cache_x``, a new tensor): a kept call's copy of the list is as it was
-passed whatever later calls do, so a tensor in it held under ``torch.inference_mode`` (no version
-counter) is replayed as held. Every other own state may be written into (FAR's ``kv_cache``): such a
-tensor refuses a replay (:func:`_used`)."""
+convs: ``feat_cache[idx] = cache_x``, a new tensor; GLM-Image's ``kv_caches``, each write a ``torch.cat``):
+a kept call's copy of the list is as it was passed whatever later calls do, so a tensor in it held under
+``torch.inference_mode`` (no version counter) is replayed as held. Every other own state may be written
+into (FAR's ``kv_cache``): such a tensor refuses a replay (:func:`_used`). Own state passed as a plain object
+is replaced too (:data:`WRITTEN_OBJECTS`)."""
+
+WRITTEN_OBJECTS = frozenset({"past_key_values", "cache_params"})
+"""Own state passed as a plain object whose tensors a call may write into (transformers' ``StaticCache``:
+``index_copy_``). Every other object of own state has its entries replaced, never written into: diffusers'
+cache objects (Flux2 Klein KV's, QwenImage 2.1's, Wan-Animate 2's and the SANA-WM refiner's ``kv_cache``,
+GLM-Image's ``kv_caches``) only assign their attributes, or append (GLM-Image's ``torch.cat``)."""
 
 
 def kept_as_passed(
@@ -119,7 +126,9 @@ def kept_as_passed(
     replay never writes into the user's; a held one checked (``strict``; else a check of the values
     the call was passed: nothing cloned, a held tensor read as it is now). The top-level tensors are
     the same objects (a tensor changed in place is seen changed: a limit of every kept call, but for
-    the latents a scheduler steps: :meth:`CallSiteHooks.keep_apart`).
+    the latents a scheduler steps: :meth:`CallSiteHooks.keep_apart`). Own state passed as a plain object
+    (GLM-Image's ``kv_caches``) is kept as it was at the call, attributes and all (:class:`_Object`), and
+    made anew at each use.
 
     >>> cache, index = [None, None], [0]
     >>> args, kwargs = kept_as_passed((cache,), {"feat_idx": index})
@@ -138,11 +147,21 @@ def kept_as_passed(
             copied = copied or list(args)
             at = positions.get(i) if positions and budget is not None else None
             copied[i] = _copy(value, 0, _keeps(budget, strict, at in REPLACED_STATE) if at is not None else keep)
+        elif type(value) is _Object:  # used: made again
+            copied = copied or list(args)
+            copied[i] = value.made(_replaced_use(strict) if value.replaced else keep)
+        elif positions and budget is not None and i in positions and _plain(value):  # an object of own state
+            copied = copied or list(args)
+            copied[i] = _object(value, positions[i], budget, strict)
     kept = {}
     for name, value in kwargs.items():
         if type(value) in _COPIED:  # kept: a tensor cloned only in the component's own state
             held = budget is not None and name in state
             kept[name] = _copy(value, 0, _keeps(budget, strict, name in REPLACED_STATE) if held else keep)
+        elif type(value) is _Object:  # used: made again
+            kept[name] = value.made(_replaced_use(strict) if value.replaced else keep)
+        elif budget is not None and name in state and _plain(value):  # kept: GLM-Image's kv_caches, as it is now
+            kept[name] = _object(value, name, budget, strict)
         else:
             kept[name] = value
     return (tuple(copied) if copied is not None else args), kept
@@ -150,6 +169,29 @@ def kept_as_passed(
 
 def _as_passed(value: Any) -> Any:
     return value
+
+
+def _object(value: Any, name: str, budget: list[int], strict: bool) -> _Object:
+    """A kept object of own state: one whose entries are replaced (all but :data:`WRITTEN_OBJECTS`) holds its
+    tensors as passed, uncloned (no byte of the step's copies: GLM-Image's and Flux2 Klein's caches at real
+    size), each with its version (an inference tensor as it is); one written into, cloned as a list's."""
+    if name in WRITTEN_OBJECTS:
+        return _Object(value, 0, _keeps(budget, strict))
+    kept = _Object(value, 0, _held_replaced)
+    kept.replaced = True
+    return kept
+
+
+def _held_replaced(value: Any) -> Any:
+    return value if type(value) is _Held or value.is_inference() else _Held(value)
+
+
+def _replaced_use(strict: bool) -> Callable[[Any], Any]:
+    """What a use of a kept object whose entries are replaced makes of its tensors: each as held (a replay's
+    store replaces it in the replay's copy, never writes into it), a held one checked (``strict``)."""
+    if strict:
+        return lambda value: _used(value, clone=False) if type(value) is _Held else value
+    return lambda value: value.tensor if type(value) is _Held else value
 
 
 def _keeps(budget: list[int] | None, strict: bool, replaced: bool = False) -> Callable[[Any], Any]:
@@ -193,6 +235,60 @@ def _item(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:
 _COPIED = (list, dict, tuple)  # exact types: a ModelOutput (a dict subclass) is passed as it is
 
 
+_OBJECT_DEPTH = 4
+"""How deep a kept object of own state is copied: GLM-Image's cache -> its layers' list -> a layer -> its lists."""
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a plain Python object a kept call copies (as own state): all its attributes in a
+    ``__dict__``; not a tensor, a module, a class or a callable; not a dict, list, tuple or set subclass
+    (FrozenDict, OrderedDict, a ModelOutput: items outside the ``__dict__``) nor with ``__slots__``, which a
+    copy made from the ``__dict__`` would lose (such an object is passed as it is)."""
+    return (
+        isinstance(getattr(value, "__dict__", None), dict)
+        and not isinstance(value, (torch.Tensor, nn.Module, type, dict, list, tuple, set, frozenset))
+        and not callable(value)
+        and not any(vars(kind).get("__slots__") for kind in type(value).__mro__)
+    )
+
+
+def _snapshot(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:
+    """``value`` (an attribute of a kept object, or an item of one of its lists or dicts) as kept (``keep``: a
+    tensor cloned or held; a plain object an :class:`_Object`) or made again for a use (an ``_Object`` made)."""
+    kind = type(value)
+    if isinstance(value, torch.Tensor) or kind is _Held:
+        return keep(value)
+    if kind is _Object:
+        return value.made(keep)
+    if depth >= _OBJECT_DEPTH:
+        return value
+    if kind is list or kind is tuple:
+        copied = [_snapshot(v, depth + 1, keep) for v in value]
+        return copied if kind is list else tuple(copied)
+    if kind is dict:
+        return {k: _snapshot(v, depth + 1, keep) for k, v in value.items()}
+    return _Object(value, depth + 1, keep) if _plain(value) else value
+
+
+class _Object:
+    """A plain object of a kept call's own state, as it was at the call: its attributes (GLM-Image's
+    ``GlmImageKVCache``: each layer's ``mode``, ``write``/``read``/``skip``, and its key and value lists),
+    its tensors kept as a list's are. Each use makes a new object of its class (:meth:`made`), so a replay
+    runs as the call did (a ``read`` call reads the cache, though the pipeline has set ``skip`` since) and
+    writes into its copy, never into the user's."""
+
+    __slots__ = ("cls", "attributes", "replaced")
+
+    def __init__(self, value: Any, depth: int, keep: Callable[[Any], Any]) -> None:
+        self.cls, self.replaced = type(value), False  # replaced: its tensors held uncloned (:func:`_object`)
+        self.attributes = {k: _snapshot(v, depth, keep) for k, v in vars(value).items()}
+
+    def made(self, keep: Callable[[Any], Any]) -> Any:
+        made = self.cls.__new__(self.cls)
+        vars(made).update({k: _snapshot(v, 0, keep) for k, v in self.attributes.items()})
+        return made
+
+
 class _Held:
     """A tensor in a kept call's list or dict held as passed, not cloned (beyond the step's
     :data:`~.cache_hooks.KEPT_BYTES` of copies: AnyFlow FAR's whole ``kv_cache`` at real size), with
@@ -204,15 +300,16 @@ class _Held:
         self.tensor, self.version = tensor, -1 if tensor.is_inference() else tensor._version
 
 
-def _used(held: _Held) -> torch.Tensor:
+def _used(held: _Held, clone: bool = True) -> torch.Tensor:
     """A copy of a held tensor for a use of its kept call (a replay writing into it writes into the
-    copy). Raises ``RuntimeError`` when it was changed in place since the call: a replay would read
-    other values than the call did; and for an inference tensor (made under ``torch.inference_mode``),
-    which has no version counter: whether it changed cannot be told, and a replay that read it changed
-    would name no module or a wrong one (FAR's cache step rewrites its ``kv_cache`` in place; one whose
-    entries are replaced, :data:`REPLACED_STATE`, is never held so). Refused
-    rather than checked by a fingerprint taken as the call is kept: that would add a reduction over the
-    whole cache to every call, and one cheap enough misses values moved or changed in compensation."""
+    copy; the tensor itself where no replay writes into it, not ``clone``: :func:`_replaced_use`).
+    Raises ``RuntimeError`` when it was changed in place since the call: a replay would read other values
+    than the call did; and for an inference tensor (made under ``torch.inference_mode``), which has no
+    version counter: whether it changed cannot be told, and a replay that read it changed would name no
+    module or a wrong one (FAR's cache step rewrites its ``kv_cache`` in place; one whose entries are
+    replaced, :data:`REPLACED_STATE`, is never held so). Refused rather than checked by a fingerprint
+    taken as the call is kept: that would add a reduction over the whole cache to every call, and one
+    cheap enough misses values moved or changed in compensation."""
     tensor = held.tensor
     if held.version == -1:
         raise RuntimeError(  # the point and the fix first: a debugger_error's message keeps 200 characters
@@ -224,7 +321,7 @@ def _used(held: _Held) -> torch.Tensor:
             f"a {tuple(tensor.shape)} tensor the call was passed in a list or dict was changed in place since "
             f"(beyond the {cache_hooks.KEPT_BYTES} bytes copied a step): a replay would not read what the call read"
         )
-    return tensor.detach().clone()
+    return tensor.detach().clone() if clone else tensor
 
 
 def state_positions(forward: Callable[..., Any], state: frozenset[str]) -> dict[int, str]:

@@ -1,0 +1,335 @@
+"""A component's own state passed as an object, not a list or dict: GLM-Image gives its transformer a
+``GlmImageKVCache`` (``kv_caches``), whose layers the pipeline switches between ``write`` (the condition
+images' pass, before the loop), ``read`` (a step's conditional call) and ``skip`` (its unconditional call),
+and whose entries each write replaces (``torch.cat``). A kept call holds the cache as it was at the call:
+its replay reads the condition keys and values a ``read`` call read, and writes nothing into the user's.
+Before, the kept call held the live object: a replay of the conditional call ran in ``skip`` mode (set for
+the unconditional call since), read no cache, and a NaN made only with the cache read was named at the
+transformer, not its module."""
+
+from __future__ import annotations
+
+import contextlib
+
+import diffusers
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components import cache_hooks
+from diffusion_debug.diffusion.components.call_sites import kept_as_passed
+
+GLM = pytest.mark.skipif(not hasattr(diffusers, "GlmImagePipeline"), reason="this diffusers has no GLM-Image")
+MODULE = "transformer_blocks.0.attn1.to_out.0"
+
+
+def glm_image():
+    """A tiny GLM-Image pipeline, called with its prior tokens and prompt embeddings given (no AR model)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+
+    torch.manual_seed(0)
+    transformer = GlmImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        text_embed_dim=16,
+        time_embed_dim=16,
+        condition_dim=8,
+        prior_vq_quantizer_codebook_size=32,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(32, 64),
+        down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+        latent_channels=4,
+        sample_size=32,
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    components = dict(tokenizer=None, processor=None, text_encoder=None, vision_language_encoder=None)
+    pipe = GlmImagePipeline(
+        **components, vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler()
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def image_to_image(pipe) -> torch.Tensor:
+    """Two steps with CFG from one condition image (a 32x32 image: 8x8 tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, 4, 16, generator=generator)
+    image = PIL.Image.fromarray((np.arange(32 * 32 * 3).reshape(32, 32, 3) % 251).astype(np.uint8))
+    return pipe(
+        prompt_embeds=embeds,
+        negative_prompt_embeds=torch.zeros_like(embeds),
+        prior_token_ids=torch.randint(0, 32, (1, 64), generator=generator),
+        image=[image],
+        prior_token_image_ids=[torch.randint(0, 32, (64,), generator=generator)],
+        source_image_grid_thw=[torch.tensor([[1, 8, 8]])],
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        guidance_scale=1.5,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+
+
+@contextlib.contextmanager
+def nan_while_reading(pipe):
+    """A NaN in ``MODULE``'s output whenever its call reads the condition cache (a ``read`` call): what an
+    fp16 attention over the condition tokens overflowing would make."""
+    passed = []
+
+    def kept(module, args, kwargs):
+        passed[:] = [kwargs.get("kv_caches")]
+
+    def nan(module, args, output):
+        if passed and passed[0] is not None and passed[0][0].mode == "read":
+            output = output.clone()
+            output[0, -1, 0] = float("nan")
+            return output
+        return None
+
+    hooks = [
+        pipe.transformer.register_forward_pre_hook(kept, with_kwargs=True),
+        pipe.transformer.get_submodule(MODULE).register_forward_hook(nan),
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@GLM
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+@pytest.mark.parametrize("kept", [None, 0], ids=["copied", "beyond_the_copies"])
+def test_a_nan_made_reading_glm_images_condition_cache_is_named_at_its_module(tmp_path, mode, kept, monkeypatch):
+    # beyond the step's bytes of copies (a real-size cache: 30 layers of condition keys and values) the cache's
+    # tensors are held as passed, under inference_mode too: each write replaces an entry, none is written into
+    if kept is not None:
+        monkeypatch.setattr(cache_hooks, "KEPT_BYTES", kept)
+    twin, pipe = glm_image(), glm_image()
+    with nan_while_reading(twin), torch.no_grad():
+        expected = image_to_image(twin)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with nan_while_reading(pipe), dbg, mode():
+        seen = image_to_image(pipe)
+    dbg.close()
+    assert torch.equal(seen.isnan(), expected.isnan()) and torch.equal(seen.nan_to_num(), expected.nan_to_num())
+    report = dbg.report()
+    assert [a.message for a in report.anomalies if a.kind == "debugger_error"] == []
+    errors = [(a.kind, a.component, a.module, a.step) for a in report.anomalies if a.severity == "error"]
+    assert errors == [("nonfinite", "transformer", MODULE, 0)]
+
+
+class LayerCache:
+    def __init__(self):
+        self.keys, self.mode = [], None
+
+    def store(self, key):
+        self.keys.append(key)
+
+
+class Cache:
+    def __init__(self, layers):
+        self.layers = [LayerCache() for _ in range(layers)]
+
+
+def test_a_kept_object_is_the_state_it_was_passed_and_a_use_writes_only_into_its_copy(monkeypatch):
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)
+    with torch.inference_mode():
+        key = torch.ones(2)
+    user = Cache(2)
+    user.layers[0].store(key)
+    user.layers[0].mode = "read"
+    args, kwargs = kept_as_passed((), {"kv_caches": user}, [0], state=frozenset({"kv_caches"}))
+    user.layers[0].mode = "skip"  # switched for the next call
+    user.layers[1].store(torch.zeros(2))
+    used = kept_as_passed(args, kwargs)[1]["kv_caches"]  # a replay's: a copy made again at each use
+    assert type(used) is Cache and used is not user
+    assert [(layer.mode, len(layer.keys)) for layer in used.layers] == [("read", 1), (None, 0)]
+    assert used.layers[0].keys[0] is key  # held uncloned: never written into
+    used.layers[1].store(torch.ones(2))  # the replay's write
+    again = kept_as_passed(args, kwargs)[1]["kv_caches"]
+    assert [len(layer.keys) for layer in again.layers] == [1, 0]
+    assert [len(layer.keys) for layer in user.layers] == [1, 1]
+    assert user.layers[0].mode == "skip" and user.layers[0].keys[0] is key
+
+
+KLEIN = pytest.mark.skipif(not hasattr(diffusers, "Flux2KleinKVPipeline"), reason="no Flux2 Klein KV here")
+KLEIN_MODULE = "transformer_blocks.0.attn.to_out.0"
+
+
+def klein_kv():
+    """A tiny Flux2 Klein KV pipeline: its transformer extracts the reference image's keys and values into a
+    ``Flux2KVCache`` (``kv_cache``, an object whose layers' entries each store replaces) at step 0, and reads
+    them (``kv_cache_mode="cached"``) from step 1 on."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinKVPipeline,
+        Flux2Transformer2DModel,
+    )
+
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        out_channels=None,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False,
+    )
+    vae = AutoencoderKLFlux2(
+        down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+        block_out_channels=(16, 32),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+    components = dict(scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder=None, tokenizer=None)
+    pipe = Flux2KleinKVPipeline(**components, vae=vae, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def klein_edit(pipe) -> torch.Tensor:
+    image = PIL.Image.fromarray((np.arange(64 * 64 * 3).reshape(64, 64, 3) % 251).astype(np.uint8))
+    return pipe(
+        image=image,
+        prompt_embeds=torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(1)),
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+
+
+@contextlib.contextmanager
+def nan_while_cached(pipe):
+    """A NaN in ``KLEIN_MODULE``'s output whenever its call reads the reference cache (steps 1 and 2)."""
+    modes = []
+
+    def kept(module, args, kwargs):
+        modes[:] = [kwargs.get("kv_cache_mode")]
+
+    def nan(module, args, output):
+        if modes and modes[0] == "cached":
+            output = output.clone()
+            output.view(-1)[-1] = float("nan")
+            return output
+        return None
+
+    hooks = [
+        pipe.transformer.register_forward_pre_hook(kept, with_kwargs=True),
+        pipe.transformer.get_submodule(KLEIN_MODULE).register_forward_hook(nan),
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@KLEIN
+def test_a_real_size_flux2_klein_reference_cache_under_inference_mode_is_replayed(tmp_path, monkeypatch):
+    # beyond the step's bytes of copies an inference tensor has no version counter; Flux2KVCache's entries are
+    # replaced by each store (an object of own state, like every diffusers cache object), never written into:
+    # held as passed, replayed, and the NaN named at its module
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)
+    twin, pipe = klein_kv(), klein_kv()
+    with nan_while_cached(twin), torch.no_grad():
+        expected = klein_edit(twin)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with nan_while_cached(pipe), dbg, torch.inference_mode():
+        seen = klein_edit(pipe)
+    dbg.close()
+    assert torch.equal(seen.isnan(), expected.isnan()) and torch.equal(seen.nan_to_num(), expected.nan_to_num())
+    report = dbg.report()
+    assert [a.message for a in report.anomalies if a.kind == "debugger_error"] == []
+    errors = [(a.kind, a.component, a.module, a.step) for a in report.anomalies if a.severity == "error"]
+    assert errors == [("nonfinite", "transformer", KLEIN_MODULE, 1)]
+
+
+class StaticLayer:
+    def __init__(self, key):
+        self.keys = key
+
+    def update(self, key):
+        self.keys.index_copy_(0, torch.tensor([0]), key)  # transformers' StaticCache: written into
+
+
+def test_an_object_passed_as_past_key_values_may_be_written_into_so_its_inference_tensor_refuses_a_replay(monkeypatch):
+    monkeypatch.setattr(cache_hooks, "KEPT_BYTES", 0)
+    with torch.inference_mode():
+        user = StaticLayer(torch.ones(2))
+    kept = kept_as_passed((), {"past_key_values": user}, [0], state=frozenset({"past_key_values"}))
+    with pytest.raises(RuntimeError, match="^an inference_mode cache tensor"):
+        kept_as_passed(*kept)
+
+
+class Slotted:
+    __slots__ = ("keys",)
+
+
+class WithSlots(Slotted):
+    def __init__(self):
+        self.keys, self.mode = torch.ones(2), "read"
+
+
+class WithOdd:
+    def __init__(self):
+        from diffusers.configuration_utils import FrozenDict
+
+        self.frozen = FrozenDict(n=1)
+
+
+def test_an_object_a_snapshot_cannot_rebuild_is_passed_as_it_is():
+    # a dict, list, tuple or set subclass (FrozenDict, OrderedDict, a ModelOutput) keeps its items outside
+    # its __dict__, an object with __slots__ its slots: rebuilt from its __dict__ it would be empty
+    from diffusers.configuration_utils import FrozenDict
+
+    state = frozenset({"kv_cache"})
+    for user in (FrozenDict(n=1), WithSlots()):
+        kept = kept_as_passed((), {"kv_cache": user}, [1 << 20], state=state)
+        assert kept_as_passed(*kept)[1]["kv_cache"] is user
+    user = WithOdd()
+    used = kept_as_passed(*kept_as_passed((), {"kv_cache": user}, [1 << 20], state=state))[1]["kv_cache"]
+    assert type(used) is WithOdd and used is not user and used.frozen is user.frozen and dict(used.frozen) == {"n": 1}
+
+
+def test_an_object_whose_entries_are_replaced_is_held_uncloned_at_keep_and_at_use():
+    # its tensors are never written into (a replay's store replaces them in its copy): nothing to clone, no
+    # byte of the step's copies spent; one changed in place since (no_grad: a version) still refuses a strict use
+    key, value = torch.ones(2), torch.zeros(2)
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    user = Cache(2)
+    user.layers[0].store(key)
+    user.layers[1].store(frozen)
+    user.mode = value
+    budget = [1 << 20]
+    kept = kept_as_passed((), {"kv_caches": user}, budget, state=frozenset({"kv_caches"}))
+    assert budget == [1 << 20]
+    for strict in (True, False):
+        used = kept_as_passed(*kept, strict=strict)[1]["kv_caches"]
+        assert used.layers[0].keys[0] is key and used.layers[1].keys[0] is frozen and used.mode is value
+    value.add_(1)
+    assert kept_as_passed(*kept, strict=False)[1]["kv_caches"].mode is value
+    with pytest.raises(RuntimeError, match=r"^a \(2,\) tensor the call was passed .* was changed in place since"):
+        kept_as_passed(*kept)
