@@ -100,6 +100,12 @@ class WatchedModels:
         fsdp = fsdp1_type()
         return fsdp is not None and any(isinstance(m, fsdp) for model in self.models.values() for m in model.modules())
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every parameter of the watched models now, named as :meth:`parameters` names them (frozen ones too)."""
+        if self.single:
+            return unwrap_model(self.models[SINGLE]).named_parameters()
+        return self._named()
+
     def _named(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
         for component, model in self.models.items():
@@ -283,6 +289,8 @@ class ParameterSwaps:
         "quick",
         "quick_items",
         "trained",
+        "joining",
+        "outside",
     )
 
     def __init__(self, watched: WatchedModels, names: list[str], lists: list[list], *, on: bool = True):
@@ -317,8 +325,20 @@ class ParameterSwaps:
         with the watched parameters at that step (``unwatched_parameters``, before the NaN loss a NaN
         gradient of theirs makes at the next). A part unfrozen that the optimizer does not hold trains
         nothing; a new optimizer holding new parameters is compared within ``COVERAGE_EVERY`` steps."""
+        self.joining = False
+        """Set by :meth:`follow` where the optimizer trains parameters the watch lacks that it had not seen: a new
+        optimizer's, a group added, a part it holds unfrozen (``trained`` tells the step first). The debugger
+        takes it (``TrainingDebugger._parameters_joined``): those of the watched models join the watch."""
+        self.outside: frozenset[int] = frozenset()
+        """The ids of the trained parameters outside the watch that :meth:`follow` has seen (a GAN's other
+        model's: seen once, not joined again at each of its optimizer's turns)."""
         if on:
             self.check = self._resolved()
+
+    def join(self, watched: WatchedModels, names: list[str]) -> None:
+        """Parameters added at the end of the watched lists (``TrainableParameters.join``), by their paths:
+        checked from :meth:`refresh` on, as those watched from the start."""
+        self.names += [name if watched.single else name.partition(".") for name in names]
 
     def follow(self, optimizer: Any) -> None:
         """After a whole check passed at a step with ``optimizer``: :attr:`quick` made of its torch
@@ -344,10 +364,14 @@ class ParameterSwaps:
         items = tuple(chain.from_iterable(lists))
         self.quick_items = (tuple(lists), items)
         # the unwatched frozen ones with no gradient, in C (a GAN's optimizers take turns: follow runs each step)
-        watched = map(set(map(id, self.lists[0])).__contains__, map(id, items))
-        frozen = map(not_, map(or_, watched, map(attrgetter("requires_grad"), items)))
+        watched = list(map(set(map(id, self.lists[0])).__contains__, map(id, items)))
+        trains = list(map(attrgetter("requires_grad"), items))
+        frozen = map(not_, map(or_, watched, trains))
         gradless = map(is_, map(_GRAD, items), repeat(None))
         self.trained = (groups, len(groups), tuple(compress(items, map(and_, frozen, gradless))))
+        outside = frozenset(map(id, compress(items, map(and_, map(not_, watched), trains))))
+        if not outside <= self.outside:  # trained and unwatched, new here: joined where the watched models hold them
+            self.outside, self.joining = self.outside | outside, True
         self.optimizer = reference
 
     def refresh(self) -> None:

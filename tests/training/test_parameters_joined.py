@@ -1,0 +1,112 @@
+"""Parameters that start training mid-run join the watch: a text encoder the optimizer holds frozen and
+unfreezes at step N, a module given to a new optimizer. From then on their gradients are read as those
+trained from the start: a NaN or an explosion in them names their module and step."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.record import severity_rank
+
+
+
+def _config(tmp_path):
+    return DebugConfig(output_dir=str(tmp_path), log_level="error")
+
+
+def _warnings(anomalies):
+    return [a for a in anomalies if severity_rank(a.severity) >= severity_rank("warning")]
+
+
+def _sd_loop(tmp_path, tiny_sd, steps, plant=None):
+    """The UNet and the CLIP text encoder watched together, one AdamW over both (DreamBooth's
+    ``--train_text_encoder``), the text encoder frozen until step 3 (``requires_grad_(True)`` then);
+    ``plant(step, text_encoder)`` runs after backward, before monitoring."""
+    unet = copy.deepcopy(tiny_sd.unet).train()
+    text_encoder = copy.deepcopy(tiny_sd.text_encoder).train().requires_grad_(False)
+    optimizer = torch.optim.AdamW([*unet.parameters(), *text_encoder.parameters()], lr=1e-4)
+    tdbg = TrainingDebugger({"unet": unet, "text_encoder": text_encoder}, config=_config(tmp_path))
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
+    ids = torch.randint(0, text_encoder.config.vocab_size, (1, 4), generator=generator)
+    noise = torch.randn(sample.shape, generator=generator)
+    for step in range(steps):
+        if step == 3:
+            text_encoder.requires_grad_(True)
+        loss = ((unet(sample, torch.tensor([500]), text_encoder(ids)[0]).sample - noise) ** 2).mean()
+        loss.backward()
+        if plant is not None:
+            plant(step, text_encoder)
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    tdbg.close()
+    return tdbg, text_encoder
+
+
+def _fc1(text_encoder):
+    """The first MLP layer of the text encoder's first block, and its name (prefixes differ between transformers 4 and 5)."""
+    name = next(name for name, _ in text_encoder.named_modules() if name.endswith("layers.0.mlp.fc1"))
+    return text_encoder.get_submodule(name), name
+
+
+def test_a_nan_gradient_in_a_text_encoder_unfrozen_at_step_3_names_its_module_at_step_8(tmp_path, _tiny_sd):
+    # before: the text encoder, frozen when the debugger was made, was named once as unwatched at step 3
+    # and its NaN gradient at step 8 named no module of it (its gradients were never read)
+    def plant(step, text_encoder):
+        if step == 8:
+            _fc1(text_encoder)[0].weight.grad[0, 0] = float("nan")
+
+    tdbg, text_encoder = _sd_loop(tmp_path, _tiny_sd, 10, plant)
+    module = _fc1(text_encoder)[1]
+    found = [(a.kind, a.step, a.component, a.module, a.parameter) for a in _warnings(tdbg.report().anomalies)]
+    assert found[0] == ("nonfinite", 8, "text_encoder", module, f"{module}.weight")
+    assert not [f for f in found if f[0] == "unwatched_parameters"]
+
+
+def test_an_exploding_gradient_in_a_text_encoder_unfrozen_at_step_3_names_its_module_at_step_8(tmp_path, _tiny_sd):
+    def plant(step, text_encoder):
+        if step == 8:
+            _fc1(text_encoder)[0].weight.grad.mul_(1e9)
+
+    tdbg, text_encoder = _sd_loop(tmp_path, _tiny_sd, 10, plant)
+    explosions = [a for a in tdbg.report().anomalies if a.kind == "gradient_explosion"]
+    assert [(a.step, a.component, a.module) for a in explosions] == [(8, "text_encoder", _fc1(text_encoder)[1])]
+
+
+def test_a_clean_run_that_unfreezes_its_text_encoder_stays_quiet_and_reads_its_modules(tmp_path, _tiny_sd):
+    tdbg, text_encoder = _sd_loop(tmp_path, _tiny_sd, 10)
+    assert _warnings(tdbg.report().anomalies) == []
+    # its modules are read as the UNet's: the per-module norms of a detailed step after step 3 name them
+    modules = tdbg.params.module_names
+    assert f"text_encoder.{_fc1(text_encoder)[1]}" in modules
+    assert len(tdbg.params) == sum(1 for _ in tdbg.watched._named())
+
+
+def test_a_module_given_to_a_new_optimizer_at_step_5_names_its_nan_at_step_6(tmp_path):
+    # a head added to the watched model at step 5 and a new optimizer made over the whole model: before,
+    # its NaN gradient at step 6 went unread (the new optimizer was compared with the watch within 100 steps)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    tdbg = TrainingDebugger(model, config=_config(tmp_path))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for step in range(8):
+        if step == 5:
+            model.append(torch.nn.Linear(4, 1))
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        out = model(x)
+        loss = ((out if out.shape[-1] == 1 else out[:, :1]) - y).pow(2).mean()
+        loss.backward()
+        if step == 6:
+            model[3].bias.grad[0] = float("nan")
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    tdbg.close()
+    found = [(a.kind, a.step, a.module, a.parameter) for a in _warnings(tdbg.report().anomalies)]
+    assert found[0] == ("nonfinite", 6, "3", "3.bias")
+    assert not [f for f in found if f[0] == "unwatched_parameters"]
