@@ -48,12 +48,14 @@ from .hangs.liveness import RankLiveness
 from .judges import step_checks
 from .judges.anomaly_mode import Localization, ProcessAnomalyMode
 from .measure.deepspeed_stage0 import find_deepspeed
+from .measure.gradients import embedding_tables
 from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
 from .measure.optimizer_state import gradients_complete, param_groups
 from .measure.pre_reduction import PreReductionCheck, engine_of
 from .measure.shared_clip import SharedClip
 from .measure.step_measurer import StepMeasurer
 from .measure.step_row import StepLayout
+from .measure.wrappers import unwrap_model
 from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
 from .ranks.processes import RankContext, environment_world_size, open_shared_run
@@ -418,7 +420,8 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         others named now, not within ``COVERAGE_EVERY`` steps)."""
         params, history = self.params, self._steps.history
         whole = not (self._ctx.distributed or params.sharded or params.deepspeed is not None)
-        added = params.join(self.watched.named_parameters()) if whole else []
+        tables = embedding_tables(*map(unwrap_model, self.watched.models.values())) if whole else frozenset()
+        added = params.join(self.watched.named_parameters(), tables) if whole else []
         if not added:
             groups = param_groups(optimizer) if optimizer is not None else None
             watched = set(map(id, params.params))

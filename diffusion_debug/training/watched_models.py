@@ -25,10 +25,12 @@ model's structure). Compiled models too: the check reads the modules' dicts betw
 a compiled forward reads.
 
 Limits: a parameter shared by two watched models is watched once, under the first name; a
-model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter
-frozen when the debugger was made and unfrozen later is not watched (the ``unwatched_parameters``
-warning names it, with the advice to make the debugger after unfreezing: at the first step it has a
-gradient where the optimizer held it, :attr:`ParameterSwaps.trained`). FSDP2's and ZeRO's
+model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter of
+the watched models frozen when the debugger was made and trained later (unfrozen where the optimizer
+held it, a module or adapter added and given to it or to a new optimizer) joins the watch at the first
+step it trains (:attr:`ParameterSwaps.joining`, ``TrainableParameters.join``); on several processes,
+under DeepSpeed and with sharded parameters it stays unwatched (the ``unwatched_parameters`` warning
+names it, with the advice to make the debugger after unfreezing). FSDP2's and ZeRO's
 parameters are not followed when replaced (they swap their own each forward); FSDP1's
 (``FullyShardedDataParallel(use_orig_params=True)``) are, as a replicated model's: it keeps each
 parameter object and gives it back its shard after each forward and backward. FSDP1's units and
@@ -322,9 +324,10 @@ class ParameterSwaps:
 
         else more parameters train than it watches since (``add_param_group``: a LoRA adapter added; a
         part the optimizer holds unfrozen, ``text_encoder.requires_grad_(True)``): the optimizer is compared
-        with the watched parameters at that step (``unwatched_parameters``, before the NaN loss a NaN
-        gradient of theirs makes at the next). A part unfrozen that the optimizer does not hold trains
-        nothing; a new optimizer holding new parameters is compared within ``COVERAGE_EVERY`` steps."""
+        with the watched parameters at that step (those of the watched models join the watch: :attr:`joining`;
+        others are ``unwatched_parameters``, before the NaN loss a NaN gradient of theirs makes at the next). A
+        part unfrozen that the optimizer does not hold trains nothing; a new optimizer is followed at its first
+        step (:meth:`follow`), and its parameters new to the watch are taken then."""
         self.joining = False
         """Set by :meth:`follow` where the optimizer trains parameters the watch lacks that it had not seen: a new
         optimizer's, a group added, a part it holds unfrozen (``trained`` tells the step first). The debugger

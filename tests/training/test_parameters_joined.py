@@ -12,7 +12,6 @@ from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import severity_rank
 
 
-
 def _config(tmp_path):
     return DebugConfig(output_dir=str(tmp_path), log_level="error")
 
@@ -48,7 +47,7 @@ def _sd_loop(tmp_path, tiny_sd, steps, plant=None):
 
 
 def _fc1(text_encoder):
-    """The first MLP layer of the text encoder's first block, and its name (prefixes differ between transformers 4 and 5)."""
+    """The first MLP layer of the first block and its name (its prefix differs between transformers 4 and 5)."""
     name = next(name for name, _ in text_encoder.named_modules() if name.endswith("layers.0.mlp.fc1"))
     return text_encoder.get_submodule(name), name
 

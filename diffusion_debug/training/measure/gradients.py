@@ -106,12 +106,12 @@ class TrainableParameters:
         rows = frozenset(i for i, p in enumerate(params) if id(p) in tables)
         return cls(names, params, module_of, module_names, paths=paths if paths != names else None, tables=rows)
 
-    def join(self, named: Iterable[tuple[str, nn.Parameter]]) -> list[str]:
+    def join(self, named: Iterable[tuple[str, nn.Parameter]], tables: frozenset[int] = frozenset()) -> list[str]:
         """Add, at the end, the parameters of ``named`` (``named_parameters()``' pairs) that train now and are not
         here yet: a part unfrozen mid-run (``text_encoder.requires_grad_(True)``), a module or adapter added. The
         parameters here keep their indices and their modules theirs (a module's later parameters are its own
         again: the segmented sum then takes the index sum). Returns the paths added (as :attr:`paths` holds
-        them); what was cached of the old list is dropped."""
+        them); what was cached of the old list is dropped. ``tables``: as :meth:`from_named`'s."""
         have = set(map(id, self.params))
         index = {module: i for i, module in enumerate(self.module_names)}
         added = []
@@ -127,6 +127,8 @@ class TrainableParameters:
                 index[module] = len(self.module_names)
                 self.module_names.append(module)
             self.names.append(name)
+            if id(param) in tables:
+                self.tables = self.tables | {len(self.params)}
             self.params.append(param)
             self.module_of.append(index[module])
             if self.paths is not None:
