@@ -109,3 +109,39 @@ def test_a_module_given_to_a_new_optimizer_at_step_5_names_its_nan_at_step_6(tmp
     found = [(a.kind, a.step, a.module, a.parameter) for a in _warnings(tdbg.report().anomalies)]
     assert found[0] == ("nonfinite", 6, "3", "3.bias")
     assert not [f for f in found if f[0] == "unwatched_parameters"]
+
+
+def _refreeze_loop(tmp_path, *, strict, joins):
+    """A 3-layer MLP, its middle layer frozen again at step 30 (``requires_grad_(False)``): trained from the
+    start, or (``joins``) frozen until step 5 and joined then; a NaN planted at step 159 (the last) in the first layer,
+    still trained. 160 steps: the backward-order hooks are registered again at the 100th."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    if joins:
+        model[2].requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), log_level="error", strict=strict))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for step in range(160):
+        if joins and step == 5:
+            model[2].requires_grad_(True)
+        if step == 30:
+            model[2].requires_grad_(False)
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        if step == 159:
+            model[0].weight.grad[0, 0] = float("nan")
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    tdbg.close()
+    return [(a.kind, a.step, a.module, a.parameter) for a in _warnings(tdbg.report().anomalies)]
+
+
+def test_a_watched_layer_frozen_again_breaks_neither_the_run_nor_the_watch(tmp_path):
+    # before: registering the backward-order hooks again at step 99 raised "cannot register a hook on a tensor
+    # that doesn't require gradient": a debugger_error, and with strict=True the user's training run ended there
+    for strict in (True, False):
+        for joins in (False, True):
+            found = _refreeze_loop(tmp_path / f"{strict}{joins}", strict=strict, joins=joins)
+            assert found == [("nonfinite", 159, "0", "0.weight")], (strict, joins, found)
