@@ -395,11 +395,17 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
 
     def _parameters_replaced(self) -> None:
         """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and what was cached
-        of the old (the stand-in zero's kind, module groups, backward-order hooks); our error: the caller's guard."""
+        of the old (the stand-in zero's kind, module groups, backward-order hooks); our error: the caller's guard.
+        Those the models no longer hold (``ParameterSwaps.gone``: an adapter deleted) are let go, as the update
+        sketch's blocks and the stability copy of them."""
+        gone = frozenset(self._swaps.gone)
         self._swaps.refresh()
         if not self._swaps.replaced:
             return
         self._swaps.replaced = False
+        if self._swaps.gone != gone:
+            self._steps.measurer.joined()
+            self._steps.stability.joined()
         self.params._one_kind = None
         self._steps.history.modules._groups = {}
         if self._order_hooks.attached:

@@ -293,6 +293,7 @@ class ParameterSwaps:
         "trained",
         "joining",
         "outside",
+        "gone",
     )
 
     def __init__(self, watched: WatchedModels, names: list[str], lists: list[list], *, on: bool = True):
@@ -301,6 +302,11 @@ class ParameterSwaps:
         self.names = [name if watched.single else name.partition(".") for name in names]
         self.lists = lists
         self.replaced = False
+        self.gone: set[int] = set(range(len(self.names)))
+        """The positions whose parameter the watched models no longer hold (a LoRA adapter deleted,
+        ``delete_adapters``; a module removed): in the lists, a frozen empty stand-in in its place (the
+        parameter let go, no hook on it, its module not judged); set with :attr:`replaced`. All at first:
+        one the first resolution does not find keeps its parameter (as before a name it cannot follow)."""
         self.error: Exception | None = None
         """An error of ours in the check (a module's ``_parameters`` made something else), kept by
         the debugger's step and raised by :meth:`refresh`, inside the debugger's guard: a
@@ -407,6 +413,7 @@ class ParameterSwaps:
                     keys.append(part)
                     held.append(module)
                 if not isinstance(module, nn.Module):
+                    now = None
                     break
             else:
                 parameters = module._parameters
@@ -414,10 +421,16 @@ class ParameterSwaps:
                 dicts.append(parameters)
                 keys.append(key)
                 held.append(now)
-                if now is not None and now is not first[position]:
-                    for kept in self.lists:
-                        kept[position] = now
-                    self.replaced = True
+            if now is None:  # gone from the model (its checked entries still tell when it comes back)
+                now = None if position in self.gone else first[position].detach().new_empty(0)
+                self.gone.add(position)
+            else:
+                self.gone.discard(position)
+                now = now if now is not first[position] else None
+            if now is not None:
+                for kept in self.lists:
+                    kept[position] = now
+                self.replaced = True
         return tuple(dicts), tuple(keys), tuple(held)
 
 

@@ -5,6 +5,8 @@ trained from the start: a NaN or an explosion in them names their module and ste
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import torch
 
@@ -145,3 +147,45 @@ def test_a_watched_layer_frozen_again_breaks_neither_the_run_nor_the_watch(tmp_p
         for joins in (False, True):
             found = _refreeze_loop(tmp_path / f"{strict}{joins}", strict=strict, joins=joins)
             assert found == [("nonfinite", 159, "0", "0.weight")], (strict, joins, found)
+
+
+def test_a_lora_adapter_added_then_deleted_is_let_go_and_not_judged(tmp_path, _tiny_unet):
+    # a second LoRA adapter added at step 3 (it joins the watch), deleted at step 10 (delete_adapters) and a new
+    # optimizer made. Before: the watch kept its 28 parameters alive, and their modules, never read again, were
+    # judged dead (gradient_vanishing warnings at the to_v layers). A NaN planted at the last step in
+    # the first adapter is still named at its parameter
+    from peft import LoraConfig
+
+    unet = copy.deepcopy(_tiny_unet).train().requires_grad_(False)
+    torch.manual_seed(0)
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k"]), adapter_name="first")
+    optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-3)
+    tdbg = TrainingDebugger(unet, config=_config(tmp_path))
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(1, 3, unet.config.cross_attention_dim, generator=generator)
+    first = next(name for name, _ in unet.named_parameters() if name.endswith("lora_A.first.weight"))
+    refs = []
+    for step in range(30):
+        if step == 3:
+            unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_v"]), adapter_name="second")
+            unet.set_adapters(["first", "second"])
+            added = [p.requires_grad_(True) for name, p in unet.named_parameters() if ".second." in name]
+            optimizer.add_param_group({"params": added})
+            refs = [weakref.ref(p) for p in added]
+            del added
+        if step == 10:
+            unet.delete_adapters("second")
+            optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-3)
+        loss = unet(sample, torch.tensor([10]), context).sample.pow(2).mean()
+        loss.backward()
+        if step == 29:
+            unet.get_parameter(first).grad[0, 0] = float("nan")
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    tdbg.close()
+    gc.collect()
+    assert len(refs) == 28 and [r for r in refs if r() is not None] == []  # 14 to_v layers, lora_A and lora_B
+    found = [(a.kind, a.step, a.module, a.parameter) for a in _warnings(tdbg.report().anomalies)]
+    assert found == [("nonfinite", 29, first.rpartition(".")[0], first)]

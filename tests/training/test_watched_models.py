@@ -495,10 +495,11 @@ def test_parameters_replaced_mid_run_are_watched_from_then_on(tmp_path, unet_loo
     assert all(math.isfinite(loss) for loss in losses)
 
 
-def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_lost_name_stays_stale():
+def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_lost_name_is_let_go():
     # the check finds a parameter replaced in one model and a submodule replaced in the other; each
     # new parameter takes the place of the old one of the same qualified name, in every list; a name
-    # the new submodule lacks (its bias) keeps the old parameter, and the check passes again (not
+    # the new submodule lacks (its bias) gets a frozen empty stand-in (the old bias let go: before, the
+    # watch kept it alive and judged its gradient, None from then on), and the check passes again (not
     # re-resolved at every step)
     from operator import is_
 
@@ -513,7 +514,7 @@ def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_l
     params = watched.parameters()
     order = list(params.params)
     swaps = ParameterSwaps(watched, params.names, [params.params, order])
-    old_bias = models["unet"][1][0].bias
+    old_bias = weakref.ref(models["unet"][1][0].bias)
     assert same() and not swaps.replaced
     models["text_encoder"].weight = nn.Parameter(torch.zeros(2, 2))
     models["unet"][1][0] = nn.Linear(2, 2, bias=False)
@@ -523,12 +524,16 @@ def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_l
         "unet.0.weight": models["unet"][0].weight,
         "unet.0.bias": models["unet"][0].bias,
         "unet.1.0.weight": models["unet"][1][0].weight,
-        "unet.1.0.bias": old_bias,
+        "unet.1.0.bias": None,
         "text_encoder.weight": models["text_encoder"].weight,
         "text_encoder.bias": models["text_encoder"].bias,
     }
     assert params.names == list(expected)
-    assert all(a is b is c for a, b, c in zip(params.params, order, expected.values()))
+    stand_in = params.params[3]
+    gc.collect()
+    assert swaps.gone == {3} and order[3] is stand_in and old_bias() is None
+    assert (stand_in.shape, stand_in.requires_grad, stand_in.grad) == ((0,), False, None)
+    assert all(a is b is c for a, b, c in zip(params.params, order, expected.values()) if c is not None)
     assert swaps.replaced and same()
     swaps.replaced = False
     swaps.refresh()  # nothing new: not replaced
