@@ -111,12 +111,14 @@ def accumulates_compiled(loss: object) -> bool:
 
 
 def apply_grad_order(order: BackwardOrder) -> ProbeHandle:
-    """One post-accumulate-grad hook per parameter of ``order``, recording into it; the handle's
-    ``state`` is ``order``."""
+    """One post-accumulate-grad hook per parameter of ``order`` that requires grad, recording into it (one
+    frozen since, ``requires_grad_(False)`` mid-run, gets none: torch refuses it, and it accumulates nothing);
+    the handle's ``state`` is ``order``."""
     append = order.order.append
 
     def register():
         for i, p in enumerate(order.params):
-            yield p.register_post_accumulate_grad_hook(lambda _p, i=i: append(i))
+            if p.requires_grad:
+                yield p.register_post_accumulate_grad_hook(lambda _p, i=i: append(i))
 
     return register_all(register, state=order)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from collections import deque
 from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Any, Callable, Mapping
@@ -47,12 +48,14 @@ from .hangs.liveness import RankLiveness
 from .judges import step_checks
 from .judges.anomaly_mode import Localization, ProcessAnomalyMode
 from .measure.deepspeed_stage0 import find_deepspeed
+from .measure.gradients import embedding_tables
 from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
-from .measure.optimizer_state import gradients_complete
+from .measure.optimizer_state import gradients_complete, param_groups
 from .measure.pre_reduction import PreReductionCheck, engine_of
 from .measure.shared_clip import SharedClip
 from .measure.step_measurer import StepMeasurer
 from .measure.step_row import StepLayout
+from .measure.wrappers import unwrap_model
 from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
 from .ranks.processes import RankContext, environment_world_size, open_shared_run
@@ -346,6 +349,10 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         if not same:
             with self.sink.guard("watching the parameters the model replaced", step=step, rank=self._ctx.rank):
                 self._parameters_replaced()
+        if swaps.joining:  # the optimizer trains parameters the watch lacks, new since (an attribute read a step)
+            swaps.joining = False
+            with self.sink.guard("watching the parameters that started training", step=step, rank=self._ctx.rank):
+                self._parameters_joined(optimizer)
         if per_sample_loss is not None:  # the loss before reduction: each sample's mean
             per_sample_loss = per_sample(per_sample_loss, timesteps)
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
@@ -388,11 +395,17 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
 
     def _parameters_replaced(self) -> None:
         """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and what was cached
-        of the old (the stand-in zero's kind, module groups, backward-order hooks); our error: the caller's guard."""
+        of the old (the stand-in zero's kind, module groups, backward-order hooks); our error: the caller's guard.
+        Those the models no longer hold (``ParameterSwaps.gone``: an adapter deleted) are let go, as the update
+        sketch's blocks and the stability copy of them."""
+        gone = frozenset(self._swaps.gone)
         self._swaps.refresh()
         if not self._swaps.replaced:
             return
         self._swaps.replaced = False
+        if self._swaps.gone != gone:
+            self._steps.measurer.joined()
+            self._steps.stability.joined()
         self.params._one_kind = None
         self._steps.history.modules._groups = {}
         if self._order_hooks.attached:
@@ -400,6 +413,46 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         if self.attached and not self.params.sharded:
             self._order.order.clear()
             self._order_hooks = apply_grad_order(self._order)
+
+    def _parameters_joined(self, optimizer: Any) -> None:
+        """Parameters of the watched models that the optimizer trains and the watch lacks (a part it held frozen
+        and unfrozen since, ``text_encoder.requires_grad_(True)`` at step N; a module or LoRA adapter added and
+        given to it, or to a new optimizer) join the watch at the end of its lists, read from this step as those
+        trained from the start: their gradients in the step's norms (a NaN/Inf named at its module), their modules
+        in the detailed steps and the module health, their weights in the applied-update sketch. One process,
+        parameters whole (not DeepSpeed's, not sharded, not under several processes: the ranks' per-parameter
+        checks are fixed): there they stay the ``unwatched_parameters`` warning. Where none joins and the
+        optimizer holds watched parameters, it is compared with the watch at this step (a new optimizer's
+        others named now, not within ``COVERAGE_EVERY`` steps)."""
+        params, history = self.params, self._steps.history
+        whole = not (self._ctx.distributed or params.sharded or params.deepspeed is not None)
+        tables = embedding_tables(*map(unwrap_model, self.watched.models.values())) if whole else frozenset()
+        added = params.join(self.watched.named_parameters(), tables) if whole else []
+        if not added:
+            groups = param_groups(optimizer) if optimizer is not None else None
+            watched = set(map(id, params.params))
+            if any(id(p) in watched for g in groups or () for p in g.get("params", ())):
+                history.coverage_checked = False
+            return
+        order = self._order
+        order.params.extend(params.params[len(order.params) :])  # before the check's refresh: its lists grow
+        order.order = deque(order.order, maxlen=len(order.params))
+        self._swaps.join(self.watched, added)
+        self._swaps.refresh()
+        self._swaps.replaced = False  # the positions held before are as they were
+        self._steps.measurer.joined()
+        self._steps.stability.joined()
+        history.modules.grow()
+        if history.health is not None:
+            history.health.grow(params.module_names)
+        history.stall.seen.rehold()  # the optimizers' step hooks read the joined parameters' gradients too
+        history.detail.found_at(history.joined)  # their modules read in full for a while: their histories settle
+        history.coverage_checked = False  # compared with the optimizer at this step: others outside still named
+        if self._order_hooks.attached:
+            self._order_hooks.remove()
+        if self.attached and not params.sharded:
+            order.order.clear()
+            self._order_hooks = apply_grad_order(order)
 
     def _pace_order_hooks(self) -> None:
         """The backward-order hooks (a Python call per parameter a backward: 684 on an SD UNet, two thirds

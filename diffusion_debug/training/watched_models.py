@@ -25,10 +25,12 @@ model's structure). Compiled models too: the check reads the modules' dicts betw
 a compiled forward reads.
 
 Limits: a parameter shared by two watched models is watched once, under the first name; a
-model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter
-frozen when the debugger was made and unfrozen later is not watched (the ``unwatched_parameters``
-warning names it, with the advice to make the debugger after unfreezing: at the first step it has a
-gradient where the optimizer held it, :attr:`ParameterSwaps.trained`). FSDP2's and ZeRO's
+model's name is a Python identifier (it prefixes qualified names, which are dotted). A parameter of
+the watched models frozen when the debugger was made and trained later (unfrozen where the optimizer
+held it, a module or adapter added and given to it or to a new optimizer) joins the watch at the first
+step it trains (:attr:`ParameterSwaps.joining`, ``TrainableParameters.join``); on several processes,
+under DeepSpeed and with sharded parameters it stays unwatched (the ``unwatched_parameters`` warning
+names it, with the advice to make the debugger after unfreezing). FSDP2's and ZeRO's
 parameters are not followed when replaced (they swap their own each forward); FSDP1's
 (``FullyShardedDataParallel(use_orig_params=True)``) are, as a replicated model's: it keeps each
 parameter object and gives it back its shard after each forward and backward. FSDP1's units and
@@ -99,6 +101,12 @@ class WatchedModels:
         Looked for only where the process imported FSDP1 (no import here)."""
         fsdp = fsdp1_type()
         return fsdp is not None and any(isinstance(m, fsdp) for model in self.models.values() for m in model.modules())
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every parameter of the watched models now, named as :meth:`parameters` names them (frozen ones too)."""
+        if self.single:
+            return unwrap_model(self.models[SINGLE]).named_parameters()
+        return self._named()
 
     def _named(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
@@ -283,6 +291,9 @@ class ParameterSwaps:
         "quick",
         "quick_items",
         "trained",
+        "joining",
+        "outside",
+        "gone",
     )
 
     def __init__(self, watched: WatchedModels, names: list[str], lists: list[list], *, on: bool = True):
@@ -291,6 +302,11 @@ class ParameterSwaps:
         self.names = [name if watched.single else name.partition(".") for name in names]
         self.lists = lists
         self.replaced = False
+        self.gone: set[int] = set(range(len(self.names)))
+        """The positions whose parameter the watched models no longer hold (a LoRA adapter deleted,
+        ``delete_adapters``; a module removed): in the lists, a frozen empty stand-in in its place (the
+        parameter let go, no hook on it, its module not judged); set with :attr:`replaced`. All at first:
+        one the first resolution does not find keeps its parameter (as before a name it cannot follow)."""
         self.error: Exception | None = None
         """An error of ours in the check (a module's ``_parameters`` made something else), kept by
         the debugger's step and raised by :meth:`refresh`, inside the debugger's guard: a
@@ -314,11 +330,24 @@ class ParameterSwaps:
 
         else more parameters train than it watches since (``add_param_group``: a LoRA adapter added; a
         part the optimizer holds unfrozen, ``text_encoder.requires_grad_(True)``): the optimizer is compared
-        with the watched parameters at that step (``unwatched_parameters``, before the NaN loss a NaN
-        gradient of theirs makes at the next). A part unfrozen that the optimizer does not hold trains
-        nothing; a new optimizer holding new parameters is compared within ``COVERAGE_EVERY`` steps."""
+        with the watched parameters at that step (those of the watched models join the watch: :attr:`joining`;
+        others are ``unwatched_parameters``, before the NaN loss a NaN gradient of theirs makes at the next). A
+        part unfrozen that the optimizer does not hold trains nothing; a new optimizer is followed at its first
+        step (:meth:`follow`), and its parameters new to the watch are taken then."""
+        self.joining = False
+        """Set by :meth:`follow` where the optimizer trains parameters the watch lacks that it had not seen: a new
+        optimizer's, a group added, a part it holds unfrozen (``trained`` tells the step first). The debugger
+        takes it (``TrainingDebugger._parameters_joined``): those of the watched models join the watch."""
+        self.outside: frozenset[int] = frozenset()
+        """The ids of the trained parameters outside the watch that :meth:`follow` has seen (a GAN's other
+        model's: seen once, not joined again at each of its optimizer's turns)."""
         if on:
             self.check = self._resolved()
+
+    def join(self, watched: WatchedModels, names: list[str]) -> None:
+        """Parameters added at the end of the watched lists (``TrainableParameters.join``), by their paths:
+        checked from :meth:`refresh` on, as those watched from the start."""
+        self.names += [name if watched.single else name.partition(".") for name in names]
 
     def follow(self, optimizer: Any) -> None:
         """After a whole check passed at a step with ``optimizer``: :attr:`quick` made of its torch
@@ -344,10 +373,14 @@ class ParameterSwaps:
         items = tuple(chain.from_iterable(lists))
         self.quick_items = (tuple(lists), items)
         # the unwatched frozen ones with no gradient, in C (a GAN's optimizers take turns: follow runs each step)
-        watched = map(set(map(id, self.lists[0])).__contains__, map(id, items))
-        frozen = map(not_, map(or_, watched, map(attrgetter("requires_grad"), items)))
+        watched = list(map(set(map(id, self.lists[0])).__contains__, map(id, items)))
+        trains = list(map(attrgetter("requires_grad"), items))
+        frozen = map(not_, map(or_, watched, trains))
         gradless = map(is_, map(_GRAD, items), repeat(None))
         self.trained = (groups, len(groups), tuple(compress(items, map(and_, frozen, gradless))))
+        outside = frozenset(map(id, compress(items, map(and_, map(not_, watched), trains))))
+        if not outside <= self.outside:  # trained and unwatched, new here: joined where the watched models hold them
+            self.outside, self.joining = self.outside | outside, True
         self.optimizer = reference
 
     def refresh(self) -> None:
@@ -380,6 +413,7 @@ class ParameterSwaps:
                     keys.append(part)
                     held.append(module)
                 if not isinstance(module, nn.Module):
+                    now = None
                     break
             else:
                 parameters = module._parameters
@@ -387,10 +421,16 @@ class ParameterSwaps:
                 dicts.append(parameters)
                 keys.append(key)
                 held.append(now)
-                if now is not None and now is not first[position]:
-                    for kept in self.lists:
-                        kept[position] = now
-                    self.replaced = True
+            if now is None:  # gone from the model (its checked entries still tell when it comes back)
+                now = None if position in self.gone else first[position].detach().new_empty(0)
+                self.gone.add(position)
+            else:
+                self.gone.discard(position)
+                now = now if now is not first[position] else None
+            if now is not None:
+                for kept in self.lists:
+                    kept[position] = now
+                self.replaced = True
         return tuple(dicts), tuple(keys), tuple(held)
 
 

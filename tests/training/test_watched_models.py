@@ -495,10 +495,11 @@ def test_parameters_replaced_mid_run_are_watched_from_then_on(tmp_path, unet_loo
     assert all(math.isfinite(loss) for loss in losses)
 
 
-def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_lost_name_stays_stale():
+def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_lost_name_is_let_go():
     # the check finds a parameter replaced in one model and a submodule replaced in the other; each
     # new parameter takes the place of the old one of the same qualified name, in every list; a name
-    # the new submodule lacks (its bias) keeps the old parameter, and the check passes again (not
+    # the new submodule lacks (its bias) gets a frozen empty stand-in (the old bias let go: before, the
+    # watch kept it alive and judged its gradient, None from then on), and the check passes again (not
     # re-resolved at every step)
     from operator import is_
 
@@ -513,7 +514,7 @@ def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_l
     params = watched.parameters()
     order = list(params.params)
     swaps = ParameterSwaps(watched, params.names, [params.params, order])
-    old_bias = models["unet"][1][0].bias
+    old_bias = weakref.ref(models["unet"][1][0].bias)
     assert same() and not swaps.replaced
     models["text_encoder"].weight = nn.Parameter(torch.zeros(2, 2))
     models["unet"][1][0] = nn.Linear(2, 2, bias=False)
@@ -523,12 +524,16 @@ def test_parameters_replaced_in_two_watched_models_take_their_own_places_and_a_l
         "unet.0.weight": models["unet"][0].weight,
         "unet.0.bias": models["unet"][0].bias,
         "unet.1.0.weight": models["unet"][1][0].weight,
-        "unet.1.0.bias": old_bias,
+        "unet.1.0.bias": None,
         "text_encoder.weight": models["text_encoder"].weight,
         "text_encoder.bias": models["text_encoder"].bias,
     }
     assert params.names == list(expected)
-    assert all(a is b is c for a, b, c in zip(params.params, order, expected.values()))
+    stand_in = params.params[3]
+    gc.collect()
+    assert swaps.gone == {3} and order[3] is stand_in and old_bias() is None
+    assert (stand_in.shape, stand_in.requires_grad, stand_in.grad) == ((0,), False, None)
+    assert all(a is b is c for a, b, c in zip(params.params, order, expected.values()) if c is not None)
     assert swaps.replaced and same()
     swaps.replaced = False
     swaps.refresh()  # nothing new: not replaced
@@ -639,13 +644,14 @@ def test_a_replaced_parameter_is_watched_and_no_compiled_module_is_recompiled(tm
     ]
 
 
-def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_of_the_nan_they_make(
+def test_parameters_unfrozen_after_the_debugger_was_made_join_the_watch_and_their_nan_is_named_at_its_module(
     tmp_path, unet_loop, _tiny_unet
 ):
     # the down blocks frozen when the debugger is made (the optimizer holds them), unfrozen after step 1 (a text
-    # encoder unfrozen at step N): named at step 2, the first step they have gradients (before: at the next step
-    # with an anomaly, or within 100 steps), their NaN gradient at step 3 goes unseen, and the NaN loss of step 4
-    # points at the unwatched_parameters warning that names them, not at the forward pass
+    # encoder unfrozen at step N): they join the watch at step 2, the first step they have gradients, so their NaN
+    # gradient at step 3 is named at its module and step, and the NaN loss of step 4 points at it. Before: named
+    # once as unwatched_parameters at step 2, their NaN gradient at step 3 unseen, step 4's NaN loss pointing at
+    # that warning
     unet = copy.deepcopy(_tiny_unet)
     unet.down_blocks.requires_grad_(False)
 
@@ -660,26 +666,14 @@ def test_parameters_unfrozen_after_the_debugger_was_made_are_named_as_the_cause_
     optimizer = lambda model: torch.optim.AdamW(model.parameters(), lr=1e-4)  # noqa: E731 (holds the frozen ones)
     tdbg, _ = unet_loop(_config(tmp_path), 5, unet=unet, optimizer=optimizer, after_step=after_step, plant=plant)
     warnings = _warnings(tdbg.report().anomalies)
-    assert [(a.kind, a.step) for a in warnings if a.kind in ("unwatched_parameters", "nonfinite_loss")] == [
-        ("unwatched_parameters", 2),
-        ("nonfinite_loss", 4),
+    assert [(a.kind, a.step, a.module) for a in warnings[:2]] == [
+        ("nonfinite", 3, "down_blocks.0.resnets.0.conv1"),
+        ("nonfinite_loss", 4, ""),
     ]
-    found = {a.kind: a for a in warnings}
-    unwatched = found["unwatched_parameters"]
-    count = len(list(unet.down_blocks.parameters()))
-    assert unwatched.details["outside"]["count"] == unwatched.details["outside"]["unfrozen"] == count
-    assert found["nonfinite_loss"].details["cause"]["kind"] == "unwatched_parameters"
-    assert found["nonfinite_loss"].details["cause"]["step"] == 2
-    # inside the watched model: the advice is to make the debugger after unfreezing, not to watch another model
-    values = sum(p.numel() for p in unet.down_blocks.parameters())
-    blocks = [len(list(block.parameters())) for block in unet.down_blocks]
-    assert unwatched.message == (
-        f"At step 2: the optimizer trains {count} parameter tensor(s) ({values:,} values) of the watched model(s) "
-        "that were frozen when the TrainingDebugger was made and unfrozen since, in "
-        f"UNet2DConditionModel down_blocks.0 ({blocks[0]}), UNet2DConditionModel down_blocks.1 ({blocks[1]}): "
-        "their NaN gradients and updates are not seen; "
-        "make the TrainingDebugger after unfreezing them (or unfreeze them before making it)."
-    )
+    assert "unwatched_parameters" not in {a.kind for a in warnings}
+    cause = warnings[1].details["cause"]
+    assert (cause["kind"], cause["step"]) == ("nonfinite", 3)
+    assert len(tdbg.params) == len(list(unet.parameters()))
 
 
 def test_a_parameter_added_to_the_optimizer_mid_run_is_named_as_the_cause_of_the_nan_it_makes(tmp_path, _tiny_unet):
@@ -767,11 +761,11 @@ def test_a_text_encoder_the_optimizer_holds_frozen_and_unfreezes_later_is_named_
         )
 
 
-def test_a_lora_adapter_added_mid_run_is_named_as_added_the_step_the_optimizer_holds_it(tmp_path, _tiny_unet):
+def test_a_lora_adapter_added_mid_run_joins_the_watch_the_step_the_optimizer_holds_it(tmp_path, _tiny_unet):
     # a LoRA run (peft adapter "first") given a second adapter at step 2, its parameters added to the optimizer
-    # (add_param_group) and a NaN in one of their (unwatched) gradients then: named at step 2 as added since the
-    # debugger was made (it read "frozen when the TrainingDebugger was made and unfrozen since", though they did
-    # not exist then), with the NaN gradient it holds; step 3's NaN loss points at it
+    # (add_param_group) and a NaN in one of their gradients then: the adapter joins the watch at step 2, so the NaN
+    # is named at its module at step 2, and step 3's NaN loss points at it. Before: named at step 2 as an added,
+    # unwatched part (its NaN gradient counted, not placed), and never read after
     from peft import LoraConfig
 
     unet = copy.deepcopy(_tiny_unet).train().requires_grad_(False)
@@ -800,22 +794,14 @@ def test_a_lora_adapter_added_mid_run_is_named_as_added_the_step_the_optimizer_h
     tdbg.close()
     warnings = _warnings(tdbg.report().anomalies)
     # step 3: the NaN the added adapter's update made reaches the loss (peft with diffusers 0.42); with the floor's
-    # diffusers 0.32 only the gradients hold it. Either way the cause is named at step 2
+    # diffusers 0.32 only the gradients hold it. Either way the cause is named at step 2, at its module
     assert [(a.kind, a.step) for a in warnings] in (
-        [("unwatched_parameters", 2), ("nonfinite_loss", 3), ("nonfinite", 3)],
-        [("unwatched_parameters", 2), ("nonfinite", 3)],
+        [("nonfinite", 2), ("nonfinite_loss", 3), ("nonfinite", 3)],
+        [("nonfinite", 2), ("nonfinite", 3)],
     )
-    outside = warnings[0].details["outside"]
-    assert (outside["count"], outside["added"], outside["nonfinite_gradients"]) == (len(added), len(added), 1)
-    assert "unfrozen" not in outside
-    listed = ", ".join(f"{group} ({n})" for group, n in outside["groups"].items())
-    assert warnings[0].message == (
-        f"At step 2: the optimizer trains {len(added)} parameter tensor(s) ({outside['values']:,} values) added to "
-        f"the watched model(s) since the TrainingDebugger was made, in {listed}: "
-        "1 of them holds NaN/Inf gradients now, and later NaN gradients and updates are not seen; make the "
-        "TrainingDebugger after adding them."
-    )
-    assert all(a.details["cause"]["step"] == 2 for a in warnings if a.kind == "nonfinite_loss")
+    name = next(name for name, p in unet.named_parameters() if p is added[0])
+    assert (warnings[0].parameter, warnings[0].module) == (name, name.rpartition(".")[0])
+    assert all(a.details["cause"]["step"] == 2 for a in warnings[1:])
 
 
 def _mlp_loop(tmp_path, steps, *, after_step=None, set_to_none=True):

@@ -107,6 +107,12 @@ class StepHeat:
         self.steps[column][1] = step
         self._filled += 1
 
+    def grow(self, added: int) -> None:
+        """``added`` modules at the end (parameters that started training mid-run): unread in the columns so far."""
+        self.sums = np.concatenate([self.sums, np.zeros((added, self.columns))])
+        self.counts = np.concatenate([self.counts, np.zeros((added, self.columns), dtype=np.int64)])
+        self.nonfinite = np.concatenate([self.nonfinite, np.zeros((added, self.columns), dtype=bool)])
+
     def _halve(self) -> None:
         half = self.columns // 2
         for table in (self.sums, self.counts):
@@ -144,6 +150,23 @@ class ModuleHealth:
         self.last = np.full(n, np.nan)
         self.heat = StepHeat(n)
         self._members: dict[str, np.ndarray] = {}
+
+    def grow(self, module_names: list[str]) -> None:
+        """The modules of parameters that started training mid-run (``TrainableParameters.join``), at the end of
+        ``module_names``: judged as those trained from the start, from their first reading (a module is called
+        dead only after :data:`SETTLED` readings of its own, or low beside its peers from its first)."""
+        added = len(module_names) - len(self.names)
+        if added <= 0:
+            return
+        self.names = list(module_names)
+        self.history = np.concatenate([self.history, np.full(added, np.nan)])
+        self.readings = np.concatenate([self.readings, np.zeros(added, dtype=np.int64)])
+        self.low_steps = np.concatenate([self.low_steps, np.zeros(added, dtype=np.int64)])
+        self.low_since += [None] * added
+        self.dead = np.concatenate([self.dead, np.zeros(added, dtype=bool)])
+        self.last = np.concatenate([self.last, np.full(added, np.nan)])
+        self.heat.grow(added)
+        self._members = {}
 
     def update(self, step: Any, norms: list[float], read: np.ndarray | None = None) -> list[DeadGroup]:
         """Take one step's per-module norms; the groups of modules that died at this step. ``read``

@@ -98,6 +98,12 @@ class StepGradients:
                 self.holds[key] = self._held_by(ref())
             self.active = any(self.holds.values())  # (FSDP1's flat parameters: the watched ones are not its own)
 
+    def rehold(self) -> None:
+        """The watched parameters changed (joined mid-run): each hooked optimizer's listed again while active."""
+        if self.active:
+            for key, (ref, _) in self.hooks.items():
+                self.holds[key] = self._held_by(ref())
+
     def _held_by(self, inner: Any) -> list[int]:
         """The indices (in ``params``) of the watched parameters ``inner`` holds (none where it is gone)."""
         groups = (param_groups(inner) if inner is not None else None) or ()

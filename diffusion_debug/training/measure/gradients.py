@@ -106,6 +106,41 @@ class TrainableParameters:
         rows = frozenset(i for i, p in enumerate(params) if id(p) in tables)
         return cls(names, params, module_of, module_names, paths=paths if paths != names else None, tables=rows)
 
+    def join(self, named: Iterable[tuple[str, nn.Parameter]], tables: frozenset[int] = frozenset()) -> list[str]:
+        """Add, at the end, the parameters of ``named`` (``named_parameters()``' pairs) that train now and are not
+        here yet: a part unfrozen mid-run (``text_encoder.requires_grad_(True)``), a module or adapter added. The
+        parameters here keep their indices and their modules theirs (a module's later parameters are its own
+        again: the segmented sum then takes the index sum). Returns the paths added (as :attr:`paths` holds
+        them); what was cached of the old list is dropped. ``tables``: as :meth:`from_named`'s."""
+        have = set(map(id, self.params))
+        index = {module: i for i, module in enumerate(self.module_names)}
+        added = []
+        for path, param in named:
+            if not param.requires_grad or id(param) in have:
+                continue
+            have.add(id(param))
+            name = wrapper_free(path)
+            if self.paths is None and name != path:  # the first name that differs from its path
+                self.paths = list(self.names)
+            module = name.rpartition(".")[0]
+            if module not in index:
+                index[module] = len(self.module_names)
+                self.module_names.append(module)
+            self.names.append(name)
+            if id(param) in tables:
+                self.tables = self.tables | {len(self.params)}
+            self.params.append(param)
+            self.module_of.append(index[module])
+            if self.paths is not None:
+                self.paths.append(path)
+            added.append(path)
+        if added:
+            self._index_on.clear()
+            self._segments_on.clear()
+            self._one_kind = None
+            self.__dict__.pop("_dtensors", None)
+        return added
+
     def __len__(self) -> int:
         return len(self.params)
 
@@ -370,6 +405,15 @@ class ModuleNormBook:
         self._largest = np.full(n, -1.0)
         self._first_seen = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
         self.last_norms = np.full(n, np.nan)
+
+    def grow(self) -> None:
+        """Modules added at the end of :attr:`module_names` (``TrainableParameters.join``): no norm of theirs
+        yet; the weight norms are read again at the next step."""
+        added = len(self.module_names) - len(self._largest)
+        self._largest = np.concatenate([self._largest, np.full(added, -1.0)])
+        self._first_seen = np.concatenate([self._first_seen, np.full(added, np.iinfo(np.int64).max, dtype=np.int64)])
+        self.last_norms = np.concatenate([self.last_norms, np.full(added, np.nan)])
+        self.weight_norms, self._weights, self._groups = None, None, {}
 
     def refresh_due(self, monitored: int) -> bool:
         """Whether the ``monitored``-th monitored step (from 1) reads the weight norms."""

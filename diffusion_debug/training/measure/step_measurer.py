@@ -212,6 +212,13 @@ class StepMeasurer:
             self._judged[id(others)] = cached
         return cached[1]
 
+    def joined(self) -> None:
+        """Parameters joined the watch (``TrainableParameters.join``): the positions and masks made for the old
+        list are dropped, and the update sketch takes its blocks again at its next reading (the new ones' too)."""
+        self._constants.clear()
+        self._judged.clear()
+        self.updates.release()
+
     def failed(self) -> Measurement:
         self.not_judged = None  # the step it was for is over
         if self.pre_reduction is not None:  # this step's counts are not carried into the next

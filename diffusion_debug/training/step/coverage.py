@@ -5,8 +5,10 @@ gradient (``watched_models.ParameterSwaps.trained``: ``add_param_group``, a text
 at step N; the debugger sets :attr:`~.state.History.coverage_checked` back); then, every
 :data:`COVERAGE_EVERY` monitored steps and at a step with an anomaly, where more of the parameters frozen
 when the debugger was made train (``requires_grad_(True)`` mid-run) or the optimizer checked then holds
-others. Unwatched, they are named before the step's consequences link to them (a NaN loss then points at
-the ``unwatched_parameters`` warning); their own gradients are not read.
+others. Those of the watched models join the watch at that step (``TrainingDebugger._parameters_joined``,
+one process, parameters whole) and are compared as watched; a new optimizer that holds watched parameters is
+compared at its first step. Unwatched, they are named before the step's consequences link to them (a NaN loss
+then points at the ``unwatched_parameters`` warning); their own gradients are not read.
 
 Limits: a GAN's other optimizer is not compared with the one checked; a look costs a walk of the frozen
 parameters and the optimizer's groups, so it is not made at every step.

@@ -58,6 +58,11 @@ class StabilityActions:
         self._too_large_noted = False
         self.nbytes = sum(p.numel() * p.element_size() for p in params.params)
 
+    def joined(self) -> None:
+        """Parameters joined the watch: their bytes counted, and no copy of the old list restored over the new."""
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.params.params)
+        self._copy, self._copied_step = None, None
+
     def act(
         self, config: DebugConfig, anomalies: list[Anomaly], step: Any, joined: int, call: Any, accelerator: Any
     ) -> None:
