@@ -224,6 +224,42 @@ def test_watcher_names_a_stall_after_stall_timeout_once_and_again_when_it_recurs
     assert [end for _, end in recorded] == [False, False] and "at step 3; ranks 1–3" in recorded[1][0]
 
 
+def test_a_snapshot_read_while_the_ranks_leave_a_long_wait_in_one_place_names_nobody(watched):
+    # every rank in step 3's forward for 4 s (one slow inside it, the others in its all-gather): one place,
+    # nothing to name; then they go on, rank 0 first seen after its monitor while ranks 1-3 have not
+    # published their moves yet. Before, that snapshot named rank 0 as holding ranks 1-3 in forward
+    positions, tick, recorded, channels, run_dir = watched
+    for p in positions:
+        _move(p, "forward", 3)
+    tick(0.0)
+    tick(4.0)
+    assert recorded == []
+    for phase in ("backward", "monitor", "optimizer"):
+        _move(positions[0], phase, 3)
+    tick(0.4)
+    assert recorded == []
+    for p in positions[1:]:
+        for phase in ("backward", "monitor", "optimizer"):
+            _move(p, phase, 3)
+    tick(0.5)
+    tick(4.0)
+    assert recorded == []
+    # a real stall still is, once no rank has moved for two looks: rank 0 held after its monitor
+    for p in positions[1:]:
+        _move(p, "forward", 4)
+    tick(0.5)
+    tick(2.9)
+    assert recorded == []
+    tick(0.2)
+    assert recorded == [
+        (
+            "rank 0 is between step 3's monitor and step 4's forward (its optimizer step, zero_grad or the next "
+            "batch); ranks 1–3 wait in forward at step 4",
+            False,
+        )
+    ]
+
+
 def test_watcher_takes_the_verdict_another_rank_proposed(watched):
     positions, tick, recorded, channels, run_dir = watched
     for p in positions:

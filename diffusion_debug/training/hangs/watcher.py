@@ -12,11 +12,17 @@ Every rank watches (not only the main one), so a rank whose Python is stuck hold
 cannot keep the others from naming it. "Not moved" is judged on this rank's clock from when a
 rank's counter last changed, never from another host's timestamps.
 
-Limits: the anomaly is recorded from the watcher thread while the training thread is frozen by
-definition (no rank moved for ``stall_timeout``); a rank that resumes at that very moment may
-write to its record concurrently. A stall named under the ``wait`` action is named once; once a
-rank that waited in it moves, the next one needs a full ``stall_timeout`` of waiting again. A rank
-that closed its debugger has no watcher: it is named (``left_early``) but dumps no stack.
+A stall is named from a settled snapshot, where no rank moved for two looks: a position is published up to
+a look late, and a snapshot read while ranks leave a long wait would blame the first to move.
+
+Limits: a rank that keeps moving without reaching the collective the others wait in (its own
+training forwards, one after the other) is not named; a rank whose watcher is kept from publishing
+for more than a look (the GIL held) may still leave a half-moved snapshot. The anomaly is recorded
+from the watcher thread while the training thread is frozen by definition (no rank moved for
+``stall_timeout``); a rank that resumes at that very moment may write to its record concurrently.
+A stall named under the ``wait`` action is named once; once a rank that waited in it moves, the
+next one needs a full ``stall_timeout`` of waiting again. A rank that closed its debugger has no
+watcher: it is named (``left_early``) but dumps no stack.
 """
 
 from __future__ import annotations
@@ -117,7 +123,7 @@ class StallWatcher:
         waiting = self._waiting(positions)
         number = self.next_verdict
         verdict = self.channel.verdict(number)
-        if verdict is None and waiting and not self._named:
+        if verdict is None and waiting and not self._named and self._settled():
             stall = name_stall(positions)  # type: ignore[arg-type]  # waiting: every rank published
             if stall is not None:
                 end = self.end_job or stall.definite
@@ -141,6 +147,14 @@ class StallWatcher:
             for p in positions
             if p is not None and p.phase in WAITING_PHASES and now - self._seen[p.rank][1] >= self.stall_timeout
         )
+
+    def _settled(self) -> bool:
+        """No rank has moved for :data:`SETTLED_LOOKS` looks (this clock): a rank publishes its position up to
+        a look late, so a snapshot read while the ranks leave a wait that named nothing (all in one place: a
+        rank slow inside the forward whose all-gather the others wait in) holds a rank that went on and the
+        others' old places, which would name the rank that went on as holding them up."""
+        now = self.clock()
+        return all(now - since >= SETTLED_LOOKS * self.interval for _, since in self._seen.values())
 
     # -- a verdict: every rank's part --------------------------------------------------------------
     def handle(self, number: int, verdict: dict[str, Any], expected: int | None = None) -> None:
@@ -171,6 +185,8 @@ class StallWatcher:
             time.sleep(0.05)
 
 
+SETTLED_LOOKS = 2
+"""The looks (of ``interval`` s) every rank's position must have stayed the same before a stall is named."""
 TIMEOUT_JOIN = 6.0  # the watcher may be in a store round trip (side_channel.TIMEOUT_SECONDS) when stopped
 
 
