@@ -164,8 +164,11 @@ def test_a_forward_that_raises_marks_the_rank_raised_with_its_error_until_the_ne
                 mlp(torch.ones(2, 4))
         p = liveness.position
         assert (p.phase, p.step, p.error, p.forwards) == ("raised", None, "ValueError: a bad batch", 1)
+        with liveness.phase("log"):  # a phase of the user's after it: back to the error when it ends
+            assert (p.phase, p.error) == ("log", "")
+        assert (p.phase, p.error) == ("raised", "ValueError: a bad batch")
         mlp(torch.ones(2, 4)).sum().backward()  # the retry: marked as usual
-        assert (p.phase, p.forwards) == ("backward", 2)
+        assert (p.phase, p.forwards, p.error) == ("backward", 2, "")  # no stale error published meanwhile
         with torch.no_grad(), mlp.register_forward_pre_hook(bad_batch):  # no training forward: no mark
             with pytest.raises(ValueError):
                 mlp(torch.ones(2, 4))

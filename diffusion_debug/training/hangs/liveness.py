@@ -104,8 +104,9 @@ class RankLiveness:
         return liveness
 
     # -- marks (the training thread) -------------------------------------------------------------
-    def mark(self, phase: str, step: Any = None) -> None:
-        self.position.phase, self.position.step = phase, step
+    def mark(self, phase: str, step: Any = None, error: str = "") -> None:
+        """``error``: what a forward raised, in phase ``raised`` (cleared by any other mark: no stale text)."""
+        self.position.phase, self.position.step, self.position.error = phase, step, error
         self.position.counter += 1
 
     def _next_step(self) -> Any:
@@ -121,14 +122,13 @@ class RankLiveness:
     def _raised(self, error: Exception) -> None:
         """The watched model's training forward raised: this rank left it, where the others may wait in its
         collectives (FSDP2's, ZeRO-3's all-gathers) until the next forward begins (a retry)."""
-        self.position.error = _error_text(error)
-        self.mark("raised", self._next_step())
+        self.mark("raised", self._next_step(), _error_text(error))
 
     @contextlib.contextmanager
     def phase(self, name: str, step: Any = None) -> Iterator[None]:
         if not isinstance(name, str) or not name:
             raise DiffusionDebugError(f"A phase is a name such as 'validation' or 'save', not {name!r}.")
-        before = (self.position.phase, self.position.step)
+        before = (self.position.phase, self.position.step, self.position.error)
         self.mark(name, self._last_step if step is None else step)
         try:
             yield
