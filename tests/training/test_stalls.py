@@ -349,6 +349,30 @@ def test_a_snapshot_read_while_the_ranks_leave_a_long_wait_in_one_place_names_no
     ]
 
 
+@pytest.mark.parametrize("phases", [("forward",), ("forward", "raised")], ids=["forwards", "oom_retries"])
+def test_a_rank_that_keeps_moving_while_the_others_wait_is_named_at_stall_timeout(watched, phases):
+    # rank 0 runs training forwards of its own one after the other (a validation in train mode with grad on; an
+    # out-of-memory retry loop: raised, forward, raised...) while ranks 1-3 wait in step 3's backward all-reduce.
+    # It moves at every look: before, no snapshot was ever still, and nothing was named (the collective's
+    # watchdog ended the job unexplained)
+    positions, tick, recorded, channels, run_dir = watched
+    positions[0].error = "OutOfMemoryError: CUDA out of memory"
+    for p in positions[1:]:
+        _move(p, "backward", 3)
+    _move(positions[0], "forward", 3)
+    tick(0.0)
+    for look in range(1, 7):  # one move of rank 0 per look (0.5 s): 3.0 s = stall_timeout at the sixth
+        _move(positions[0], phases[look % len(phases)], 3)
+        tick(0.5)
+        assert len(recorded) == (look == 6)
+    assert recorded == [
+        (
+            "rank 0 is in forward at step 3; ranks 1–3 wait in backward (the gradient all-reduce) at step 3",
+            False,
+        )
+    ]
+
+
 def test_watcher_takes_the_verdict_another_rank_proposed(watched):
     positions, tick, recorded, channels, run_dir = watched
     for p in positions:
