@@ -154,7 +154,7 @@ def pipeline_forks(tmp_path_factory):
 
 
 DEEPSPEED_JOB = Path(__file__).parent / "training" / "deepspeed_job.py"
-DEEPSPEED_JOB_TIMEOUT = 780  # seconds: two processes importing DeepSpeed on two shared cores, 13 scenarios
+DEEPSPEED_JOB_TIMEOUT = 780  # seconds: two processes importing DeepSpeed on two shared cores, 16 scenarios
 MULTIPROCESS_JOB = Path(__file__).parent / "training" / "multiprocess_job.py"
 
 

@@ -13,7 +13,22 @@
 ``on_forward`` runs before each forward with gradients enabled while the module is in training
 mode; ``on_backward`` when the gradient of that forward's first output tensor that requires a
 gradient is computed, i.e. when backward reaches the module (a tensor hook on the output: no node
-is added to the graph and the gradient is returned unchanged).
+is added to the graph and the gradient is returned unchanged). ``on_error(error)``, if given, runs when
+an error raised inside a training forward leaves the module (its forward hook is then ``always_call``,
+run by torch from its own ``except`` block; the error goes on unchanged): a rank whose forward raised
+is not in that forward any more, while the others may wait in its collectives::
+
+    >>> def bad_batch(module, args):
+    ...     raise ValueError("a bad batch")
+    >>> errors = []
+    >>> with apply_phase_marks(model, lambda: None, lambda: None, on_error=errors.append):
+    ...     with model.register_forward_pre_hook(bad_batch):
+    ...         model(torch.ones(1, 2))
+    Traceback (most recent call last):
+    ...
+    ValueError: a bad batch
+    >>> errors
+    [ValueError('a bad batch')]
 
 Limits: the callbacks are Python (they mark a position for the liveness side channel), so they are
 skipped while ``torch.compile`` traces the module (:func:`~.tracing.compiling`): attach to the
@@ -24,21 +39,26 @@ gradient gets no backward mark.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from ..stats import tensors_in
+from .call_args import raised_here
 from .handles import ProbeHandle, register_all
 from .tracing import compiling
 
 
 def apply_phase_marks(
-    modules: nn.Module | Iterable[nn.Module], on_forward: Callable[[], None], on_backward: Callable[[], None]
+    modules: nn.Module | Iterable[nn.Module],
+    on_forward: Callable[[], None],
+    on_backward: Callable[[], None],
+    on_error: Callable[[Exception], None] | None = None,
 ) -> ProbeHandle:
     """A forward pre-hook and a forward hook on ``modules`` (one, or each of several watched models)
-    calling the two marks (see above)."""
+    calling the marks (see above)."""
 
     def before(mod: nn.Module, args: Any) -> None:
         if mod.training and torch.is_grad_enabled() and not compiling():
@@ -47,9 +67,15 @@ def apply_phase_marks(
     def after(mod: nn.Module, args: Any, output: Any) -> None:
         if not (mod.training and torch.is_grad_enabled()) or compiling():
             return
+        if on_error is not None and sys.exc_info()[1] is not None and raised_here(mod, raised, (Exception,)):
+            return  # run by torch's except block: the forward raised, no output
         first = next((t for t in tensors_in(output) if t.requires_grad), None)
         if first is not None:
             first.register_hook(_backward_mark(on_backward))
+
+    def raised(mod: nn.Module, error: BaseException) -> None:
+        assert on_error is not None and isinstance(error, Exception)
+        on_error(error)
 
     def register():
         for module in [modules] if isinstance(modules, nn.Module) else modules:
@@ -57,7 +83,7 @@ def apply_phase_marks(
             # before forward and, from a hook on the output, before backward; a rank waiting there
             # must be marked already
             yield module.register_forward_pre_hook(before, prepend=True)
-            yield module.register_forward_hook(after, prepend=True)
+            yield module.register_forward_hook(after, prepend=True, always_call=on_error is not None)
 
     return register_all(register)
 

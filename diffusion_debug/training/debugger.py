@@ -238,7 +238,8 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             self._order_hooks = apply_grad_order(self._order)
         if self.params.deepspeed is not None:  # DeepSpeed under Accelerate: its step runs in backward
             self._zero_step = self.params.deepspeed.attach()
-        self._liveness.attach(self.watched.models.values())
+        partitions = self.params.partitions  # ZeRO's step holds collectives: a rank inside it is marked there
+        self._liveness.attach(self.watched.models.values(), partitions.optimizers if partitions is not None else ())
         if self.config.enable_autograd_anomaly:
             self._anomaly_mode.enable()
         if self._pre_reduction is not None:

@@ -31,6 +31,12 @@ stage0_nan_grad_rank1_before_reduction / stage0_fp16_nan_grad_rank1_before_reduc
 steps; the tensor hook makes rank 1's own gradient of ``NAN_PARAMETER`` NaN at step ``STAGE0_NAN_AT``,
 during backward, before the engine's all-reduce).
 
+zero3_nan_batch_rank1 (ZeRO-3, 4 steps: rank 1's batch holds a NaN at step 2) | fp16_inf_batch_rank1 (ZeRO-2 in
+fp16, the scale from ``2**STAGE0_SCALE_POWER``, which holds: rank 1's batch holds an Inf at step 2, DeepSpeed's
+loss scaler skips that step) | stall_before_step_rank1 (ZeRO-2, ``stall_action`` "wait": after step 6's monitor rank 1
+sleeps, as the main process saving a checkpoint would, until both ranks' watchers have named the stall and
+``NAMED_MARGIN`` s more, ``STALL_RESUMES`` s at most, while rank 0 waits in ``engine.step()``'s collectives).
+
 Every scenario prints, per rank and monitored step, the torch.distributed collectives the
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce[n],...``, as multiprocess_job.py).
 """
@@ -96,9 +102,9 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             **precision,
         },
     )
-    stall = kind == "stall_rank1"
+    stall = kind in ("stall_rank1", "stall_before_step_rank1")
     # ZeRO-2's stall ends the job (it comes last); ZeRO-3's is named and the ranks go on
-    action = "wait" if stage == 3 else "exit"
+    action = "wait" if stage == 3 or kind == "stall_before_step_rank1" else "exit"
     config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT if stall else 0, stall_action=action)
     tdbg = TrainingDebugger(engine, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
@@ -118,13 +124,16 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         "stall_rank1": 8,
         "clean": 14,
         "fp16_overflow": 4,
+        "nan_batch_rank1": 4,
+        "inf_batch_rank1": 4,
+        "stall_before_step_rank1": 8,
     }[kind]
     if stage == 0:  # DeepSpeed's mixed-precision optimizer around the AdamW
         say(scenario, f"RANK {rank} OPTIMIZER {type(optimizer).__name__}")
         steps = STAGE0_STEPS
     for step in range(steps):
         at[0] = step
-        if stall and rank == 1 and step == 6:  # the others wait in step 6's gradient reduce
+        if kind == "stall_rank1" and rank == 1 and step == 6:  # the others wait in step 6's gradient reduce
             if action == "exit":
                 time.sleep(60.0)  # the watcher ends the job
             else:  # the watcher names it, then both ranks go on
@@ -136,6 +145,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             latents, context = latents.half(), context.half()
         elif precision:
             latents, context = latents.bfloat16(), context.bfloat16()
+        if kind in ("nan_batch_rank1", "inf_batch_rank1") and (rank, step) == (1, 2):
+            latents[1, 0, 0, 0] = math.nan if kind == "nan_batch_rank1" else math.inf  # rank 1's batch alone
         prediction = engine(latents, timesteps, encoder_hidden_states=context).sample
         loss = torch.nn.functional.mse_loss(prediction.float(), latents.float())
         if scenario == "nan_loss_rank0" and rank == 0 and step == 4:
@@ -147,6 +158,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             for group in optimizer.param_groups:
                 group["lr"] *= 1e4
         info = monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step)
+        if kind == "stall_before_step_rank1" and rank == 1 and step == 6:  # rank 0 waits in engine.step()
+            sleep_until_stall_named(tdbg.record.run_dir, 2, margin=NAMED_MARGIN, most=STALL_RESUMES)
         if step == 1 and not fp16:  # the reference: every whole gradient, assembled by DeepSpeed (a collective each)
             reference = math.sqrt(sum(float(safe_get_full_grad(p).double().square().sum()) for p in unet.parameters()))
             say(scenario, f"RANK {rank} GRAD_NORM {info['grad_norm']!r} REFERENCE {reference!r}")

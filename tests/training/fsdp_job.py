@@ -28,7 +28,12 @@ unit's ``FlatParameter``; rank 1's gradient of ``down_blocks.1``'s flat paramete
 step 4 in the last element of its shard's piece of ``resnets.0.conv2.weight``; prints that piece's
 end in each rank's shard and FSDP1's own ``clip_grad_norm_`` beside the reported norm at each clean step) |
 embedding_new_row (16 steps; not the UNet: textual inversion's embedding table, its new row in rank 1's
-shard trained alone, then from step 5 on no row, :func:`embedding_new_row`).
+shard trained alone, then from step 5 on no row, :func:`embedding_new_row`) | nan_batch_rank1 (4 steps; rank 1's
+batch holds a NaN at step :data:`NAN_BATCH_AT`, the batch given as ``inputs=``: after the reduce-scatter both
+ranks' shards are NaN) | raise_rank1_forward (6 steps, ``stall_action`` "wait"; at step :data:`RAISE_AT` rank 1's
+forward raises in ``conv_in``, after the root's all-gather, while rank 0 goes on to ``down_blocks.0``'s: rank 1
+catches it, sleeps until both watchers have named the stall and :data:`NAMED_MARGIN` s more (2.5 stall times
+at most), then runs the forward again, which joins rank 0's all-gather: both go on).
 """
 
 import json
@@ -62,7 +67,11 @@ STEPS = {
     "fsdp1_nan_grad_rank1": 8,
     "fsdp1_flat_nan_grad_rank1": 6,
     "embedding_new_row": 16,
+    "nan_batch_rank1": 4,
+    "raise_rank1_forward": 6,
 }
+NAN_BATCH_AT, RAISE_AT = 2, 3
+"""nan_batch_rank1's step whose batch holds a NaN on rank 1; raise_rank1_forward's step whose forward raises there."""
 NEW_ROW_UNTIL = 5
 """embedding_new_row: the steps before it train the table's last row alone; from it on no row."""
 
@@ -170,7 +179,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             fully_shard(block, **_mixed(scenario))
         fully_shard(unet, **_mixed(scenario))
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
-    action = "wait" if scenario == "lr_jump_and_wait" else "exit"
+    action = "wait" if scenario in ("lr_jump_and_wait", "raise_rank1_forward") else "exit"
     every = {"rank_check_every": 4} if fsdp1 else {}  # FSDP1: two rank checks in 8 steps
     config = DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT, stall_action=action, **every)
     tdbg = TrainingDebugger(unet, config=config)
@@ -182,6 +191,15 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         unet.conv_in.register_full_backward_pre_hook(
             lambda module, grad_output: (grad_output[0] * float("nan"),) if (rank, at[0]) == nan_at else None
         )
+    raised = [False]
+    if scenario == "raise_rank1_forward":  # a bad batch on rank 1: conv_in raises once, after the root's all-gather
+
+        def bad_batch(module, args):
+            if (rank, at[0]) == (1, RAISE_AT) and not raised[0]:
+                raised[0] = True
+                raise ValueError("planted bad batch on rank 1")
+
+        unet.conv_in.register_forward_pre_hook(bad_batch)
     try:
         for step in range(STEPS[scenario]):
             at[0] = step
@@ -192,7 +210,14 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             if scenario == "stall_rank1" and rank == 1 and step == 6:
                 say(scenario, f"RANK 1 STALLS at {time.time()}")
                 time.sleep(60.0)  # a rank stuck before its forward (a slow data loader, a save)
-            pred = unet(latents + noise, timesteps, encoder_hidden_states=text).sample
+            if scenario == "nan_batch_rank1" and rank == 1 and step == NAN_BATCH_AT:
+                latents[1, 0, 0, 0] = float("nan")  # rank 1's batch alone
+            try:
+                pred = unet(latents + noise, timesteps, encoder_hidden_states=text).sample
+            except ValueError as error:  # rank 1 alone: rank 0 waits in down_blocks.0's all-gather
+                say(scenario, f"RANK {rank} RAISED at step {step}: {error}")
+                sleep_until_stall_named(tdbg.record.run_dir, 2, margin=NAMED_MARGIN, most=2.5 * STALL_TIMEOUT)
+                pred = unet(latents + noise, timesteps, encoder_hidden_states=text).sample  # retried: they go on
             loss = torch.nn.functional.mse_loss(pred, noise)
             if rank == 0 and (scenario, step) in (("nan_loss_rank0", 4), ("fsdp1_nan_grad_rank1", 2)):
                 loss = loss * float("nan")
@@ -218,7 +243,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
                 tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, closure=closure)
                 optimizer.zero_grad()  # the NaN step's update left out on both ranks
                 continue
-            info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            batch = {"latents": latents} if scenario == "nan_batch_rank1" else None
+            info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, inputs=batch)
             # FSDP1's own norm of the clean whole gradients (an all-reduce; 1.0 x each)
             if (fsdp1 and step < 6) or (flat and step < 4):
                 reference = float(unet.clip_grad_norm_(float("inf")))

@@ -31,6 +31,9 @@ accumulate_unused (DDP with ``find_unused_parameters=True`` under ``accelerator.
 micro-steps a step, 8 calls; a branch ``unused`` joins the forward at call 3 only; at each optimizer
 step each rank prints the norm measured, the learning rate times it (SGD: the update it applies),
 the update applied to the weights and the steps counted: ``RANK r UPDATE call c: <json>``)
+accumulate_nan_batch_rank1 / accumulate_nan_grad_rank1 (DDP under ``accelerator.accumulate``, two micro-steps a
+step: rank 1's NaN, in its batch or made in its backward, at a micro-step DDP does not all-reduce,
+:func:`accumulate_nan`)
 launched_ddp_nan12 / launched_fsdp2_nan0 / launched_zero2_nan24 / launched_zero3_nan12 / launched_fsdp2_oom0 /
 launched_zero3_oom0 (test_launch_engines.py's
 launches of launch_torch_script.py and launch_zero_script.py, :data:`LAUNCHED`: each script run as a process of
@@ -426,7 +429,48 @@ def accumulate_unused(accelerator: Accelerator, output_dir: str, scenario: str) 
     finish(accelerator, tdbg, scenario)
 
 
+ACCUMULATE_PLANT_CALL = 2
+"""accumulate_nan_*: the call (a micro-step without the gradient all-reduce, the first of optimizer step 1) that
+plants rank 1's NaN."""
+
+
+def accumulate_nan(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
+    """DDP under ``accelerator.accumulate``, two micro-steps a step, 6 calls, ``step=`` the optimizer step (as
+    the diffusers scripts count it, ``call // 2``); rank 1's NaN planted at call :data:`ACCUMULATE_PLANT_CALL`, a
+    micro-step DDP does not all-reduce (``no_sync``): in its batch (``accumulate_nan_batch_rank1``, given as
+    ``inputs=``) or made in its backward by a tensor hook on ``2.weight`` (``accumulate_nan_grad_rank1``)."""
+    rank = accelerator.process_index
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    accumulation = accelerator.gradient_accumulation_steps
+    accelerator.gradient_accumulation_steps, accelerator.step = 2, 0  # calls 1, 3, 5 step
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tdbg = TrainingDebugger(model, accelerator=accelerator, config=DebugConfig(output_dir=output_dir))
+    generator = torch.Generator().manual_seed(100 + rank)
+    at = [None]
+    if scenario == "accumulate_nan_grad_rank1":
+        accelerator.unwrap_model(model)[2].weight.register_hook(
+            lambda g: g * float("nan") if (rank, at[0]) == (1, ACCUMULATE_PLANT_CALL) else g
+        )
+    for call in range(6):
+        at[0] = call
+        with accelerator.accumulate(model):
+            x = torch.randn(8, 4, generator=generator)
+            if scenario == "accumulate_nan_batch_rank1" and (rank, call) == (1, ACCUMULATE_PLANT_CALL):
+                x[3, 1] = float("nan")
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            accelerator.backward(loss)
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=call // 2, inputs=x)
+            optimizer.step()
+            optimizer.zero_grad()
+    accelerator.gradient_accumulation_steps = accumulation
+    finish(accelerator, tdbg, scenario)
+
+
 def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> None:
+    if scenario.startswith("accumulate_nan_"):
+        return accumulate_nan(accelerator, output_dir, scenario)
     if scenario == "accumulate_unused":
         return accumulate_unused(accelerator, output_dir, scenario)
     if scenario == "models_and_samples_rank1":

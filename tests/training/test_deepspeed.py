@@ -33,6 +33,9 @@ SCENARIOS = (
     "zero3_fp16_overflow",
     "stage0_nan_grad_rank1_before_reduction",  # no ZeRO, bf16: 4 steps (~1 s of the launch)
     "stage0_fp16_nan_grad_rank1_before_reduction",  # no ZeRO, fp16: 4 steps (~1 s)
+    "zero3_nan_batch_rank1",
+    "fp16_inf_batch_rank1",
+    "stall_before_step_rank1",
     "stall_rank1",
 )
 DEEPSPEED_JOB_SCENARIOS = SCENARIOS  # what the session's launch of deepspeed_job.py runs for this module
@@ -372,6 +375,66 @@ def test_zero3_rank1_stalled_at_step_6_is_named_and_the_ranks_go_on(launched):
     job = JOB.read_text().splitlines()
     sleep_line = next(n for n, line in enumerate(job, 1) if "sleep_until_stall_named(tdbg" in line)
     assert f'deepspeed_job.py", line {sleep_line}' in (run_dir / "stacks-rank1.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    "scenario, severity",
+    [("zero3_nan_batch_rank1", "error"), ("fp16_inf_batch_rank1", "info")],
+    ids=["zero3-nan", "zero2-fp16-inf"],
+)
+def test_zero_a_bad_batch_on_rank1_is_named_on_rank1_and_so_is_deepspeed_s_skip(launched, scenario, severity):
+    """Rank 1's batch holds a NaN (ZeRO-3) or an Inf (ZeRO-2 in fp16, DeepSpeed's loss scale) at step 2: its
+    loss is the headline, every rank's gradients (ZeRO's reduction gave rank 0 rank 1's NaN) follow it, and
+    DeepSpeed's skip of the step names rank 1's gradients. In fp16 the gradients are an overflow DeepSpeed's
+    loss scaler handles (infos); only the loss, rank 1's, is an error."""
+    output_dir, stdout, stderr = launched
+    out = stdout[scenario]
+    assert "RANK 0 DONE skipped=1" in out and "RANK 1 DONE skipped=1" in out, out + stderr[-3000:]
+    summary = _summary(output_dir, scenario)
+    assert (summary["headline"]["kind"], summary["headline"]["where"]) == ("nonfinite_loss", "model, step 2, rank 1")
+    found = [(a["kind"], a["severity"], a["rank"], a["step"]) for a in summary["anomalies"]]
+    assert found == [
+        ("nonfinite_loss", "error", 1, 2),
+        ("nonfinite", severity, 0, 2),
+        ("nonfinite", severity, 1, 2),
+        ("skipped_step", "info", 0, 2),
+    ]
+    loss, received, made, skipped = summary["anomalies"]
+    through = "DeepSpeed ZeRO's gradient reduction"
+    assert received["details"]["reduction"] == {"origins": [1], "made_here": False, "through": through}
+    assert made["details"]["reduction"] == {"origins": [1], "made_here": True, "through": through}
+    assert received["details"]["follows"] == made["details"]["follows"] == {"kind": "nonfinite_loss", "rank": 1}
+    assert (skipped["details"]["reason"], skipped["details"]["overflow_ranks"]) == ("deepspeed_overflow", [1])
+    assert "(non-finite gradients of rank 1 before the reduction" in skipped["message"]
+
+
+def test_zero2_rank1_held_after_its_monitor_is_named_while_rank0_waits_in_the_optimizer_step(launched):
+    """After step 6's monitor rank 1 sleeps (a checkpoint saved on one rank) while rank 0 is in
+    ``engine.step()``, whose norm and overflow all-reduce wait for rank 1: both ranks read "after step 6's
+    monitor", and nothing was named until the process group's watchdog. Rank 1 is named, rank 0 waiting in
+    ZeRO's optimizer step; then rank 1 goes on (``stall_action`` "wait") and both finish."""
+    output_dir, stdout, stderr = launched
+    out = stdout["stall_before_step_rank1"]
+    assert "RANK 0 DONE skipped=0" in out and "RANK 1 DONE skipped=0" in out, out + stderr[-3000:]
+    (run_dir,) = (output_dir / "stall_before_step_rank1").glob("run-*")
+    summary = load_json(run_dir / "summary.json")
+    # on two shared cores a slow step may be named too (a rank did wait 3 s): the planted one is at step 6
+    (stall,) = [a for a in summary["anomalies"] if a["details"].get("stall") and a["step"] == 6]
+    assert (stall["kind"], stall["rank"], stall["details"]["waiting"], stall["details"]["ended_job"]) == (
+        "rank_desync",
+        1,
+        [0],
+        False,
+    )
+    assert stall["message"].startswith(
+        "Rank 1 is after step 6's monitor, before its optimizer step (a save, a log or a wait of its own); rank 0 "
+        "waits in the optimizer step (DeepSpeed ZeRO's gradient norm and overflow all-reduce, then its parameter "
+        "all-gather) at step 6. "
+    ), stall["message"]
+    assert summary["training"]["total_steps"] == 8
+    job = JOB.read_text().splitlines()
+    step_line = next(n for n, line in enumerate(job, 1) if line.strip() == "engine.step()")
+    assert f'deepspeed_job.py", line {step_line}' in (run_dir / "stacks-rank0.txt").read_text()
 
 
 @pytest.mark.parametrize("scenario", ["fp16_overflow", "zero3_fp16_overflow"])

@@ -3,8 +3,8 @@ sharded per block, its planted faults named at their origin, stalls named and en
 and FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True and False) in the same launch.
 One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction,
 mixed_bf16_nan_grad_rank0_before_reduction, nan_loss_rank0, lr_jump_and_wait, fsdp1_nan_grad_rank1,
-fsdp1_flat_nan_grad_rank1, embedding_new_row, stall_rank1], the last ending the job (see fsdp_job.py). The clean check
-is the steps before each planted fault: no anomaly there."""
+fsdp1_flat_nan_grad_rank1, embedding_new_row, nan_batch_rank1, raise_rank1_forward, stall_rank1], the last ending
+the job (see fsdp_job.py). The clean check is the steps before each planted fault: no anomaly there."""
 
 import json
 import math
@@ -37,6 +37,8 @@ SCENARIOS = (
     "fsdp1_nan_grad_rank1",
     "fsdp1_flat_nan_grad_rank1",
     "embedding_new_row",
+    "nan_batch_rank1",
+    "raise_rank1_forward",
     "stall_rank1",
 )
 STALL_TIMEOUT = 4.0  # fsdp_job.STALL_TIMEOUT
@@ -312,6 +314,60 @@ def test_a_shard_that_never_moves_while_another_ranks_does_is_no_stall_and_a_run
         assert details["grad_norm_at_step"] > 0, a
     assert summary["anomalies"][0]["details"]["also_on_ranks"] == [1]
     assert summary["headline"]["where"] == "optimizer, step 15, rank 0"
+
+
+def test_nan_in_rank1s_batch_is_named_on_rank1_though_the_reduce_scatter_gives_both_ranks_nan_shards(launched):
+    """Rank 1's batch (``inputs=``) holds a NaN at step 2: its loss and its own gradients are NaN, and the
+    reduce-scatter gives both ranks NaN shards. The batch of rank 1 is the headline, rank 0's gradients say
+    they received them from rank 1, and step 3's NaN (the update applied it) follows it on both ranks."""
+    output_dir, stdout, stderr = launched
+    _finished(stdout, "nan_batch_rank1")
+    summary = _summary(output_dir, "nan_batch_rank1")
+    assert [a for a in summary["anomalies"] if a["step"] < 2] == []
+    headline = summary["headline"]
+    assert (headline["kind"], headline["where"]) == ("nonfinite_input", 'input inputs["latents"], step 2, rank 1')
+    at2 = [(a["kind"], a["rank"]) for a in summary["anomalies"] if a["step"] == 2]
+    assert at2 == [("nonfinite_input", 1), ("nonfinite_loss", 1), ("nonfinite", 0), ("nonfinite", 1)], at2
+    grads = {a["rank"]: a["details"] for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite", 2)}
+    through = "the gradient reduce-scatter"
+    assert grads[0]["reduction"] == {"origins": [1], "made_here": False, "through": through}
+    assert grads[1]["reduction"] == {"origins": [1], "made_here": True, "through": through}
+    later = [a for a in summary["anomalies"] if a["step"] == 3]
+    assert {a["rank"] for a in later} == {0, 1}
+    assert headline["consequences"]["count"] == len(summary["anomalies"]) - 1
+
+
+def test_a_rank_whose_forward_raised_is_named_with_its_error_while_the_other_waits_in_the_same_forward(launched):
+    """Rank 1's forward raises at step 3 (``conv_in``, after the root's all-gather) and rank 1 catches it,
+    while rank 0 waits in ``down_blocks.0``'s all-gather, in the same forward: both ranks read "forward at
+    step 3", and nothing was named until the process group's watchdog. Rank 1 is named, with its error;
+    then it runs the forward again and both go on."""
+    output_dir, stdout, stderr = launched
+    scenario = "raise_rank1_forward"
+    _finished(stdout, scenario)
+    assert "RANK 1 RAISED at step 3: planted bad batch on rank 1" in stdout[scenario]
+    (run_dir,) = (output_dir / scenario).glob("run-*")
+    summary = load_json(run_dir / "summary.json")
+    # on two shared cores a slow step may be named too (a rank did wait 4 s): the planted one is at step 3
+    (stall,) = [a for a in summary["anomalies"] if a["details"].get("stall") and a["step"] == 3]
+    assert (stall["kind"], stall["rank"], stall["details"]["pattern"], stall["details"]["ended_job"]) == (
+        "rank_desync",
+        1,
+        "raised",
+        False,
+    )
+    assert stall["details"]["waiting"] == [0]
+    # and when rank 1 went on, no snapshot read while the ranks moved named rank 0 as holding rank 1 there
+    stalls = [a["message"] for a in summary["anomalies"] if a["details"].get("stall")]
+    assert not [m for m in stalls if "rank 1 waits in forward at step 3" in m], stalls
+    assert stall["message"].startswith(
+        "Rank 1 raised ValueError: planted bad batch on rank 1 in its forward at step 3; "
+        "rank 0 waits in forward at step 3. An error on some ranks only"
+    ), stall["message"]
+    assert summary["training"]["total_steps"] == 6
+    stacks = {r: (run_dir / f"stacks-rank{r}.txt").read_text() for r in range(2)}
+    assert "in foreach_all_gather" in stacks[0]  # down_blocks.0's all-gather
+    assert f'fsdp_job.py", line {_line_of("sleep_until_stall_named(tdbg.record.run_dir, 2, margin")} in' in stacks[1]
 
 
 def test_rank1_stalled_before_step6_is_named_and_the_job_ended(launched):

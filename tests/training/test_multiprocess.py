@@ -41,6 +41,8 @@ SCENARIOS = (
     *(["fsdp2"] if FSDP2_ON_CPU else []),  # where FSDP2 needs CUDA, it would end the launch
     "nan_grad_rank1",
     "accumulate_unused",
+    "accumulate_nan_batch_rank1",
+    "accumulate_nan_grad_rank1",
 )
 
 
@@ -502,3 +504,34 @@ def test_ddp_accumulating_with_unused_parameters_counts_optimizer_steps_and_the_
         assert row["applied"] == pytest.approx(row["lr_times"], rel=1e-5), (rank, call, row)
         assert row["measured"] == rows[1 - rank, call]["measured"]
     assert load_json(run_dir / "summary.json")["anomalies"] == []
+
+
+@pytest.mark.parametrize(
+    "name, origin",
+    [
+        ("accumulate_nan_batch_rank1", ("nonfinite_input", "input inputs, step 1, rank 1")),
+        ("accumulate_nan_grad_rank1", ("nonfinite", "model 2.weight, step 1, rank 1")),
+    ],
+    ids=["batch", "gradient"],
+)
+def test_a_nan_made_on_rank1_at_a_micro_step_ddp_does_not_all_reduce_is_named_on_rank1_at_its_step(
+    scenario, name, origin
+):
+    """Two micro-steps a step under ``accelerator.accumulate``; rank 1's NaN comes at the first micro-step of
+    optimizer step 1, which DDP does not all-reduce (``no_sync``): in its batch, or made in its backward. It
+    stays in rank 1's accumulated gradients until the second micro-step's all-reduce gives it to rank 0; the
+    origin is rank 1 at step 1 (the optimizer step, as ``step=`` counts), and step 2's NaN follows it."""
+    done, run_dir = scenario(name)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 DONE 3" in done.stdout and "RANK 1 DONE 3" in done.stdout
+    summary = load_json(run_dir / "summary.json")
+    assert (summary["headline"]["kind"], summary["headline"]["where"]) == origin
+    assert not [a for a in summary["anomalies"] if a["step"] < 1]
+    grads = {a["rank"]: a for a in summary["anomalies"] if (a["kind"], a["step"]) == ("nonfinite", 1)}
+    through = "the gradient all-reduce"
+    assert grads[0]["details"]["reduction"] == {"origins": [1], "made_here": False, "through": through}
+    assert grads[1]["details"]["reduction"] == {"origins": [1], "made_here": True, "through": through}
+    # the batch: rank 1's loss of step 1 is NaN (its micro-step's joined the step's mean); both ranks' at step 2
+    losses = sorted((a["rank"], a["step"]) for a in summary["anomalies"] if a["kind"] == "nonfinite_loss")
+    assert losses == ([(0, 2), (1, 1), (1, 2)] if name == "accumulate_nan_batch_rank1" else [(0, 2), (1, 2)])
+    assert summary["headline"]["consequences"]["count"] == len(summary["anomalies"]) - 1

@@ -130,6 +130,95 @@ def test_rank_stalled_after_its_optimizer_step_is_named_at_the_next_step():
     )
 
 
+def test_a_rank_whose_forward_raised_is_named_with_its_error_though_the_others_wait_in_that_forward():
+    # FSDP2 (ZeRO-3 alike): rank 1's forward raised after the root's all-gather, rank 0 waits in the next
+    # group's; before, both read "forward at step 3" (the same place: no stall) and nothing was named
+    raised = _at("raised", 3, [1], exchanges=3, forwards=4, error="ValueError: a bad batch")
+    stall = name_stall(_at("forward", 3, [0, 2], exchanges=3, forwards=4, engine="fsdp2") + raised)
+    assert (stall.pattern, stall.ranks, stall.waiting, stall.step, stall.definite) == ("raised", [1], [0, 2], 3, False)
+    assert stall.text == (
+        "rank 1 raised ValueError: a bad batch in its forward at step 3; ranks 0, 2 wait in forward at step 3"
+    )
+    anomaly = stall_anomaly(stall, {"end": False, "by": 0})
+    assert (anomaly.kind, anomaly.rank, anomaly.step) == ("rank_desync", 1, 3)
+    assert anomaly.message.endswith(
+        "An error on some ranks only (a bad batch, an out-of-memory) leaves the others in the collective it never "
+        "reached: let it end the process (the launcher then stops the others), or skip the batch on every rank "
+        "together (decide from a value all ranks share); stacks-rank*.txt shows where each rank is."
+    )
+    # every rank raised (the same bug everywhere): nobody waits, no stall
+    assert name_stall(_at("raised", 3, [0, 1], error="ValueError: a bad batch")) is None
+
+
+def test_a_forward_that_raises_marks_the_rank_raised_with_its_error_until_the_next_forward(mlp):
+    liveness = RankLiveness(Position(rank=1))
+    liveness.watcher = object()  # as with a side channel: the marks go on
+    liveness.attach([mlp])
+
+    def bad_batch(module, args):
+        raise ValueError("a bad\nbatch")
+
+    try:
+        with mlp.register_forward_pre_hook(bad_batch):
+            with pytest.raises(ValueError, match="a bad"):
+                mlp(torch.ones(2, 4))
+        p = liveness.position
+        assert (p.phase, p.step, p.error, p.forwards) == ("raised", None, "ValueError: a bad batch", 1)
+        with liveness.phase("log"):  # a phase of the user's after it: back to the error when it ends
+            assert (p.phase, p.error) == ("log", "")
+        assert (p.phase, p.error) == ("raised", "ValueError: a bad batch")
+        mlp(torch.ones(2, 4)).sum().backward()  # the retry: marked as usual
+        assert (p.phase, p.forwards, p.error) == ("backward", 2, "")  # no stale error published meanwhile
+        with torch.no_grad(), mlp.register_forward_pre_hook(bad_batch):  # no training forward: no mark
+            with pytest.raises(ValueError):
+                mlp(torch.ones(2, 4))
+        assert p.phase == "backward"
+    finally:
+        liveness.detach()
+    assert not mlp._forward_pre_hooks and not mlp._forward_hooks and not mlp._forward_hooks_always_called
+
+
+def test_a_rank_that_has_not_entered_zero_s_optimizer_step_is_named_at_that_step():
+    # DeepSpeed ZeRO's step all-reduces the gradient norm and overflow flag, then all-gathers the parameters:
+    # rank 0 waits in step 6's while rank 1 sits after its monitor (a save); before, both read "after step
+    # 6's monitor" (the same place: no stall) and nothing was named
+    stall = name_stall(
+        _at("optimizer", 6, [1], exchanges=7, forwards=7) + _at("step", 6, [0], exchanges=7, forwards=7, engine="zero")
+    )
+    assert (stall.pattern, stall.ranks, stall.waiting, stall.step) == ("rank_elsewhere", [1], [0], 6)
+    assert stall.text == (
+        "rank 1 is after step 6's monitor, before its optimizer step (a save, a log or a wait of its own); "
+        "rank 0 waits in the optimizer step (DeepSpeed ZeRO's gradient norm and overflow all-reduce, then its "
+        "parameter all-gather) at step 6"
+    )
+
+
+class _CollectiveStep:
+    """A stand-in for DeepSpeed ZeRO's optimizer: its ``step`` says where the rank was marked."""
+
+    def __init__(self, liveness):
+        self.liveness, self.seen = liveness, []
+
+    def step(self):
+        self.seen.append((self.liveness.position.phase, self.liveness.position.step))
+
+
+def test_an_optimizer_step_that_holds_collectives_is_marked_while_a_monitored_update_runs_in_it(mlp):
+    liveness = RankLiveness(Position(rank=0))
+    liveness.watcher = object()  # as with a side channel: the marks go on
+    zero = _CollectiveStep(liveness)
+    liveness.attach([mlp], [zero])
+    liveness._last_step = 6
+    liveness.mark("optimizer", 6)  # after step 6's monitor
+    zero.step()
+    assert zero.seen == [("step", 6)] and (liveness.position.phase, liveness.position.step) == ("before_forward", 7)
+    liveness.mark("backward", 7)  # a step run inside backward (Accelerate's DeepSpeed plugin): not marked
+    zero.step()
+    assert zero.seen[-1] == ("backward", 7) and liveness.position.phase == "backward"
+    liveness.detach()
+    assert "step" not in vars(zero)
+
+
 def test_rank_list_joins_runs_with_an_en_dash():
     assert [rank_list(r) for r in ([5], [1, 2, 3], [0, 2], [0, 1, 2, 3, 4, 6, 7])] == [
         "rank 5",
@@ -222,6 +311,66 @@ def test_watcher_names_a_stall_after_stall_timeout_once_and_again_when_it_recurs
     assert len(recorded) == 1
     tick(0.2)
     assert [end for _, end in recorded] == [False, False] and "at step 3; ranks 1–3" in recorded[1][0]
+
+
+def test_a_snapshot_read_while_the_ranks_leave_a_long_wait_in_one_place_names_nobody(watched):
+    # every rank in step 3's forward for 4 s (one slow inside it, the others in its all-gather): one place,
+    # nothing to name; then they go on, rank 0 first seen after its monitor while ranks 1-3 have not
+    # published their moves yet. Before, that snapshot named rank 0 as holding ranks 1-3 in forward
+    positions, tick, recorded, channels, run_dir = watched
+    for p in positions:
+        _move(p, "forward", 3)
+    tick(0.0)
+    tick(4.0)
+    assert recorded == []
+    for phase in ("backward", "monitor", "optimizer"):
+        _move(positions[0], phase, 3)
+    tick(0.4)
+    assert recorded == []
+    for p in positions[1:]:
+        for phase in ("backward", "monitor", "optimizer"):
+            _move(p, phase, 3)
+    tick(0.5)
+    tick(4.0)
+    assert recorded == []
+    # a real stall still is, once no rank has moved for two looks: rank 0 held after its monitor
+    for p in positions[1:]:
+        _move(p, "forward", 4)
+    tick(0.5)
+    tick(2.9)
+    assert recorded == []
+    tick(0.2)
+    assert recorded == [
+        (
+            "rank 0 is between step 3's monitor and step 4's forward (its optimizer step, zero_grad or the next "
+            "batch); ranks 1–3 wait in forward at step 4",
+            False,
+        )
+    ]
+
+
+@pytest.mark.parametrize("phases", [("forward",), ("forward", "raised")], ids=["forwards", "oom_retries"])
+def test_a_rank_that_keeps_moving_while_the_others_wait_is_named_at_stall_timeout(watched, phases):
+    # rank 0 runs training forwards of its own one after the other (a validation in train mode with grad on; an
+    # out-of-memory retry loop: raised, forward, raised...) while ranks 1-3 wait in step 3's backward all-reduce.
+    # It moves at every look: before, no snapshot was ever still, and nothing was named (the collective's
+    # watchdog ended the job unexplained)
+    positions, tick, recorded, channels, run_dir = watched
+    positions[0].error = "OutOfMemoryError: CUDA out of memory"
+    for p in positions[1:]:
+        _move(p, "backward", 3)
+    _move(positions[0], "forward", 3)
+    tick(0.0)
+    for look in range(1, 7):  # one move of rank 0 per look (0.5 s): 3.0 s = stall_timeout at the sixth
+        _move(positions[0], phases[look % len(phases)], 3)
+        tick(0.5)
+        assert len(recorded) == (look == 6)
+    assert recorded == [
+        (
+            "rank 0 is in forward at step 3; ranks 1–3 wait in backward (the gradient all-reduce) at step 3",
+            False,
+        )
+    ]
 
 
 def test_watcher_takes_the_verdict_another_rank_proposed(watched):

@@ -1,10 +1,12 @@
 """Where this rank is, for naming a hang before the process group's watchdog fires.
 
 The training thread only writes this rank's :class:`~.patterns.Position` (attribute writes, no I/O):
-a training forward and its backward (``probes.apply_phase_marks`` on the model), the monitor's
-exchange (``monitor``), what follows it (``optimizer``) until the optimizer's step is done
-(``before_forward``, of the next step: a step post-hook on the optimizer given to the monitor),
-and the user's own phases (``with tdbg.phase("validation"):``). The watcher thread (``watcher``)
+a training forward and its backward (``probes.apply_phase_marks`` on the model), a forward that
+raised (``raised``, with the error: the rank left it while the others may wait in its collectives), the
+monitor's exchange (``monitor``), what follows it (``optimizer``) until the optimizer's step is done
+(``before_forward``, of the next step: a step post-hook on the optimizer given to the monitor), an
+optimizer step that holds collectives (``step``: DeepSpeed ZeRO's, wrapped on its optimizer), and the
+user's own phases (``with tdbg.phase("validation"):``). The watcher thread (``watcher``)
 publishes it through the store and names a stall; its verdict reaches this rank's record through
 :meth:`RankLiveness.record`.
 
@@ -40,6 +42,7 @@ from torch import nn
 
 from ...config import DebugConfig
 from ...core import AnomalySink
+from ...core.instance_methods import StackedOnInstance
 from ...errors import DiffusionDebugError
 from ...probes import ProbeHandle, apply_phase_marks
 from ...record import Anomaly, make_anomaly
@@ -68,6 +71,7 @@ class RankLiveness:
         self._marks = ProbeHandle()
         self._last_step: Any = None
         self._stepped: dict[int, Any] = {}  # id(optimizer) -> its step post-hook's handle
+        self._step_marks: list[_StepMark] = []  # on the optimizers whose step holds collectives
 
     @classmethod
     def open(cls, ctx: Any, config: DebugConfig, sink: AnomalySink, owner: Any, engine: str = "") -> "RankLiveness":
@@ -100,8 +104,9 @@ class RankLiveness:
         return liveness
 
     # -- marks (the training thread) -------------------------------------------------------------
-    def mark(self, phase: str, step: Any = None) -> None:
-        self.position.phase, self.position.step = phase, step
+    def mark(self, phase: str, step: Any = None, error: str = "") -> None:
+        """``error``: what a forward raised, in phase ``raised`` (cleared by any other mark: no stale text)."""
+        self.position.phase, self.position.step, self.position.error = phase, step, error
         self.position.counter += 1
 
     def _next_step(self) -> Any:
@@ -114,11 +119,16 @@ class RankLiveness:
     def _backward(self) -> None:
         self.mark("backward", self._next_step())
 
+    def _raised(self, error: Exception) -> None:
+        """The watched model's training forward raised: this rank left it, where the others may wait in its
+        collectives (FSDP2's, ZeRO-3's all-gathers) until the next forward begins (a retry)."""
+        self.mark("raised", self._next_step(), _error_text(error))
+
     @contextlib.contextmanager
     def phase(self, name: str, step: Any = None) -> Iterator[None]:
         if not isinstance(name, str) or not name:
             raise DiffusionDebugError(f"A phase is a name such as 'validation' or 'save', not {name!r}.")
-        before = (self.position.phase, self.position.step)
+        before = (self.position.phase, self.position.step, self.position.error)
         self.mark(name, self._last_step if step is None else step)
         try:
             yield
@@ -210,12 +220,19 @@ class RankLiveness:
         self.sink.record.flush_to_disk()
 
     # -- lifecycle ----------------------------------------------------------------------------------
-    def attach(self, models: nn.Module | Iterable[nn.Module]) -> None:
+    def attach(self, models: nn.Module | Iterable[nn.Module], collective_steps: Iterable[Any] = ()) -> None:
+        """The phase marks on ``models``; ``collective_steps``: optimizers whose ``step`` holds collectives
+        (DeepSpeed ZeRO's: its gradient norm, overflow check and parameter all-gather), marked ``step``
+        while a monitored step's update runs in them."""
         if self.watcher is not None and not self._marks.attached:
-            self._marks = apply_phase_marks(models, self._forward, self._backward)
+            self._marks = apply_phase_marks(models, self._forward, self._backward, on_error=self._raised)
+            self._step_marks = [_StepMark(optimizer, "step", self) for optimizer in collective_steps]
 
     def detach(self) -> None:
         self._marks.remove()
+        marks, self._step_marks = self._step_marks, []
+        for mark in marks:
+            mark.remove()
         stepped, self._stepped = self._stepped, {}
         for handle in stepped.values():
             handle.remove()
@@ -229,6 +246,26 @@ class RankLiveness:
             watcher.stop()
             with contextlib.suppress(Exception):
                 watcher.channel.publish(self.position)
+
+
+class _StepMark(StackedOnInstance):
+    """An optimizer's ``step`` that holds collectives, marked: a rank inside the update of a monitored step
+    is in phase ``step`` (where the others wait for a rank that has not entered it), then before the next
+    forward. A step called elsewhere (inside backward, under Accelerate's DeepSpeed plugin) is not marked."""
+
+    def __init__(self, owner: Any, name: str, liveness: RankLiveness):
+        self.liveness = liveness
+        super().__init__(owner, name)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        liveness = self.liveness
+        if not self.active or liveness.position.phase != "optimizer":
+            return self.original(*args, **kwargs)
+        liveness.mark("step", liveness.position.step)
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            liveness.mark("before_forward", liveness._next_step())
 
 
 def stall_anomaly(stall: Stall, verdict: dict[str, Any]) -> Anomaly:
@@ -249,6 +286,20 @@ def stall_anomaly(stall: Stall, verdict: dict[str, Any]) -> Anomaly:
             "at": time.time(),
         },
     )
+
+
+_ERROR_CHARACTERS = 200
+"""The most of an error's text a position carries (the store holds every rank's position)."""
+
+
+def _error_text(error: Exception) -> str:
+    """``ValueError: a bad batch``, on one line, at most :data:`_ERROR_CHARACTERS` characters.
+
+    >>> _error_text(ValueError("a bad\\nbatch"))
+    'ValueError: a bad batch'
+    """
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= _ERROR_CHARACTERS else text[: _ERROR_CHARACTERS - 1] + "…"
 
 
 def _weak_save(owner: Any) -> Callable[[], Any]:

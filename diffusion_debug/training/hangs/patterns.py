@@ -8,7 +8,16 @@ with the ranks and the step::
     >>> print(name_stall([Position(rank=0, phase="validation", step=2, exchanges=3, forwards=3), *waiting]).text)
     rank 0 is in validation at step 2; ranks 1–7 wait in backward (the gradient all-reduce) at step 3
 
-Patterns, the first that fits: a rank that skipped a step others monitored (``skipped_step``);
+A rank whose training forward raised (caught, or its process not yet gone) is named with its error
+while the others wait in the collectives it never reached; under FSDP2 or ZeRO-3 they wait in the
+same forward it left::
+
+    >>> raised = Position(1, "raised", 3, error="ValueError: a bad batch")
+    >>> print(name_stall([Position(0, "forward", 3, engine="fsdp2"), raised]).text)
+    rank 1 raised ValueError: a bad batch in its forward at step 3; rank 0 waits in forward at step 3
+
+Patterns, the first that fits: a rank whose forward raised (``raised``); a rank that skipped a step
+others monitored (``skipped_step``);
 ``monitor_training_step`` called on some ranks only (``monitor_subset``); a rank that left the
 training loop while others wait (``left_early``); otherwise the ranks elsewhere than the largest
 group, which waits (``rank_elsewhere``).
@@ -22,9 +31,13 @@ without ZeRO::
     rank 0 is in validation at step 2; rank 1 waits in backward (DeepSpeed ZeRO's gradient reduction) at step 3
 
 Limits: a stall is named only while some rank waits in a phase that holds a collective (forward,
-backward, the monitor's exchange): ranks that all sit after their optimizer step or in phases of
-their own (validation, save) are not waiting on each other as far as the debugger can tell. A
-skipped step is seen only when ``step=`` numbers consecutive monitored steps.
+backward, the monitor's exchange, DeepSpeed ZeRO's optimizer step): ranks that all sit after their
+optimizer step or in phases of their own (validation, save) are not waiting on each other as far as
+the debugger can tell (a collective of the user's there, a ``clip_grad_norm_`` under FSDP2 after the
+monitor, is not marked). Two ranks in the same phase and step read as together: an error raised outside
+the watched model's forward (in the loss, in backward) leaves its rank where it was, and is named only
+where that differs from the others' place. A skipped step is seen only when ``step=`` numbers
+consecutive monitored steps.
 """
 
 from __future__ import annotations
@@ -33,12 +46,14 @@ import collections
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Phases that hold a collective under DDP/FSDP or the monitor: a rank frozen there waits for others.
-WAITING_PHASES = ("forward", "backward", "monitor")
+# Phases that hold a collective under DDP/FSDP or the monitor: a rank frozen there waits for others
+# (``step``: inside an optimizer step that holds collectives, DeepSpeed ZeRO's).
+WAITING_PHASES = ("forward", "backward", "monitor", "step")
 _WAITING_TEXT = {
     "monitor": "the monitor's exchange",
     "backward": "backward (the gradient all-reduce)",
     "forward": "forward",
+    "step": "the optimizer step",
 }
 _ENGINE_WAITING_TEXT = {  # by Position.engine; DDP's (and an engine not known) is _WAITING_TEXT's
     ("backward", "fsdp2"): "backward (FSDP2's parameter all-gather or gradient reduce-scatter)",
@@ -46,6 +61,8 @@ _ENGINE_WAITING_TEXT = {  # by Position.engine; DDP's (and an engine not known) 
     "reduce-scatter)",
     ("backward", "zero"): "backward (DeepSpeed ZeRO's gradient reduction)",
     ("backward", "deepspeed"): "backward (DeepSpeed's gradient all-reduce)",
+    ("step", "zero"): "the optimizer step (DeepSpeed ZeRO's gradient norm and overflow all-reduce, then its "
+    "parameter all-gather)",
 }
 _PHASE_TEXT = {
     "start": "the loop (no phase marked since the debugger started)",
@@ -54,6 +71,11 @@ _PHASE_TEXT = {
 }
 _ENDING = ("skipped_step", "monitor_subset", "left_early")
 _ADVICE = {
+    "raised": (
+        "An error on some ranks only (a bad batch, an out-of-memory) leaves the others in the collective it never "
+        "reached: let it end the process (the launcher then stops the others), or skip the batch on every rank "
+        "together (decide from a value all ranks share); stacks-rank*.txt shows where each rank is."
+    ),
     "skipped_step": (
         "A rank that leaves out a step (a `continue` after a bad batch or a local NaN) pairs its later collectives "
         "with the other ranks' earlier ones: skip a step on every rank together (decide from a value all ranks "
@@ -94,6 +116,8 @@ class Position:
     engine: str = ""
     """The engine whose collectives this rank's backward waits in: ``ddp``, ``fsdp2``, ``fsdp1``, ``zero``,
     ``deepspeed`` (no ZeRO) ("": none known; named as DDP's all-reduce)."""
+    error: str = ""
+    """In phase ``raised``: the error that left the training forward (``ValueError: a bad batch``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -202,11 +226,38 @@ def name_stall(positions: list[Position]) -> Stall | None:
         return None
     if not any(p.phase in WAITING_PHASES for p in positions):
         return None
-    return _skipped(positions) or _monitor_subset(positions) or _left_early(positions) or _elsewhere(positions)
+    return (
+        _raised(positions)
+        or _skipped(positions)
+        or _monitor_subset(positions)
+        or _left_early(positions)
+        or _elsewhere(positions)
+    )
 
 
 def _majority(values: list[Any]) -> Any:
     return collections.Counter(values).most_common(1)[0][0]
+
+
+def _raised(positions: list[Position]) -> Stall | None:
+    raised = sorted((p for p in positions if p.phase == "raised"), key=lambda p: p.rank)
+    waiting = [p for p in positions if p.phase in WAITING_PHASES]
+    if not raised or not waiting:
+        return None
+    clauses = [
+        f"{rank_list(ranks)} raised {error} in {'its' if len(ranks) == 1 else 'their'} forward{_at(step)}"
+        for (error, step), ranks in _grouped(raised, lambda p: (p.error or "an error", p.step)).items()
+    ]
+    text = "; ".join([*clauses, _waiting_text(waiting)])
+    return Stall("raised", [p.rank for p in raised], raised[0].step, text, [p.rank for p in waiting])
+
+
+def _grouped(positions: list[Position], key: Any) -> dict[Any, list[int]]:
+    """The ranks of ``positions`` by ``key(position)``, in the order each key first comes."""
+    groups: dict[Any, list[int]] = {}
+    for p in positions:
+        groups.setdefault(key(p), []).append(p.rank)
+    return groups
 
 
 def _skipped(positions: list[Position]) -> Stall | None:
@@ -284,14 +335,25 @@ def _elsewhere(positions: list[Position]) -> Stall | None:
     )
     waiting = groups.pop(waiting_key)
     culprits = sorted((p for group in groups.values() for p in group), key=lambda p: p.rank)
+    in_step = waiting_key[0] == "step"  # the others wait inside step k's optimizer step: a rank before it
+    before = ("optimizer", waiting_key[1]) if in_step else None
     clauses = [
-        f"{rank_list([p.rank for p in group])} {'is' if len(group) == 1 else 'are'}{_in(phase, step, group[0].engine)}"
+        f"{rank_list([p.rank for p in group])} {'is' if len(group) == 1 else 'are'}"
+        + (_before_step(step) if (phase, step) == before else _in(phase, step, group[0].engine))
         for (phase, step), group in sorted(groups.items(), key=lambda item: item[1][0].rank)
     ]
     text = "; ".join([*clauses, _waiting_text(waiting)])
-    return Stall(
-        "rank_elsewhere", [p.rank for p in culprits], _stall_step(culprits[0]), text, [p.rank for p in waiting]
-    )
+    step = waiting_key[1] if in_step else _stall_step(culprits[0])
+    return Stall("rank_elsewhere", [p.rank for p in culprits], step, text, [p.rank for p in waiting])
+
+
+def _before_step(step: Any) -> str:
+    """Where a rank is that has not entered the optimizer step the others wait in.
+
+    >>> _before_step(6)
+    " after step 6's monitor, before its optimizer step (a save, a log or a wait of its own)"
+    """
+    return f" after step {step}'s monitor, before its optimizer step (a save, a log or a wait of its own)"
 
 
 def _progress(p: Position) -> tuple[int, int, int]:

@@ -12,11 +12,18 @@ Every rank watches (not only the main one), so a rank whose Python is stuck hold
 cannot keep the others from naming it. "Not moved" is judged on this rank's clock from when a
 rank's counter last changed, never from another host's timestamps.
 
-Limits: the anomaly is recorded from the watcher thread while the training thread is frozen by
-definition (no rank moved for ``stall_timeout``); a rank that resumes at that very moment may
-write to its record concurrently. A stall named under the ``wait`` action is named once; once a
-rank that waited in it moves, the next one needs a full ``stall_timeout`` of waiting again. A rank
-that closed its debugger has no watcher: it is named (``left_early``) but dumps no stack.
+A stall is named once it has held for two looks: the same ranks named, every other rank unmoved. A
+position is published up to a look late, so a snapshot read while ranks leave a long wait would blame the
+first to move; the others' moves reach the store within those looks and end that candidate. The ranks
+named may keep moving meanwhile (a rank running training forwards of its own, one after the other, while
+the others wait in a collective): that is the stall, not a snapshot going stale.
+
+Limits: a rank whose watcher is kept from publishing for more than a look (the GIL held) may still leave
+a half-moved snapshot. The anomaly is recorded from the watcher thread: a waiting rank is frozen by
+definition (not moved for ``stall_timeout``), but one that resumes at that very moment, or a rank named
+that keeps moving, may write to its record concurrently. A stall named under the ``wait`` action is
+named once; once a rank that waited in it moves, the next one needs a full ``stall_timeout`` of waiting
+again. A rank that closed its debugger has no watcher: it is named (``left_early``) but dumps no stack.
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ class StallWatcher:
         self._seen: dict[int, tuple[int, float]] = {}
         self.next_verdict = 0  # the number of the next verdict to look for or propose
         self._named: dict[int, int] = {}  # the waiting ranks of the last stall named, and their counters
+        self._held_since: tuple[Any, float] | None = None  # the stall seen at the last looks, and since when
         self._failed = False
 
     def start(self) -> None:
@@ -113,15 +121,15 @@ class StallWatcher:
         if self._named and any(p is None or self._named.get(p.rank, p.counter) != p.counter for p in positions):
             # the stall named last resolves: every rank's wait counts from now (the positions published
             # meanwhile are up to an interval old, and would name a stall out of a half-moved snapshot)
-            self._named, self._seen = {}, {}
+            self._named, self._seen, self._held_since = {}, {}, None
         waiting = self._waiting(positions)
+        stall = None if any(p is None for p in positions) else name_stall(positions)  # type: ignore[arg-type]
+        held = self._held(stall, positions)  # type: ignore[arg-type]  # a stall: every rank published
         number = self.next_verdict
         verdict = self.channel.verdict(number)
-        if verdict is None and waiting and not self._named:
-            stall = name_stall(positions)  # type: ignore[arg-type]  # waiting: every rank published
-            if stall is not None:
-                end = self.end_job or stall.definite
-                verdict = self.channel.propose(number, verdict_of(stall, end=end, by=self.position.rank))
+        if verdict is None and waiting and not self._named and stall is not None and held:
+            end = self.end_job or stall.definite
+            verdict = self.channel.propose(number, verdict_of(stall, end=end, by=self.position.rank))
         if verdict is not None:
             self._named = dict(waiting) or {p.rank: p.counter for p in positions if p is not None}
             live = sum(p is None or p.phase != "closed" for p in positions)  # a closed rank's watcher is gone
@@ -141,6 +149,22 @@ class StallWatcher:
             for p in positions
             if p is not None and p.phase in WAITING_PHASES and now - self._seen[p.rank][1] >= self.stall_timeout
         )
+
+    def _held(self, stall: Stall | None, positions: list[Position]) -> bool:
+        """``stall`` has held for :data:`SETTLED_LOOKS` looks (this clock): the same ranks named, and every
+        other rank at the same counter. A rank publishes its position up to a look late, so a snapshot read
+        while the ranks leave a wait that named nothing (all in one place: a rank slow inside the forward whose
+        all-gather the others wait in) holds a rank that went on and the others' old places, which would name
+        the rank that went on as holding them up; the others' moves, published meanwhile, end it. The ranks
+        named may move (their own training forwards, one after the other): they are what holds the others."""
+        if stall is None:
+            self._held_since = None
+            return False
+        key = (tuple(stall.ranks), tuple((p.rank, p.counter) for p in positions if p.rank not in stall.ranks))
+        now = self.clock()
+        if self._held_since is None or self._held_since[0] != key:
+            self._held_since = (key, now)
+        return now - self._held_since[1] >= SETTLED_LOOKS * self.interval
 
     # -- a verdict: every rank's part --------------------------------------------------------------
     def handle(self, number: int, verdict: dict[str, Any], expected: int | None = None) -> None:
@@ -171,6 +195,8 @@ class StallWatcher:
             time.sleep(0.05)
 
 
+SETTLED_LOOKS = 2
+"""The looks (of ``interval`` s) a stall must have held (the same ranks named, the others unmoved) to be named."""
 TIMEOUT_JOIN = 6.0  # the watcher may be in a store round trip (side_channel.TIMEOUT_SECONDS) when stopped
 
 
