@@ -33,7 +33,7 @@ def _release(text: str) -> tuple[int, ...]:
 
 def _floors() -> dict[str, str]:
     """The declared floor of each package that ``.ci/floor_versions.py`` pins for the floor job."""
-    found = dict(re.findall(r'^\s*"([A-Za-z0-9_.-]+)>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text(), re.M))
+    found = dict(re.findall(r'^\s*"([A-Za-z0-9_.-]+)>=([0-9.]+)[",]', (ROOT / "pyproject.toml").read_text(), re.M))
     return {name: found[name] for name in FLOORED}
 
 
