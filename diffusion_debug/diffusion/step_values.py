@@ -38,6 +38,7 @@ import torch
 from ..probes import ModuleReading
 from ..record import Anomaly
 from ..stats import (
+    ANY_AUTOCAST,
     QueuedTensors,
     TensorStats,
     absmax_on_device,
@@ -48,8 +49,6 @@ from ..stats import (
     to_host,
 )
 from . import checks
-
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)  # (one C call)
 
 # min and max are not in the row: no check and no report reads them, and they cost a pass each
 STAT_KEYS = ("shape", "dtype", "mean", "std", "absmax", "l2", "nan", "posinf", "neginf")
@@ -463,7 +462,7 @@ def measure_call(
         else:  # one kernel
             low, high = torch.aminmax(flat, dim=1)
         inside = (x.abs() <= 1).sum(dtype=torch.float32)
-        if probe is None and not _ANY_AUTOCAST():  # the count and each image's extremes in one read: one cat,
+        if probe is None and not ANY_AUTOCAST():  # the count and each image's extremes in one read: one cat,
             # which promotes fp16/bf16 extremes to the count's float32 itself, exactly (2 casts and a stack before)
             host = read_now(torch.cat((inside.reshape(1), low, high)))
             return _decoded(host, tensor.numel(), [])

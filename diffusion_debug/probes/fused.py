@@ -46,7 +46,7 @@ from operator import attrgetter
 
 import torch
 
-from ..stats import autocast_off
+from ..stats import ANY_AUTOCAST, autocast_off
 
 HELD_BYTES = 128 * 2**20
 """The held outputs are reduced once they reach this many bytes (SD1.5's UNet at 512x512 with
@@ -73,7 +73,6 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _FOREACH_MAX = hasattr(torch, "_foreach_max")  # torch >= 2.6
 _VERSION = attrgetter("_version")
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)  # (one C call)
 
 
 def _absmaxes(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
@@ -183,7 +182,7 @@ class HeldAbsmax:
             self.flushed.extend(norms)
         elif len(norms) == 1:
             self.flushed.append(norms[0].reshape(1))
-        elif not _ANY_AUTOCAST():
+        elif not ANY_AUTOCAST():
             self.flushed.append(torch.stack(norms))
         else:  # autocast's stack casts each tensor not of the widest dtype (4 a call of a float32 CLIP) and raises
             # on a half dtype not its own (float16 abs-maxes under bfloat16 autocast, one dtype or several): none here

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -39,7 +39,8 @@ from torch.overrides import TorchFunctionMode
 _READS = {"item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"}
 _HOST_BUFFERS: dict[int, weakref.ref] = {}  # id -> the host buffer a HostCopy filled
 _EMPTY_FLOAT64: dict[torch.device, torch.Tensor] = {}
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)  # (one C call)
+ANY_AUTOCAST: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+"""Whether any autocast is on (one C call; True before torch has the call: the autocast paths then always)."""
 
 
 def detached(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ class HostCopy:
                 if t.requires_grad:
                     tracked = True
                     break
-            if _ANY_AUTOCAST():  # (one C call) a user's ``with torch.autocast(...)`` around the pipeline
+            if ANY_AUTOCAST():  # (one C call) a user's ``with torch.autocast(...)`` around the pipeline
                 host, layout = _joined(device, own)
             elif tracked:
                 with torch.no_grad():  # no graph for the copy (a detach each would be an op per value)

@@ -10,17 +10,16 @@ weights) is answered as under any autocast open (:data:`UNKNOWN_DEVICE`)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 
+from ...stats import ANY_AUTOCAST  # noqa: F401 (re-exported: asked as each run begins)
+
 AutocastState = tuple[tuple[str, torch.dtype], ...]
 """Each device type whose autocast region is open, with the dtype it computes in: ``(("cuda", torch.float16),)``;
 ``()`` when none is."""
-
-ANY_AUTOCAST: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
-"""Whether any autocast region is open: one C call, no Python frame (asked as each run begins)."""
 
 DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps")
 """The device types whose autocast state is read."""
