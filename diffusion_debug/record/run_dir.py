@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DiffusionDebugError
-from .anomaly import Anomaly
+from .anomaly import Anomaly, distinct_details
 from .jsonio import load_json, read_jsonl
 
 
@@ -240,13 +240,16 @@ def _order(value: Any) -> tuple[int, Any]:
 def _fold_key(row: dict[str, Any]) -> tuple:
     # the first anomaly's place, which its anomaly_repeated events name, read back from JSON; a
     # consequence at the place of its cause has a fold key of its own (``default_key``), but the
-    # two are never open together (one a kind, rank and step): a repeat is the latest one's
+    # two are never open together (one a kind, rank and step): a repeat is the latest one's. Two
+    # at one place that their kind tells apart (each optimizer's own stall) may be: the details
+    # that do (a repeat's event carries them) are part of the key
     return (
         row.get("kind"),
         row.get("rank", 0),
         row.get("component") or "",
         row.get("module") or "",
         row.get("parameter"),
+        tuple(distinct_details(str(row.get("kind")), row.get("details")).values()),
     )
 
 
