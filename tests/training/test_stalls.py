@@ -614,3 +614,89 @@ def test_under_fsdp2_forward_is_named_as_the_phase_alone():
 def test_the_engine_travels_with_the_position_through_the_store():
     position = Position(rank=1, phase="backward", step=3, engine="zero")
     assert Position.from_dict(json.loads(json.dumps(position.to_dict()))) == position
+
+
+# -- an error that left the step outside the watched forward (hangs.unwinding) -----------------------------------
+def test_where_an_error_left_the_step_is_named_with_the_error():
+    loss = _at("raised", 3, [1], error="ValueError: a bad target", raised_in="forward")
+    assert name_stall(_at("backward", 3, [0]) + loss).text == (
+        "rank 1 raised ValueError: a bad target between its forward and backward (the loss) at step 3; "
+        "rank 0 waits in backward (the gradient all-reduce) at step 3"
+    )
+    both = _at("raised", 2, [1, 2], error="OSError: disk full", raised_in="save", uncaught=True)
+    assert name_stall(_at("forward", 3, [0]) + both).text == (
+        "ranks 1–2 raised OSError: disk full in save at step 2 (not caught: their processes are ending); "
+        "rank 0 waits in forward at step 3"
+    )
+    stepped = _at("raised", 5, [0], error="RuntimeError: bad state", raised_in="optimizer")
+    assert name_stall(stepped + _at("forward", 6, [1])).text == (
+        "rank 0 raised RuntimeError: bad state after its monitor (the optimizer step, zero_grad or the next batch) "
+        "at step 5; rank 1 waits in forward at step 6"
+    )
+
+
+def test_a_rank_handling_an_error_from_its_backward_is_published_raised_and_named(watched):
+    """Rank 0's backward raised (a hook of the user's on the output, outside the watched forward) and it handles
+    the error while ranks 1-3 wait in the gradient all-reduce: every rank's last mark is "backward at step 3",
+    one place, and nothing was named. While the training thread unwinds with the error the watcher publishes the
+    rank as raised, with it; once the rank left its ``except`` clause, as it was."""
+    positions, tick, recorded, channels, run_dir = watched
+    for p in positions:
+        _move(p, "backward", 3)
+    tick(0.0)
+    try:
+        raise ValueError("a bad target")
+    except ValueError:
+        tick(3.0)
+        tick(1.0)  # held for two looks
+    assert recorded == [
+        (
+            "rank 0 raised ValueError: a bad target in its backward at step 3; ranks 1–3 wait in backward (the "
+            "gradient all-reduce) at step 3",
+            False,
+        )
+    ]
+    tick(0.5)
+    published = channels[1].read()[0]
+    assert (published.phase, published.step, published.error, published.counter) == ("backward", 3, "", 1)
+    assert positions[0].phase == "backward"  # the training thread's own position is never written
+
+
+@pytest.mark.parametrize("error", [StopIteration(), DiffusionDebugError("policy raise, on every rank")])
+def test_an_iterator_ending_or_the_debuggers_own_error_is_not_read_as_raised(watched, error):
+    positions, tick, recorded, channels, run_dir = watched
+    _move(positions[0], "before_forward", 3)
+    try:
+        raise error
+    except type(error):
+        tick(0.0)
+    assert channels[1].read()[0].phase == "before_forward"
+
+
+def test_a_debugger_closed_at_exit_after_an_uncaught_error_publishes_it(tmp_path, monkeypatch):
+    """The main thread ended with an uncaught error (``sys.last_value``) and the debugger's finalizer closes it at
+    the exit: published as raised with it, not as a rank that left the loop (``left_early``)."""
+    import sys
+    import threading
+
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness.watcher.thread = ended
+    monkeypatch.setattr(threading, "main_thread", lambda: ended)
+    monkeypatch.setattr(sys, "last_value", ValueError("a bad target"), raising=False)
+    liveness._last_step = 2
+    liveness.mark("backward", 3)
+    liveness.close()
+    published = rank1.read()[0]
+    assert (published.phase, published.step, published.error) == ("raised", 3, "ValueError: a bad target")
+    assert (published.raised_in, published.uncaught) == ("backward", True)
+    assert name_stall([published, Position(1, "backward", 3)]).text == (
+        "rank 0 raised ValueError: a bad target in its backward at step 3 (not caught: its process is ending); "
+        "rank 1 waits in backward (the gradient all-reduce) at step 3"
+    )
+    monkeypatch.undo()
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness.close()  # no error: closed
+    assert rank1.read()[0].phase == "closed"
