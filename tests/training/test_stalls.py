@@ -15,7 +15,7 @@ from diffusion_debug.errors import ConfigError
 from diffusion_debug.probes import apply_phase_marks
 from diffusion_debug.training.hangs import liveness as liveness_module
 from diffusion_debug.training.hangs.liveness import RankLiveness, stall_anomaly
-from diffusion_debug.training.hangs.patterns import Position, name_stall, rank_list
+from diffusion_debug.training.hangs.patterns import Position, Stall, name_stall, rank_list
 from diffusion_debug.training.hangs.side_channel import SideChannel
 from diffusion_debug.training.hangs.watcher import StallWatcher
 
@@ -700,3 +700,55 @@ def test_a_debugger_closed_at_exit_after_an_uncaught_error_publishes_it(tmp_path
     liveness, rank1 = _two_rank_liveness(tmp_path)
     liveness.close()  # no error: closed
     assert rank1.read()[0].phase == "closed"
+
+
+def test_a_stall_whose_raised_ranks_all_exit_uncaught_is_definite():
+    """A rank whose process ends with an uncaught error will not come back: the job ends whatever stall_action
+    says, as main ended it for that rank published ``closed`` (``left_early``). One that caught its error may retry."""
+    uncaught = Position(0, "raised", 3, error="ValueError: x", raised_in="backward", uncaught=True)
+    caught = Position(2, "raised", 3, error="ValueError: x", raised_in="backward")
+    stall = name_stall([uncaught, Position(1, "backward", 3)])
+    assert (stall.pattern, stall.uncaught, stall.definite) == ("raised", True, True)
+    assert Stall.from_dict(json.loads(json.dumps(stall.to_dict()))).definite is True  # as the verdict carries it
+    stall = name_stall([uncaught, Position(1, "backward", 3), caught])
+    assert (stall.pattern, stall.uncaught, stall.definite) == ("raised", False, False)
+    assert name_stall([caught, Position(1, "backward", 3)]).definite is False
+
+
+def test_a_rank_exiting_with_an_uncaught_error_ends_the_job_under_stall_action_wait(tmp_path, monkeypatch):
+    """Rank 0's main thread ended with an uncaught error raised in backward; its debugger's finalizer publishes it
+    at exit. Rank 1 (stall_action "wait", end_job False) names it and ends the job, not waiting for rank 0's
+    acknowledgement (its watcher is gone, as a closed rank's)."""
+    import sys
+    import threading
+
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness.watcher.thread = ended
+    monkeypatch.setattr(threading, "main_thread", lambda: ended)
+    monkeypatch.setattr(sys, "last_value", ValueError("a bad target"), raising=False)
+    liveness._last_step = 2
+    liveness.mark("backward", 3)
+    liveness.close()
+    clock, handled = _Clock(), []
+    watcher = StallWatcher(
+        rank1,
+        Position(rank=1, phase="backward", step=3, counter=1),
+        stall_timeout=3.0,
+        end_job=False,
+        run_dir=tmp_path,
+        record=print,
+        clock=clock,
+    )
+    watcher.handle = lambda number, verdict, expected=None: handled.append((number, verdict, expected))
+    for after in (0.0, 3.1):  # frozen for stall_timeout, the stall held for two looks: proposed
+        clock.now += after
+        watcher.tick()
+    [(number, verdict, expected)] = handled
+    assert (number, verdict["end"], verdict["stall"]["pattern"], expected) == (0, True, "raised", 1)
+    assert verdict["stall"]["text"] == (
+        "rank 0 raised ValueError: a bad target in its backward at step 3 (not caught: its process is ending); "
+        "rank 1 waits in backward (the gradient all-reduce) at step 3"
+    )

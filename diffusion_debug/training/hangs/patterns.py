@@ -158,6 +158,8 @@ class Stall:
     step: Any
     text: str
     waiting: list[int] = field(default_factory=list)
+    uncaught: bool = False
+    """``raised``: every rank named is exiting with its error (``Position.uncaught``): none will come back."""
 
     @property
     def advice(self) -> str:
@@ -165,16 +167,18 @@ class Stall:
 
     @property
     def definite(self) -> bool:
-        """No rank can get out of it (a skipped step, a monitor on some ranks, a rank gone): the job
-        ends whatever ``stall_action`` says; ``rank_elsewhere`` may resolve (a long validation)."""
-        return self.pattern in _ENDING
+        """No rank can get out of it (a skipped step, a monitor on some ranks, a rank gone, one exiting with an
+        uncaught error): the job ends whatever ``stall_action`` says; ``rank_elsewhere`` may resolve (a long
+        validation), and so may ``raised`` while a rank named handles its error (a retry)."""
+        return self.pattern in _ENDING or (self.pattern == "raised" and self.uncaught)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "advice": self.advice}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stall":
-        return cls(data["pattern"], list(data["ranks"]), data["step"], data["text"], list(data.get("waiting", ())))
+        waiting, uncaught = list(data.get("waiting", ())), bool(data.get("uncaught", False))
+        return cls(data["pattern"], list(data["ranks"]), data["step"], data["text"], waiting, uncaught)
 
 
 def rank_list(ranks: list[int]) -> str:
@@ -271,7 +275,8 @@ def _raised(positions: list[Position]) -> Stall | None:
         for (error, step, raised_in, left), ranks in groups.items()
     ]
     text = "; ".join([*clauses, _waiting_text(waiting)])
-    return Stall("raised", [p.rank for p in raised], raised[0].step, text, [p.rank for p in waiting])
+    ranks, uncaught = [p.rank for p in raised], all(p.uncaught for p in raised)
+    return Stall("raised", ranks, raised[0].step, text, [p.rank for p in waiting], uncaught)
 
 
 def _raised_where(raised_in: str, ranks: int) -> str:

@@ -137,7 +137,8 @@ class StallWatcher:
             verdict = self.channel.propose(number, verdict_of(stall, end=end, by=self.position.rank))
         if verdict is not None:
             self._named = dict(waiting) or {p.rank: p.counter for p in positions if p is not None}
-            live = sum(p is None or p.phase != "closed" for p in positions)  # a closed rank's watcher is gone
+            # a closed rank's watcher is gone, and so is one exiting with an uncaught error (closed at the exit)
+            live = sum(p is None or (p.phase != "closed" and not p.uncaught) for p in positions)
             self.handle(number, verdict, expected=live)
 
     def _waiting(self, positions: list[Position | None]) -> tuple[tuple[int, int], ...]:
