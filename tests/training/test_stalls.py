@@ -752,3 +752,71 @@ def test_a_rank_exiting_with_an_uncaught_error_ends_the_job_under_stall_action_w
         "rank 0 raised ValueError: a bad target in its backward at step 3 (not caught: its process is ending); "
         "rank 1 waits in backward (the gradient all-reduce) at step 3"
     )
+
+
+_AROUND = "rank 3 is in validation at step 2; ranks 0–2 wait in backward (the gradient all-reduce) at step 3"
+
+
+@pytest.mark.parametrize("stall", ["rank 3 in validation", "all in one slow backward"])
+def test_an_error_handled_around_the_training_loop_is_not_read_as_raised(watched, stall):
+    """Rank 0's loop runs inside an ``except`` clause (a resume that fell back to a fresh start:
+    ``except FileNotFoundError: trainer.train()``): the handled error encloses every step. Seen while rank 0 was
+    at step 2 and still handled after it moved on, it is not the step's: rank 3 in validation is named, and four
+    ranks together in one slow backward are no stall."""
+    positions, tick, recorded, channels, run_dir = watched
+    try:
+        raise FileNotFoundError("no checkpoint to resume from")
+    except FileNotFoundError:
+        for p in positions:
+            _move(p, "backward", 2)
+        tick(0.0)
+        if stall == "rank 3 in validation":
+            _move(positions[3], "validation", 2)
+        for p in positions[: 3 if stall == "rank 3 in validation" else 4]:
+            _move(p, "backward", 3)
+        tick(0.5)
+        tick(3.1)
+        tick(1.0)
+        published = channels[1].read()[0]
+    assert (published.phase, published.step, published.error) == ("backward", 3, "")
+    assert recorded == ([(_AROUND, False)] if stall == "rank 3 in validation" else [])
+
+
+def test_an_error_handled_when_the_watch_began_is_not_read_as_raised(tmp_path):
+    """The debugger was built inside the ``except`` clause the loop runs in: the error is not the step's."""
+    store = dist.PrefixStore("run/", dist.HashStore())
+    try:
+        raise FileNotFoundError("no checkpoint to resume from")
+    except FileNotFoundError:
+        watcher = StallWatcher(
+            SideChannel(store, 0, 2),
+            Position(rank=0),
+            stall_timeout=3.0,
+            end_job=False,
+            run_dir=tmp_path,
+            record=print,
+        )
+        _move(watcher.position, "backward", 3)
+        watcher.tick()
+    published = SideChannel(store, 1, 2).read()[0]
+    assert (published.phase, published.step, published.error) == ("backward", 3, "")
+
+
+def test_an_uncaught_error_left_from_before_the_watch_is_not_read_as_raised(tmp_path, monkeypatch):
+    """``sys.last_value`` already set when the debugger was built (an earlier error in a REPL or notebook): at exit
+    the rank is published closed, not raised with that error."""
+    import sys
+    import threading
+
+    monkeypatch.setattr(sys, "last_value", ValueError("an earlier cell's error"), raising=False)
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness.watcher.thread = ended
+    monkeypatch.setattr(threading, "main_thread", lambda: ended)
+    liveness._last_step = 2
+    liveness.mark("backward", 3)
+    liveness.close()
+    published = rank1.read()[0]
+    assert (published.phase, published.step, published.error, published.uncaught) == ("closed", 2, "", False)

@@ -49,7 +49,6 @@ from ...probes import ProbeHandle, apply_phase_marks
 from ...record import Anomaly, make_anomaly
 from .patterns import Position, Stall, error_text
 from .side_channel import SideChannel
-from .unwinding import raised_position
 from .watcher import StallWatcher
 
 logger = logging.getLogger("diffusion_debug.training")
@@ -246,7 +245,7 @@ class RankLiveness:
         watcher, self.watcher = self.watcher, None
         if watcher is not None:
             watcher.stop()
-            ended = raised_position(self.position, watcher.thread)
+            ended = watcher.unwinding.position(self.position, watcher.thread)
             self.position = watcher.position = ended if ended.uncaught else self.position
         if not self.position.uncaught:
             self.mark("closed", self._last_step)

@@ -2,7 +2,7 @@
 user's, in the optimizer step), seen by the watcher thread: read, never hooked, so the user's code and the error
 stay as they are.
 
-Two signs, read at each look (:func:`raised_position`):
+Two signs, read at each look (:meth:`Unwinding.position`):
 
 - the training thread is handling an exception: inside an ``except`` or ``finally`` clause, or a context manager's
   ``__exit__``, as it unwinds (``sys._current_exceptions``): a rank that caught its error and waits (a checkpoint
@@ -15,21 +15,37 @@ The position published is then this rank's, in phase ``raised`` with the error a
 thread's position is not written (it moves on by itself once the rank does)::
 
     >>> import threading
+    >>> thread = threading.current_thread()
+    >>> watch = Unwinding(thread)
     >>> try:
     ...     raise ValueError("a bad target")
     ... except ValueError:
-    ...     seen = raised_position(Position(1, "backward", 3), threading.current_thread())
+    ...     seen = watch.position(Position(1, "backward", 3, counter=7), thread)
     >>> seen.phase, seen.step, seen.error, seen.raised_in, seen.uncaught
     ('raised', 3, 'ValueError: a bad target', 'backward', False)
-    >>> raised_position(Position(1, "backward", 3), threading.current_thread()).phase  # handled: left behind
+    >>> watch.position(Position(1, "backward", 3, counter=7), thread).phase  # handled: left behind
     'backward'
+
+An error handled around the training loop (``except FileNotFoundError: trainer.train()``, a resume's fallback) is
+not the step's: one already handled when the watch began, and one still handled after the rank's position moved
+on from where it was first seen (its handler encloses the steps)::
+
+    >>> try:
+    ...     raise FileNotFoundError("no checkpoint to resume from")
+    ... except FileNotFoundError:  # the loop runs here
+    ...     first = watch.position(Position(1, "backward", 3, counter=8), thread).phase
+    ...     later = watch.position(Position(1, "backward", 4, counter=9), thread).phase
+    >>> first, later
+    ('raised', 'backward')
 
 Limits: an error caught and left at once (``except: continue``) is not seen; the next forward then marks the
 rank (a skipped step, where ``step=`` numbers the steps). ``StopIteration`` is no error (an iterator ended) and a
 DiffusionDebugError is the debugger's own (policy ``raise``, on every rank together): neither is named. Any other
-exception the training thread handles while frozen is read as its step's error, whatever raised it. A training
-loop in another thread than the main one is seen while it handles the error only. A Python without
-``sys._current_exceptions`` (not CPython) sees the second sign only.
+exception the training thread handles while frozen is read as its step's error, whatever raised it, until its
+position moves: an error handled around the loop, first seen after the rank's last move (a stall within the
+watch's first look of the handler), is read as raised. A training loop in another thread than the main one is
+seen while it handles the error only. A Python without ``sys._current_exceptions`` (not CPython) sees the second
+sign only; an uncaught error already in ``sys.last_value`` when the watch began (a REPL's) is not read.
 """
 
 from __future__ import annotations
@@ -45,34 +61,68 @@ _NOT_ERRORS = (StopIteration, StopAsyncIteration, DiffusionDebugError)
 _NOT_IN_STEP = ("raised", "closed")  # marked already by the forward's hook; a rank that left the loop
 
 
-def unwinding(thread: threading.Thread) -> tuple[BaseException, bool] | None:
-    """The error ``thread`` is unwinding with and whether no one caught it (the main thread ended with it),
-    or None."""
-    if thread.is_alive():
-        current = getattr(sys, "_current_exceptions", None)
-        error = current().get(thread.ident) if current is not None else None
-        if isinstance(error, tuple):  # before Python 3.12: (type, value, traceback)
-            error = error[1]
-        return (error, False) if _an_error(error) else None
-    if thread is threading.main_thread():
-        error = getattr(sys, "last_value", None)  # the uncaught error printed before the exit handlers
-        return (error, True) if _an_error(error) else None
-    return None
+class Unwinding:
+    """The errors one watcher has seen the training thread handle, to tell a step's own from one handled around
+    the loop. Read by the watcher thread at each look, then once at close (the watcher stopped)."""
+
+    def __init__(self, thread: threading.Thread):
+        self._around = {id(e) for e in _chain(_handled(thread))}
+        """Handled when the watch began: around the loop (``id``: each is alive while handled)."""
+        self._seen: dict[int, int] = {}
+        """``id(error)``: the position's counter when first seen; a later counter means the handler encloses the
+        steps (only errors still handled are kept: a freed one's ``id`` may come back)."""
+        self._stale = getattr(sys, "last_value", None)
+        """An uncaught error already left when the watch began (a REPL's, a notebook's): not this run's."""
+
+    def position(self, position: Position, thread: threading.Thread) -> Position:
+        """``position`` as the other ranks should read it: in phase ``raised`` while ``thread`` (the training
+        thread) unwinds with its step's error, else ``position`` itself."""
+        if position.phase in _NOT_IN_STEP:
+            return position
+        found = self.unwinding(position, thread)
+        if found is None:
+            return position
+        error, uncaught = found
+        return dataclasses.replace(
+            position, phase="raised", error=error_text(error), raised_in=position.phase, uncaught=uncaught
+        )
+
+    def unwinding(self, position: Position, thread: threading.Thread) -> tuple[BaseException, bool] | None:
+        """The step's error ``thread`` is unwinding with and whether no one caught it (the main thread ended with
+        it), or None."""
+        if thread.is_alive():
+            error = _handled(thread)
+            handled = {id(e) for e in _chain(error)}
+            self._around &= handled
+            self._seen = {key: counter for key, counter in self._seen.items() if key in handled}
+            if error is None or id(error) in self._around:
+                return None
+            if self._seen.setdefault(id(error), position.counter) != position.counter:
+                return None  # still handled after the rank moved on: its handler encloses the steps
+            return (error, False) if _an_error(error) else None
+        if thread is threading.main_thread():
+            error = getattr(sys, "last_value", None)  # the uncaught error printed before the exit handlers
+            return (error, True) if _an_error(error) and error is not self._stale else None
+        return None
+
+
+def _handled(thread: threading.Thread) -> BaseException | None:
+    """The exception ``thread`` handles now (innermost), or None."""
+    current = getattr(sys, "_current_exceptions", None)
+    error = current().get(thread.ident) if current is not None and thread.is_alive() else None
+    if isinstance(error, tuple):  # before Python 3.12: (type, value, traceback)
+        error = error[1]
+    return error if isinstance(error, BaseException) else None
+
+
+def _chain(error: BaseException | None) -> list[BaseException]:
+    """``error`` and those handled around it (``__context__``: an error raised in a handler has the handled one)."""
+    chain: list[BaseException] = []
+    while error is not None and all(error is not e for e in chain):
+        chain.append(error)
+        error = error.__context__
+    return chain
 
 
 def _an_error(error: object) -> bool:
     return isinstance(error, Exception) and not isinstance(error, _NOT_ERRORS)
-
-
-def raised_position(position: Position, thread: threading.Thread) -> Position:
-    """``position`` as the other ranks should read it: in phase ``raised`` while ``thread`` (the training
-    thread) unwinds with an error, else ``position`` itself."""
-    if position.phase in _NOT_IN_STEP:
-        return position
-    found = unwinding(thread)
-    if found is None:
-        return position
-    error, uncaught = found
-    return dataclasses.replace(
-        position, phase="raised", error=error_text(error), raised_in=position.phase, uncaught=uncaught
-    )

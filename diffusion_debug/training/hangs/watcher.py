@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from .patterns import WAITING_PHASES, Position, Stall, name_stall
 from .side_channel import SideChannel, verdict_of
-from .unwinding import raised_position
+from .unwinding import Unwinding
 
 logger = logging.getLogger("diffusion_debug.training")
 
@@ -82,6 +82,7 @@ class StallWatcher:
         self.position = position
         self.thread = threading.current_thread() if thread is None else thread
         """The training thread (the one that built the watcher): an error it unwinds with is published."""
+        self.unwinding = Unwinding(self.thread)
         self.stall_timeout = stall_timeout
         self.end_job = end_job
         self.run_dir = run_dir
@@ -121,7 +122,7 @@ class StallWatcher:
 
     # -- one look ------------------------------------------------------------------------------------
     def tick(self) -> None:
-        self.channel.publish(raised_position(self.position, self.thread))  # (an error left the step: ``unwinding``)
+        self.channel.publish(self.unwinding.position(self.position, self.thread))  # an error left the step?
         positions = self.channel.read()
         if self._named and any(p is None or self._named.get(p.rank, p.counter) != p.counter for p in positions):
             # the stall named last resolves: every rank's wait counts from now (the positions published
