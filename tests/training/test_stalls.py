@@ -5,6 +5,7 @@ test_stalls_multiprocess.py."""
 
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from diffusion_debug.training.hangs import liveness as liveness_module
 from diffusion_debug.training.hangs.liveness import RankLiveness, stall_anomaly
 from diffusion_debug.training.hangs.patterns import Position, Stall, name_stall, rank_list
 from diffusion_debug.training.hangs.side_channel import SideChannel
+from diffusion_debug.training.hangs.unwinding import Unwinding
 from diffusion_debug.training.hangs.watcher import StallWatcher
 
 
@@ -150,9 +152,16 @@ def test_a_rank_whose_forward_raised_is_named_with_its_error_though_the_others_w
     assert name_stall(_at("raised", 3, [0, 1], error="ValueError: a bad batch")) is None
 
 
+class _NoWatcher:
+    """A watcher never started (as with a side channel): what the marks call on it, nothing more."""
+
+    def __init__(self):
+        self.unwinding = Unwinding(threading.current_thread())
+
+
 def test_a_forward_that_raises_marks_the_rank_raised_with_its_error_until_the_next_forward(mlp):
     liveness = RankLiveness(Position(rank=1))
-    liveness.watcher = object()  # as with a side channel: the marks go on
+    liveness.watcher = _NoWatcher()  # as with a side channel: the marks go on
     liveness.attach([mlp])
 
     def bad_batch(module, args):
@@ -205,7 +214,7 @@ class _CollectiveStep:
 
 def test_an_optimizer_step_that_holds_collectives_is_marked_while_a_monitored_update_runs_in_it(mlp):
     liveness = RankLiveness(Position(rank=0))
-    liveness.watcher = object()  # as with a side channel: the marks go on
+    liveness.watcher = _NoWatcher()  # as with a side channel: the marks go on
     zero = _CollectiveStep(liveness)
     liveness.attach([mlp], [zero])
     liveness._last_step = 6
@@ -449,7 +458,7 @@ def test_a_step_the_grad_scaler_skips_fires_no_step_hook_so_the_rank_stays_after
     # the limit: a GradScaler skip calls no optimizer.step, so the mark "after its optimizer step" is not
     # made; a stall there is named from the monitor's end, which still names the optimizer step among the places
     liveness = RankLiveness(Position(rank=1))
-    liveness.watcher = object()  # a rank with a watcher: the optimizer gets the step hook
+    liveness.watcher = _NoWatcher()  # a rank with a watcher: the optimizer gets the step hook
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
@@ -820,3 +829,29 @@ def test_an_uncaught_error_left_from_before_the_watch_is_not_read_as_raised(tmp_
     liveness.close()
     published = rank1.read()[0]
     assert (published.phase, published.step, published.error, published.uncaught) == ("closed", 2, "", False)
+
+
+def test_an_error_handled_when_the_steps_forward_began_is_not_read_as_raised(tmp_path):
+    """The loop runs inside an ``except`` clause and the watcher's first look at the handler comes after rank 0's
+    last move (a stall in the first step after it): the training forward's own mark saw the error handled as the
+    step began, so it is not the step's. An error raised after the forward (in backward) still is."""
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness._last_step = 2
+    try:
+        raise FileNotFoundError("no checkpoint to resume from")
+    except FileNotFoundError:
+        liveness._forward()
+        liveness._backward()
+        liveness.watcher.tick()
+        published = rank1.read()[0]
+        assert (published.phase, published.step, published.error) == ("backward", 3, "")
+        try:
+            raise ValueError("a bad target")
+        except ValueError:
+            liveness.watcher.tick()
+    published = rank1.read()[0]
+    assert (published.phase, published.error, published.raised_in) == (
+        "raised",
+        "ValueError: a bad target",
+        "backward",
+    )

@@ -116,6 +116,8 @@ class RankLiveness:
     def _forward(self) -> None:
         self.position.forwards += 1
         self.mark("forward", self._next_step())
+        if self.watcher is not None:  # (the training thread: an error it handles now is around the step)
+            self.watcher.unwinding.forward_began()
 
     def _backward(self) -> None:
         self.mark("backward", self._next_step())

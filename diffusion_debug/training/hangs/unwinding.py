@@ -27,8 +27,9 @@ thread's position is not written (it moves on by itself once the rank does)::
     'backward'
 
 An error handled around the training loop (``except FileNotFoundError: trainer.train()``, a resume's fallback) is
-not the step's: one already handled when the watch began, and one still handled after the rank's position moved
-on from where it was first seen (its handler encloses the steps)::
+not the step's: one already handled when the watch began or when the step's training forward began (its mark,
+:meth:`Unwinding.forward_began`), and one still handled after the rank's position moved on from where it was first
+seen (its handler encloses the steps)::
 
     >>> try:
     ...     raise FileNotFoundError("no checkpoint to resume from")
@@ -42,8 +43,8 @@ Limits: an error caught and left at once (``except: continue``) is not seen; the
 rank (a skipped step, where ``step=`` numbers the steps). ``StopIteration`` is no error (an iterator ended) and a
 DiffusionDebugError is the debugger's own (policy ``raise``, on every rank together): neither is named. Any other
 exception the training thread handles while frozen is read as its step's error, whatever raised it, until its
-position moves: an error handled around the loop, first seen after the rank's last move (a stall within the
-watch's first look of the handler), is read as raised. A training loop in another thread than the main one is
+position moves: an error handled around a loop that marks no training forward (no watched model's forward with
+grad), first seen after the rank's last move, is read as raised. A training loop in another thread than the main one is
 seen while it handles the error only. A Python without ``sys._current_exceptions`` (not CPython) sees the second
 sign only; an uncaught error already in ``sys.last_value`` when the watch began (a REPL's) is not read.
 """
@@ -73,6 +74,14 @@ class Unwinding:
         steps (only errors still handled are kept: a freed one's ``id`` may come back)."""
         self._stale = getattr(sys, "last_value", None)
         """An uncaught error already left when the watch began (a REPL's, a notebook's): not this run's."""
+        self._at_forward: int | None = None
+        """``id`` of the error handled as the last training forward began (:meth:`forward_began`): around it."""
+
+    def forward_began(self) -> None:
+        """On the training thread, as a training forward begins (its mark): an error handled now is around the
+        step, not raised in it (a loop run in an ``except`` clause, whatever the watcher's looks saw)."""
+        error = sys.exc_info()[1]
+        self._at_forward = None if error is None else id(error)
 
     def position(self, position: Position, thread: threading.Thread) -> Position:
         """``position`` as the other ranks should read it: in phase ``raised`` while ``thread`` (the training
@@ -95,7 +104,7 @@ class Unwinding:
             handled = {id(e) for e in _chain(error)}
             self._around &= handled
             self._seen = {key: counter for key, counter in self._seen.items() if key in handled}
-            if error is None or id(error) in self._around:
+            if error is None or id(error) in self._around or id(error) == self._at_forward:
                 return None
             if self._seen.setdefault(id(error), position.counter) != position.counter:
                 return None  # still handled after the rank moved on: its handler encloses the steps
