@@ -629,8 +629,12 @@ def test_the_engine_travels_with_the_position_through_the_store():
 def test_where_an_error_left_the_step_is_named_with_the_error():
     loss = _at("raised", 3, [1], error="ValueError: a bad target", raised_in="forward")
     assert name_stall(_at("backward", 3, [0]) + loss).text == (
-        "rank 1 raised ValueError: a bad target between its forward and backward (the loss) at step 3; "
+        "rank 1 raised ValueError: a bad target in its forward or its loss at step 3; "
         "rank 0 waits in backward (the gradient all-reduce) at step 3"
+    )  # the phase "forward" begins with the model's forward: an error there (not seen by its hook) reads so too
+    loss = _at("raised", 3, [1, 2], error="ValueError: a bad target", raised_in="forward")
+    assert name_stall(_at("backward", 3, [0]) + loss).text.startswith(
+        "ranks 1–2 raised ValueError: a bad target in their forward or their loss at step 3; "
     )
     both = _at("raised", 2, [1, 2], error="OSError: disk full", raised_in="save", uncaught=True)
     assert name_stall(_at("forward", 3, [0]) + both).text == (

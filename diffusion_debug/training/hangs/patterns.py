@@ -79,7 +79,7 @@ _PHASE_TEXT = {
 _RAISED_IN = {  # by Position.raised_in: where the error left the step ("": the watched forward, its hook saw it)
     "": "in its forward",
     "start": "before its first forward",
-    "forward": "between its forward and backward (the loss)",
+    "forward": "in its forward or its loss",
     "backward": "in its backward",
     "monitor": "in monitor_training_step",
     "optimizer": "after its monitor (the optimizer step, zero_grad or the next batch)",
