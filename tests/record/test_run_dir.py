@@ -247,3 +247,29 @@ def test_each_optimizers_stall_is_its_own_anomaly_in_memory_and_in_a_rebuilt_sum
     told = [(a.details["stalled_optimizer"], a.step, a.details["count"]) for a in rebuilt.anomalies]
     assert told == [(generator, 24, 2), (discriminator, 25, 1)]
     assert rebuilt.anomalies[0].details["last_step"] == 25 and "last_step" not in rebuilt.anomalies[1].details
+
+
+def test_a_repeat_written_without_details_folds_on_the_anomaly_at_its_place(tmp_path):
+    """An events.jsonl written before a repeat carried the details that tell two at one place apart (main's
+    ``anomaly_repeated``: the place alone) still counts the repeat on the anomaly at that place."""
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="old"), kind="training")
+    sink = AnomalySink(record, record.config, __import__("logging").getLogger("test"))
+
+    def stall(step):
+        details = {"reason": "lr_zero", "stalled_optimizer": "SGD holding g.0.weight"}
+        return make_anomaly("not_learning", message="m", component="optimizer", step=step, details=details)
+
+    assert sink.emit(stall(24)) and not sink.emit(stall(30))
+    sink.end_step()
+    record.close()  # killed before save(): the summary is rebuilt from events.jsonl
+    events = record.run_dir / "events.jsonl"
+    rows = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [row["details"] for row in rows if row["type"] == "anomaly_repeated"] == [
+        {"stalled_optimizer": "SGD holding g.0.weight"}
+    ]
+    for row in rows:
+        if row["type"] == "anomaly_repeated":
+            del row["details"]  # as main wrote it
+    events.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    [anomaly] = load_run(record.run_dir).anomalies
+    assert (anomaly.step, anomaly.details["count"], anomaly.details["last_step"]) == (24, 2, 30)
