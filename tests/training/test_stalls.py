@@ -859,3 +859,65 @@ def test_an_error_handled_when_the_steps_forward_began_is_not_read_as_raised(tmp
         "ValueError: a bad target",
         "backward",
     )
+
+
+def test_an_error_raised_after_a_forward_retried_in_a_handler_is_the_steps(tmp_path):
+    """The step's forward was retried inside an ``except`` clause that then ended (its error freed); backward
+    raised another error, which CPython put at the freed one's address: it is this step's, named raised."""
+    import sys
+
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness._last_step = 2
+
+    def retried():
+        try:
+            raise ValueError("out of memory")
+        except ValueError:
+            liveness._forward()  # the retry's forward, with a smaller batch
+            return id(sys.exc_info()[1])
+
+    freed = retried()
+    liveness._backward()
+    try:
+        raise ValueError("a bad target")
+    except ValueError as error:
+        assert id(error) == freed  # the freed error's id, reused
+        liveness.watcher.tick()
+    published = rank1.read()[0]
+    assert (published.phase, published.error, published.raised_in) == (
+        "raised",
+        "ValueError: a bad target",
+        "backward",
+    )
+
+
+def test_an_error_at_a_freed_errors_address_after_the_rank_moved_on_is_the_steps(tmp_path):
+    """Step 3's backward raised, rank 0 handled it (seen by a look) and went on; step 4's backward raised another
+    error, which CPython put at the freed one's address, before the watcher looked again: it is step 4's (a
+    training forward with nothing handled between them), not an error handled around the loop."""
+    import sys
+
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness._last_step = 2
+
+    def step_that_raises():
+        liveness._forward()
+        liveness._backward()
+        try:
+            raise ValueError("a bad target")
+        except ValueError:
+            liveness.watcher.tick()
+            return id(sys.exc_info()[1])
+
+    freed = step_that_raises()
+    assert rank1.read()[0].phase == "raised"
+    liveness._last_step = 3
+    liveness._forward()
+    liveness._backward()
+    try:
+        raise ValueError("another bad target")
+    except ValueError as error:
+        assert id(error) == freed  # the freed error's id, reused
+        liveness.watcher.tick()
+    published = rank1.read()[0]
+    assert (published.phase, published.step, published.error) == ("raised", 4, "ValueError: another bad target")

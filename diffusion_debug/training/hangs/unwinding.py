@@ -44,7 +44,9 @@ rank (a skipped step, where ``step=`` numbers the steps). ``StopIteration`` is n
 DiffusionDebugError is the debugger's own (policy ``raise``, on every rank together): neither is named. Any other
 exception the training thread handles while frozen is read as its step's error, whatever raised it, until its
 position moves: an error handled around a loop that marks no training forward (no watched model's forward with
-grad), first seen after the rank's last move, is read as raised. A training loop in another thread than the main one is
+grad), first seen after the rank's last move, is read as raised; and in a loop run inside an ``except`` clause, a
+step's error handled within a look (1 s at most) of an earlier one's handler, at the freed one's address, is not
+(read as around the loop). A training loop in another thread than the main one is
 seen while it handles the error only. A Python without ``sys._current_exceptions`` (not CPython) sees the second
 sign only; an uncaught error already in ``sys.last_value`` when the watch began (a REPL's) is not read.
 """
@@ -54,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+from typing import Any
 
 from ...errors import DiffusionDebugError
 from .patterns import Position, error_text
@@ -64,24 +67,33 @@ _NOT_IN_STEP = ("raised", "closed")  # marked already by the forward's hook; a r
 
 class Unwinding:
     """The errors one watcher has seen the training thread handle, to tell a step's own from one handled around
-    the loop. Read by the watcher thread at each look, then once at close (the watcher stopped)."""
+    the loop. Read by the watcher thread at each look, then once at close (the watcher stopped); told by the
+    training thread as each training forward begins (:meth:`forward_began`)."""
 
     def __init__(self, thread: threading.Thread):
         self._around = {id(e) for e in _chain(_handled(thread))}
         """Handled when the watch began: around the loop (``id``: each is alive while handled)."""
-        self._seen: dict[int, int] = {}
-        """``id(error)``: the position's counter when first seen; a later counter means the handler encloses the
-        steps (only errors still handled are kept: a freed one's ``id`` may come back)."""
+        self._seen: dict[int, tuple[int, int]] = {}
+        """``id(error)``: the position's counter when first seen, and the generation then; a later counter means
+        the handler encloses the steps. Only errors still handled are kept, and of this generation: a freed
+        error's ``id`` comes back at once for the next one."""
+        self._generation = 0
+        """Training forwards begun with nothing handled: every error seen before them is gone."""
         self._stale = getattr(sys, "last_value", None)
         """An uncaught error already left when the watch began (a REPL's, a notebook's): not this run's."""
-        self._at_forward: int | None = None
-        """``id`` of the error handled as the last training forward began (:meth:`forward_began`): around it."""
+        self._at_forward: tuple[Any, ...] | None = None
+        """The error handled as the last training forward began (:func:`_identity`): around the step."""
 
     def forward_began(self) -> None:
         """On the training thread, as a training forward begins (its mark): an error handled now is around the
-        step, not raised in it (a loop run in an ``except`` clause, whatever the watcher's looks saw)."""
+        step, not raised in it (a loop run in an ``except`` clause, whatever the watcher's looks saw); with none
+        handled, every error seen so far is gone."""
         error = sys.exc_info()[1]
-        self._at_forward = None if error is None else id(error)
+        if error is None:
+            self._at_forward = None
+            self._generation += 1
+        else:
+            self._at_forward = _identity(error)
 
     def position(self, position: Position, thread: threading.Thread) -> Position:
         """``position`` as the other ranks should read it: in phase ``raised`` while ``thread`` (the training
@@ -101,18 +113,26 @@ class Unwinding:
         it), or None."""
         if thread.is_alive():
             error = _handled(thread)
+            generation = self._generation  # read after the error: a forward begun before it is counted
             handled = {id(e) for e in _chain(error)}
-            self._around &= handled
-            self._seen = {key: counter for key, counter in self._seen.items() if key in handled}
-            if error is None or id(error) in self._around or id(error) == self._at_forward:
+            self._around &= handled if generation == 0 else set()
+            self._seen = {key: seen for key, seen in self._seen.items() if key in handled and seen[1] == generation}
+            if error is None or id(error) in self._around or _identity(error) == self._at_forward:
                 return None
-            if self._seen.setdefault(id(error), position.counter) != position.counter:
+            if self._seen.setdefault(id(error), (position.counter, generation))[0] != position.counter:
                 return None  # still handled after the rank moved on: its handler encloses the steps
             return (error, False) if _an_error(error) else None
         if thread is threading.main_thread():
             error = getattr(sys, "last_value", None)  # the uncaught error printed before the exit handlers
             return (error, True) if _an_error(error) and error is not self._stale else None
         return None
+
+
+def _identity(error: BaseException) -> tuple[Any, ...]:
+    """``error`` told from a later one at its freed address: its type and where it was caught (the first entry
+    of its traceback), never the error itself (its traceback holds the frames' tensors)."""
+    caught = error.__traceback__
+    return (id(error), type(error), caught and caught.tb_frame.f_code, caught and caught.tb_lineno)
 
 
 def _handled(thread: threading.Thread) -> BaseException | None:
