@@ -9,7 +9,7 @@ from typing import Any, Hashable
 
 from ..config import DebugConfig
 from ..errors import DiffusionDebugError
-from ..record import KINDS, Anomaly, RunRecord, make_anomaly, severity_rank
+from ..record import KINDS, Anomaly, RunRecord, distinct_details, make_anomaly, severity_rank
 
 _LOG_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 RAISED = "_diffusion_debug_raised"
@@ -78,6 +78,7 @@ class AnomalySink:
                 step=anomaly.step,
                 count=first.details["count"],
                 **({"run": run} if later_run else {}),
+                **({"details": distinct_details(kind.name, first.details)} if kind.distinct_by else {}),
             )
             if anomaly.severity == "error":
                 self.errors.append(first)

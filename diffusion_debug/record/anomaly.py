@@ -82,6 +82,10 @@ class AnomalyKind:
     training_action: str = ""
     """What to do when a training run shows it, where that differs from ``action`` (no VAE advice
     for a NaN gradient)."""
+    distinct_by: tuple[str, ...] = ()
+    """The ``details`` that tell two anomalies of this kind at one place apart (``not_learning``: one
+    optimizer's stall from another's, both at ``optimizer``): part of the fold key, and written on each
+    repeat's event so that a summary rebuilt from the events folds the same (:func:`distinct_details`)."""
 
 
 KINDS: dict[str, AnomalyKind] = {}
@@ -99,6 +103,7 @@ def register_kind(
     message: "Callable[[Anomaly], str] | None" = None,
     fold_key: "Callable[[Anomaly], Hashable]" = default_key,
     training_action: str = "",
+    distinct_by: tuple[str, ...] = (),
 ) -> AnomalyKind:
     """Add a kind of anomaly (or replace one, with a warning) and return it: everything about a
     kind is given here, once; :func:`make_anomaly` builds its anomalies."""
@@ -110,10 +115,30 @@ def register_kind(
         raise ValueError(f"colour must be '#rrggbb', not {colour!r}.")
     if name in KINDS:
         warnings.warn(f"Anomaly kind {name!r} is registered again; the new entry replaces it.", stacklevel=2)
+    if distinct_by:  # the place's key, and the details that tell two at that place apart
+        fold_key = functools.partial(_distinct_key, fold_key, distinct_by)
     KINDS[name] = kind = AnomalyKind(
-        name, severity, colour, meaning, action, stable, stage, message, fold_key, training_action
+        name, severity, colour, meaning, action, stable, stage, message, fold_key, training_action, distinct_by
     )
     return kind
+
+
+def _distinct_key(key: "Callable[[Anomaly], Hashable]", names: tuple[str, ...], anomaly: "Anomaly") -> Hashable:
+    details = anomaly.details if isinstance(anomaly.details, dict) else {}
+    return key(anomaly), tuple(details.get(name) for name in names)
+
+
+def distinct_details(kind: str, details: Any) -> dict[str, Any]:
+    """The ``details`` entries that tell an anomaly of ``kind`` apart from another at its place
+    (:attr:`AnomalyKind.distinct_by`; None where one is not given), from an anomaly or a saved row.
+
+    >>> distinct_details("not_learning", {"reason": "lr_zero", "stalled_optimizer": "SGD holding g.0.weight"})
+    {'stalled_optimizer': 'SGD holding g.0.weight'}
+    >>> distinct_details("nonfinite", {"count": 2})
+    {}
+    """
+    details = details if isinstance(details, dict) else {}
+    return {name: details.get(name) for name in kind_info(kind).distinct_by}
 
 
 _OTHER_COLOURS = ("#1f77b4", "#393b79", "#637939", "#843c39", "#7b4173")

@@ -345,6 +345,7 @@ register_kind(
     action="Follow the cause the message names: the learning rate, the optimizer's parameters, the loop's order.",
     stage=4,
     message=training_messages.not_learning,
+    distinct_by=("stalled_optimizer",),  # each optimizer's own stall is its own (a GAN's generator's, its critic's)
 )
 register_kind(
     "distributed_split",

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DiffusionDebugError
-from .anomaly import Anomaly
+from .anomaly import Anomaly, distinct_details
 from .jsonio import load_json, read_jsonl
 
 
@@ -240,7 +240,15 @@ def _order(value: Any) -> tuple[int, Any]:
 def _fold_key(row: dict[str, Any]) -> tuple:
     # the first anomaly's place, which its anomaly_repeated events name, read back from JSON; a
     # consequence at the place of its cause has a fold key of its own (``default_key``), but the
-    # two are never open together (one a kind, rank and step): a repeat is the latest one's
+    # two are never open together (one a kind, rank and step): a repeat is the latest one's. Two
+    # at one place that their kind tells apart (each optimizer's own stall) may be: the details
+    # that do (a repeat's event carries them) are part of the key
+    return (*_place(row), tuple(distinct_details(str(row.get("kind")), row.get("details")).values()))
+
+
+def _place(row: dict[str, Any]) -> tuple:
+    # a row with no details (an anomaly_bundle event; an anomaly_repeated one written before repeats
+    # carried them) names the place alone: the latest anomaly there
     return (
         row.get("kind"),
         row.get("rank", 0),
@@ -248,6 +256,10 @@ def _fold_key(row: dict[str, Any]) -> tuple:
         row.get("module") or "",
         row.get("parameter"),
     )
+
+
+def _first(row: dict[str, Any], by_key: dict[tuple, dict[str, Any]], by_place: dict[tuple, dict[str, Any]]) -> Any:
+    return by_key.get(_fold_key(row)) if "details" in row else by_place.get(_place(row))
 
 
 def rebuild_summary(run_dir: Path) -> dict[str, Any]:
@@ -260,6 +272,7 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     bad: dict[str, list[int]] = {}
     by_key: dict[tuple, dict[str, Any]] = {}
+    by_place: dict[tuple, dict[str, Any]] = {}
     for path in files:
         rows = _read_events(path)
         if rows.bad_lines:
@@ -276,16 +289,16 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
             elif kind == "anomaly" and anomaly_problem({k: v for k, v in row.items() if k != "type"}) is None:
                 anomaly = {k: v for k, v in row.items() if k not in ("type", "time")}
                 anomalies.append(anomaly)
-                by_key[_fold_key(anomaly)] = anomaly
+                by_key[_fold_key(anomaly)] = by_place[_place(anomaly)] = anomaly
             elif kind == "anomaly_repeated":
-                first = by_key.get(_fold_key(row))
+                first = _first(row, by_key, by_place)
                 if first is not None and isinstance(first.get("details"), dict):
                     first["details"]["count"] = row.get("count", first["details"].get("count", 1))
                     first["details"]["last_step"] = row.get("step")
                     if row.get("run") is not None:  # a later run's repeat (the sink's last_run)
                         first["details"]["last_run"] = row["run"]
             elif kind == "anomaly_bundle":  # saved after the anomaly's event (why checks the path)
-                first = by_key.get(_fold_key(row))
+                first = _first(row, by_key, by_place)
                 if first is not None and isinstance(first.get("details"), dict) and isinstance(row.get("bundle"), str):
                     first["details"]["bundle"] = row["bundle"]
     summary.update(

@@ -12,7 +12,7 @@ import pytest
 from diffusion_debug import DebugConfig, DiffusionDebugError
 from diffusion_debug.cli import main
 from diffusion_debug.core import AnomalySink, DebugReport
-from diffusion_debug.record import Anomaly, RunRecord, load_run, prepare_run_dir
+from diffusion_debug.record import Anomaly, RunRecord, load_run, make_anomaly, prepare_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -220,3 +220,56 @@ def test_report_strips_terminal_control_characters(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "bad?[2J? value" in out
     assert json.loads((record.run_dir / "summary.json").read_text())["anomalies"][0]["message"].startswith("bad\x1b")
+
+
+def test_each_optimizers_stall_is_its_own_anomaly_in_memory_and_in_a_rebuilt_summary(tmp_path):
+    """Two optimizers' own stalls (``not_learning`` at component ``optimizer``, module ``""``, one rank) share
+    their place: the sink folded the second into the first (one anomaly, count 2), and a killed run's rebuilt
+    summary counted one's repeat on the other. ``stalled_optimizer`` tells them apart in both."""
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="stalls"), kind="training")
+    sink = AnomalySink(record, record.config, __import__("logging").getLogger("test"))
+
+    def stall(step, optimizer):
+        details = {"reason": "lr_zero", "stalled_optimizer": optimizer}
+        return make_anomaly("not_learning", message=optimizer, component="optimizer", step=step, details=details)
+
+    generator, discriminator = "SGD holding generator.0.weight", "SGD holding discriminator.0.weight"
+    assert sink.emit(stall(24, generator))
+    sink.end_step()
+    assert sink.emit(stall(25, discriminator))  # another optimizer's stall: not a repeat of the generator's
+    assert not sink.emit(stall(25, generator))  # the generator's again: its own repeat
+    sink.end_step()
+    told = [(a.details["stalled_optimizer"], a.step, a.details["count"]) for a in record.anomalies]
+    assert told == [(generator, 24, 2), (discriminator, 25, 1)]
+    record.close()  # killed before save(): the summary is rebuilt from events.jsonl
+    rebuilt = load_run(record.run_dir)
+    assert rebuilt.summary["incomplete"] is True
+    told = [(a.details["stalled_optimizer"], a.step, a.details["count"]) for a in rebuilt.anomalies]
+    assert told == [(generator, 24, 2), (discriminator, 25, 1)]
+    assert rebuilt.anomalies[0].details["last_step"] == 25 and "last_step" not in rebuilt.anomalies[1].details
+
+
+def test_a_repeat_written_without_details_folds_on_the_anomaly_at_its_place(tmp_path):
+    """An events.jsonl written before a repeat carried the details that tell two at one place apart (main's
+    ``anomaly_repeated``: the place alone) still counts the repeat on the anomaly at that place."""
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path), run_name="old"), kind="training")
+    sink = AnomalySink(record, record.config, __import__("logging").getLogger("test"))
+
+    def stall(step):
+        details = {"reason": "lr_zero", "stalled_optimizer": "SGD holding g.0.weight"}
+        return make_anomaly("not_learning", message="m", component="optimizer", step=step, details=details)
+
+    assert sink.emit(stall(24)) and not sink.emit(stall(30))
+    sink.end_step()
+    record.close()  # killed before save(): the summary is rebuilt from events.jsonl
+    events = record.run_dir / "events.jsonl"
+    rows = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [row["details"] for row in rows if row["type"] == "anomaly_repeated"] == [
+        {"stalled_optimizer": "SGD holding g.0.weight"}
+    ]
+    for row in rows:
+        if row["type"] == "anomaly_repeated":
+            del row["details"]  # as main wrote it
+    events.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    [anomaly] = load_run(record.run_dir).anomalies
+    assert (anomaly.step, anomaly.details["count"], anomaly.details["last_step"]) == (24, 2, 30)

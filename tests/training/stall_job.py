@@ -11,6 +11,10 @@ until every rank's watcher has named the stall and :data:`NAMED_MARGIN` s more, 
 ``stall_action="wait"``: named, then training goes on) | skip_rank5 (rank 5 leaves out step 3
 with ``continue``: the others hang in the last step, ended) | monitor_rank0_only (``if
 accelerator.is_main_process: monitor_training_step(...)``: ended at the first exchange) |
+raise_rank1_backward (6 steps; ``stall_action="wait"``: at step 3 a hook on rank 1's model output raises in backward,
+outside the watched forward, while the others wait in the gradient all-reduce; rank 1 catches it and sleeps in its
+``except`` clause, as a rank saving a checkpoint on a crash would, until every rank's watcher has named it and
+:data:`NAMED_MARGIN` s more, 7 s at most; then it computes the loss again from the same output: all go on) |
 left_early_last_rank (uneven data: the last rank's loader is one batch shorter, it leaves the loop
 after step 4 and closes its debugger while the others wait in step 5's gradient all-reduce; ended.
 The last rank then sleeps, as a rank saving its last checkpoint would, before its own end of the job).
@@ -55,8 +59,12 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
             if scenario == "skip_rank5" and rank == 5 and step == 3:
                 continue  # a bad batch on one rank only
             x = torch.randn(8, 4, generator=generator)
-            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
-            accelerator.backward(loss)
+            pred = model(x)
+            loss = ((pred - x.sum(1, keepdim=True)) ** 2).mean()
+            if scenario == "raise_rank1_backward" and rank == 1 and step == 3:
+                loss = backward_raising_once(accelerator, tdbg, scenario, pred, x)
+            else:
+                accelerator.backward(loss)
             if scenario != "monitor_rank0_only" or accelerator.is_main_process:
                 try:
                     tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
@@ -76,6 +84,27 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
         tdbg.close()
     if leaves_early:
         time.sleep(20.0)  # the others name the stall and end themselves meanwhile
+
+
+def backward_raising_once(accelerator: Accelerator, tdbg: TrainingDebugger, scenario: str, pred, x):
+    """raise_rank1_backward's step 3 on rank 1: a hook on the model's output (after the debugger's backward mark)
+    raises in backward while the others wait in the gradient all-reduce; handled, then the loss again (returned)."""
+    rank = accelerator.process_index
+
+    def check(grad):
+        raise ValueError("planted error in backward on rank 1")
+
+    handle = pred.register_hook(check)
+    try:
+        accelerator.backward(((pred - x.sum(1, keepdim=True)) ** 2).mean())
+    except ValueError as error:
+        say(scenario, f"RANK {rank} RAISED at step 3: {error}")
+        run_dir, ranks = tdbg.record.run_dir, accelerator.num_processes
+        sleep_until_stall_named(run_dir, ranks, margin=NAMED_MARGIN, most=7.0)  # handling it
+    handle.remove()
+    loss = ((pred - x.sum(1, keepdim=True)) ** 2).mean()  # again: it joins their all-reduce
+    accelerator.backward(loss)
+    return loss
 
 
 def warm_up(accelerator: Accelerator) -> None:

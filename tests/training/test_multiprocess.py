@@ -294,8 +294,8 @@ SCENARIOS_8 = ("nan_rank5", "clean_history10")  # run by the launch conftest.py'
 @pytest.fixture(scope="module")
 def launched_8(shared_eight) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
     """The 8-process scenarios, run first in the 8-process launch test_stalls_multiprocess.py's
-    [clean, validation, skip_rank5] share (conftest.py's ``shared_eight``; stall_job.py runs them):
-    judged by what they saved and printed, as skip_rank5's stall ends that job."""
+    [clean, validation, raise_rank1_backward, skip_rank5] share (conftest.py's ``shared_eight``; stall_job.py
+    runs them): judged by what they saved and printed, as skip_rank5's stall ends that job."""
     output_dir, stdout, stderr = shared_eight
     return output_dir, {name: subprocess.CompletedProcess([], None, stdout[name], stderr) for name in SCENARIOS_8}
 

@@ -5,6 +5,8 @@ shows is the step of the optimizer the monitored step before it was given, as th
 one call before each optimizer's step, with that optimizer), and the stalled one is named at its fifth still
 update; a clean two-optimizer run, and one whose discriminator steps every other iteration, stay quiet."""
 
+import json
+
 import pytest
 import torch
 from torch.nn.functional import softplus
@@ -466,3 +468,43 @@ def test_a_discriminator_whose_step_never_runs_beside_a_generator_at_lr_0_is_one
     assert (step, optimizer, d["first_step"], d["last_step"], d["updates"]) == (40, None, 0, 39, 20)
     assert d["still_optimizers"] == [DISCRIMINATOR, GENERATOR]
     assert [(c["reason"], c["lr"]) for c in d["still_causes"]] == [("gradients_cleared", 1e-2), ("lr_zero", 0.0)]
+
+
+def test_two_stalled_optimizers_of_three_are_each_told_as_their_own(tmp_path):
+    """A GAN's generator and discriminator both at lr 0 beside an encoder that learns (three optimizers, each given
+    with its step in turn): each one's own stall is clear at its fifth still update, the discriminator's at 25 and
+    the generator's at 26. Both were ``not_learning`` at component ``optimizer``, module ``""``, rank 0: the
+    generator's folded into the discriminator's (one anomaly, count 2), named nowhere. Each is its own, in memory
+    and in the saved summary."""
+    generator, discriminator = _models()
+    encoder = torch.nn.Linear(4, 4)
+    opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.0) for m in (generator, discriminator))
+    opt_e = torch.optim.SGD(encoder.parameters(), lr=1e-2)
+    models = {"generator": generator, "discriminator": discriminator, "encoder": encoder}
+    tdbg = TrainingDebugger(models, config=_config(tmp_path))
+    data, step = torch.Generator().manual_seed(1), 0
+    for _ in range(12):
+        for model, optimizer in ((discriminator, opt_d), (generator, opt_g), (encoder, opt_e)):
+            optimizer.zero_grad()
+            batch = torch.randn(16, 4, generator=data)
+            loss = model(generator(batch) if model is discriminator else batch).pow(2).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            step += 1
+            optimizer.step()
+    tdbg.close()
+    assert _stalls(tdbg) == [(25, DISCRIMINATOR), (26, GENERATOR)]
+    for found, first in zip(_serious(tdbg), (0, 1)):
+        d = found.details
+        assert (found.component, found.module, d["reason"], d["count"], d["optimizers"]) == (
+            "optimizer",
+            "",
+            "lr_zero",
+            1,
+            3,
+        )
+        assert (d["first_step"], d["last_step"], d["updates"]) == (first, first + 24, 5)
+        assert found.message.startswith(f"The optimizer {d['stalled_optimizer']} (one of 3) moved none of its weights")
+    saved = json.loads((tdbg.report().save() / "summary.json").read_text())
+    told = [(a["step"], a["details"]["stalled_optimizer"], a["details"]["count"]) for a in saved["anomalies"]]
+    assert [t for t in told if t[1]] == [(25, DISCRIMINATOR, 1), (26, GENERATOR, 1)]

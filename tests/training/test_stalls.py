@@ -5,6 +5,7 @@ test_stalls_multiprocess.py."""
 
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from diffusion_debug.errors import ConfigError
 from diffusion_debug.probes import apply_phase_marks
 from diffusion_debug.training.hangs import liveness as liveness_module
 from diffusion_debug.training.hangs.liveness import RankLiveness, stall_anomaly
-from diffusion_debug.training.hangs.patterns import Position, name_stall, rank_list
+from diffusion_debug.training.hangs.patterns import Position, Stall, name_stall, rank_list
 from diffusion_debug.training.hangs.side_channel import SideChannel
+from diffusion_debug.training.hangs.unwinding import Unwinding
 from diffusion_debug.training.hangs.watcher import StallWatcher
 
 
@@ -150,9 +152,16 @@ def test_a_rank_whose_forward_raised_is_named_with_its_error_though_the_others_w
     assert name_stall(_at("raised", 3, [0, 1], error="ValueError: a bad batch")) is None
 
 
+class _NoWatcher:
+    """A watcher never started (as with a side channel): what the marks call on it, nothing more."""
+
+    def __init__(self):
+        self.unwinding = Unwinding(threading.current_thread())
+
+
 def test_a_forward_that_raises_marks_the_rank_raised_with_its_error_until_the_next_forward(mlp):
     liveness = RankLiveness(Position(rank=1))
-    liveness.watcher = object()  # as with a side channel: the marks go on
+    liveness.watcher = _NoWatcher()  # as with a side channel: the marks go on
     liveness.attach([mlp])
 
     def bad_batch(module, args):
@@ -205,7 +214,7 @@ class _CollectiveStep:
 
 def test_an_optimizer_step_that_holds_collectives_is_marked_while_a_monitored_update_runs_in_it(mlp):
     liveness = RankLiveness(Position(rank=0))
-    liveness.watcher = object()  # as with a side channel: the marks go on
+    liveness.watcher = _NoWatcher()  # as with a side channel: the marks go on
     zero = _CollectiveStep(liveness)
     liveness.attach([mlp], [zero])
     liveness._last_step = 6
@@ -449,7 +458,7 @@ def test_a_step_the_grad_scaler_skips_fires_no_step_hook_so_the_rank_stays_after
     # the limit: a GradScaler skip calls no optimizer.step, so the mark "after its optimizer step" is not
     # made; a stall there is named from the monitor's end, which still names the optimizer step among the places
     liveness = RankLiveness(Position(rank=1))
-    liveness.watcher = object()  # a rank with a watcher: the optimizer gets the step hook
+    liveness.watcher = _NoWatcher()  # a rank with a watcher: the optimizer gets the step hook
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
@@ -614,3 +623,301 @@ def test_under_fsdp2_forward_is_named_as_the_phase_alone():
 def test_the_engine_travels_with_the_position_through_the_store():
     position = Position(rank=1, phase="backward", step=3, engine="zero")
     assert Position.from_dict(json.loads(json.dumps(position.to_dict()))) == position
+
+
+# -- an error that left the step outside the watched forward (hangs.unwinding) -----------------------------------
+def test_where_an_error_left_the_step_is_named_with_the_error():
+    loss = _at("raised", 3, [1], error="ValueError: a bad target", raised_in="forward")
+    assert name_stall(_at("backward", 3, [0]) + loss).text == (
+        "rank 1 raised ValueError: a bad target in its forward or its loss at step 3; "
+        "rank 0 waits in backward (the gradient all-reduce) at step 3"
+    )  # the phase "forward" begins with the model's forward: an error there (not seen by its hook) reads so too
+    loss = _at("raised", 3, [1, 2], error="ValueError: a bad target", raised_in="forward")
+    assert name_stall(_at("backward", 3, [0]) + loss).text.startswith(
+        "ranks 1–2 raised ValueError: a bad target in their forward or their loss at step 3; "
+    )
+    both = _at("raised", 2, [1, 2], error="OSError: disk full", raised_in="save", uncaught=True)
+    assert name_stall(_at("forward", 3, [0]) + both).text == (
+        "ranks 1–2 raised OSError: disk full in save at step 2 (not caught: their processes are ending); "
+        "rank 0 waits in forward at step 3"
+    )
+    stepped = _at("raised", 5, [0], error="RuntimeError: bad state", raised_in="optimizer")
+    assert name_stall(stepped + _at("forward", 6, [1])).text == (
+        "rank 0 raised RuntimeError: bad state after its monitor (the optimizer step, zero_grad or the next batch) "
+        "at step 5; rank 1 waits in forward at step 6"
+    )
+
+
+def test_a_rank_handling_an_error_from_its_backward_is_published_raised_and_named(watched):
+    """Rank 0's backward raised (a hook of the user's on the output, outside the watched forward) and it handles
+    the error while ranks 1-3 wait in the gradient all-reduce: every rank's last mark is "backward at step 3",
+    one place, and nothing was named. While the training thread unwinds with the error the watcher publishes the
+    rank as raised, with it; once the rank left its ``except`` clause, as it was."""
+    positions, tick, recorded, channels, run_dir = watched
+    for p in positions:
+        _move(p, "backward", 3)
+    tick(0.0)
+    try:
+        raise ValueError("a bad target")
+    except ValueError:
+        tick(3.0)
+        tick(1.0)  # held for two looks
+    assert recorded == [
+        (
+            "rank 0 raised ValueError: a bad target in its backward at step 3; ranks 1–3 wait in backward (the "
+            "gradient all-reduce) at step 3",
+            False,
+        )
+    ]
+    tick(0.5)
+    published = channels[1].read()[0]
+    assert (published.phase, published.step, published.error, published.counter) == ("backward", 3, "", 1)
+    assert positions[0].phase == "backward"  # the training thread's own position is never written
+
+
+@pytest.mark.parametrize("error", [StopIteration(), DiffusionDebugError("policy raise, on every rank")])
+def test_an_iterator_ending_or_the_debuggers_own_error_is_not_read_as_raised(watched, error):
+    positions, tick, recorded, channels, run_dir = watched
+    _move(positions[0], "before_forward", 3)
+    try:
+        raise error
+    except type(error):
+        tick(0.0)
+    assert channels[1].read()[0].phase == "before_forward"
+
+
+def test_a_debugger_closed_at_exit_after_an_uncaught_error_publishes_it(tmp_path, monkeypatch):
+    """The main thread ended with an uncaught error (``sys.last_value``) and the debugger's finalizer closes it at
+    the exit: published as raised with it, not as a rank that left the loop (``left_early``)."""
+    import sys
+    import threading
+
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness.watcher.thread = ended
+    monkeypatch.setattr(threading, "main_thread", lambda: ended)
+    monkeypatch.setattr(sys, "last_value", ValueError("a bad target"), raising=False)
+    liveness._last_step = 2
+    liveness.mark("backward", 3)
+    liveness.close()
+    published = rank1.read()[0]
+    assert (published.phase, published.step, published.error) == ("raised", 3, "ValueError: a bad target")
+    assert (published.raised_in, published.uncaught) == ("backward", True)
+    assert name_stall([published, Position(1, "backward", 3)]).text == (
+        "rank 0 raised ValueError: a bad target in its backward at step 3 (not caught: its process is ending); "
+        "rank 1 waits in backward (the gradient all-reduce) at step 3"
+    )
+    monkeypatch.undo()
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness.close()  # no error: closed
+    assert rank1.read()[0].phase == "closed"
+
+
+def test_a_stall_whose_raised_ranks_all_exit_uncaught_is_definite():
+    """A rank whose process ends with an uncaught error will not come back: the job ends whatever stall_action
+    says, as main ended it for that rank published ``closed`` (``left_early``). One that caught its error may retry."""
+    uncaught = Position(0, "raised", 3, error="ValueError: x", raised_in="backward", uncaught=True)
+    caught = Position(2, "raised", 3, error="ValueError: x", raised_in="backward")
+    stall = name_stall([uncaught, Position(1, "backward", 3)])
+    assert (stall.pattern, stall.uncaught, stall.definite) == ("raised", True, True)
+    assert Stall.from_dict(json.loads(json.dumps(stall.to_dict()))).definite is True  # as the verdict carries it
+    stall = name_stall([uncaught, Position(1, "backward", 3), caught])
+    assert (stall.pattern, stall.uncaught, stall.definite) == ("raised", False, False)
+    assert name_stall([caught, Position(1, "backward", 3)]).definite is False
+
+
+def test_a_rank_exiting_with_an_uncaught_error_ends_the_job_under_stall_action_wait(tmp_path, monkeypatch):
+    """Rank 0's main thread ended with an uncaught error raised in backward; its debugger's finalizer publishes it
+    at exit. Rank 1 (stall_action "wait", end_job False) names it and ends the job, not waiting for rank 0's
+    acknowledgement (its watcher is gone, as a closed rank's)."""
+    import sys
+    import threading
+
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness.watcher.thread = ended
+    monkeypatch.setattr(threading, "main_thread", lambda: ended)
+    monkeypatch.setattr(sys, "last_value", ValueError("a bad target"), raising=False)
+    liveness._last_step = 2
+    liveness.mark("backward", 3)
+    liveness.close()
+    clock, handled = _Clock(), []
+    watcher = StallWatcher(
+        rank1,
+        Position(rank=1, phase="backward", step=3, counter=1),
+        stall_timeout=3.0,
+        end_job=False,
+        run_dir=tmp_path,
+        record=print,
+        clock=clock,
+    )
+    watcher.handle = lambda number, verdict, expected=None: handled.append((number, verdict, expected))
+    for after in (0.0, 3.1):  # frozen for stall_timeout, the stall held for two looks: proposed
+        clock.now += after
+        watcher.tick()
+    [(number, verdict, expected)] = handled
+    assert (number, verdict["end"], verdict["stall"]["pattern"], expected) == (0, True, "raised", 1)
+    assert verdict["stall"]["text"] == (
+        "rank 0 raised ValueError: a bad target in its backward at step 3 (not caught: its process is ending); "
+        "rank 1 waits in backward (the gradient all-reduce) at step 3"
+    )
+
+
+_AROUND = "rank 3 is in validation at step 2; ranks 0–2 wait in backward (the gradient all-reduce) at step 3"
+
+
+@pytest.mark.parametrize("stall", ["rank 3 in validation", "all in one slow backward"])
+def test_an_error_handled_around_the_training_loop_is_not_read_as_raised(watched, stall):
+    """Rank 0's loop runs inside an ``except`` clause (a resume that fell back to a fresh start:
+    ``except FileNotFoundError: trainer.train()``): the handled error encloses every step. Seen while rank 0 was
+    at step 2 and still handled after it moved on, it is not the step's: rank 3 in validation is named, and four
+    ranks together in one slow backward are no stall."""
+    positions, tick, recorded, channels, run_dir = watched
+    try:
+        raise FileNotFoundError("no checkpoint to resume from")
+    except FileNotFoundError:
+        for p in positions:
+            _move(p, "backward", 2)
+        tick(0.0)
+        if stall == "rank 3 in validation":
+            _move(positions[3], "validation", 2)
+        for p in positions[: 3 if stall == "rank 3 in validation" else 4]:
+            _move(p, "backward", 3)
+        tick(0.5)
+        tick(3.1)
+        tick(1.0)
+        published = channels[1].read()[0]
+    assert (published.phase, published.step, published.error) == ("backward", 3, "")
+    assert recorded == ([(_AROUND, False)] if stall == "rank 3 in validation" else [])
+
+
+def test_an_error_handled_when_the_watch_began_is_not_read_as_raised(tmp_path):
+    """The debugger was built inside the ``except`` clause the loop runs in: the error is not the step's."""
+    store = dist.PrefixStore("run/", dist.HashStore())
+    try:
+        raise FileNotFoundError("no checkpoint to resume from")
+    except FileNotFoundError:
+        watcher = StallWatcher(
+            SideChannel(store, 0, 2),
+            Position(rank=0),
+            stall_timeout=3.0,
+            end_job=False,
+            run_dir=tmp_path,
+            record=print,
+        )
+        _move(watcher.position, "backward", 3)
+        watcher.tick()
+    published = SideChannel(store, 1, 2).read()[0]
+    assert (published.phase, published.step, published.error) == ("backward", 3, "")
+
+
+def test_an_uncaught_error_left_from_before_the_watch_is_not_read_as_raised(tmp_path, monkeypatch):
+    """``sys.last_value`` already set when the debugger was built (an earlier error in a REPL or notebook): at exit
+    the rank is published closed, not raised with that error."""
+    import sys
+    import threading
+
+    monkeypatch.setattr(sys, "last_value", ValueError("an earlier cell's error"), raising=False)
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness.watcher.thread = ended
+    monkeypatch.setattr(threading, "main_thread", lambda: ended)
+    liveness._last_step = 2
+    liveness.mark("backward", 3)
+    liveness.close()
+    published = rank1.read()[0]
+    assert (published.phase, published.step, published.error, published.uncaught) == ("closed", 2, "", False)
+
+
+def test_an_error_handled_when_the_steps_forward_began_is_not_read_as_raised(tmp_path):
+    """The loop runs inside an ``except`` clause and the watcher's first look at the handler comes after rank 0's
+    last move (a stall in the first step after it): the training forward's own mark saw the error handled as the
+    step began, so it is not the step's. An error raised after the forward (in backward) still is."""
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness._last_step = 2
+    try:
+        raise FileNotFoundError("no checkpoint to resume from")
+    except FileNotFoundError:
+        liveness._forward()
+        liveness._backward()
+        liveness.watcher.tick()
+        published = rank1.read()[0]
+        assert (published.phase, published.step, published.error) == ("backward", 3, "")
+        try:
+            raise ValueError("a bad target")
+        except ValueError:
+            liveness.watcher.tick()
+    published = rank1.read()[0]
+    assert (published.phase, published.error, published.raised_in) == (
+        "raised",
+        "ValueError: a bad target",
+        "backward",
+    )
+
+
+def test_an_error_raised_after_a_forward_retried_in_a_handler_is_the_steps(tmp_path):
+    """The step's forward was retried inside an ``except`` clause that then ended (its error freed); backward
+    raised another error, which CPython put at the freed one's address: it is this step's, named raised."""
+    import sys
+
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness._last_step = 2
+
+    def retried():
+        try:
+            raise ValueError("out of memory")
+        except ValueError:
+            liveness._forward()  # the retry's forward, with a smaller batch
+            return id(sys.exc_info()[1])
+
+    freed = retried()
+    liveness._backward()
+    try:
+        raise ValueError("a bad target")
+    except ValueError as error:
+        assert id(error) == freed  # the freed error's id, reused
+        liveness.watcher.tick()
+    published = rank1.read()[0]
+    assert (published.phase, published.error, published.raised_in) == (
+        "raised",
+        "ValueError: a bad target",
+        "backward",
+    )
+
+
+def test_an_error_at_a_freed_errors_address_after_the_rank_moved_on_is_the_steps(tmp_path):
+    """Step 3's backward raised, rank 0 handled it (seen by a look) and went on; step 4's backward raised another
+    error, which CPython put at the freed one's address, before the watcher looked again: it is step 4's (a
+    training forward with nothing handled between them), not an error handled around the loop."""
+    import sys
+
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness._last_step = 2
+
+    def step_that_raises():
+        liveness._forward()
+        liveness._backward()
+        try:
+            raise ValueError("a bad target")
+        except ValueError:
+            liveness.watcher.tick()
+            return id(sys.exc_info()[1])
+
+    freed = step_that_raises()
+    assert rank1.read()[0].phase == "raised"
+    liveness._last_step = 3
+    liveness._forward()
+    liveness._backward()
+    try:
+        raise ValueError("another bad target")
+    except ValueError as error:
+        assert id(error) == freed  # the freed error's id, reused
+        liveness.watcher.tick()
+    published = rank1.read()[0]
+    assert (published.phase, published.step, published.error) == ("raised", 4, "ValueError: another bad target")

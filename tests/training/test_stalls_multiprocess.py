@@ -1,7 +1,7 @@
 """Eight CPU processes through `accelerate launch` (gloo): hangs named by the liveness side channel
 (``stall_timeout`` 3 s) before any watchdog. Three launches, because a stall that no rank can leave
-ends the job: [clean, validation, skip_rank5] on 8 processes (after test_multiprocess.py's 8-process
-scenarios, in the launch the two modules share: conftest.py's ``shared_eight``), then
+ends the job: [clean, validation, raise_rank1_backward, skip_rank5] on 8 processes (after test_multiprocess.py's
+8-process scenarios, in the launch the two modules share: conftest.py's ``shared_eight``), then
 [monitor_rank0_only] and [left_early_last_rank] on :data:`ENDING` processes each (see stall_job.py):
 the same patterns, named by the same code, with fewer processes starting (each ~3 CPU-s on two
 shared cores: a launch of 8 took ~24 CPU-s, of 4 ~12). Three are the fewest that keep a run of
@@ -29,7 +29,7 @@ LAST = ENDING - 1
 
 @pytest.fixture(scope="module")
 def launched(shared_eight):
-    """[clean, validation, skip_rank5]: the stall scenarios of the 8-process launch that
+    """[clean, validation, raise_rank1_backward, skip_rank5]: the stall scenarios of the 8-process launch that
     test_multiprocess.py's 8-process tests share (its scenarios run first, in the same processes)."""
     return shared_eight
 
@@ -84,9 +84,36 @@ def test_validation_on_rank0_is_named_then_training_goes_on(launched):
     assert load_json(run_dir / "summary.json")["training"]["total_steps"] == 6
     # every rank's stack, at the job's own lines: rank 0 in its validation, the others in backward
     stacks = {r: (run_dir / f"stacks-rank{r}.txt").read_text() for r in range(8)}
-    assert f'stall_job.py", line {_line_of("sleep_until_stall_named(run_dir")} in run_scenario' in stacks[0]
+    assert f'stall_job.py", line {_line_of("most=7.0)  # as a 7 s validation")} in run_scenario' in stacks[0]
     assert all(f'stall_job.py", line {_line_of("accelerator.backward(loss)")}' in stacks[r] for r in range(1, 8))
     assert stderr.count("rank_desync at model, step 2: Rank 0 is in validation") == 1  # logged by the main process
+
+
+def test_a_rank_whose_backward_raised_is_named_with_its_error_while_the_others_wait_in_the_all_reduce(launched):
+    """Rank 1's backward raises at step 3 (a hook on the model's output: outside the watched forward) and rank 1
+    handles it in an ``except`` clause while ranks 0, 2-7 wait in the gradient all-reduce: every rank read
+    "backward at step 3", together, and nothing was named. The error the training thread is unwinding with is
+    seen by the watcher: rank 1 is named, with its error and where it left the step; then all go on."""
+    output_dir, stdout, stderr = launched
+    scenario = "raise_rank1_backward"
+    run_dir = _run_dir(output_dir / scenario)
+    assert "RANK 1 RAISED at step 3: planted error in backward on rank 1" in stdout[scenario]
+    (stall,) = [a for a in _stalls(run_dir) if a["step"] == 3]  # (a slow step on shared cores may be named too)
+    assert (stall["kind"], stall["rank"], stall["details"]["pattern"], stall["details"]["ended_job"]) == (
+        "rank_desync",
+        1,
+        "raised",
+        False,
+    )
+    assert stall["details"]["waiting"] == [0, 2, 3, 4, 5, 6, 7]
+    assert stall["message"].startswith(
+        "Rank 1 raised ValueError: planted error in backward on rank 1 in its backward at step 3; ranks 0, 2–7 "
+        "wait in backward (the gradient all-reduce) at step 3. An error on some ranks only"
+    ), stall["message"]
+    assert "RANK 0 DONE" in stdout[scenario] and "RANK 7 DONE" in stdout[scenario]
+    assert load_json(run_dir / "summary.json")["training"]["total_steps"] == 6
+    stacks = (run_dir / "stacks-rank1.txt").read_text()
+    assert f'stall_job.py", line {_line_of("most=7.0)  # handling it")}' in stacks
 
 
 def test_rank_skipping_a_step_is_named_and_the_job_ends(launched):

@@ -6,7 +6,8 @@ raised (``raised``, with the error: the rank left it while the others may wait i
 monitor's exchange (``monitor``), what follows it (``optimizer``) until the optimizer's step is done
 (``before_forward``, of the next step: a step post-hook on the optimizer given to the monitor), an
 optimizer step that holds collectives (``step``: DeepSpeed ZeRO's, wrapped on its optimizer), and the
-user's own phases (``with tdbg.phase("validation"):``). The watcher thread (``watcher``)
+user's own phases (``with tdbg.phase("validation"):``); an error that left the step elsewhere is read by the
+watcher (``unwinding``), not marked. The watcher thread (``watcher``)
 publishes it through the store and names a stall; its verdict reaches this rank's record through
 :meth:`RankLiveness.record`.
 
@@ -46,7 +47,7 @@ from ...core.instance_methods import StackedOnInstance
 from ...errors import DiffusionDebugError
 from ...probes import ProbeHandle, apply_phase_marks
 from ...record import Anomaly, make_anomaly
-from .patterns import Position, Stall
+from .patterns import Position, Stall, error_text
 from .side_channel import SideChannel
 from .watcher import StallWatcher
 
@@ -115,6 +116,8 @@ class RankLiveness:
     def _forward(self) -> None:
         self.position.forwards += 1
         self.mark("forward", self._next_step())
+        if self.watcher is not None:  # (the training thread: an error it handles now is around the step)
+            self.watcher.unwinding.forward_began()
 
     def _backward(self) -> None:
         self.mark("backward", self._next_step())
@@ -122,7 +125,7 @@ class RankLiveness:
     def _raised(self, error: Exception) -> None:
         """The watched model's training forward raised: this rank left it, where the others may wait in its
         collectives (FSDP2's, ZeRO-3's all-gathers) until the next forward begins (a retry)."""
-        self.mark("raised", self._next_step(), _error_text(error))
+        self.mark("raised", self._next_step(), error_text(error))
 
     @contextlib.contextmanager
     def phase(self, name: str, step: Any = None) -> Iterator[None]:
@@ -238,12 +241,17 @@ class RankLiveness:
             handle.remove()
 
     def close(self) -> None:
-        """This rank left the loop: published once more, then the watcher stops."""
+        """This rank left the loop: published once more, then the watcher stops. Closed at the process's exit
+        after an uncaught error (the debugger's finalizer), it is published as ``raised`` with it."""
         self.detach()
-        self.mark("closed", self._last_step)
         watcher, self.watcher = self.watcher, None
         if watcher is not None:
             watcher.stop()
+            ended = watcher.unwinding.position(self.position, watcher.thread)
+            self.position = watcher.position = ended if ended.uncaught else self.position
+        if not self.position.uncaught:
+            self.mark("closed", self._last_step)
+        if watcher is not None:
             with contextlib.suppress(Exception):
                 watcher.channel.publish(self.position)
 
@@ -286,20 +294,6 @@ def stall_anomaly(stall: Stall, verdict: dict[str, Any]) -> Anomaly:
             "at": time.time(),
         },
     )
-
-
-_ERROR_CHARACTERS = 200
-"""The most of an error's text a position carries (the store holds every rank's position)."""
-
-
-def _error_text(error: Exception) -> str:
-    """``ValueError: a bad batch``, on one line, at most :data:`_ERROR_CHARACTERS` characters.
-
-    >>> _error_text(ValueError("a bad\\nbatch"))
-    'ValueError: a bad batch'
-    """
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= _ERROR_CHARACTERS else text[: _ERROR_CHARACTERS - 1] + "…"
 
 
 def _weak_save(owner: Any) -> Callable[[], Any]:

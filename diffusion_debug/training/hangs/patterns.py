@@ -16,7 +16,15 @@ same forward it left::
     >>> print(name_stall([Position(0, "forward", 3, engine="fsdp2"), raised]).text)
     rank 1 raised ValueError: a bad batch in its forward at step 3; rank 0 waits in forward at step 3
 
-Patterns, the first that fits: a rank whose forward raised (``raised``); a rank that skipped a step
+and so is one whose error left the step elsewhere (the loss, backward, a hook of the user's, the optimizer step:
+``unwinding``), with where it left it (``raised_in``) and whether its process is ending with it::
+
+    >>> raised = Position(1, "raised", 3, error="ValueError: a bad target", raised_in="backward", uncaught=True)
+    >>> print(name_stall([Position(0, "backward", 3), raised]).text)
+    rank 1 raised ValueError: a bad target in its backward at step 3 (not caught: its process is ending); \
+rank 0 waits in backward (the gradient all-reduce) at step 3
+
+Patterns, the first that fits: a rank whose error left its step (``raised``); a rank that skipped a step
 others monitored (``skipped_step``);
 ``monitor_training_step`` called on some ranks only (``monitor_subset``); a rank that left the
 training loop while others wait (``left_early``); otherwise the ranks elsewhere than the largest
@@ -34,10 +42,9 @@ Limits: a stall is named only while some rank waits in a phase that holds a coll
 backward, the monitor's exchange, DeepSpeed ZeRO's optimizer step): ranks that all sit after their
 optimizer step or in phases of their own (validation, save) are not waiting on each other as far as
 the debugger can tell (a collective of the user's there, a ``clip_grad_norm_`` under FSDP2 after the
-monitor, is not marked). Two ranks in the same phase and step read as together: an error raised outside
-the watched model's forward (in the loss, in backward) leaves its rank where it was, and is named only
-where that differs from the others' place. A skipped step is seen only when ``step=`` numbers
-consecutive monitored steps.
+monitor, is not marked). Two ranks in the same phase and step read as together; an error raised outside the
+watched model's forward is seen only while the rank unwinds with it (``unwinding``'s limits). A skipped step is
+seen only when ``step=`` numbers consecutive monitored steps.
 """
 
 from __future__ import annotations
@@ -68,6 +75,16 @@ _PHASE_TEXT = {
     "start": "the loop (no phase marked since the debugger started)",
     "optimizer": "the loop after the monitor (the optimizer step, zero_grad, the next batch)",
     "before_forward": "the loop after its optimizer step, before the forward",
+}
+_RAISED_IN = {  # by Position.raised_in: where the error left the step ("": the watched forward, its hook saw it)
+    "": "in its forward",
+    "start": "before its first forward",
+    "forward": "in its forward or its loss",
+    "backward": "in its backward",
+    "monitor": "in monitor_training_step",
+    "optimizer": "after its monitor (the optimizer step, zero_grad or the next batch)",
+    "step": "in its optimizer step",
+    "before_forward": "before its forward (the next batch)",
 }
 _ENDING = ("skipped_step", "monitor_subset", "left_early")
 _ADVICE = {
@@ -117,7 +134,11 @@ class Position:
     """The engine whose collectives this rank's backward waits in: ``ddp``, ``fsdp2``, ``fsdp1``, ``zero``,
     ``deepspeed`` (no ZeRO) ("": none known; named as DDP's all-reduce)."""
     error: str = ""
-    """In phase ``raised``: the error that left the training forward (``ValueError: a bad batch``)."""
+    """In phase ``raised``: the error that left the step (``ValueError: a bad batch``)."""
+    raised_in: str = ""
+    """In phase ``raised``: the phase the error left ("": the watched model's forward, whose hook saw it)."""
+    uncaught: bool = False
+    """In phase ``raised``: no one caught the error: the process's main thread ended with it and it is exiting."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,6 +158,8 @@ class Stall:
     step: Any
     text: str
     waiting: list[int] = field(default_factory=list)
+    uncaught: bool = False
+    """``raised``: every rank named is exiting with its error (``Position.uncaught``): none will come back."""
 
     @property
     def advice(self) -> str:
@@ -144,16 +167,18 @@ class Stall:
 
     @property
     def definite(self) -> bool:
-        """No rank can get out of it (a skipped step, a monitor on some ranks, a rank gone): the job
-        ends whatever ``stall_action`` says; ``rank_elsewhere`` may resolve (a long validation)."""
-        return self.pattern in _ENDING
+        """No rank can get out of it (a skipped step, a monitor on some ranks, a rank gone, one exiting with an
+        uncaught error): the job ends whatever ``stall_action`` says; ``rank_elsewhere`` may resolve (a long
+        validation), and so may ``raised`` while a rank named handles its error (a retry)."""
+        return self.pattern in _ENDING or (self.pattern == "raised" and self.uncaught)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "advice": self.advice}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stall":
-        return cls(data["pattern"], list(data["ranks"]), data["step"], data["text"], list(data.get("waiting", ())))
+        waiting, uncaught = list(data.get("waiting", ())), bool(data.get("uncaught", False))
+        return cls(data["pattern"], list(data["ranks"]), data["step"], data["text"], waiting, uncaught)
 
 
 def rank_list(ranks: list[int]) -> str:
@@ -244,12 +269,41 @@ def _raised(positions: list[Position]) -> Stall | None:
     waiting = [p for p in positions if p.phase in WAITING_PHASES]
     if not raised or not waiting:
         return None
+    groups = _grouped(raised, lambda p: (p.error or "an error", p.step, p.raised_in, p.uncaught))
     clauses = [
-        f"{rank_list(ranks)} raised {error} in {'its' if len(ranks) == 1 else 'their'} forward{_at(step)}"
-        for (error, step), ranks in _grouped(raised, lambda p: (p.error or "an error", p.step)).items()
+        f"{rank_list(ranks)} raised {error} {_raised_where(raised_in, len(ranks))}{_at(step)}{_ending(left, ranks)}"
+        for (error, step, raised_in, left), ranks in groups.items()
     ]
     text = "; ".join([*clauses, _waiting_text(waiting)])
-    return Stall("raised", [p.rank for p in raised], raised[0].step, text, [p.rank for p in waiting])
+    ranks, uncaught = [p.rank for p in raised], all(p.uncaught for p in raised)
+    return Stall("raised", ranks, raised[0].step, text, [p.rank for p in waiting], uncaught)
+
+
+def _raised_where(raised_in: str, ranks: int) -> str:
+    """Where an error left the step: ``in its backward`` (``their``: several ranks), ``in validation``."""
+    where = _RAISED_IN.get(raised_in) or f"in {raised_in}"
+    return where.replace(" its ", " their ") if ranks > 1 else where
+
+
+def _ending(uncaught: bool, ranks: list[int]) -> str:
+    """What follows an error no one caught: the ranks' processes are exiting with it."""
+    if not uncaught:
+        return ""
+    return f" (not caught: {'its process is' if len(ranks) == 1 else 'their processes are'} ending)"
+
+
+ERROR_CHARACTERS = 200
+"""The most of an error's text a position carries (the store holds every rank's position)."""
+
+
+def error_text(error: BaseException) -> str:
+    """``ValueError: a bad batch``, on one line, at most :data:`ERROR_CHARACTERS` characters.
+
+    >>> error_text(ValueError("a bad\\nbatch"))
+    'ValueError: a bad batch'
+    """
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= ERROR_CHARACTERS else text[: ERROR_CHARACTERS - 1] + "…"
 
 
 def _grouped(positions: list[Position], key: Any) -> dict[Any, list[int]]:

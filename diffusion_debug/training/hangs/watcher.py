@@ -6,7 +6,8 @@ exchange) while the ranks disagree, proposes a verdict naming the stall
 dumps its process's Python stacks (``faulthandler``, all threads) to ``stacks-rank<r>.txt`` in
 the run directory, records the anomaly (``record``), acknowledges, and when the verdict ends the
 job, waits for every rank's acknowledgement (a few seconds at most) and ends its process with
-``os._exit(EXIT_CODE)`` after flushing the logs: the launcher sees every rank fail at once.
+``os._exit(EXIT_CODE)`` after flushing the logs: the launcher sees every rank fail at once. While the
+training thread unwinds with an error (``unwinding``) this rank's position is published as ``raised``.
 
 Every rank watches (not only the main one), so a rank whose Python is stuck holding the GIL
 cannot keep the others from naming it. "Not moved" is judged on this rank's clock from when a
@@ -39,6 +40,7 @@ from typing import Any, Callable
 
 from .patterns import WAITING_PHASES, Position, Stall, name_stall
 from .side_channel import SideChannel, verdict_of
+from .unwinding import Unwinding
 
 logger = logging.getLogger("diffusion_debug.training")
 
@@ -74,9 +76,13 @@ class StallWatcher:
         run_dir: Path,
         record: Callable[[Stall, dict[str, Any]], None],
         clock: Callable[[], float] = time.monotonic,
+        thread: threading.Thread | None = None,
     ):
         self.channel = channel
         self.position = position
+        self.thread = threading.current_thread() if thread is None else thread
+        """The training thread (the one that built the watcher): an error it unwinds with is published."""
+        self.unwinding = Unwinding(self.thread)
         self.stall_timeout = stall_timeout
         self.end_job = end_job
         self.run_dir = run_dir
@@ -116,7 +122,7 @@ class StallWatcher:
 
     # -- one look ------------------------------------------------------------------------------------
     def tick(self) -> None:
-        self.channel.publish(self.position)
+        self.channel.publish(self.unwinding.position(self.position, self.thread))  # an error left the step?
         positions = self.channel.read()
         if self._named and any(p is None or self._named.get(p.rank, p.counter) != p.counter for p in positions):
             # the stall named last resolves: every rank's wait counts from now (the positions published
@@ -132,7 +138,8 @@ class StallWatcher:
             verdict = self.channel.propose(number, verdict_of(stall, end=end, by=self.position.rank))
         if verdict is not None:
             self._named = dict(waiting) or {p.rank: p.counter for p in positions if p is not None}
-            live = sum(p is None or p.phase != "closed" for p in positions)  # a closed rank's watcher is gone
+            # a closed rank's watcher is gone, and so is one exiting with an uncaught error (closed at the exit)
+            live = sum(p is None or (p.phase != "closed" and not p.uncaught) for p in positions)
             self.handle(number, verdict, expected=live)
 
     def _waiting(self, positions: list[Position | None]) -> tuple[tuple[int, int], ...]:
