@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ...stats.quantized import PLAIN_TYPES, computed_views
+from .tree_tags import TreeTags, tree_tags, unchanged
 
 _size = itemgetter(1)
 _FIRST = itemgetter(0)
@@ -182,6 +183,9 @@ class TreeMemo:
     def __init__(self) -> None:
         self._trees: dict[int, tuple[TreeKey, list[Any]]] = {}
         self._values: dict[int, dict[str, Any]] = {}
+        self._tags: dict[int, TreeTags | None] = {}
+        """Per root: the version tags of its tree's dicts read after its last walk (:mod:`.tree_tags`):
+        while none was written, the attach does not walk it again."""
         self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int, list[torch.Tensor]]] = {}
         """Per root: its parameters with their sizes, largest first, their total size, and the largest ones
         that held more than half of it in one dtype when :meth:`dtypes` last counted (empty until then)."""
@@ -206,8 +210,12 @@ class TreeMemo:
         current: dict[int, dict[Any, Any]] = {}
         changed = False
         for root in roots:
-            key, kept, parameters = tree_key(root)
             before = trees.get(id(root))
+            tags = self._tags.get(id(root))
+            if tags is not None and before[1][0] is root and unchanged(root, tags):  # no dict of it written
+                current[id(root)] = values[id(root)]
+                continue
+            key, kept, parameters = tree_key(root)
             old = before[0] if before is not None and before[1][0] is root else None
             same = (  # same_tree(old, key), inline (at every attach)
                 old is not None
@@ -224,6 +232,7 @@ class TreeMemo:
                 trees[id(root)] = (key, kept)
                 values[id(root)] = {}
                 self._by_size[id(root)] = _by_size(parameters, kept)
+            self._tags[id(root)] = tree_tags(trees[id(root)][1])  # read after the walk: the next attach's test
             current[id(root)] = values[id(root)]
         self.current = current
         if len(trees) != len(current):  # a root not in ``roots`` (a reused debugger's attach: none)
@@ -286,13 +295,13 @@ class TreeMemo:
         kept = {id(root) for root in roots}
         for key in [key for key in self._trees if key not in kept]:
             del self._trees[key], self._values[key], self._by_size[key]
-            self.current.pop(key, None)
+            self._tags.pop(key, None), self.current.pop(key, None)
 
     def forget(self, keys: Iterable[int]) -> None:
         """Forget the roots at ``keys`` (their ids) and what was computed from them, the others kept."""
         for key in keys:
             self._trees.pop(key, None), self._values.pop(key, None), self._by_size.pop(key, None)
-            self.current.pop(key, None)
+            self._tags.pop(key, None), self.current.pop(key, None)
 
     def __del__(self) -> None:
         # (not weakref.finalize: its registry, a global, would hold the modules, through their hooks an
@@ -307,7 +316,7 @@ class TreeMemo:
                 pass
 
     def clear(self) -> None:
-        self._trees.clear(), self._values.clear(), self._by_size.clear()
+        self._trees.clear(), self._values.clear(), self._by_size.clear(), self._tags.clear()
         self.current = {}
 
 
