@@ -169,7 +169,11 @@ def test_a_reused_fp16_one_step_call_not_read_adds_pinned_python_and_c_calls(pip
     47,887 and 47,585 (``sys.settrace``). Of the C calls, the tree walk (``structure.tree_key``: ~1,740) and
     the detach's ``park`` (~190) are most. A count over its pin names what grew with
     ``op_counts.added_python_calls(..., sites=True)``. 2762 C calls once a decoded image's count and extremes
-    were read through one ``cat`` (cost31: no ``.float()`` of each extreme, no ``unbind``; frames the same)."""
+    were read through one ``cat`` (cost31: no ``.float()`` of each extreme, no ``unbind``; frames the same).
+    1006 once an unchanged tree is told by its dicts' version tags, one C loop a component
+    (``components/tree_tags.py``, cost32), not walked: the walk's ~1,756 C calls gone, frames the same (each
+    ``tree_key`` frame became an ``unchanged`` frame); with the reader switched off the same call counts 2774
+    (and 225 frames: ``tree_tags`` returns at once)."""
     done = pipeline_forks.run(ROOT, dict(os.environ), [], code=FP16_NOT_READ, outputs=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     added = json.loads(done.stdout.splitlines()[-1])
@@ -177,4 +181,4 @@ def test_a_reused_fp16_one_step_call_not_read_adds_pinned_python_and_c_calls(pip
     assert added["added_builtins"] <= C_CALLS, added
 
 
-FRAMES, C_CALLS = 222, 2762
+FRAMES, C_CALLS = 222, 1006

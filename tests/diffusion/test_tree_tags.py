@@ -57,13 +57,15 @@ CHANGES = {  # each a change of the walk's key, made deep in the tree unless nam
     "_modules dict replaced": lambda net: setattr(net[0], "_modules", dict(reversed(net[0]._modules.items()))),
     "a leaf's empty _modules updated (a clone)": lambda net: net[2]._modules.update({"x": nn.ReLU()}),
     "a parameter set": lambda net: setattr(net[0].proj, "weight", nn.Parameter(torch.zeros(2, 2))),
-    "_parameters[...] = write (accelerate's)": lambda net: net[1].inner[0]._parameters.__setitem__(
-        "bias", nn.Parameter(torch.zeros(2))
+    "_parameters[...] = write (accelerate's)": lambda net: (
+        net[1].inner[0]._parameters.__setitem__("bias", nn.Parameter(torch.zeros(2)))
     ),
     "a parameter popped": lambda net: net[1].inner[0]._parameters.pop("bias"),
     "module.compile() below the root": lambda net: net[1].compile(backend="eager"),
     "root: module.compile()": lambda net: net.compile(backend="eager"),
-    "root: a method compiled in place": lambda net: setattr(net, "forward", torch.compile(net.forward, backend="eager")),
+    "root: a method compiled in place": lambda net: setattr(
+        net, "forward", torch.compile(net.forward, backend="eager")
+    ),
     "root: a child added": lambda net: net.append(nn.Linear(2, 2)),
     "root: a parameter set": lambda net: setattr(net, "scale", nn.Parameter(torch.ones(()))),
 }
@@ -97,9 +99,7 @@ def walks(monkeypatch):
 
 
 @NO_READER
-@pytest.mark.parametrize(
-    "name", [*CHANGES, *(pytest.param(name, marks=NO_HOOKS) for name in HOOKS)]
-)
+@pytest.mark.parametrize("name", [*CHANGES, *(pytest.param(name, marks=NO_HOOKS) for name in HOOKS)])
 def test_every_change_of_the_key_is_seen_without_a_walk_of_an_unchanged_tree(name, walks):
     change = {**CHANGES, **HOOKS}[name]
     net = prepared(name)

@@ -8,7 +8,9 @@ its parameters, its in-place compiled call and its diffusers hook registry. What
 from a component is reused while its key is the same; any change (a LoRA loaded, a module
 replaced or deleted, ``module.compile()``, ``vae.decode = torch.compile(vae.decode)``, a cache hook
 enabled, a parameter replaced) gives another key and everything of that component is computed
-again. A dtype change in place
+again. Between two walks the attach reads only the version tags of the tree's dicts
+(:mod:`.tree_tags`, one C loop a component): a tree none of whose dicts was written since its last
+walk is not walked again. A dtype change in place
 (``pipe.to(torch.float16)`` keeps the parameter objects) changes the parameters' dtypes, read
 at every attach.
 
@@ -201,9 +203,10 @@ class TreeMemo:
         back, run before the memo is read by another debugger or parked."""
 
     def refresh(self, roots: list[nn.Module]) -> bool:
-        """Walk each root once (at attach): what was computed from a changed tree is forgotten, and
-        so is every root not in ``roots`` (a component the pipeline no longer holds). Returns whether
-        a root's tree changed (or is new)."""
+        """Walk each root whose dicts were written since its last walk (at attach; every root the
+        first time, and every time where no tags can be read): what was computed from a changed tree
+        is forgotten, and so is every root not in ``roots`` (a component the pipeline no longer
+        holds). Returns whether a root's tree changed (or is new)."""
         if self.held_weakly is not None:  # another debugger of the pipeline, detached, held them weakly
             self.held_weakly()
         trees, values = self._trees, self._values
