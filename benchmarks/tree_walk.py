@@ -48,11 +48,11 @@ def alone(pipe: Any, number: int = 200) -> dict[str, float]:
 
 
 def run(pipe: Any, *, repeats: int, output_dir: str, label: str, clock: str = "cpu", warmup: int = 4) -> Controlled:
-    now, spent = CLOCKS[clock], [0.0, 0.0]
+    now, spent, seen = CLOCKS[clock], [0.0, 0.0], set()
     result = Controlled(f"1-step {label} call, output_type='pil'", clock=clock)
     twin = copy.deepcopy(pipe)
     reader = tree_tags.READ
-    with compute_clock(pipe, spent, now, twins=(twin,)):
+    with compute_clock(pipe, spent, now, seen, twins=(twin,)):
         debuggers = {
             TAGS: DiffusionModelDebugger(pipe, DebugConfig(output_dir=output_dir)),
             WALK: DiffusionModelDebugger(twin, DebugConfig(output_dir=output_dir)),
@@ -86,6 +86,8 @@ def run(pipe: Any, *, repeats: int, output_dir: str, label: str, clock: str = "c
         cases = {"plain": called(pipe), TAGS: watched(TAGS), WALK: watched(WALK)}
         for name in cases:
             result.whole[name], result.compute[name] = [], []
+        for name in debuggers:
+            result.groups[name] = []
         try:
             for _ in range(warm_up_rounds(warmup)):
                 for call in cases.values():
@@ -97,11 +99,16 @@ def run(pipe: Any, *, repeats: int, output_dir: str, label: str, clock: str = "c
                     for name in reversed(cases) if round_ % 2 else cases:
                         gc.collect()
                         spent[0] = spent[1] = 0.0
+                        seen.clear()
                         start = now()
                         cases[name]()
                         result.whole[name].append(now() - start)
                         result.compute[name].append(spent[0] - spent[1])
-                    result.read.append(False)
+                        if name in debuggers:  # whose sentinel hooks ran (call_control's groups)
+                            kept = debuggers[name]._steps.probes._kept
+                            ran = sorted(c for c, entry in kept.items() if id(entry[2]) in seen)
+                            result.groups[name].append("+".join(ran))
+                    result.read.append(bool(result.groups[TAGS][-1]))
             finally:
                 gc.unfreeze()
         finally:
