@@ -106,28 +106,28 @@ def test_every_change_of_the_key_is_seen_without_a_walk_of_an_unchanged_tree(nam
     memo = TreeMemo()
     assert memo.refresh([net]) is True
     key = tree_key(net)[0]
-    assert memo.refresh([net]) is False and memo.refresh([net]) is False
-    assert walks == ["Sequential"]  # the first refresh's walk alone: the next two read the tags
+    assert memo.refresh([net]) is False and memo.refresh([net]) is False and memo.refresh([net]) is False
+    assert walks == ["Sequential"] * 2  # tagged by the second walk (it found the first's tree): no more walks
     change(net)
     assert tree_key(net)[0] != key  # a change the walk's key sees ...
     assert memo.refresh([net]) is True  # ... seen by the memo
-    assert walks == ["Sequential"] * 2
-    assert memo.refresh([net]) is False and walks == ["Sequential"] * 2  # tagged again after that walk
+    assert memo.refresh([net]) is False and memo.refresh([net]) is False
+    assert walks == ["Sequential"] * 4  # the change's walk, and the one that tags it again
 
 
 @NO_READER
 def test_a_write_that_leaves_the_key_as_it_was_costs_one_walk_and_keeps_the_memo(walks):
     net = tree()
     memo = TreeMemo()
-    memo.refresh([net])
+    memo.refresh([net]), memo.refresh([net])  # walked, then walked and tagged
     calls = []
     compute = lambda: calls.append(1) or len(calls)  # noqa: E731
     assert memo.get(net, "n", compute) == 1
     net[0].inner[1].inplace = True  # a flag (as set_adapters' are): written, not in the key
-    assert memo.refresh([net]) is False and len(walks) == 2
+    assert memo.refresh([net]) is False and len(walks) == 3
     assert memo.get(net, "n", compute) == 1
     net[0].inner[1].inplace = True  # the same value again: no write
-    assert memo.refresh([net]) is False and len(walks) == 2
+    assert memo.refresh([net]) is False and len(walks) == 3
 
 
 @NO_READER
@@ -138,10 +138,10 @@ def test_a_tree_with_an_ordered_dict_is_walked_at_every_refresh(walks):
     del net[0][0]
     assert type(net[0]._modules) is not dict
     memo = TreeMemo()
-    memo.refresh([net])
-    assert memo.refresh([net]) is False and len(walks) == 2
+    memo.refresh([net]), memo.refresh([net])
+    assert memo.refresh([net]) is False and len(walks) == 3
     net[0]._modules.move_to_end("0")
-    assert memo.refresh([net]) is True and len(walks) == 3
+    assert memo.refresh([net]) is True and len(walks) == 4
 
 
 def test_a_reader_that_misses_a_write_is_not_used_and_one_that_misses_a_clone_adds_lengths(monkeypatch):
@@ -166,21 +166,23 @@ def test_a_reused_debugger_walks_no_tree_while_none_changes_and_follows_a_lora_a
             run(pipe, steps=1)
             return set(dbg._steps.probes.probes["unet"].module_names)
 
+    unet = ["UNet2DConditionModel"]
     try:
         first = attached_modules()
+        assert attached_modules() == first  # walked again: tagged
         walked = len(walks)
         assert attached_modules() == first and len(walks) == walked  # no walk of an unchanged tree
         pipe.unet.add_adapter(peft.LoraConfig(r=2, target_modules=["to_q"]), adapter_name="one")
         assert {name for name in attached_modules() - first if name.endswith("to_q.lora_A.one")}
-        assert walks[walked:] == ["UNet2DConditionModel"]
-        pipe.unet.delete_adapters("one")
+        assert walks[walked:] == unet
+        pipe.unet.delete_adapters("one")  # (not tagged yet after the change: walked, and would be anyway)
         assert not {name for name in attached_modules() if name.endswith(".one")}
-        assert walks[walked:] == ["UNet2DConditionModel"] * 2
+        attached_modules(), attached_modules()
+        assert walks[walked:] == unet * 3  # the adapter's deletion walked and tagged; the last not walked
         pipe.unet.mid_block.attentions[0].transformer_blocks[0].attn2 = None  # a child registered as None
         gone = first - attached_modules()
         assert "mid_block.attentions.0.transformer_blocks.0.attn2" in gone
-        assert walks[walked:] == ["UNet2DConditionModel"] * 3
-        attached_modules()
-        assert walks[walked:] == ["UNet2DConditionModel"] * 3  # tagged with its None child
+        attached_modules(), attached_modules()
+        assert walks[walked:] == unet * 5  # tagged with its None child
     finally:
         dbg.close()

@@ -235,7 +235,10 @@ class TreeMemo:
                 trees[id(root)] = (key, kept)
                 values[id(root)] = {}
                 self._by_size[id(root)] = _by_size(parameters, kept)
-            self._tags[id(root)] = tree_tags(trees[id(root)][1])  # read after the walk: the next attach's test
+            # tagged after a walk that found what this memo's last walk had (read now: the next attach's test);
+            # not after a first walk (a debugger made per call, whose memo is revived at each: never read) nor a
+            # change (a tree changed at every call, by an offload's new parameters: its walk alone, as before)
+            self._tags[id(root)] = tree_tags(kept) if same and id(root) in self._tags else None
             current[id(root)] = values[id(root)]
         self.current = current
         if len(trees) != len(current):  # a root not in ``roots`` (a reused debugger's attach: none)

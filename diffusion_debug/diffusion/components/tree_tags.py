@@ -46,10 +46,11 @@ either. A tag read costs a C call per dict: ~3 a module.
 from __future__ import annotations
 
 import sys
-from operator import itemgetter
+from itertools import compress, repeat
+from operator import attrgetter, contains, itemgetter
 from typing import Any, Callable
 
-_MODULES, _PARAMETERS = itemgetter("_modules"), itemgetter("_parameters")
+_MODULES, _PARAMETERS, _STATE = itemgetter("_modules"), itemgetter("_parameters"), attrgetter("__dict__")
 
 
 def _reader() -> tuple[Callable[[dict], int] | None, bool]:
@@ -109,16 +110,19 @@ def tree_tags(kept: list[Any]) -> TreeTags | None:
     of it); ``None`` where they cannot tell a write (no reader, a dict of a subclass)."""
     if READ is None or not kept:
         return None
-    states = [module.__dict__ for module in kept if module is not None]  # (a child registered as None: none)
+    try:
+        states = list(map(_STATE, kept))
+    except AttributeError:  # (a child registered as None: none)
+        states = [module.__dict__ for module in kept if module is not None]
     try:
         dicts = [*states[1:], *map(_MODULES, states), *map(_PARAMETERS, states)]
     except KeyError:  # (a module without its dicts: walked every time)
         return None
-    for state in states[1:]:  # registries below the root (the root's is read through it)
-        registry = state.get("_diffusers_hook")
-        if registry is not None:
-            dicts += (vars(registry), registry.hooks)
-    if not all(type(found) is dict for found in dicts):
+    below = states[1:]
+    for state in compress(below, map(contains, below, repeat("_diffusers_hook"))):  # registries below the root
+        registry = state["_diffusers_hook"]
+        dicts += (vars(registry), registry.hooks)
+    if set(map(type, dicts)) - {dict}:
         return None
     root = _root_dicts(kept[0])
     if root is None:
