@@ -2,7 +2,7 @@
 from the version tags of the dicts it is made of (PEP 509).
 
 :func:`~.structure.tree_key` walks every module of every component at each attach (490 modules on
-tiny SD, 0.3-0.6 ms a call: the largest part of a reused debugger's per-call work). All it reads
+tiny SD: ~0.15 ms of CPU warm, ~0.76 ms less a reused fp16 1-step call without it, cost32). All it reads
 of a tree lives in dicts: each module's ``__dict__`` (its ``_modules`` and ``_parameters`` dicts, a
 compiled call, a diffusers hook registry, a method compiled in place, accelerate's ``forward``),
 its ``_modules`` (the children, by name, in order), its ``_parameters``, and a registry's
@@ -20,9 +20,9 @@ The tags are read by torch's own reader, what dynamo's guards use
 see (:func:`_reader`); where it is missing or sees less, every attach walks, as before. On Python
 3.12+ torch keeps the tags with a dict watcher, which is not told of an empty dict filled by
 ``update`` (a "clone"): where the check finds that, the dicts' total length is compared too (a
-clone only adds). Only plain dicts are tagged: a tree with a dict of a subclass (an
-``OrderedDict`` ``_modules``, as ``del module_list[i]`` leaves; its ``move_to_end`` reorders
-with no write) is walked at each attach.
+clone only adds); that reader also puts its watcher on each dict it reads, as dynamo's guards do.
+Only plain dicts are tagged: a tree with a dict of a subclass (an ``OrderedDict`` ``_modules``, as
+``del module_list[i]`` leaves; its ``move_to_end`` reorders with no write) is walked at each attach.
 
 What holds the root is read through the root at each check, not kept: the root's ``__dict__`` and
 its registry's dicts hold what holds the root back (a compiled call, the registry, a bound
