@@ -186,3 +186,20 @@ def test_a_reused_debugger_walks_no_tree_while_none_changes_and_follows_a_lora_a
         assert walks[walked:] == unet * 5  # tagged with its None child
     finally:
         dbg.close()
+
+
+@NO_READER
+@pytest.mark.parametrize("where", ["below the root", "root"])
+def test_a_hook_attribute_set_to_none_is_no_registry_as_the_walk_reads_it(where, walks):
+    """``module._diffusers_hook = None`` (a registry dropped by hand): tree_key reads no registry there;
+    the tags did ``vars(None)`` (below the root) and ``None.__dict__`` (at the root) and raised."""
+    net = tree()
+    memo = TreeMemo()
+    memo.refresh([net]), memo.refresh([net])  # walked, then walked and tagged
+    (net[1] if where == "below the root" else net)._diffusers_hook = None  # in the key (an entry with no registry)
+    assert memo.refresh([net]) is True
+    assert memo.refresh([net]) is False  # walked, the same tree: tagged, with the None (raised here)
+    assert memo.refresh([net]) is False and memo.refresh([net]) is False
+    assert walks == ["Sequential"] * 4  # the write's walk and the tagging one; then tags read, no walk
+    net.append(nn.Linear(2, 2))
+    assert memo.refresh([net]) is True and len(walks) == 5

@@ -121,7 +121,8 @@ def tree_tags(kept: list[Any]) -> TreeTags | None:
     below = states[1:]
     for state in compress(below, map(contains, below, repeat("_diffusers_hook"))):  # registries below the root
         registry = state["_diffusers_hook"]
-        dicts += (vars(registry), registry.hooks)
+        if registry is not None:  # (``_diffusers_hook = None``: no registry, as tree_key reads it)
+            dicts += (vars(registry), registry.hooks)
     if set(map(type, dicts)) - {dict}:
         return None
     root = _root_dicts(kept[0])
@@ -145,8 +146,8 @@ def _root_dicts(root: Any) -> tuple[dict, ...] | None:
 def unchanged(root: Any, tags: TreeTags) -> bool:
     """Whether no dict of the tree of ``root`` tagged by ``tags`` was written since."""
     state = root.__dict__
-    if "_diffusers_hook" in state:
-        registry = state["_diffusers_hook"]
+    registry = state["_diffusers_hook"] if "_diffusers_hook" in state else None  # (no C call: every attach)
+    if registry is not None:
         root_dicts: tuple = (state, registry.__dict__, registry.hooks)
         if type(root_dicts[2]) is not dict:
             return False
