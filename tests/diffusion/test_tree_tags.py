@@ -203,3 +203,26 @@ def test_a_hook_attribute_set_to_none_is_no_registry_as_the_walk_reads_it(where,
     assert walks == ["Sequential"] * 4  # the write's walk and the tagging one; then tags read, no walk
     net.append(nn.Linear(2, 2))
     assert memo.refresh([net]) is True and len(walks) == 5
+
+
+@NO_READER
+def test_a_write_between_the_walk_and_the_tags_read_is_not_hidden_by_the_tags(monkeypatch):
+    """Another thread's write after the walk and before the tags are read: tags read after it would say
+    'unchanged' at every later attach, the memo keeping the tree as the walk saw it (its key stale for good)."""
+    net = nn.Sequential(nn.Linear(2, 2))
+    memo = TreeMemo()
+    memo.refresh([net])
+    walk, walked = structure.tree_key, []
+
+    def racing(root):
+        found = walk(root)
+        walked.append(1)
+        if len(walked) == 1:  # the write lands after the walk, before the tags are read
+            root.append(nn.Linear(2, 2))
+        return found
+
+    monkeypatch.setattr(structure, "tree_key", racing)
+    assert memo.refresh([net]) is False  # the walk found the first's tree; tags would be built here
+    assert memo.refresh([net]) is True and len(walked) == 2  # not tagged: walked, the child seen
+    assert len(memo._trees[id(net)][1]) == 3 == len(list(net.modules()))
+    assert memo.refresh([net]) is False and memo.refresh([net]) is False and len(walked) == 3  # then tagged

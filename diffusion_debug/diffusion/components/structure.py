@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from ...stats.quantized import PLAIN_TYPES, computed_views
+from . import tree_tags as tags_of
 from .tree_tags import TreeTags, tree_tags, unchanged
 
 _size = itemgetter(1)
@@ -110,7 +111,10 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
     id made per object cost a fifth more). A module compiled in place or with a diffusers hook
     registry is told by its ``__dict__`` holding the name (``_compiled_call_impl`` is a class
     attribute until ``module.compile()`` sets it): two look-ups, no call, a module; a child
-    registered as None (rare) sends the whole walk the long way (:func:`_walk_with_none`)."""
+    registered as None (rare) sends the whole walk the long way (:func:`_walk_with_none`). A registry's
+    ``hooks`` are read through its ``__dict__``, which that makes (CPython makes an object's ``__dict__`` at
+    its first read, with a new version tag): made at the walk that found the registry, not when tags are
+    read after a later walk, where a tag newer than that walk is taken for a write (:func:`.tree_tags.tree_tags`)."""
     order: list[Any] = [root]
     names: list[Any] = []
     parameters: list[torch.Tensor | None] = []
@@ -129,7 +133,7 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
             end_module(None)
             if "_diffusers_hook" in state or "_compiled_call_impl" in state:  # (inline: a cache hook's every block)
                 compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
-                hooks = tuple(registry.hooks.values()) if registry is not None else ()
+                hooks = tuple(registry.__dict__["hooks"].values()) if registry is not None else ()
                 hooked += (module, compiled, registry, *hooks, _END)
     except AttributeError:
         if not any(map(is_, order, repeat(None))):  # (not a child registered as None: an object that is no module)
@@ -165,7 +169,7 @@ def _walk_with_none(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.T
         names.append(None)
         if "_diffusers_hook" in state or "_compiled_call_impl" in state:
             compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
-            hooks = tuple(registry.hooks.values()) if registry is not None else ()
+            hooks = tuple(registry.__dict__["hooks"].values()) if registry is not None else ()
             hooked += (module, compiled, registry, *hooks, _END)
     return order, names, parameters, hooked
 
@@ -218,6 +222,8 @@ class TreeMemo:
             if tags is not None and before[1][0] is root and unchanged(root, tags):  # no dict of it written
                 current[id(root)] = values[id(root)]
                 continue
+            tagging = before is not None and id(root) in self._tags and tags_of.READ is not None
+            start = tags_of.READ({}) if tagging else 0  # newer than every tag now: one newer after the walk is a write
             key, kept, parameters = tree_key(root)
             old = before[0] if before is not None and before[1][0] is root else None
             same = (  # same_tree(old, key), inline (at every attach)
@@ -238,7 +244,8 @@ class TreeMemo:
             # tagged after a walk that found what this memo's last walk had (read now: the next attach's test);
             # not after a first walk (a debugger made per call, whose memo is revived at each: never read) nor a
             # change (a tree changed at every call, by an offload's new parameters: its walk alone, as before)
-            self._tags[id(root)] = tree_tags(kept) if same and id(root) in self._tags else None
+            # (a write between the walk and this read, another thread's, drops them: the walk may have missed it)
+            self._tags[id(root)] = tree_tags(kept, start) if same and tagging else None
             current[id(root)] = values[id(root)]
         self.current = current
         if len(trees) != len(current):  # a root not in ``roots`` (a reused debugger's attach: none)

@@ -20,7 +20,11 @@ The tags are read by torch's own reader, what dynamo's guards use
 see (:func:`_reader`); where it is missing or sees less, every attach walks, as before. On Python
 3.12+ torch keeps the tags with a dict watcher, which is not told of an empty dict filled by
 ``update`` (a "clone"): where the check finds that, the dicts' total length is compared too (a
-clone only adds); that reader also puts its watcher on each dict it reads, as dynamo's guards do.
+clone only adds); that reader also puts its watcher on each dict it reads, as dynamo's guards do, and
+gives a dict its first tag at its first read: there a tree's first tags, all newer than the walk
+before them, are dropped as a write (below) and built after the next walk (one walk more, not run here).
+Tags are dropped where one is newer than ``READ({})`` read before the walk: a write between the walk
+and the tags' read (another thread's), which the walk may have missed and the tags would hide.
 Only plain dicts are tagged: a tree with a dict of a subclass (an ``OrderedDict`` ``_modules``, as
 ``del module_list[i]`` leaves; its ``move_to_end`` reorders with no write) is walked at each attach.
 
@@ -105,9 +109,11 @@ class TreeTags(tuple):
     __slots__ = ()
 
 
-def tree_tags(kept: list[Any]) -> TreeTags | None:
+def tree_tags(kept: list[Any], since: int | None = None) -> TreeTags | None:
     """The tags of the tree whose modules (its root first) are ``kept``, read now (just after a walk
-    of it); ``None`` where they cannot tell a write (no reader, a dict of a subclass)."""
+    of it); ``None`` where they cannot tell a write (no reader, a dict of a subclass) or where a dict
+    of it was written after ``since`` (``READ({})``, read before the walk: a tag newer than it is a
+    write the walk may have missed, which these tags would hide at every later attach)."""
     if READ is None or not kept:
         return None
     try:
@@ -129,6 +135,8 @@ def tree_tags(kept: list[Any]) -> TreeTags | None:
     if root is None:
         return None
     newest = max(max(map(READ, root)), max(map(READ, dicts), default=0))
+    if since is not None and newest > since:
+        return None
     length = sum(map(len, dicts)) + sum(map(len, root)) if LENGTHS_TOO else 0
     return TreeTags((dicts, newest, length))
 
