@@ -226,3 +226,74 @@ def test_a_write_between_the_walk_and_the_tags_read_is_not_hidden_by_the_tags(mo
     assert memo.refresh([net]) is True and len(walked) == 2  # not tagged: walked, the child seen
     assert len(memo._trees[id(net)][1]) == 3 == len(list(net.modules()))
     assert memo.refresh([net]) is False and memo.refresh([net]) is False and len(walked) == 3  # then tagged
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """The trees whose tags were built (their roots' class names)."""
+    found: list[str] = []
+    build = tree_tags.tree_tags
+    monkeypatch.setattr(
+        tree_tags, "tree_tags", lambda kept, since=None: (found.append(type(kept[0]).__name__), build(kept, since))[1]
+    )
+    return found
+
+
+@NO_READER
+def test_a_write_before_every_refresh_that_leaves_the_key_backs_the_tags_off_and_a_hit_resets_them(walks, builds):
+    """A flag written before every call (``set_adapters`` alternated) fails the tags at their first read and
+    leaves the key: tags were built after every such walk (~0.2 ms, as much as the walk). Now after ``k``
+    such failures in a row they are built once in ``2 ** (k - 1)`` walks, once in 64 at most; a tree left
+    alone after it is tagged again within 64 walks, and tags read unchanged once reset the count."""
+    net = tree()
+    memo = TreeMemo()
+    built_at = []
+
+    def refresh(index: int) -> None:
+        before = len(builds)
+        assert memo.refresh([net]) is False or index == 1
+        if len(builds) > before:
+            built_at.append(index)
+
+    refresh(1), refresh(2)  # walked; walked and tagged
+    for index in range(3, 301):
+        net[0].inner[1].inplace = bool(index % 2)  # written, not in the key
+        refresh(index)
+    assert len(walks) == 300
+    assert built_at == [2, 3, 5, 9, 17, 33, 65, 129, 193, 257]  # was every refresh from 2 on (299 builds)
+    for index in range(301, 340):  # left alone: tagged again within 64 walks of its last build
+        refresh(index)
+    assert built_at[-1] == 321 and len(walks) == 321  # (the last write's failure at 258: its walk, 63 more)
+    net[0].inner[1].inplace = True  # one write after tags read unchanged: a hit had reset the strikes ...
+    refresh(340)
+    assert built_at[-1] == 340 and len(walks) == 322  # ... so built at its walk, at once
+    refresh(341), refresh(342)
+    assert len(walks) == 322
+    net.append(nn.Linear(2, 2))  # a change is still seen at once
+    assert memo.refresh([net]) is True and len(walks) == 323
+
+
+@NO_READER
+def test_set_adapters_alternated_before_each_call_builds_the_unets_tags_a_few_times(tmp_path, walks, builds):
+    """peft's ``set_adapters`` alternated before every call writes the UNet's LoRA layers and leaves the key:
+    the UNet is walked at each call (as before the tags), its tags built 3 times in 10 calls (was 10), the
+    unchanged text encoder and VAE read from their tags."""
+    peft = pytest.importorskip("peft")
+    pipe = tiny_pipeline("sd")
+    for name in ("a", "b"):
+        pipe.unet.add_adapter(peft.LoraConfig(r=2, target_modules=["to_q"]), adapter_name=name)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        for _ in range(2):  # walked; walked and tagged
+            with dbg:
+                run(pipe, steps=1, output_type="latent")
+        assert sorted(builds) == ["AutoencoderKL", "CLIPTextModel", "UNet2DConditionModel"]
+        walks.clear(), builds.clear()
+        for index in range(10):
+            pipe.unet.set_adapters(["a" if index % 2 else "b"])
+            with dbg:
+                run(pipe, steps=1, output_type="latent")
+        assert walks == ["UNet2DConditionModel"] * 10
+        assert builds == ["UNet2DConditionModel"] * 3  # after the calls' walks 1, 3 and 7 (strikes 1, 2, 3)
+    finally:
+        dbg.close()

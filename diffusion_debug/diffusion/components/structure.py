@@ -58,7 +58,7 @@ from torch import nn
 
 from ...stats.quantized import PLAIN_TYPES, computed_views
 from . import tree_tags as tags_of
-from .tree_tags import TreeTags, tree_tags, unchanged
+from .tree_tags import TreeTags, tags_after_walk, unchanged
 
 _size = itemgetter(1)
 _FIRST = itemgetter(0)
@@ -112,9 +112,8 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
     registry is told by its ``__dict__`` holding the name (``_compiled_call_impl`` is a class
     attribute until ``module.compile()`` sets it): two look-ups, no call, a module; a child
     registered as None (rare) sends the whole walk the long way (:func:`_walk_with_none`). A registry's
-    ``hooks`` are read through its ``__dict__``, which that makes (CPython makes an object's ``__dict__`` at
-    its first read, with a new version tag): made at the walk that found the registry, not when tags are
-    read after a later walk, where a tag newer than that walk is taken for a write (:func:`.tree_tags.tree_tags`)."""
+    ``__dict__``, made at its first read with a new tag, is made by the walk that finds it (its ``hooks`` read
+    there), not by the tags' read after a later walk, which would take that tag for a write."""
     order: list[Any] = [root]
     names: list[Any] = []
     parameters: list[torch.Tensor | None] = []
@@ -192,6 +191,9 @@ class TreeMemo:
         self._tags: dict[int, TreeTags | None] = {}
         """Per root: the version tags of its tree's dicts read after its last walk (:mod:`.tree_tags`):
         while none was written, the attach does not walk it again."""
+        self._backoff: dict[int, list[int]] = {}
+        """Per root tagged before: when to build its tags again (:func:`.tree_tags.tags_after_walk`)."""
+        self._refreshes = 0
         self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int, list[torch.Tensor]]] = {}
         """Per root: its parameters with their sizes, largest first, their total size, and the largest ones
         that held more than half of it in one dtype when :meth:`dtypes` last counted (empty until then)."""
@@ -216,6 +218,7 @@ class TreeMemo:
         trees, values = self._trees, self._values
         current: dict[int, dict[Any, Any]] = {}
         changed = False
+        self._refreshes = refresh = self._refreshes + 1
         for root in roots:
             before = trees.get(id(root))
             tags = self._tags.get(id(root))
@@ -243,9 +246,10 @@ class TreeMemo:
                 self._by_size[id(root)] = _by_size(parameters, kept)
             # tagged after a walk that found what this memo's last walk had (read now: the next attach's test);
             # not after a first walk (a debugger made per call, whose memo is revived at each: never read) nor a
-            # change (a tree changed at every call, by an offload's new parameters: its walk alone, as before)
-            # (a write between the walk and this read, another thread's, drops them: the walk may have missed it)
-            self._tags[id(root)] = tree_tags(kept, start) if same and tagging else None
+            # change (a tree changed at every call, by an offload's new parameters: its walk alone, as before);
+            # backed off where they keep failing at their first read, the tree the same (set_adapters at each call)
+            backoff = self._backoff.setdefault(id(root), [0, 0, 0]) if tagging else None
+            self._tags[id(root)] = tags_after_walk(backoff, kept, same, tags, start, refresh) if backoff else None
             current[id(root)] = values[id(root)]
         self.current = current
         if len(trees) != len(current):  # a root not in ``roots`` (a reused debugger's attach: none)
@@ -308,13 +312,13 @@ class TreeMemo:
         kept = {id(root) for root in roots}
         for key in [key for key in self._trees if key not in kept]:
             del self._trees[key], self._values[key], self._by_size[key]
-            self._tags.pop(key, None), self.current.pop(key, None)
+            self._tags.pop(key, None), self._backoff.pop(key, None), self.current.pop(key, None)
 
     def forget(self, keys: Iterable[int]) -> None:
         """Forget the roots at ``keys`` (their ids) and what was computed from them, the others kept."""
         for key in keys:
             self._trees.pop(key, None), self._values.pop(key, None), self._by_size.pop(key, None)
-            self._tags.pop(key, None), self.current.pop(key, None)
+            self._tags.pop(key, None), self._backoff.pop(key, None), self.current.pop(key, None)
 
     def __del__(self) -> None:
         # (not weakref.finalize: its registry, a global, would hold the modules, through their hooks an
@@ -329,7 +333,7 @@ class TreeMemo:
                 pass
 
     def clear(self) -> None:
-        self._trees.clear(), self._values.clear(), self._by_size.clear(), self._tags.clear()
+        self._trees.clear(), self._values.clear(), self._by_size.clear(), self._tags.clear(), self._backoff.clear()
         self.current = {}
 
 

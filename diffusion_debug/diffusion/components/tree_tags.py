@@ -141,6 +141,39 @@ def tree_tags(kept: list[Any], since: int | None = None) -> TreeTags | None:
     return TreeTags((dicts, newest, length))
 
 
+MAX_STRIKES = 7
+"""Tags failing at their first read this many times in a row, the tree the same, are built once in 64
+walks (:func:`tags_after_walk`): a write at every call then costs its walk and 1/64 of a build; a tree
+left unchanged after it is tagged again within 64 walks."""
+
+
+def tags_after_walk(
+    backoff: list[int], kept: list[Any], same: bool, failed: TreeTags | None, since: int, refresh: int
+) -> TreeTags | None:
+    """The tags to keep after the ``refresh``-th walk of a tree whose modules are ``kept`` (``same``: it
+    found the tree the walk before had; ``failed``: the tags that sent it through the walk, if any), or
+    ``None``. ``backoff`` (``[strikes, walks left untagged, refresh that built the last tags]``, updated):
+    a strike is tags that failed at their first read, the tree the same (a write before every call that
+    leaves the tree: ``set_adapters`` alternated, ``enable_lora``/``disable_lora``); after ``k`` in a row
+    tags are built once in ``2 ** (k - 1)`` walks (a build costs ~0.2 ms, about a walk), not after each;
+    tags read unchanged once before they failed set the strikes back to 0. A changed tree: no tags
+    (built after the next walk that finds it the same)."""
+    strikes, wait, built = backoff
+    if failed is not None and built != refresh - 1:  # read unchanged at least once: a hit
+        strikes = 0
+    found = None
+    if same:
+        if failed is not None and built == refresh - 1:  # failed at their first read, the tree the same
+            strikes = min(strikes + 1, MAX_STRIKES)
+            wait = (1 << (strikes - 1)) - 1
+        if wait:
+            wait -= 1
+        else:
+            found, built = tree_tags(kept, since), refresh
+    backoff[:] = strikes, wait, built
+    return found
+
+
 def _root_dicts(root: Any) -> tuple[dict, ...] | None:
     """The root's ``__dict__``, and its registry's ``__dict__`` and ``hooks`` where it has one."""
     state = root.__dict__
