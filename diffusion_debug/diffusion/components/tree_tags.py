@@ -13,7 +13,9 @@ walk would give the same key. Reading the tags is one C loop (``max(map(dict_ver
 ~70 ns a dict, no Python per module); any write (a LoRA layer set in, ``del unet.mid_block``, a
 ``_modules[...] =`` or ``_parameters[...] =`` write, ``compile()``, a cache hook enabled or removed,
 offloading's hooks, even ``set_adapters``' flags, which the key does not need) sends the next
-attach through the walk, which decides.
+attach through the walk, which decides. Building the tags after a walk costs about as much as the
+walk: where they keep failing at their first read with the tree the same (a flag written before
+every call: ``set_adapters`` alternated), they are built ever less often (:func:`tags_after_walk`).
 
 The tags are read by torch's own reader, what dynamo's guards use
 (``torch._C._dynamo.guards.dict_version``), checked once at import against the writes it must
