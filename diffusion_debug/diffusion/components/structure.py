@@ -8,7 +8,9 @@ its parameters, its in-place compiled call and its diffusers hook registry. What
 from a component is reused while its key is the same; any change (a LoRA loaded, a module
 replaced or deleted, ``module.compile()``, ``vae.decode = torch.compile(vae.decode)``, a cache hook
 enabled, a parameter replaced) gives another key and everything of that component is computed
-again. A dtype change in place
+again. Between two walks the attach reads only the version tags of the tree's dicts
+(:mod:`.tree_tags`, one C loop a component): a tree none of whose dicts was written since its last
+walk is not walked again. A dtype change in place
 (``pipe.to(torch.float16)`` keeps the parameter objects) changes the parameters' dtypes, read
 at every attach.
 
@@ -55,6 +57,8 @@ import torch
 from torch import nn
 
 from ...stats.quantized import PLAIN_TYPES, computed_views
+from . import tree_tags as tags_of
+from .tree_tags import TreeTags, tags_after_walk, unchanged
 
 _size = itemgetter(1)
 _FIRST = itemgetter(0)
@@ -107,7 +111,9 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
     id made per object cost a fifth more). A module compiled in place or with a diffusers hook
     registry is told by its ``__dict__`` holding the name (``_compiled_call_impl`` is a class
     attribute until ``module.compile()`` sets it): two look-ups, no call, a module; a child
-    registered as None (rare) sends the whole walk the long way (:func:`_walk_with_none`)."""
+    registered as None (rare) sends the whole walk the long way (:func:`_walk_with_none`). A registry's
+    ``__dict__``, made at its first read with a new tag, is made by the walk that finds it (its ``hooks`` read
+    there), not by the tags' read after a later walk, which would take that tag for a write."""
     order: list[Any] = [root]
     names: list[Any] = []
     parameters: list[torch.Tensor | None] = []
@@ -126,7 +132,7 @@ def tree_key(root: nn.Module) -> tuple[TreeKey, list[Any], list[torch.Tensor | N
             end_module(None)
             if "_diffusers_hook" in state or "_compiled_call_impl" in state:  # (inline: a cache hook's every block)
                 compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
-                hooks = tuple(registry.hooks.values()) if registry is not None else ()
+                hooks = tuple(registry.__dict__["hooks"].values()) if registry is not None else ()
                 hooked += (module, compiled, registry, *hooks, _END)
     except AttributeError:
         if not any(map(is_, order, repeat(None))):  # (not a child registered as None: an object that is no module)
@@ -162,7 +168,7 @@ def _walk_with_none(root: nn.Module) -> tuple[list[Any], list[Any], list[torch.T
         names.append(None)
         if "_diffusers_hook" in state or "_compiled_call_impl" in state:
             compiled, registry = state.get("_compiled_call_impl"), state.get("_diffusers_hook")
-            hooks = tuple(registry.hooks.values()) if registry is not None else ()
+            hooks = tuple(registry.__dict__["hooks"].values()) if registry is not None else ()
             hooked += (module, compiled, registry, *hooks, _END)
     return order, names, parameters, hooked
 
@@ -182,6 +188,12 @@ class TreeMemo:
     def __init__(self) -> None:
         self._trees: dict[int, tuple[TreeKey, list[Any]]] = {}
         self._values: dict[int, dict[str, Any]] = {}
+        self._tags: dict[int, TreeTags | None] = {}
+        """Per root: the version tags of its tree's dicts read after its last walk (:mod:`.tree_tags`):
+        while none was written, the attach does not walk it again."""
+        self._backoff: dict[int, list[int]] = {}
+        """Per root tagged before: when to build its tags again (:func:`.tree_tags.tags_after_walk`)."""
+        self._refreshes = 0
         self._by_size: dict[int, tuple[list[tuple[torch.Tensor, int]], int, list[torch.Tensor]]] = {}
         """Per root: its parameters with their sizes, largest first, their total size, and the largest ones
         that held more than half of it in one dtype when :meth:`dtypes` last counted (empty until then)."""
@@ -197,17 +209,25 @@ class TreeMemo:
         back, run before the memo is read by another debugger or parked."""
 
     def refresh(self, roots: list[nn.Module]) -> bool:
-        """Walk each root once (at attach): what was computed from a changed tree is forgotten, and
-        so is every root not in ``roots`` (a component the pipeline no longer holds). Returns whether
-        a root's tree changed (or is new)."""
+        """Walk each root whose dicts were written since its last walk (at attach; every root the
+        first time, and every time where no tags can be read): what was computed from a changed tree
+        is forgotten, and so is every root not in ``roots`` (a component the pipeline no longer
+        holds). Returns whether a root's tree changed (or is new)."""
         if self.held_weakly is not None:  # another debugger of the pipeline, detached, held them weakly
             self.held_weakly()
         trees, values = self._trees, self._values
         current: dict[int, dict[Any, Any]] = {}
         changed = False
+        self._refreshes = refresh = self._refreshes + 1
         for root in roots:
-            key, kept, parameters = tree_key(root)
             before = trees.get(id(root))
+            tags = self._tags.get(id(root))
+            if tags is not None and before[1][0] is root and unchanged(root, tags):  # no dict of it written
+                current[id(root)] = values[id(root)]
+                continue
+            tagging = before is not None and id(root) in self._tags and tags_of.READ is not None
+            start = tags_of.READ({}) if tagging else 0  # newer than every tag now: one newer after the walk is a write
+            key, kept, parameters = tree_key(root)
             old = before[0] if before is not None and before[1][0] is root else None
             same = (  # same_tree(old, key), inline (at every attach)
                 old is not None
@@ -224,6 +244,12 @@ class TreeMemo:
                 trees[id(root)] = (key, kept)
                 values[id(root)] = {}
                 self._by_size[id(root)] = _by_size(parameters, kept)
+            # tagged after a walk that found what this memo's last walk had (read now: the next attach's test);
+            # not after a first walk (a debugger made per call, whose memo is revived at each: never read) nor a
+            # change (a tree changed at every call, by an offload's new parameters: its walk alone, as before);
+            # backed off where they keep failing at their first read, the tree the same (set_adapters at each call)
+            backoff = self._backoff.setdefault(id(root), [0, 0, 0]) if tagging else None
+            self._tags[id(root)] = tags_after_walk(backoff, kept, same, tags, start, refresh) if backoff else None
             current[id(root)] = values[id(root)]
         self.current = current
         if len(trees) != len(current):  # a root not in ``roots`` (a reused debugger's attach: none)
@@ -286,13 +312,13 @@ class TreeMemo:
         kept = {id(root) for root in roots}
         for key in [key for key in self._trees if key not in kept]:
             del self._trees[key], self._values[key], self._by_size[key]
-            self.current.pop(key, None)
+            self._tags.pop(key, None), self._backoff.pop(key, None), self.current.pop(key, None)
 
     def forget(self, keys: Iterable[int]) -> None:
         """Forget the roots at ``keys`` (their ids) and what was computed from them, the others kept."""
         for key in keys:
             self._trees.pop(key, None), self._values.pop(key, None), self._by_size.pop(key, None)
-            self.current.pop(key, None)
+            self._tags.pop(key, None), self._backoff.pop(key, None), self.current.pop(key, None)
 
     def __del__(self) -> None:
         # (not weakref.finalize: its registry, a global, would hold the modules, through their hooks an
@@ -307,7 +333,7 @@ class TreeMemo:
                 pass
 
     def clear(self) -> None:
-        self._trees.clear(), self._values.clear(), self._by_size.clear()
+        self._trees.clear(), self._values.clear(), self._by_size.clear(), self._tags.clear(), self._backoff.clear()
         self.current = {}
 
 
