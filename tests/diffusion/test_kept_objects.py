@@ -10,6 +10,9 @@ transformer, not its module."""
 from __future__ import annotations
 
 import contextlib
+import json
+import re
+from pathlib import Path
 
 import diffusers
 import numpy as np
@@ -17,7 +20,8 @@ import PIL.Image
 import pytest
 import torch
 
-from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
+from diffusion_debug.diffusion import replay
 from diffusion_debug.diffusion.components import cache_hooks
 from diffusion_debug.diffusion.components.call_sites import kept_as_passed
 
@@ -333,3 +337,32 @@ def test_an_object_whose_entries_are_replaced_is_held_uncloned_at_keep_and_at_us
     assert kept_as_passed(*kept, strict=False)[1]["kv_caches"].mode is value
     with pytest.raises(RuntimeError, match=r"^a \(2,\) tensor the call was passed .* was changed in place since"):
         kept_as_passed(*kept)
+
+
+@GLM
+def test_a_repro_bundle_holds_glm_images_cache_object_and_its_replay_reads_it(tmp_path):
+    # the bundle wrote the cache object as unsupported and replayed it as None: no condition keys read, the
+    # NaN not made again, and the replay named no module
+    pipe = glm_image()
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", repro_bundle=True)
+    dbg = DiffusionModelDebugger(pipe, config)
+    with nan_while_reading(pipe), dbg, torch.no_grad():
+        image_to_image(pipe)
+    dbg.close()
+    (bundle,) = [a.details["bundle"] for a in dbg.report().anomalies if "bundle" in a.details]
+    bundle = Path(dbg.report().save()) / bundle
+    with nan_while_reading(pipe), torch.no_grad():
+        replayed = replay(bundle, pipe.transformer)
+    assert (replayed["module"], replayed["output_finite"], replayed["note"]) == (MODULE, False, "")
+    kept = json.loads((bundle / "meta.json").read_text())["call"]["kwargs"]["__dict__"]["kv_caches"]
+    assert kept["__object__"] == "GlmImageKVCache"
+    assert kept["attributes"]["__dict__"]["caches"]["__list__"][0]["__object__"] == "GlmImageLayerKVCache"
+    kept["__object__"] = "GlmImageTransformer2DModel"  # a crafted file: only the module's plain classes are made
+    meta = json.loads((bundle / "meta.json").read_text())
+    meta["call"]["kwargs"]["__dict__"]["kv_caches"] = kept
+    (bundle / "meta.json").write_text(json.dumps(meta))
+    message = (
+        "meta.json's call holds a 'GlmImageTransformer2DModel' object, which the component's module does not define."
+    )
+    with pytest.raises(DiffusionDebugError, match=f"^{re.escape(message)}$"):
+        replay(bundle, pipe.transformer)

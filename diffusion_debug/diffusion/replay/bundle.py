@@ -33,7 +33,9 @@ from ..components.autocast import (
 )
 from ..components.cache_hooks import hook_state_kept
 from ..components.cache_timestep import timestep_kept
+from ..components.call_sites import _OBJECT_DEPTH, _plain
 from ..components.compiled import eager_module, replay_readings
+from .bundle_objects import made_object, own_classes
 from .copies import (
     context_fields,
     context_from_fields,
@@ -45,17 +47,20 @@ from .copies import (
 from .near_max import near_max_maker
 
 _TENSOR = "__tensor__"
+_OBJECT = "__object__"
 PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor], depth: int = 0) -> Any:
     """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``. Its own walk,
     not stats.nested's: a skeleton keeps every value and its container type. A tensor's reference is
     its path, one part a container: a list's index, a string key that holds no ``.`` and does not
     start with ``#`` (``kwargs.added_cond_kwargs.text_embeds``), else ``#`` and the item's position
     (``#<i>k`` for what its key holds: a tensor key). No part holds a ``.`` and a container's parts
     differ, so two tensors never share a path: ``{0: a, "0": b}``, a key ``"x.y"`` beside ``{"x": {"y":
-    ...}}`` and two tensor keys with the same values wrote one name for two tensors (one lost)."""
+    ...}}`` and two tensor keys with the same values wrote one name for two tensors (one lost). A plain object
+    (a component's own state: GLM-Image's ``kv_caches``) keeps its class's name and its attributes, four objects
+    deep (:func:`~.bundle_objects.made_object`); before, it was written unsupported and replayed as None."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach().contiguous().cpu()
         return {_TENSOR: path}
@@ -64,21 +69,25 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if all(type(k) is str for k in obj):
             return {
-                "__dict__": {k: _pack(v, f"{path}.{_part(k, i)}", tensors) for i, (k, v) in enumerate(obj.items())}
+                "__dict__": {
+                    k: _pack(v, f"{path}.{_part(k, i)}", tensors, depth) for i, (k, v) in enumerate(obj.items())
+                }
             }
         # keys of other types as they were (AnyFlow FAR's kv_cache: layer indices): a pair each
         return {
             "__items__": [
-                [_pack(k, f"{path}.#{i}k", tensors), _pack(v, f"{path}.#{i}", tensors)]
+                [_pack(k, f"{path}.#{i}k", tensors, depth), _pack(v, f"{path}.#{i}", tensors, depth)]
                 for i, (k, v) in enumerate(obj.items())
             ]
         }
     if isinstance(obj, (list, tuple)):
         return {
             "__list__" if isinstance(obj, list) else "__tuple__": [
-                _pack(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)
+                _pack(v, f"{path}.{i}", tensors, depth) for i, v in enumerate(obj)
             ]
         }
+    if depth < _OBJECT_DEPTH and _plain(obj):
+        return {_OBJECT: type(obj).__name__, "attributes": _pack(vars(obj), path, tensors, depth + 1)}
     return {"__unsupported__": repr(obj)[:200]}
 
 
@@ -104,18 +113,20 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _unpack(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _unpack(skeleton: Any, tensors: dict[str, torch.Tensor], classes: dict[str, type]) -> Any:
     if isinstance(skeleton, dict):
         if _TENSOR in skeleton:
             return tensors[skeleton[_TENSOR]]  # every reference was checked by read_bundle
         if "__dict__" in skeleton:
-            return {k: _unpack(v, tensors) for k, v in skeleton["__dict__"].items()}
+            return {k: _unpack(v, tensors, classes) for k, v in skeleton["__dict__"].items()}
         if "__items__" in skeleton:
-            return {_unpack(k, tensors): _unpack(v, tensors) for k, v in skeleton["__items__"]}
+            return {_unpack(k, tensors, classes): _unpack(v, tensors, classes) for k, v in skeleton["__items__"]}
         if "__list__" in skeleton:
-            return [_unpack(v, tensors) for v in skeleton["__list__"]]
+            return [_unpack(v, tensors, classes) for v in skeleton["__list__"]]
         if "__tuple__" in skeleton:
-            return tuple(_unpack(v, tensors) for v in skeleton["__tuple__"])
+            return tuple(_unpack(v, tensors, classes) for v in skeleton["__tuple__"])
+        if _OBJECT in skeleton:
+            return made_object(skeleton[_OBJECT], _unpack(skeleton["attributes"], tensors, classes), classes)
         if "__unsupported__" in skeleton:
             return None
     return skeleton
@@ -338,8 +349,9 @@ def load_call(
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     tensors = {k: v.to(device) for k, v in loaded.items()}
     try:
-        args = _unpack(meta["call"]["args"], tensors)
-        kwargs = _unpack(meta["call"]["kwargs"], tensors)
+        classes = own_classes(eager_module(model))
+        args = _unpack(meta["call"]["args"], tensors, classes)
+        kwargs = _unpack(meta["call"]["kwargs"], tensors, classes)
     except (TypeError, AttributeError, KeyError):
         raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.") from None
     if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):

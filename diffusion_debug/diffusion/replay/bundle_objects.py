@@ -1,0 +1,48 @@
+"""The plain objects a repro bundle holds (a component's own state passed as an object: GLM-Image's
+``kv_caches``, Flux2 Klein's ``kv_cache``), made again for a replay from their class's name and attributes.
+
+A class is found by name only among those the component's own module defines (diffusers keeps each cache class
+beside its transformer): nothing is imported and no ``__init__`` runs, so a crafted ``meta.json`` makes no
+object of any other class. Limit: a cache class defined elsewhere than its component's module is refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import DiffusionDebugError
+
+
+def made_object(name: Any, attributes: Any, classes: dict[str, type]) -> Any:
+    """A packed object made again (as a kept call makes its own state at each use: its class's ``__new__``, its
+    attributes set, no ``__init__`` run), of a class found by name only among ``classes``: the plain classes
+    the component's own module defines (:func:`own_classes`; GLM-Image's cache classes beside its
+    transformer). Nothing is imported: a crafted file names no class outside them."""
+    cls = classes.get(name) if isinstance(name, str) else None
+    if cls is None or not isinstance(attributes, dict):
+        raise DiffusionDebugError(
+            f"meta.json's call holds a {str(name)[:60]!r} object, which the component's module does not define."
+        )
+    made = cls.__new__(cls)
+    vars(made).update(attributes)
+    return made
+
+
+def own_classes(model: nn.Module) -> dict[str, type]:
+    """The classes the module of ``model``'s class defines whose objects a bundle may hold (the plain objects
+    of :func:`~..components.call_sites.kept_as_passed`: not a module, a tensor, a container, nor with
+    ``__slots__``)."""
+    where = type(model).__module__
+    defined = vars(sys.modules[where]) if where in sys.modules else {}
+    return {
+        name: value
+        for name, value in defined.items()
+        if isinstance(value, type)
+        and value.__module__ == where
+        and not issubclass(value, (nn.Module, torch.Tensor, dict, list, tuple, set, frozenset, BaseException))
+        and not any(vars(kind).get("__slots__") for kind in value.__mro__)
+    }
