@@ -22,7 +22,7 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
 from diffusion_debug.diffusion import replay
-from diffusion_debug.diffusion.components import cache_hooks
+from diffusion_debug.diffusion.components import cache_hooks, call_sites
 from diffusion_debug.diffusion.components.call_sites import kept_as_passed
 
 GLM = pytest.mark.skipif(not hasattr(diffusers, "GlmImagePipeline"), reason="this diffusers has no GLM-Image")
@@ -366,3 +366,51 @@ def test_a_repro_bundle_holds_glm_images_cache_object_and_its_replay_reads_it(tm
     )
     with pytest.raises(DiffusionDebugError, match=f"^{re.escape(message)}$"):
         replay(bundle, pipe.transformer)
+
+
+@GLM
+def test_a_keep_that_runs_out_of_memory_leaves_its_call_unkept_not_the_call_before_it(tmp_path, monkeypatch):
+    # step 0's unconditional call (its layers in ``skip`` mode) makes the NaN, and cloning its arguments runs
+    # out of memory: the step's conditional call stayed kept in its place, and the repro bundle of the
+    # unconditional call's NaN held the conditional call (``read`` mode), whose replay made no NaN
+    passed, keeps, kept_as_passed = [], [], call_sites.kept_as_passed
+
+    def failing(args, kwargs, budget=None, *rest, **options):
+        if budget is not None and "kv_caches" in kwargs:  # a keep: the write call, step 0's read, its skip
+            keeps.append(kwargs["kv_caches"][0].mode)
+            if len(keeps) == 3:
+                raise torch.OutOfMemoryError("planted: out of memory cloning a kept call")
+        return kept_as_passed(args, kwargs, budget, *rest, **options)
+
+    def nan(module, args, output):
+        if passed[0] is not None and passed[0][0].mode == "skip":
+            return output.clone().fill_(float("nan"))
+        return None
+
+    monkeypatch.setattr(call_sites, "kept_as_passed", failing)
+    pipe = glm_image()
+    hooks = [
+        pipe.transformer.register_forward_pre_hook(
+            lambda m, a, k: passed.insert(0, k.get("kv_caches")), with_kwargs=True
+        ),
+        pipe.transformer.get_submodule(MODULE).register_forward_hook(nan),
+    ]
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", repro_bundle=True)
+    dbg = DiffusionModelDebugger(pipe, config)
+    try:
+        with dbg, torch.no_grad():
+            image_to_image(pipe)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    dbg.close()
+    assert keeps[:3] == ["write", "read", "skip"]
+    report = dbg.report()
+    assert [a.message for a in report.anomalies if a.kind == "debugger_error"] == [
+        "The debugger's timing failed (OutOfMemoryError: planted: out of memory cloning a kept call); the run went"
+        " on without it."
+    ]
+    errors = [
+        (a.component, a.module, a.step, a.details.get("bundle")) for a in report.anomalies if a.severity == "error"
+    ]
+    assert errors == [("transformer", "", 0, None)]

@@ -636,7 +636,8 @@ class CallSiteHooks:
                         held = self.earlier.setdefault(key, [])
                         if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
                             del held[0]  # start would cut a short list's front: only 4 of 8 were held)
-                        held.append((self.kept[key], self.contexts.get(key)))
+                        # popped: a keep that fails (an OOM cloning) leaves this call unkept, not the one before it
+                        held.append((self.kept.pop(key), self.contexts.pop(key, None)))
                     self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state, positions=positions)
                     if stateful:  # its replay starts where the call did
                         found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
