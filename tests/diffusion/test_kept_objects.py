@@ -407,7 +407,7 @@ def test_a_keep_that_runs_out_of_memory_leaves_its_call_unkept_not_the_call_befo
     assert keeps[:3] == ["write", "read", "skip"]
     report = dbg.report()
     assert [a.message for a in report.anomalies if a.kind == "debugger_error"] == [
-        "The debugger's timing failed (OutOfMemoryError: planted: out of memory cloning a kept call); the run went"
+        "The debugger's keep_call failed (OutOfMemoryError: planted: out of memory cloning a kept call); the run went"
         " on without it."
     ]
     errors = [

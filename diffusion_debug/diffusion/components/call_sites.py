@@ -632,24 +632,29 @@ class CallSiteHooks:
             try:
                 on_start(site, args, kwargs)
                 if self.keep_calls:  # as passed: not what the call writes into its lists
-                    if key in self.kept:  # a second call in the step (the unconditional pass)
-                        held = self.earlier.setdefault(key, [])
-                        if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
-                            del held[0]  # start would cut a short list's front: only 4 of 8 were held)
-                        # popped: a keep that fails (an OOM cloning) leaves this call unkept, not the one before it
-                        held.append((self.kept.pop(key), self.contexts.pop(key, None)))
-                    self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state, positions=positions)
-                    if stateful:  # its replay starts where the call did
-                        found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
-                        self.contexts[key] = hook_state(module, found, self._budget)
-                    if guided:  # and runs with the hooks the guider placed for it
-                        registries = self._registries.get(id(module))
-                        if registries is None:  # walked until a call finds a hook placed (the guider's)
-                            registries = hook_registries(module)
-                            if any(registry.hooks for registry in registries):
-                                self._registries[id(module)] = registries
-                        context = self.contexts[key] if stateful else (None, None)
-                        self.contexts[key] = (*context, hook_placement(registries))
+                    try:
+                        if key in self.kept:  # a second call in the step (the unconditional pass)
+                            held = self.earlier.setdefault(key, [])
+                            if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
+                                del held[0]  # start would cut a short list's front: only 4 of 8 were held)
+                            # popped: a keep that fails leaves this call unkept, not the one before it
+                            held.append((self.kept.pop(key), self.contexts.pop(key, None)))
+                        self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state, positions=positions)
+                        if stateful:  # its replay starts where the call did
+                            found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
+                            self.contexts[key] = hook_state(module, found, self._budget)
+                        if guided:  # and runs with the hooks the guider placed for it
+                            registries = self._registries.get(id(module))
+                            if registries is None:  # walked until a call finds a hook placed (the guider's)
+                                registries = hook_registries(module)
+                                if any(registry.hooks for registry in registries):
+                                    self._registries[id(module)] = registries
+                            context = self.contexts[key] if stateful else (None, None)
+                            self.contexts[key] = (*context, hook_placement(registries))
+                    except Exception as error:  # (an OOM cloning): this call unkept, its timing still taken
+                        self.kept.pop(key, None)
+                        self.contexts.pop(key, None)
+                        failed("keep_call", error)
                 device = where["device"]
                 if device is not None and device.type == "cuda":
                     if self.synchronize:
