@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from pathlib import Path
 
 import diffusers
@@ -20,7 +19,7 @@ import PIL.Image
 import pytest
 import torch
 
-from diffusion_debug import DebugConfig, DiffusionDebugError, DiffusionModelDebugger
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import replay
 from diffusion_debug.diffusion.components import cache_hooks, call_sites
 from diffusion_debug.diffusion.components.call_sites import kept_as_passed
@@ -361,11 +360,9 @@ def test_a_repro_bundle_holds_glm_images_cache_object_and_its_replay_reads_it(tm
     meta = json.loads((bundle / "meta.json").read_text())
     meta["call"]["kwargs"]["__dict__"]["kv_caches"] = kept
     (bundle / "meta.json").write_text(json.dumps(meta))
-    message = (
-        "meta.json's call holds a 'GlmImageTransformer2DModel' object, which the component's module does not define."
-    )
-    with pytest.raises(DiffusionDebugError, match=f"^{re.escape(message)}$"):
-        replay(bundle, pipe.transformer)
+    with nan_while_reading(pipe), torch.no_grad():
+        replayed = replay(bundle, pipe.transformer)  # given None, as before: no cache read, no NaN made
+    assert (replayed["module"], replayed["output_finite"]) == (None, True)
 
 
 @GLM

@@ -3,7 +3,7 @@
 
 A class is found by name only among those the component's own module defines (diffusers keeps each cache class
 beside its transformer): nothing is imported and no ``__init__`` runs, so a crafted ``meta.json`` makes no
-object of any other class. Limit: a cache class defined elsewhere than its component's module is refused.
+object of any other class. Limit: a cache class defined elsewhere than its component's module is replayed as None.
 """
 
 from __future__ import annotations
@@ -14,19 +14,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import DiffusionDebugError
-
 
 def made_object(name: Any, attributes: Any, classes: dict[str, type]) -> Any:
     """A packed object made again (as a kept call makes its own state at each use: its class's ``__new__``, its
     attributes set, no ``__init__`` run), of a class found by name only among ``classes``: the plain classes
     the component's own module defines (:func:`own_classes`; GLM-Image's cache classes beside its
-    transformer). Nothing is imported: a crafted file names no class outside them."""
+    transformer). Any other (transformers' ``DynamicCache``, a class a crafted file names) is None, as every
+    object was before bundles kept them: nothing is imported.
+
+    >>> class Layer: ...
+    >>> made = made_object("Layer", {"mode": "read"}, {"Layer": Layer})
+    >>> type(made).__name__, made.mode, made_object("os.system", {}, {"Layer": Layer})
+    ('Layer', 'read', None)
+    """
     cls = classes.get(name) if isinstance(name, str) else None
     if cls is None or not isinstance(attributes, dict):
-        raise DiffusionDebugError(
-            f"meta.json's call holds a {str(name)[:60]!r} object, which the component's module does not define."
-        )
+        return None
     made = cls.__new__(cls)
     vars(made).update(attributes)
     return made
