@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import diffusers
 import numpy as np
@@ -366,22 +367,33 @@ def test_a_repro_bundle_holds_glm_images_cache_object_and_its_replay_reads_it(tm
 
 
 @GLM
-def test_a_keep_that_runs_out_of_memory_leaves_its_call_unkept_not_the_call_before_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "failing_keep, nan_mode, nan_call, step",
+    [(3, "skip", 1, 0), (4, "read", 2, 1)],
+    ids=["the_last_call_unkept", "an_earlier_call_unkept"],
+)
+def test_a_keep_that_runs_out_of_memory_leaves_its_call_unkept_not_the_call_before_it(
+    tmp_path, monkeypatch, failing_keep, nan_mode, nan_call, step
+):
     # step 0's unconditional call (its layers in ``skip`` mode) makes the NaN, and cloning its arguments runs
     # out of memory: the step's conditional call stayed kept in its place, and the repro bundle of the
-    # unconditional call's NaN held the conditional call (``read`` mode), whose replay made no NaN
-    passed, keeps, kept_as_passed = [], [], call_sites.kept_as_passed
+    # unconditional call's NaN held the conditional call (``read`` mode), whose replay made no NaN. Step 1's
+    # conditional call (its second ``read``) makes the NaN and is the one unkept: nothing took its place among
+    # the held calls, so the bundle of its NaN held the step's unconditional call (``skip``), no NaN replayed
+    passed, keeps, kept_as_passed, calls = [], [], call_sites.kept_as_passed, []
 
     def failing(args, kwargs, budget=None, *rest, **options):
         if budget is not None and "kv_caches" in kwargs:  # a keep: the write call, step 0's read, its skip
             keeps.append(kwargs["kv_caches"][0].mode)
-            if len(keeps) == 3:
+            if len(keeps) == failing_keep:
                 raise torch.OutOfMemoryError("planted: out of memory cloning a kept call")
         return kept_as_passed(args, kwargs, budget, *rest, **options)
 
     def nan(module, args, output):
-        if passed[0] is not None and passed[0][0].mode == "skip":
-            return output.clone().fill_(float("nan"))
+        if passed[0] is not None and passed[0][0].mode == nan_mode:
+            calls.append(None)
+            if len(calls) >= nan_call:
+                return output.clone().fill_(float("nan"))
         return None
 
     monkeypatch.setattr(call_sites, "kept_as_passed", failing)
@@ -401,7 +413,7 @@ def test_a_keep_that_runs_out_of_memory_leaves_its_call_unkept_not_the_call_befo
         for hook in hooks:
             hook.remove()
     dbg.close()
-    assert keeps[:3] == ["write", "read", "skip"]
+    assert keeps[:failing_keep] == ["write", "read", "skip", "read"][:failing_keep]
     report = dbg.report()
     assert [a.message for a in report.anomalies if a.kind == "debugger_error"] == [
         "The debugger's keep_call failed (OutOfMemoryError: planted: out of memory cloning a kept call); the run went"
@@ -410,4 +422,18 @@ def test_a_keep_that_runs_out_of_memory_leaves_its_call_unkept_not_the_call_befo
     errors = [
         (a.component, a.module, a.step, a.details.get("bundle")) for a in report.anomalies if a.severity == "error"
     ]
-    assert errors == [("transformer", "", 0, None)]
+    assert errors == [("transformer", "", step, None)]
+
+
+def test_a_held_call_is_chosen_by_its_place_and_one_not_held_is_no_call():
+    # a call ``back`` calls before the last beyond those held was replayed and bundled as the step's last call;
+    # a held call whose keep failed is none (its place kept), not the call before or after it
+    latest, first = ((1,), {}), ((0,), {})
+    key, unkept = ("transformer", ""), call_sites._UNKEPT
+    taken = ({key: latest}, {}, {key: [(first, None), (unkept, None)]})
+    calls = SimpleNamespace(kept={}, contexts={}, earlier={})
+    chosen = []
+    for back in range(4):
+        with call_sites.CallSiteHooks.calls_of(calls, taken, "transformer", back):
+            chosen.append(calls.kept.get(key))
+    assert [call is expected for call, expected in zip(chosen, [latest, unkept, first, unkept])] == [True] * 4

@@ -420,6 +420,10 @@ _HALF = object()
 own arguments: ``(_HALF, (args, kwargs), strict, method's call)``, ``strict`` as they were made
 (:meth:`CallSiteHooks.kept_call`) and the method's call kept as passed, to make them again strictly."""
 
+_UNKEPT = object()
+"""Stands for a call whose keep failed (an OOM cloning its arguments), as kept and then held, so that the
+site's held calls stay in step with its outputs: no replay or bundle of it, nor of another call in its place."""
+
 _OPEN_CALLS = 8
 """Calls of one call site open at once that are timed: a module calling itself deeper than this
 loses its outermost calls' times; a start an interrupted call left behind is dropped in time."""
@@ -637,7 +641,6 @@ class CallSiteHooks:
                             held = self.earlier.setdefault(key, [])
                             if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
                                 del held[0]  # start would cut a short list's front: only 4 of 8 were held)
-                            # popped: a keep that fails leaves this call unkept, not the one before it
                             held.append((self.kept.pop(key), self.contexts.pop(key, None)))
                         self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state, positions=positions)
                         if stateful:  # its replay starts where the call did
@@ -652,7 +655,7 @@ class CallSiteHooks:
                             context = self.contexts[key] if stateful else (None, None)
                             self.contexts[key] = (*context, hook_placement(registries))
                     except Exception as error:  # (an OOM cloning): this call unkept, its timing still taken
-                        self.kept.pop(key, None)
+                        self.kept[key] = _UNKEPT
                         self.contexts.pop(key, None)
                         failed("keep_call", error)
                 device = where["device"]
@@ -724,7 +727,7 @@ class CallSiteHooks:
         """The site with a kept call whose module tree holds ``module`` of ``component``."""
         for site in self.sites:
             inside = site.prefix == "" or module == site.prefix or module.startswith(site.prefix + ".")
-            if site.component == component and inside and (site.component, site.prefix) in self.kept:
+            if site.component == component and inside and _kept(self.kept, site):
                 return site
         return None
 
@@ -802,14 +805,14 @@ class CallSiteHooks:
         step where a call was given them uncopied (Flux's packed latents too), none otherwise."""
         storage = latents.untyped_storage().data_ptr()  # (loops, no helper: a call a step where none shares it)
         for key, kept in self.kept.items():
-            if kept[0] is not _HALF:
+            if kept is not _UNKEPT and kept[0] is not _HALF:
                 for value in (*kept[0], *kept[1].values()):
                     if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
                         self.kept[key] = _cloned(kept, storage)
                         break
         for held in self.earlier.values():
             for index, (kept, context) in enumerate(held):
-                for value in (*kept[0], *kept[1].values()):
+                for value in (*kept[0], *kept[1].values()) if kept is not _UNKEPT else ():
                     if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
                         held[index] = (_cloned(kept, storage), context)
                         break
@@ -837,12 +840,12 @@ class CallSiteHooks:
     def calls_of(self, taken: tuple[dict, dict, dict], component: str | None = None, back: int = 0) -> Iterator[None]:
         """Within the block, the kept calls are ``taken`` (an earlier step's, from :meth:`take_calls`);
         ``component``'s own (its site ``""``) is its call ``back`` calls before the last of the step
-        (0: the last; the call whose output held the step's first NaN/Inf), where still held."""
+        (0: the last; the call whose output held the step's first NaN/Inf), where still held: else none."""
         now = (self.kept, self.contexts, self.earlier)
         kept, contexts, earlier = taken
         held = earlier.get((component, ""), [])
-        if 0 < back <= len(held):
-            key, (call, context) = (component, ""), held[-back]
+        if back > 0:  # (a held call whose keep failed is :data:`_UNKEPT`: none, not the call before it)
+            key, (call, context) = (component, ""), held[-back] if back <= len(held) else (_UNKEPT, None)
             kept, contexts = {**kept, key: call}, {**contexts, key: context}
             if context is None:
                 contexts.pop(key)
@@ -868,6 +871,10 @@ def kept_arguments(
     for site in calls.sites:
         if prefix is not None and site.prefix != prefix:
             continue
-        if site.component == component and (site.component, site.prefix) in calls.kept:
+        if site.component == component and _kept(calls.kept, site):
             return (site.module, *calls.kept_call(site, strict=False))
     return None
+
+
+def _kept(kept: dict[tuple[str, str], Any], site: CallSite) -> bool:
+    return kept.get((site.component, site.prefix), _UNKEPT) is not _UNKEPT
