@@ -24,6 +24,7 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import replay
 from diffusion_debug.diffusion.components import cache_hooks, call_sites
 from diffusion_debug.diffusion.components.call_sites import kept_as_passed
+from diffusion_debug.diffusion.replay.bundle import save_bundle
 
 GLM = pytest.mark.skipif(not hasattr(diffusers, "GlmImagePipeline"), reason="this diffusers has no GLM-Image")
 MODULE = "transformer_blocks.0.attn1.to_out.0"
@@ -364,6 +365,24 @@ def test_a_repro_bundle_holds_glm_images_cache_object_and_its_replay_reads_it(tm
     with nan_while_reading(pipe), torch.no_grad():
         replayed = replay(bundle, pipe.transformer)  # given None, as before: no cache read, no NaN made
     assert (replayed["module"], replayed["output_finite"]) == (None, True)
+
+
+def bundled(path, component, **kwargs) -> dict:
+    """The packed kwargs of a bundle of a call of ``component`` given ``kwargs``, and its tensors' names."""
+    save_bundle(path, component="net", component_module=component, call_prefix="", args=(torch.ones(1, 2),),
+                kwargs=kwargs, step=0, timestep=None, module="", anomaly_kind="nonfinite")  # fmt: skip
+    meta = json.loads((path / "meta.json").read_text())
+    return meta["call"]["kwargs"]["__dict__"], sorted(meta["shapes"])
+
+
+def test_a_bundle_packs_an_object_only_of_a_class_its_replay_makes(tmp_path):
+    # an object of a class other than the component module's own (transformers' DynamicCache, beside a Linear
+    # defined in torch) was packed, every layer's keys and values copied to the CPU and written, to be replayed
+    # as None: it is written unsupported, nothing of it packed
+    cache = Cache(2)
+    cache.layers[0].store(torch.ones(3))
+    packed, tensors = bundled(tmp_path, torch.nn.Linear(2, 2), past_key_values=cache)
+    assert (list(packed["past_key_values"]), tensors) == (["__unsupported__"], ["args.0"])
 
 
 @GLM

@@ -51,7 +51,7 @@ _OBJECT = "__object__"
 PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor], depth: int = 0) -> Any:
+def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor], classes: dict[str, type], depth: int = 0) -> Any:
     """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``. Its own walk,
     not stats.nested's: a skeleton keeps every value and its container type. A tensor's reference is
     its path, one part a container: a list's index, a string key that holds no ``.`` and does not
@@ -59,8 +59,10 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor], depth: int = 0)
     (``#<i>k`` for what its key holds: a tensor key). No part holds a ``.`` and a container's parts
     differ, so two tensors never share a path: ``{0: a, "0": b}``, a key ``"x.y"`` beside ``{"x": {"y":
     ...}}`` and two tensor keys with the same values wrote one name for two tensors (one lost). A plain object
-    (a component's own state: GLM-Image's ``kv_caches``) keeps its class's name and its attributes, four objects
-    deep (:func:`~.bundle_objects.made_object`); before, it was written unsupported and replayed as None."""
+    (a component's own state: GLM-Image's ``kv_caches``) of a class among ``classes`` (the component module's own,
+    the only ones its replay makes: :func:`~.bundle_objects.own_classes`) keeps its class's name and its
+    attributes, four objects deep (:func:`~.bundle_objects.made_object`); any other is written unsupported
+    (transformers' ``DynamicCache``: no layer's keys and values copied to be replayed as None)."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach().contiguous().cpu()
         return {_TENSOR: path}
@@ -70,24 +72,25 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor], depth: int = 0)
         if all(type(k) is str for k in obj):
             return {
                 "__dict__": {
-                    k: _pack(v, f"{path}.{_part(k, i)}", tensors, depth) for i, (k, v) in enumerate(obj.items())
+                    k: _pack(v, f"{path}.{_part(k, i)}", tensors, classes, depth)
+                    for i, (k, v) in enumerate(obj.items())
                 }
             }
         # keys of other types as they were (AnyFlow FAR's kv_cache: layer indices): a pair each
         return {
             "__items__": [
-                [_pack(k, f"{path}.#{i}k", tensors, depth), _pack(v, f"{path}.#{i}", tensors, depth)]
+                [_pack(k, f"{path}.#{i}k", tensors, classes, depth), _pack(v, f"{path}.#{i}", tensors, classes, depth)]
                 for i, (k, v) in enumerate(obj.items())
             ]
         }
     if isinstance(obj, (list, tuple)):
         return {
             "__list__" if isinstance(obj, list) else "__tuple__": [
-                _pack(v, f"{path}.{i}", tensors, depth) for i, v in enumerate(obj)
+                _pack(v, f"{path}.{i}", tensors, classes, depth) for i, v in enumerate(obj)
             ]
         }
-    if depth < _OBJECT_DEPTH and _plain(obj):
-        return {_OBJECT: type(obj).__name__, "attributes": _pack(vars(obj), path, tensors, depth + 1)}
+    if depth < _OBJECT_DEPTH and _plain(obj) and classes.get(type(obj).__name__) is type(obj):
+        return {_OBJECT: type(obj).__name__, "attributes": _pack(vars(obj), path, tensors, classes, depth + 1)}
     return {"__unsupported__": repr(obj)[:200]}
 
 
@@ -177,7 +180,11 @@ def save_bundle(
     bundle_dir = Path(bundle_dir)
     bundle_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = {"args": _pack(tuple(args), "args", tensors), "kwargs": _pack(dict(kwargs), "kwargs", tensors)}
+    classes = own_classes(eager_module(component_module))  # (packed only if its replay can make them)
+    skeleton = {
+        "args": _pack(tuple(args), "args", tensors, classes),
+        "kwargs": _pack(dict(kwargs), "kwargs", tensors, classes),
+    }
     save_file(_unshared(tensors), str(bundle_dir / "inputs.safetensors"))
     meta = {
         "component": component,
