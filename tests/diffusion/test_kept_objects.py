@@ -10,6 +10,7 @@ transformer, not its module."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +26,7 @@ from diffusion_debug.diffusion import replay
 from diffusion_debug.diffusion.components import cache_hooks, call_sites
 from diffusion_debug.diffusion.components.call_sites import kept_as_passed
 from diffusion_debug.diffusion.replay.bundle import save_bundle
+from diffusion_debug.diffusion.replay.bundle_objects import own_classes
 
 GLM = pytest.mark.skipif(not hasattr(diffusers, "GlmImagePipeline"), reason="this diffusers has no GLM-Image")
 MODULE = "transformer_blocks.0.attn1.to_out.0"
@@ -383,6 +385,36 @@ def test_a_bundle_packs_an_object_only_of_a_class_its_replay_makes(tmp_path):
     cache.layers[0].store(torch.ones(3))
     packed, tensors = bundled(tmp_path, torch.nn.Linear(2, 2), past_key_values=cache)
     assert (list(packed["past_key_values"]), tensors) == (["__unsupported__"], ["args.0"])
+
+
+class Mode(enum.Enum):
+    READ = "read"
+
+
+class Processor:  # an attention processor: called, not a state
+    def __call__(self, x):
+        return x
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x, mode=None):
+        self.seen = mode
+        return self.lin(x)
+
+
+def test_an_enum_member_is_no_object_a_bundle_packs_nor_a_processor_one_it_makes(tmp_path):
+    # an Enum member was packed as a plain object and its replay refused the bundle ("not the packed layout of
+    # a call": Mode.__new__ wants a value); a crafted file could have made a bare attention processor
+    net = Net()
+    packed, _ = bundled(tmp_path, net, mode=Mode.READ)
+    replay(tmp_path, net)
+    assert (list(packed["mode"]), net.seen) == (["__unsupported__"], None)
+    classes = own_classes(net)
+    assert ("Cache" in classes, "Mode" in classes, "Processor" in classes) == (True, False, False)
 
 
 @GLM

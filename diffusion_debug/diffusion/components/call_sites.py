@@ -24,6 +24,7 @@ for a replay and dropped as the step ends; the store could become a module of it
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import time
 from typing import Any, Callable, ContextManager, Iterator, Sequence
@@ -241,15 +242,20 @@ _OBJECT_DEPTH = 4
 
 def _plain(value: Any) -> bool:
     """Whether ``value`` is a plain Python object a kept call copies (as own state): all its attributes in a
-    ``__dict__``; not a tensor, a module, a class or a callable; not a dict, list, tuple or set subclass
-    (FrozenDict, OrderedDict, a ModelOutput: items outside the ``__dict__``) nor with ``__slots__``, which a
-    copy made from the ``__dict__`` would lose (such an object is passed as it is)."""
-    return (
-        isinstance(getattr(value, "__dict__", None), dict)
-        and not isinstance(value, (torch.Tensor, nn.Module, type, dict, list, tuple, set, frozenset))
-        and not callable(value)
-        and not any(vars(kind).get("__slots__") for kind in type(value).__mro__)
-    )
+    ``__dict__``, of a :func:`plain_class` (any other is passed as it is)."""
+    return isinstance(getattr(value, "__dict__", None), dict) and plain_class(type(value))
+
+
+def plain_class(kind: type) -> bool:
+    """Whether ``kind``'s objects may be plain (:func:`_plain`; a bundle's too,
+    :func:`~..replay.bundle_objects.own_classes`): not a tensor, a module, a class, an Enum or a callable (an
+    attention processor); not a dict, list, tuple or set subclass (FrozenDict, OrderedDict, a ModelOutput: items
+    outside the ``__dict__``) nor with ``__slots__`` or a ``__new__`` of its own (an Enum member's, an
+    exception's), which a copy made from the ``__dict__`` by a bare ``__new__`` would lose or refuse."""
+    if issubclass(kind, (torch.Tensor, nn.Module, type, dict, list, tuple, set, frozenset, enum.Enum)):
+        return False
+    own = [vars(base) for base in kind.__mro__[:-1]]  # (not object's)
+    return not any(names.get("__slots__") or "__new__" in names or "__call__" in names for names in own)
 
 
 def _snapshot(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:

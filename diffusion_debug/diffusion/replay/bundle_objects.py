@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import torch
 from torch import nn
+
+from ..components.call_sites import plain_class
 
 
 def made_object(name: Any, attributes: Any, classes: dict[str, type]) -> Any:
@@ -37,15 +38,13 @@ def made_object(name: Any, attributes: Any, classes: dict[str, type]) -> Any:
 
 def own_classes(model: nn.Module) -> dict[str, type]:
     """The classes the module of ``model``'s class defines whose objects a bundle may hold (the plain objects
-    of :func:`~..components.call_sites.kept_as_passed`: not a module, a tensor, a container, nor with
-    ``__slots__``)."""
+    of :func:`~..components.call_sites.kept_as_passed`, :func:`~..components.call_sites.plain_class`: not a
+    module, a tensor, a container, an Enum, a callable (an attention processor), nor with ``__slots__`` or its
+    own ``__new__``)."""
     where = type(model).__module__
     defined = vars(sys.modules[where]) if where in sys.modules else {}
     return {
         name: value
         for name, value in defined.items()
-        if isinstance(value, type)
-        and value.__module__ == where
-        and not issubclass(value, (nn.Module, torch.Tensor, dict, list, tuple, set, frozenset, BaseException))
-        and not any(vars(kind).get("__slots__") for kind in value.__mro__)
+        if isinstance(value, type) and value.__module__ == where and plain_class(value)
     }
