@@ -417,6 +417,16 @@ def test_an_enum_member_is_no_object_a_bundle_packs_nor_a_processor_one_it_makes
     assert ("Cache" in classes, "Mode" in classes, "Processor" in classes) == (True, False, False)
 
 
+def test_a_cycle_through_a_bundled_objects_lists_is_written_unsupported(tmp_path):
+    # a list holding itself in a packed object's attributes was walked without end: a RecursionError, told as
+    # the debugger's repro_bundle failing, and no bundle written
+    cache = Cache(1)
+    cache.layers.append(cache.layers)
+    packed, _ = bundled(tmp_path, Net(), mode=cache)
+    layers = packed["mode"]["attributes"]["__dict__"]["layers"]["__list__"]
+    assert (layers[0]["__object__"], layers[1]) == ("LayerCache", {"__unsupported__": "a cycle back to a list"})
+
+
 @GLM
 @pytest.mark.parametrize(
     "failing_keep, nan_mode, nan_call, step",

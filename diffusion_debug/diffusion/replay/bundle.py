@@ -51,7 +51,14 @@ _OBJECT = "__object__"
 PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor], classes: dict[str, type], depth: int = 0) -> Any:
+def _pack(
+    obj: Any,
+    path: str,
+    tensors: dict[str, torch.Tensor],
+    classes: dict[str, type],
+    depth: int = 0,
+    within: frozenset[int] = frozenset(),
+) -> Any:
     """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``. Its own walk,
     not stats.nested's: a skeleton keeps every value and its container type. A tensor's reference is
     its path, one part a container: a list's index, a string key that holds no ``.`` and does not
@@ -62,35 +69,33 @@ def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor], classes: dict[s
     (a component's own state: GLM-Image's ``kv_caches``) of a class among ``classes`` (the component module's own,
     the only ones its replay makes: :func:`~.bundle_objects.own_classes`) keeps its class's name and its
     attributes, four objects deep (:func:`~.bundle_objects.made_object`); any other is written unsupported
-    (transformers' ``DynamicCache``: no layer's keys and values copied to be replayed as None)."""
+    (transformers' ``DynamicCache``: no layer's keys and values copied to be replayed as None), and so is a
+    container or object met again on its own path (``within``: a list holding itself)."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach().contiguous().cpu()
         return {_TENSOR: path}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if id(obj) in within:  # a cycle (a list holding itself): no end to a walk down it
+        return {"__unsupported__": f"a cycle back to a {type(obj).__name__}"}
+    within = within | {id(obj)}  # (the ids of the containers and objects on the path to it)
+
+    def pack(value: Any, part: str, deeper: int = depth) -> Any:
+        return _pack(value, part, tensors, classes, deeper, within)
+
     if isinstance(obj, dict):
         if all(type(k) is str for k in obj):
-            return {
-                "__dict__": {
-                    k: _pack(v, f"{path}.{_part(k, i)}", tensors, classes, depth)
-                    for i, (k, v) in enumerate(obj.items())
-                }
-            }
+            return {"__dict__": {k: pack(v, f"{path}.{_part(k, i)}") for i, (k, v) in enumerate(obj.items())}}
         # keys of other types as they were (AnyFlow FAR's kv_cache: layer indices): a pair each
         return {
-            "__items__": [
-                [_pack(k, f"{path}.#{i}k", tensors, classes, depth), _pack(v, f"{path}.#{i}", tensors, classes, depth)]
-                for i, (k, v) in enumerate(obj.items())
-            ]
+            "__items__": [[pack(k, f"{path}.#{i}k"), pack(v, f"{path}.#{i}")] for i, (k, v) in enumerate(obj.items())]
         }
     if isinstance(obj, (list, tuple)):
         return {
-            "__list__" if isinstance(obj, list) else "__tuple__": [
-                _pack(v, f"{path}.{i}", tensors, classes, depth) for i, v in enumerate(obj)
-            ]
+            "__list__" if isinstance(obj, list) else "__tuple__": [pack(v, f"{path}.{i}") for i, v in enumerate(obj)]
         }
     if depth < _OBJECT_DEPTH and _plain(obj) and classes.get(type(obj).__name__) is type(obj):
-        return {_OBJECT: type(obj).__name__, "attributes": _pack(vars(obj), path, tensors, classes, depth + 1)}
+        return {_OBJECT: type(obj).__name__, "attributes": pack(vars(obj), path, depth + 1)}
     return {"__unsupported__": repr(obj)[:200]}
 
 
