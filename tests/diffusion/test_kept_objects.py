@@ -10,6 +10,10 @@ transformer, not its module."""
 from __future__ import annotations
 
 import contextlib
+import enum
+import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import diffusers
 import numpy as np
@@ -18,8 +22,11 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
-from diffusion_debug.diffusion.components import cache_hooks
+from diffusion_debug.diffusion import replay
+from diffusion_debug.diffusion.components import cache_hooks, call_sites
 from diffusion_debug.diffusion.components.call_sites import kept_as_passed
+from diffusion_debug.diffusion.replay.bundle import save_bundle
+from diffusion_debug.diffusion.replay.bundle_objects import own_classes
 
 GLM = pytest.mark.skipif(not hasattr(diffusers, "GlmImagePipeline"), reason="this diffusers has no GLM-Image")
 MODULE = "transformer_blocks.0.attn1.to_out.0"
@@ -333,3 +340,161 @@ def test_an_object_whose_entries_are_replaced_is_held_uncloned_at_keep_and_at_us
     assert kept_as_passed(*kept, strict=False)[1]["kv_caches"].mode is value
     with pytest.raises(RuntimeError, match=r"^a \(2,\) tensor the call was passed .* was changed in place since"):
         kept_as_passed(*kept)
+
+
+@GLM
+def test_a_repro_bundle_holds_glm_images_cache_object_and_its_replay_reads_it(tmp_path):
+    # the bundle wrote the cache object as unsupported and replayed it as None: no condition keys read, the
+    # NaN not made again, and the replay named no module
+    pipe = glm_image()
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", repro_bundle=True)
+    dbg = DiffusionModelDebugger(pipe, config)
+    with nan_while_reading(pipe), dbg, torch.no_grad():
+        image_to_image(pipe)
+    dbg.close()
+    (bundle,) = [a.details["bundle"] for a in dbg.report().anomalies if "bundle" in a.details]
+    bundle = Path(dbg.report().save()) / bundle
+    with nan_while_reading(pipe), torch.no_grad():
+        replayed = replay(bundle, pipe.transformer)
+    assert (replayed["module"], replayed["output_finite"], replayed["note"]) == (MODULE, False, "")
+    kept = json.loads((bundle / "meta.json").read_text())["call"]["kwargs"]["__dict__"]["kv_caches"]
+    assert kept["__object__"] == "GlmImageKVCache"
+    assert kept["attributes"]["__dict__"]["caches"]["__list__"][0]["__object__"] == "GlmImageLayerKVCache"
+    kept["__object__"] = "GlmImageTransformer2DModel"  # a crafted file: only the module's plain classes are made
+    meta = json.loads((bundle / "meta.json").read_text())
+    meta["call"]["kwargs"]["__dict__"]["kv_caches"] = kept
+    (bundle / "meta.json").write_text(json.dumps(meta))
+    with nan_while_reading(pipe), torch.no_grad():
+        replayed = replay(bundle, pipe.transformer)  # given None, as before: no cache read, no NaN made
+    assert (replayed["module"], replayed["output_finite"]) == (None, True)
+
+
+def bundled(path, component, **kwargs) -> dict:
+    """The packed kwargs of a bundle of a call of ``component`` given ``kwargs``, and its tensors' names."""
+    save_bundle(path, component="net", component_module=component, call_prefix="", args=(torch.ones(1, 2),),
+                kwargs=kwargs, step=0, timestep=None, module="", anomaly_kind="nonfinite")  # fmt: skip
+    meta = json.loads((path / "meta.json").read_text())
+    return meta["call"]["kwargs"]["__dict__"], sorted(meta["shapes"])
+
+
+def test_a_bundle_packs_an_object_only_of_a_class_its_replay_makes(tmp_path):
+    # an object of a class other than the component module's own (transformers' DynamicCache, beside a Linear
+    # defined in torch) was packed, every layer's keys and values copied to the CPU and written, to be replayed
+    # as None: it is written unsupported, nothing of it packed
+    cache = Cache(2)
+    cache.layers[0].store(torch.ones(3))
+    packed, tensors = bundled(tmp_path, torch.nn.Linear(2, 2), past_key_values=cache)
+    assert (list(packed["past_key_values"]), tensors) == (["__unsupported__"], ["args.0"])
+
+
+class Mode(enum.Enum):
+    READ = "read"
+
+
+class Processor:  # an attention processor: called, not a state
+    def __call__(self, x):
+        return x
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x, mode=None):
+        self.seen = mode
+        return self.lin(x)
+
+
+def test_an_enum_member_is_no_object_a_bundle_packs_nor_a_processor_one_it_makes(tmp_path):
+    # an Enum member was packed as a plain object and its replay refused the bundle ("not the packed layout of
+    # a call": Mode.__new__ wants a value); a crafted file could have made a bare attention processor
+    net = Net()
+    packed, _ = bundled(tmp_path, net, mode=Mode.READ)
+    replay(tmp_path, net)
+    assert (list(packed["mode"]), net.seen) == (["__unsupported__"], None)
+    classes = own_classes(net)
+    assert ("Cache" in classes, "Mode" in classes, "Processor" in classes) == (True, False, False)
+
+
+def test_a_cycle_through_a_bundled_objects_lists_is_written_unsupported(tmp_path):
+    # a list holding itself in a packed object's attributes was walked without end: a RecursionError, told as
+    # the debugger's repro_bundle failing, and no bundle written
+    cache = Cache(1)
+    cache.layers.append(cache.layers)
+    packed, _ = bundled(tmp_path, Net(), mode=cache)
+    layers = packed["mode"]["attributes"]["__dict__"]["layers"]["__list__"]
+    assert (layers[0]["__object__"], layers[1]) == ("LayerCache", {"__unsupported__": "a cycle back to a list"})
+
+
+@GLM
+@pytest.mark.parametrize(
+    "failing_keep, nan_mode, nan_call, step",
+    [(3, "skip", 1, 0), (4, "read", 2, 1)],
+    ids=["the_last_call_unkept", "an_earlier_call_unkept"],
+)
+def test_a_keep_that_runs_out_of_memory_leaves_its_call_unkept_not_the_call_before_it(
+    tmp_path, monkeypatch, failing_keep, nan_mode, nan_call, step
+):
+    # step 0's unconditional call (its layers in ``skip`` mode) makes the NaN, and cloning its arguments runs
+    # out of memory: the step's conditional call stayed kept in its place, and the repro bundle of the
+    # unconditional call's NaN held the conditional call (``read`` mode), whose replay made no NaN. Step 1's
+    # conditional call (its second ``read``) makes the NaN and is the one unkept: nothing took its place among
+    # the held calls, so the bundle of its NaN held the step's unconditional call (``skip``), no NaN replayed
+    passed, keeps, kept_as_passed, calls = [], [], call_sites.kept_as_passed, []
+
+    def failing(args, kwargs, budget=None, *rest, **options):
+        if budget is not None and "kv_caches" in kwargs:  # a keep: the write call, step 0's read, its skip
+            keeps.append(kwargs["kv_caches"][0].mode)
+            if len(keeps) == failing_keep:
+                raise torch.OutOfMemoryError("planted: out of memory cloning a kept call")
+        return kept_as_passed(args, kwargs, budget, *rest, **options)
+
+    def nan(module, args, output):
+        if passed[0] is not None and passed[0][0].mode == nan_mode:
+            calls.append(None)
+            if len(calls) >= nan_call:
+                return output.clone().fill_(float("nan"))
+        return None
+
+    monkeypatch.setattr(call_sites, "kept_as_passed", failing)
+    pipe = glm_image()
+    hooks = [
+        pipe.transformer.register_forward_pre_hook(
+            lambda m, a, k: passed.insert(0, k.get("kv_caches")), with_kwargs=True
+        ),
+        pipe.transformer.get_submodule(MODULE).register_forward_hook(nan),
+    ]
+    config = DebugConfig(output_dir=str(tmp_path), log_level="error", repro_bundle=True)
+    dbg = DiffusionModelDebugger(pipe, config)
+    try:
+        with dbg, torch.no_grad():
+            image_to_image(pipe)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    dbg.close()
+    assert keeps[:failing_keep] == ["write", "read", "skip", "read"][:failing_keep]
+    report = dbg.report()
+    assert [a.message for a in report.anomalies if a.kind == "debugger_error"] == [
+        "The debugger's keep_call failed (OutOfMemoryError: planted: out of memory cloning a kept call); the run went"
+        " on without it."
+    ]
+    errors = [
+        (a.component, a.module, a.step, a.details.get("bundle")) for a in report.anomalies if a.severity == "error"
+    ]
+    assert errors == [("transformer", "", step, None)]
+
+
+def test_a_held_call_is_chosen_by_its_place_and_one_not_held_is_no_call():
+    # a call ``back`` calls before the last beyond those held was replayed and bundled as the step's last call;
+    # a held call whose keep failed is none (its place kept), not the call before or after it
+    latest, first = ((1,), {}), ((0,), {})
+    key, unkept = ("transformer", ""), call_sites._UNKEPT
+    taken = ({key: latest}, {}, {key: [(first, None), (unkept, None)]})
+    calls = SimpleNamespace(kept={}, contexts={}, earlier={})
+    chosen = []
+    for back in range(4):
+        with call_sites.CallSiteHooks.calls_of(calls, taken, "transformer", back):
+            chosen.append(calls.kept.get(key))
+    assert [call is expected for call, expected in zip(chosen, [latest, unkept, first, unkept])] == [True] * 4

@@ -2,7 +2,7 @@
 project already builds) is watched like a ``DiffusionPipeline``; a ``ComponentsManager`` is
 accepted and the collections sharing a component are recorded; an object that cannot be watched
 gets one sentence naming its type; a guider's layer hooks, on for one call of a step, are on again
-for that call's replay."""
+for that call's replay; guiders that reshape the guidance leave an fp16 image bitwise."""
 
 from __future__ import annotations
 
@@ -413,3 +413,24 @@ def test_why_on_a_nan_of_a_guided_call_replays_it_with_the_guiders_layer_hooks(g
         "bundle cannot hold; "
         "call report.why() while the pipeline and its guider are at hand"
     )
+
+
+@pytest.mark.parametrize("name", ["TangentialClassifierFreeGuidance", "FrequencyDecoupledGuidance"])
+def test_a_guider_that_reshapes_the_guidance_on_fp16_components_leaves_the_image_bitwise(name, tmp_path):
+    """Tangential CFG (the unconditional prediction projected off the conditional one) and frequency-decoupled
+    guidance (each Laplacian-pyramid band guided apart, kornia's), in fp16: the image is the unwatched one's."""
+    guiders = pytest.importorskip("diffusers.guiders")
+    if name == "FrequencyDecoupledGuidance":
+        pytest.importorskip("kornia")
+    from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
+
+    components = {k: v for k, v in tiny_pipeline("sdxl", dtype=torch.float16).components.items() if v is not None}
+    pipes = []
+    for _ in range(2):  # one unwatched, one watched, over the same components
+        pipe = StableDiffusionXLAutoBlocks().init_pipeline()
+        pipe.update_components(**components, guider=getattr(guiders, name)())
+        pipes.append(pipe)
+    plain = call(pipes[0])
+    dbg, image = watched(pipes[1], tmp_path)
+    assert np.array_equal(plain, image) and np.array_equal(call(pipes[1]), plain)
+    assert [a for a in dbg.report().anomalies if a.kind != "scheduler_config"] == []

@@ -7,7 +7,8 @@ backend set on a transformer (``set_attention_backend``, which also makes it the
 call with ``output_type="latent"`` and the user's own ``vae.decode`` after it, fp16 under ``inference_mode``;
 img2img at full strength in one step and at 0.3 of 4 steps (one step runs); the attach made inside
 ``torch.inference_mode`` and the next call outside it; diffusers' ``SDCFGCutoffCallback``, which drops the
-unconditional half of the batch mid-call."""
+unconditional half of the batch mid-call; attention sliced at ``"max"`` in fp16 with the VAE tiled, under
+``inference_mode``; a callback that sets ``pipe._interrupt``; AnimateDiff's FreeNoise context windows."""
 
 from __future__ import annotations
 
@@ -148,3 +149,36 @@ def test_diffusers_cfg_cutoff_callback_drops_the_unconditional_half_mid_call(tmp
         return sd_call(pipe, 3, callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["prompt_embeds"])
 
     like_its_twin(tmp_path, lambda: tiny_pipeline("sd"), [cut, cut])
+
+
+def test_attention_sliced_at_max_in_fp16_and_vae_tiled_under_inference_mode(tmp_path):
+    def make():  # tiles of 16 pixels (2 latents) a side: the 32x32 image is decoded in overlapping tiles
+        pipe = tiny_pipeline("sd", dtype=torch.float16)
+        pipe.enable_attention_slicing("max")
+        pipe.vae.enable_tiling()
+        pipe.vae.tile_sample_min_size, pipe.vae.tile_latent_min_size = 16, 2
+        return pipe
+
+    like_its_twin(tmp_path, make, [sd_call, sd_call], around=torch.inference_mode)
+
+
+def test_a_callback_that_sets_the_pipelines_interrupt_flag_then_a_full_call(tmp_path):
+    def interrupt(pipe, step, timestep, kwargs):  # the steps after step 1 are skipped, the image decoded
+        pipe._interrupt = pipe._interrupt or step == 1
+        return kwargs
+
+    cut = lambda pipe: sd_call(pipe, 4, callback_on_step_end=interrupt)  # noqa: E731
+    like_its_twin(tmp_path, lambda: tiny_pipeline("sd"), [cut, sd_call])
+
+
+def test_animatediff_free_noise_over_overlapping_context_windows(tmp_path):
+    def make():
+        pipe = tiny_pipeline("animatediff")
+        pipe.enable_free_noise(context_length=2, context_stride=1)
+        return pipe
+
+    def call(pipe):
+        kwargs = dict(num_frames=3, height=32, width=32, num_inference_steps=2, output_type="pt")
+        return pipe(prompt="a cat", generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+    like_its_twin(tmp_path, make, [call, call])

@@ -24,6 +24,7 @@ for a replay and dropped as the step ends; the store could become a module of it
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import time
 from typing import Any, Callable, ContextManager, Iterator, Sequence
@@ -241,15 +242,20 @@ _OBJECT_DEPTH = 4
 
 def _plain(value: Any) -> bool:
     """Whether ``value`` is a plain Python object a kept call copies (as own state): all its attributes in a
-    ``__dict__``; not a tensor, a module, a class or a callable; not a dict, list, tuple or set subclass
-    (FrozenDict, OrderedDict, a ModelOutput: items outside the ``__dict__``) nor with ``__slots__``, which a
-    copy made from the ``__dict__`` would lose (such an object is passed as it is)."""
-    return (
-        isinstance(getattr(value, "__dict__", None), dict)
-        and not isinstance(value, (torch.Tensor, nn.Module, type, dict, list, tuple, set, frozenset))
-        and not callable(value)
-        and not any(vars(kind).get("__slots__") for kind in type(value).__mro__)
-    )
+    ``__dict__``, of a :func:`plain_class` (any other is passed as it is)."""
+    return isinstance(getattr(value, "__dict__", None), dict) and plain_class(type(value))
+
+
+def plain_class(kind: type) -> bool:
+    """Whether ``kind``'s objects may be plain (:func:`_plain`; a bundle's too,
+    :func:`~..replay.bundle_objects.own_classes`): not a tensor, a module, a class, an Enum or a callable (an
+    attention processor); not a dict, list, tuple or set subclass (FrozenDict, OrderedDict, a ModelOutput: items
+    outside the ``__dict__``) nor with ``__slots__`` or a ``__new__`` of its own (an Enum member's, an
+    exception's), which a copy made from the ``__dict__`` by a bare ``__new__`` would lose or refuse."""
+    if issubclass(kind, (torch.Tensor, nn.Module, type, dict, list, tuple, set, frozenset, enum.Enum)):
+        return False
+    own = [vars(base) for base in kind.__mro__[:-1]]  # (not object's)
+    return not any(names.get("__slots__") or "__new__" in names or "__call__" in names for names in own)
 
 
 def _snapshot(value: Any, depth: int, keep: Callable[[Any], Any]) -> Any:
@@ -419,6 +425,10 @@ _HALF = object()
 """Marks a kept call of a VAE half watched around its VAE's compiled method once it holds the half's
 own arguments: ``(_HALF, (args, kwargs), strict, method's call)``, ``strict`` as they were made
 (:meth:`CallSiteHooks.kept_call`) and the method's call kept as passed, to make them again strictly."""
+
+_UNKEPT = object()
+"""Stands for a call whose keep failed (an OOM cloning its arguments), as kept and then held, so that the
+site's held calls stay in step with its outputs: no replay or bundle of it, nor of another call in its place."""
 
 _OPEN_CALLS = 8
 """Calls of one call site open at once that are timed: a module calling itself deeper than this
@@ -632,23 +642,28 @@ class CallSiteHooks:
             try:
                 on_start(site, args, kwargs)
                 if self.keep_calls:  # as passed: not what the call writes into its lists
-                    if key in self.kept:  # a second call in the step (the unconditional pass)
-                        held = self.earlier.setdefault(key, [])
-                        if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
-                            del held[0]  # start would cut a short list's front: only 4 of 8 were held)
-                        held.append((self.kept[key], self.contexts.get(key)))
-                    self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state, positions=positions)
-                    if stateful:  # its replay starts where the call did
-                        found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
-                        self.contexts[key] = hook_state(module, found, self._budget)
-                    if guided:  # and runs with the hooks the guider placed for it
-                        registries = self._registries.get(id(module))
-                        if registries is None:  # walked until a call finds a hook placed (the guider's)
-                            registries = hook_registries(module)
-                            if any(registry.hooks for registry in registries):
-                                self._registries[id(module)] = registries
-                        context = self.contexts[key] if stateful else (None, None)
-                        self.contexts[key] = (*context, hook_placement(registries))
+                    try:
+                        if key in self.kept:  # a second call in the step (the unconditional pass)
+                            held = self.earlier.setdefault(key, [])
+                            if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
+                                del held[0]  # start would cut a short list's front: only 4 of 8 were held)
+                            held.append((self.kept.pop(key), self.contexts.pop(key, None)))
+                        self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state, positions=positions)
+                        if stateful:  # its replay starts where the call did
+                            found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
+                            self.contexts[key] = hook_state(module, found, self._budget)
+                        if guided:  # and runs with the hooks the guider placed for it
+                            registries = self._registries.get(id(module))
+                            if registries is None:  # walked until a call finds a hook placed (the guider's)
+                                registries = hook_registries(module)
+                                if any(registry.hooks for registry in registries):
+                                    self._registries[id(module)] = registries
+                            context = self.contexts[key] if stateful else (None, None)
+                            self.contexts[key] = (*context, hook_placement(registries))
+                    except Exception as error:  # (an OOM cloning): this call unkept, its timing still taken
+                        self.kept[key] = _UNKEPT
+                        self.contexts.pop(key, None)
+                        failed("keep_call", error)
                 device = where["device"]
                 if device is not None and device.type == "cuda":
                     if self.synchronize:
@@ -718,7 +733,7 @@ class CallSiteHooks:
         """The site with a kept call whose module tree holds ``module`` of ``component``."""
         for site in self.sites:
             inside = site.prefix == "" or module == site.prefix or module.startswith(site.prefix + ".")
-            if site.component == component and inside and (site.component, site.prefix) in self.kept:
+            if site.component == component and inside and _kept(self.kept, site):
                 return site
         return None
 
@@ -796,14 +811,14 @@ class CallSiteHooks:
         step where a call was given them uncopied (Flux's packed latents too), none otherwise."""
         storage = latents.untyped_storage().data_ptr()  # (loops, no helper: a call a step where none shares it)
         for key, kept in self.kept.items():
-            if kept[0] is not _HALF:
+            if kept is not _UNKEPT and kept[0] is not _HALF:
                 for value in (*kept[0], *kept[1].values()):
                     if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
                         self.kept[key] = _cloned(kept, storage)
                         break
         for held in self.earlier.values():
             for index, (kept, context) in enumerate(held):
-                for value in (*kept[0], *kept[1].values()):
+                for value in (*kept[0], *kept[1].values()) if kept is not _UNKEPT else ():
                     if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
                         held[index] = (_cloned(kept, storage), context)
                         break
@@ -831,12 +846,12 @@ class CallSiteHooks:
     def calls_of(self, taken: tuple[dict, dict, dict], component: str | None = None, back: int = 0) -> Iterator[None]:
         """Within the block, the kept calls are ``taken`` (an earlier step's, from :meth:`take_calls`);
         ``component``'s own (its site ``""``) is its call ``back`` calls before the last of the step
-        (0: the last; the call whose output held the step's first NaN/Inf), where still held."""
+        (0: the last; the call whose output held the step's first NaN/Inf), where still held: else none."""
         now = (self.kept, self.contexts, self.earlier)
         kept, contexts, earlier = taken
         held = earlier.get((component, ""), [])
-        if 0 < back <= len(held):
-            key, (call, context) = (component, ""), held[-back]
+        if back > 0:  # (a held call whose keep failed is :data:`_UNKEPT`: none, not the call before it)
+            key, (call, context) = (component, ""), held[-back] if back <= len(held) else (_UNKEPT, None)
             kept, contexts = {**kept, key: call}, {**contexts, key: context}
             if context is None:
                 contexts.pop(key)
@@ -862,6 +877,10 @@ def kept_arguments(
     for site in calls.sites:
         if prefix is not None and site.prefix != prefix:
             continue
-        if site.component == component and (site.component, site.prefix) in calls.kept:
+        if site.component == component and _kept(calls.kept, site):
             return (site.module, *calls.kept_call(site, strict=False))
     return None
+
+
+def _kept(kept: dict[tuple[str, str], Any], site: CallSite) -> bool:
+    return kept.get((site.component, site.prefix), _UNKEPT) is not _UNKEPT

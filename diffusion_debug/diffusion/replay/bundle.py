@@ -33,7 +33,9 @@ from ..components.autocast import (
 )
 from ..components.cache_hooks import hook_state_kept
 from ..components.cache_timestep import timestep_kept
+from ..components.call_sites import _OBJECT_DEPTH, _plain
 from ..components.compiled import eager_module, replay_readings
+from .bundle_objects import made_object, own_classes
 from .copies import (
     context_fields,
     context_from_fields,
@@ -45,40 +47,55 @@ from .copies import (
 from .near_max import near_max_maker
 
 _TENSOR = "__tensor__"
+_OBJECT = "__object__"
 PARAMETER_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _pack(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _pack(
+    obj: Any,
+    path: str,
+    tensors: dict[str, torch.Tensor],
+    classes: dict[str, type],
+    depth: int = 0,
+    within: frozenset[int] = frozenset(),
+) -> Any:
     """A JSON skeleton of ``obj`` with tensors replaced by references into ``tensors``. Its own walk,
     not stats.nested's: a skeleton keeps every value and its container type. A tensor's reference is
     its path, one part a container: a list's index, a string key that holds no ``.`` and does not
     start with ``#`` (``kwargs.added_cond_kwargs.text_embeds``), else ``#`` and the item's position
     (``#<i>k`` for what its key holds: a tensor key). No part holds a ``.`` and a container's parts
     differ, so two tensors never share a path: ``{0: a, "0": b}``, a key ``"x.y"`` beside ``{"x": {"y":
-    ...}}`` and two tensor keys with the same values wrote one name for two tensors (one lost)."""
+    ...}}`` and two tensor keys with the same values wrote one name for two tensors (one lost). A plain object
+    (a component's own state: GLM-Image's ``kv_caches``) of a class among ``classes`` (the component module's own,
+    the only ones its replay makes: :func:`~.bundle_objects.own_classes`) keeps its class's name and its
+    attributes, four objects deep (:func:`~.bundle_objects.made_object`); any other is written unsupported
+    (transformers' ``DynamicCache``: no layer's keys and values copied to be replayed as None), and so is a
+    container or object met again on its own path (``within``: a list holding itself)."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach().contiguous().cpu()
         return {_TENSOR: path}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if id(obj) in within:  # a cycle (a list holding itself): no end to a walk down it
+        return {"__unsupported__": f"a cycle back to a {type(obj).__name__}"}
+    within = within | {id(obj)}  # (the ids of the containers and objects on the path to it)
+
+    def pack(value: Any, part: str, deeper: int = depth) -> Any:
+        return _pack(value, part, tensors, classes, deeper, within)
+
     if isinstance(obj, dict):
         if all(type(k) is str for k in obj):
-            return {
-                "__dict__": {k: _pack(v, f"{path}.{_part(k, i)}", tensors) for i, (k, v) in enumerate(obj.items())}
-            }
+            return {"__dict__": {k: pack(v, f"{path}.{_part(k, i)}") for i, (k, v) in enumerate(obj.items())}}
         # keys of other types as they were (AnyFlow FAR's kv_cache: layer indices): a pair each
         return {
-            "__items__": [
-                [_pack(k, f"{path}.#{i}k", tensors), _pack(v, f"{path}.#{i}", tensors)]
-                for i, (k, v) in enumerate(obj.items())
-            ]
+            "__items__": [[pack(k, f"{path}.#{i}k"), pack(v, f"{path}.#{i}")] for i, (k, v) in enumerate(obj.items())]
         }
     if isinstance(obj, (list, tuple)):
         return {
-            "__list__" if isinstance(obj, list) else "__tuple__": [
-                _pack(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)
-            ]
+            "__list__" if isinstance(obj, list) else "__tuple__": [pack(v, f"{path}.{i}") for i, v in enumerate(obj)]
         }
+    if depth < _OBJECT_DEPTH and _plain(obj) and classes.get(type(obj).__name__) is type(obj):
+        return {_OBJECT: type(obj).__name__, "attributes": pack(vars(obj), path, depth + 1)}
     return {"__unsupported__": repr(obj)[:200]}
 
 
@@ -104,18 +121,20 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _unpack(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _unpack(skeleton: Any, tensors: dict[str, torch.Tensor], classes: dict[str, type]) -> Any:
     if isinstance(skeleton, dict):
         if _TENSOR in skeleton:
             return tensors[skeleton[_TENSOR]]  # every reference was checked by read_bundle
         if "__dict__" in skeleton:
-            return {k: _unpack(v, tensors) for k, v in skeleton["__dict__"].items()}
+            return {k: _unpack(v, tensors, classes) for k, v in skeleton["__dict__"].items()}
         if "__items__" in skeleton:
-            return {_unpack(k, tensors): _unpack(v, tensors) for k, v in skeleton["__items__"]}
+            return {_unpack(k, tensors, classes): _unpack(v, tensors, classes) for k, v in skeleton["__items__"]}
         if "__list__" in skeleton:
-            return [_unpack(v, tensors) for v in skeleton["__list__"]]
+            return [_unpack(v, tensors, classes) for v in skeleton["__list__"]]
         if "__tuple__" in skeleton:
-            return tuple(_unpack(v, tensors) for v in skeleton["__tuple__"])
+            return tuple(_unpack(v, tensors, classes) for v in skeleton["__tuple__"])
+        if _OBJECT in skeleton:
+            return made_object(skeleton[_OBJECT], _unpack(skeleton["attributes"], tensors, classes), classes)
         if "__unsupported__" in skeleton:
             return None
     return skeleton
@@ -166,7 +185,11 @@ def save_bundle(
     bundle_dir = Path(bundle_dir)
     bundle_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = {"args": _pack(tuple(args), "args", tensors), "kwargs": _pack(dict(kwargs), "kwargs", tensors)}
+    classes = own_classes(eager_module(component_module))  # (packed only if its replay can make them)
+    skeleton = {
+        "args": _pack(tuple(args), "args", tensors, classes),
+        "kwargs": _pack(dict(kwargs), "kwargs", tensors, classes),
+    }
     save_file(_unshared(tensors), str(bundle_dir / "inputs.safetensors"))
     meta = {
         "component": component,
@@ -338,8 +361,9 @@ def load_call(
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     tensors = {k: v.to(device) for k, v in loaded.items()}
     try:
-        args = _unpack(meta["call"]["args"], tensors)
-        kwargs = _unpack(meta["call"]["kwargs"], tensors)
+        classes = own_classes(eager_module(model))
+        args = _unpack(meta["call"]["args"], tensors, classes)
+        kwargs = _unpack(meta["call"]["kwargs"], tensors, classes)
     except (TypeError, AttributeError, KeyError):
         raise DiffusionDebugError("meta.json field 'call' is not the packed layout of a call.") from None
     if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
