@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from .host import HostCopy, detached
+from .host import ANY_AUTOCAST, HostCopy, autocast_off, detached
 from .tensors import PendingStats, TensorStats, dtype_max, dtype_name, finish, measure, tensor_stats
 
 _INF = math.inf
@@ -59,7 +59,10 @@ def summarize(tensors: Sequence[torch.Tensor]) -> PendingSummaries:
     tensor needs a full :func:`measure` (its NaN/Inf counts are not known from these)."""
     # the parts detached where autograd tracks them: no graph is recorded (and no no_grad context is
     # entered at every step); a step's tensors under inference need no detach, an op each
-    if len(tensors) > 1:
+    if len(tensors) > 1 and ANY_AUTOCAST():  # autocast's stack raised for the half dtype not its own
+        with autocast_off(tensors[0].device.type):
+            x = torch.stack([t.detach() if t.requires_grad else t for t in tensors])
+    elif len(tensors) > 1:
         x = torch.stack([t.detach() if t.requires_grad else t for t in tensors])
     else:
         x = detached(tensors[0]).unsqueeze(0)
