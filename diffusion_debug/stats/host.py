@@ -131,6 +131,27 @@ def autocast_off(device_type: str) -> Iterator[None]:
         torch.autocast_decrement_nesting()
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps")
+
+
+def outside_autocast() -> contextlib.AbstractContextManager:
+    """:func:`autocast_off` for every device type whose autocast is on (a user's ``with torch.autocast(...)``
+    around a training step's monitor: its casts are no part of a measurement, and its ``stack``/``cat`` raise for
+    the half dtype not its own); a context that does nothing where none is (one C call)."""
+    if not ANY_AUTOCAST():
+        return _NO_CONTEXT
+    stack = contextlib.ExitStack()
+    for device_type in _AUTOCAST_DEVICE_TYPES:
+        try:
+            on = torch.is_autocast_enabled(device_type)
+        except (RuntimeError, TypeError, ValueError):  # a device type this build does not know
+            continue
+        if on:
+            stack.enter_context(autocast_off(device_type))
+    return stack
+
+
 def _rows(indices: list[int], host: torch.Tensor, event: Any, layout: list[tuple[int, bool]]) -> list[list[float]]:
     """The values of one device's tensors, a list each, from their host buffer (read in one
     ``tolist``): ``layout`` is :func:`_flat_parts`'s, a run of 0-d tensors made a list a value

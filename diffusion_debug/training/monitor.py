@@ -31,6 +31,7 @@ from ..config import DebugConfig
 from ..core import AnomalySink, raised_by_debugger
 from ..probes import BackwardOrder
 from ..record import Anomaly
+from ..stats import outside_autocast
 from . import failures
 from .judges import step_checks
 from .judges.causes import trace_causes
@@ -118,7 +119,10 @@ class StepMonitor:
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
 
     def monitor(self, call: Call) -> dict[str, Any]:
-        failure = self._accumulate(call)
+        # measured outside the user's autocast region around the call (a loop written under one): its casts are no
+        # part of a measurement, and its cat/stack raised for the half dtype not its own (fp16 weights, bf16 autocast)
+        with outside_autocast():
+            failure = self._accumulate(call)
         if call.accumulating or not gradients_complete(self.accelerator, self.params.partitions):
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
@@ -129,9 +133,10 @@ class StepMonitor:
             self.coverage.check(step.index, call.optimizer)
         elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
             self.coverage.check(step.index, call.optimizer)  # a clean run learns of them too, not only a broken one
-        measured = self._measure(step, call)  # never raises: a failure is the failed row
-        self._pre_reduction_failed(step)
-        own, local = self._to_host(step, measured)  # the step's one host transfer
+        with outside_autocast():  # (the closure's replay, in the judging, runs under the caller's autocast)
+            measured = self._measure(step, call)  # never raises: a failure is the failed row
+            self._pre_reduction_failed(step)
+            own, local = self._to_host(step, measured)  # the step's one host transfer
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
         if self.ctx.distributed:
