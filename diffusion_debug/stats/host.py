@@ -135,10 +135,18 @@ _NO_CONTEXT = contextlib.nullcontext()
 _AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps")
 
 
-def outside_autocast() -> contextlib.AbstractContextManager:
+def outside_autocast() -> contextlib.ExitStack | contextlib.nullcontext:
     """:func:`autocast_off` for every device type whose autocast is on (a user's ``with torch.autocast(...)``
     around a training step's monitor: its casts are no part of a measurement, and its ``stack``/``cat`` raise for
-    the half dtype not its own); a context that does nothing where none is (one C call)."""
+    the half dtype not its own), entered as it is made: the block of a ``with``, or until its ``close()``; a
+    context that does nothing where none is on (one C call).
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     with outside_autocast():
+    ...         off = torch.is_autocast_enabled("cpu")
+    ...     off, torch.is_autocast_enabled("cpu")
+    (False, True)
+    """
     if not ANY_AUTOCAST():
         return _NO_CONTEXT
     stack = contextlib.ExitStack()

@@ -31,7 +31,7 @@ from ..config import DebugConfig
 from ..core import AnomalySink, raised_by_debugger
 from ..probes import BackwardOrder
 from ..record import Anomaly
-from ..stats import outside_autocast
+from ..stats import ANY_AUTOCAST, outside_autocast
 from . import failures
 from .judges import step_checks
 from .judges.causes import trace_causes
@@ -121,8 +121,12 @@ class StepMonitor:
     def monitor(self, call: Call) -> dict[str, Any]:
         # measured outside the user's autocast region around the call (a loop written under one): its casts are no
         # part of a measurement, and its cat/stack raised for the half dtype not its own (fp16 weights, bf16 autocast)
-        with outside_autocast():
+        off = outside_autocast() if ANY_AUTOCAST() else None  # (entered as made; no Python call without one)
+        try:
             failure = self._accumulate(call)
+        finally:
+            if off is not None:
+                off.close()
         if call.accumulating or not gradients_complete(self.accelerator, self.params.partitions):
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
@@ -133,10 +137,14 @@ class StepMonitor:
             self.coverage.check(step.index, call.optimizer)
         elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
             self.coverage.check(step.index, call.optimizer)  # a clean run learns of them too, not only a broken one
-        with outside_autocast():  # (the closure's replay, in the judging, runs under the caller's autocast)
+        off = outside_autocast() if off is not None else None  # (the closure's replay, judged after, runs under it)
+        try:
             measured = self._measure(step, call)  # never raises: a failure is the failed row
             self._pre_reduction_failed(step)
             own, local = self._to_host(step, measured)  # the step's one host transfer
+        finally:
+            if off is not None:
+                off.close()
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
         if self.ctx.distributed:
