@@ -579,3 +579,36 @@ def test_a_bundle_saved_under_cuda_autocast_replayed_on_the_cpu_says_it_ran_outs
     )
     assert [str(w.message) for w in caught if "autocast" in str(w.message).lower()] == []
     dbg.close()
+
+
+@pytest.mark.parametrize(
+    "state, outside",
+    [((("cpu", torch.bfloat16),), False), ((("cpu", None),), False), ((), True)],
+    ids=["replayed-under-it", "replayed-outside-it", "why-outside"],
+)
+def test_a_replay_keeps_the_weight_cache_of_an_autocast_turned_on_without_a_region(state, outside):
+    """``torch.set_autocast_enabled`` turns autocast on with no region (nesting count 0), and its cache of cast
+    weights lives on from call to call: a replay's region (:func:`autocast_as`, under the call's autocast, outside
+    it, or ``why()``'s outside every one) left at count 0 cleared it, and the user's next call cast its weight and
+    bias again (3 ``_to_copy`` where it made 1). The cache is the user's: the next call casts what it did."""
+    from diffusion_debug.diffusion.components.autocast import autocast_as
+    from diffusion_debug.op_count import count_aten_ops
+
+    linear, x = torch.nn.Linear(4, 4), torch.ones(2, 4)
+    torch.set_autocast_enabled("cpu", True)
+    try:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        linear(x)
+        with count_aten_ops() as warm:
+            linear(x)
+        with autocast_as(state, outside=outside):
+            replayed = linear(x).dtype
+        with count_aten_ops() as after:
+            linear(x)
+        still = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.clear_autocast_cache()
+    assert replayed == (torch.bfloat16 if state and state[0][1] else torch.float32)
+    assert dict(warm.counts) == dict(after.counts) == {"aten._to_copy.default": 1, "aten.addmm.default": 1}
+    assert still == (True, torch.bfloat16)
