@@ -612,3 +612,31 @@ def test_a_replay_keeps_the_weight_cache_of_an_autocast_turned_on_without_a_regi
     assert replayed == (torch.bfloat16 if state and state[0][1] else torch.float32)
     assert dict(warm.counts) == dict(after.counts) == {"aten._to_copy.default": 1, "aten.addmm.default": 1}
     assert still == (True, torch.bfloat16)
+
+
+FLAT_UNDER_AUTOCAST = {
+    "float16": "1 decoded image(s) are a single flat colour; vae decoded under float16 autocast (its weights are "
+    "float32 already, so no float32 VAE or force_upcast changes what it computes in): check the latents reaching it "
+    "(the step table) and its weights; if they are finite, autocast to bfloat16 instead (torch.autocast(..., "
+    "dtype=torch.bfloat16)) or run vae outside autocast.",
+    "bfloat16": "1 decoded image(s) are a single flat colour; vae decoded under bfloat16 autocast (its weights are "
+    "float32), whose range is float32's, so this is no half-precision overflow: check the latents reaching it (the "
+    "step table), the latents' scaling factor and its weights.",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_flat_image_a_float32_vae_decoded_under_autocast_names_the_autocast_not_its_dtype(pipes, tmp_path, dtype):
+    """A float32 VAE decodes in the autocast's dtype: its flat image was read as an fp16 VAE's ('often a black image
+    from an fp16 VAE: keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) ...', and
+    under bfloat16 autocast 'run the VAE in float32'), advice it already follows. The message names the autocast."""
+    pipe = pipes["sd"]
+    with helpers.plant(pipe.vae.decoder, 0, lambda out: out * 0 + 3.0):
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", level="basic"))
+        with dbg, torch.autocast("cpu", dtype=dtype):
+            run(pipe, steps=2)
+    (flat,) = [a for a in dbg.report().anomalies if a.kind == "constant_image"]
+    name = str(dtype).removeprefix("torch.")
+    assert (flat.details["vae_dtype"], flat.details["vae_autocast"]) == (name, name)
+    assert flat.message == FLAT_UNDER_AUTOCAST[name]
+    dbg.close()
