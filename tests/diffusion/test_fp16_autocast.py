@@ -640,3 +640,24 @@ def test_a_flat_image_a_float32_vae_decoded_under_autocast_names_the_autocast_no
     assert (flat.details["vae_dtype"], flat.details["vae_autocast"]) == (name, name)
     assert flat.message == FLAT_UNDER_AUTOCAST[name]
     dbg.close()
+
+
+def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_localize_off(tmp_path):
+    """The T5 above with ``localize=False`` (no replay): the sentinel read ``wo``'s Inf inside the block at T5's
+    clamp, and each call gave two findings, a generic error at ``wo`` ('produced NaN/Inf from finite inputs') and an
+    ``overflow_risk`` warning at ``encoder.block.0`` (its near-max value, the clip's consequence), at every run of the
+    default level (from the second; every run at ``basic`` and ``advanced``). One cause, one finding: the error at
+    ``wo`` as the sentinel read it, the clip said, as where the block's replay cannot run."""
+    from diffusion_debug.diffusion.replay.decide import CLIP_UNLOCALISED
+
+    pipe, call = t5_making_an_inf()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", localize=False))
+    for _ in range(3):
+        with dbg:
+            call()
+    for number in (2, 3):
+        assert found(dbg, number) == [("nonfinite", "error", "text_encoder_2", helpers.T5_WO, None)], number
+        (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
+        assert error.message == T5_CLIP
+        assert (error.details["localized_by"], error.details["clipped_in"]) == (CLIP_UNLOCALISED, "encoder.block.0")
+    dbg.close()
