@@ -13,7 +13,11 @@ goes on); every further collective and the policy's decision (skip, stop, raise)
 the exchange brought every rank alike, so all ranks take the same branch; a local failure after
 the exchange (judging, recording, logging to trackers) is recorded once the step's collectives
 are done and the policy has run, and with ``strict=True`` raised after the policy (on every rank
-for a failed measurement, on its own rank for anything else).
+for a failed measurement, on its own rank for anything else). A user's ``torch.autocast`` region around the
+call is left for the measurement and the transfer (its casts are no part of them, and its ``cat``/``stack`` raise
+for the half dtype not its own: fp16 weights under bf16 autocast); the ``closure=`` replay runs under it.
+
+Long because the step's one pass reads top to bottom here; each phase's work lives in the packages it names.
 """
 
 from __future__ import annotations
@@ -119,8 +123,6 @@ class StepMonitor:
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
 
     def monitor(self, call: Call) -> dict[str, Any]:
-        # measured outside the user's autocast region around the call (a loop written under one): its casts are no
-        # part of a measurement, and its cat/stack raised for the half dtype not its own (fp16 weights, bf16 autocast)
         off = outside_autocast() if ANY_AUTOCAST() else None  # (entered as made; no Python call without one)
         try:
             failure = self._accumulate(call)
