@@ -24,7 +24,6 @@ import math
 import sys
 import weakref
 from dataclasses import dataclass
-from functools import partial
 from operator import itemgetter
 from threading import get_ident
 from typing import Any, Callable
@@ -607,7 +606,7 @@ class CallEvents:
                     sd_vae = site.component in self.localizer.sd_vaes
                     dtype = None if tensor is None else tensor.dtype  # what it decoded in (read on a flat image)
                     kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae, dtype=dtype)
-                    kw["autocast"] = partial(self._decoded_under, site.component, dtype)
+                    kw["autocast"] = lambda: self._decoded_under(site.component, dtype)  # (no C call made)
                     self.emit(rows.decoded_image_anomalies(values, **kw))
                 except Exception as error:
                     self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)

@@ -59,11 +59,15 @@ def summarize(tensors: Sequence[torch.Tensor]) -> PendingSummaries:
     tensor needs a full :func:`measure` (its NaN/Inf counts are not known from these)."""
     # the parts detached where autograd tracks them: no graph is recorded (and no no_grad context is
     # entered at every step); a step's tensors under inference need no detach, an op each
-    if len(tensors) > 1 and ANY_AUTOCAST():  # autocast's stack raised for the half dtype not its own
-        with autocast_off(tensors[0].device.type):
-            x = torch.stack([t.detach() if t.requires_grad else t for t in tensors])
-    elif len(tensors) > 1:
-        x = torch.stack([t.detach() if t.requires_grad else t for t in tensors])
+    if len(tensors) > 1:
+        parts = [t.detach() if t.requires_grad else t for t in tensors]
+        try:
+            x = torch.stack(parts)
+        except RuntimeError:  # autocast's stack raised for the half dtype not its own (asked only then: no call
+            if not ANY_AUTOCAST():  # at every step where no autocast is on)
+                raise
+            with autocast_off(tensors[0].device.type):
+                x = torch.stack(parts)
     else:
         x = detached(tensors[0]).unsqueeze(0)
     dims = tuple(range(1, x.dim()))

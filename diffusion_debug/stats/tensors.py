@@ -218,10 +218,14 @@ def scalars_to_host(scalars: Sequence[torch.Tensor]) -> list[float]:
     if alike:
         if len(scalars) == 1:
             return [read_now(first)]
-        if ANY_AUTOCAST():  # autocast's stack takes float32 and its own dtype only: the other half dtype raised
+        try:
+            stacked = torch.stack(scalars)
+        except RuntimeError:  # autocast's stack takes float32 and its own dtype only: the other half dtype raised
+            if not ANY_AUTOCAST():  # (asked only then: no call at every read where no autocast is on)
+                raise
             with autocast_off(device.type):
-                return read_now(torch.stack(scalars))
-        return read_now(torch.stack(scalars))
+                stacked = torch.stack(scalars)
+        return read_now(stacked)
     values = []
     for row in to_host(scalars):
         values.append(row[0] if row else math.nan)
