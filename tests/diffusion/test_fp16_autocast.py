@@ -299,6 +299,30 @@ def test_why_replays_an_fp16_autocast_overflow_under_the_autocast_it_ran_in(pipe
     dbg.close()
 
 
+def test_why_under_the_users_bfloat16_autocast_replays_as_it_ran_and_in_bfloat16_each_in_its_own_dtype(
+    pipes, tmp_path
+):
+    """The test above with ``why()`` asked while the user's bfloat16 autocast is on without a region: the row as it
+    ran (float16) left its casts in the user's cache, and the bfloat16 row read them ('mat1 and mat2 must have the
+    same dtype'): no row finite, no fix. Each row casts for itself; the user's autocast is as it was."""
+    pipe = pipes["sd"]
+    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        try:
+            with dbg, autocast():
+                run(pipe, steps=2, output_type="latent")
+            with users_bfloat16_autocast("no-region"):
+                result = dbg.report().why()
+                still = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        finally:
+            dbg.close()
+    assert (result.baseline.factor, result.baseline.finite, result.baseline.error) == ("as it was", False, "")
+    rows = {r.factor: (r.finite, r.error) for r in result.replays}
+    assert (rows["autocast to bfloat16"], rows["outside autocast"]) == ((True, ""), (True, ""))
+    assert result.fix == "autocast to bfloat16"
+    assert still == (True, torch.bfloat16)
+
+
 def test_a_near_max_made_inside_a_float32_stream_under_fp16_autocast_is_warned_after_the_first_read(pipes, tmp_path):
     """``fc2`` at 60% of float16's max under autocast (weights float32): its float16 output is added to the CLIP
     layer's float32 stream, whose float32 outputs the sentinel does not read against float16's max. The full
@@ -612,6 +636,51 @@ def test_a_replay_keeps_the_weight_cache_of_an_autocast_turned_on_without_a_regi
     assert replayed == (torch.bfloat16 if state and state[0][1] else torch.float32)
     assert dict(warm.counts) == dict(after.counts) == {"aten._to_copy.default": 1, "aten.addmm.default": 1}
     assert still == (True, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def users_bfloat16_autocast(caller):
+    """The user's bfloat16 autocast, as ``caller`` turned it on: ``no-region`` (``torch.set_autocast_enabled``,
+    nesting count 0), ``region`` (``with torch.autocast``) or ``disabled-inside`` (a region with a disabled one
+    inside it: the replay runs in the inner one, the user's next call in the outer). Yields ``replaying``, the
+    context a replay runs in; its cache cleared after."""
+    with contextlib.ExitStack() as stack:
+        stack.callback(torch.clear_autocast_cache)
+        if caller == "no-region":
+            torch.set_autocast_enabled("cpu", True)
+            stack.callback(torch.set_autocast_enabled, "cpu", False)
+            torch.set_autocast_dtype("cpu", torch.bfloat16)
+        else:
+            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        if caller == "disabled-inside":
+            yield lambda: torch.autocast("cpu", enabled=False)
+        else:
+            yield contextlib.nullcontext
+
+
+@pytest.mark.parametrize("caller", ["no-region", "region", "disabled-inside"])
+def test_a_replay_in_another_dtype_than_the_users_autocast_neither_reads_nor_writes_its_weight_cache(caller):
+    """The cache of cast weights is keyed by the weight alone: a replay under float16 autocast read the user's
+    bfloat16 casts ('mat1 and mat2 must have the same dtype, but got Half and BFloat16'), and where it ran first
+    its float16 casts, left in the cache, raised in the user's next bfloat16 call. The replay casts for itself;
+    the user's next call casts what it did before (nothing: its cache kept)."""
+    from diffusion_debug.diffusion.components.autocast import autocast_as
+    from diffusion_debug.op_count import count_aten_ops
+
+    linear, x = torch.nn.Linear(4, 4), torch.ones(2, 4)
+    fresh = torch.nn.Linear(4, 4)  # replayed first: its float16 casts in no cache of the user's
+    with users_bfloat16_autocast(caller) as replaying:
+        linear(x)
+        with count_aten_ops() as warm:
+            linear(x)
+        with replaying(), autocast_as((("cpu", torch.float16),)):
+            replayed = linear(x).dtype, fresh(x).dtype
+        with count_aten_ops() as after:
+            next_call = linear(x).dtype, fresh(x).dtype
+    assert replayed == (torch.float16, torch.float16)
+    assert next_call == (torch.bfloat16, torch.bfloat16)
+    assert dict(warm.counts) == {"aten._to_copy.default": 1, "aten.addmm.default": 1}
+    assert dict(after.counts) == {"aten._to_copy.default": 4, "aten.addmm.default": 2}  # fresh's 3 casts, its first
 
 
 FLAT_UNDER_AUTOCAST = {

@@ -229,3 +229,29 @@ def test_the_replay_keeps_the_weight_cache_of_an_autocast_turned_on_without_a_re
         torch.clear_autocast_cache()
     assert warm.counts["aten._to_copy.default"] == after.counts["aten._to_copy.default"] == 1
     assert warm.counts == after.counts
+
+
+def test_the_replay_under_another_dtype_than_the_scripts_autocast_casts_for_itself():
+    """The cache of cast weights is keyed by the weight alone: a call kept under bfloat16 autocast, replayed while
+    the script's float16 autocast is on without a region, read its float16 casts ('mat1 and mat2 must have the same
+    dtype'), and its bfloat16 casts, left in the cache, raised in the script's next call. The replay casts for
+    itself and finds the call's NaN; the script's next call casts what it did before."""
+    from diffusion_debug.op_count import count_aten_ops
+
+    model, x = _model(), torch.randn(2, 4)
+    torch.manual_seed(_first_nan_seed(model, x))
+    kept, _ = _kept_call(model, x, autocast=torch.bfloat16)
+    torch.set_autocast_enabled("cpu", True)
+    try:
+        torch.set_autocast_dtype("cpu", torch.float16)
+        model(x)
+        with count_aten_ops() as warm:
+            model(x)
+        named = replay_forwards(kept)
+        with count_aten_ops() as after:
+            dtype = model(x).dtype
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.clear_autocast_cache()
+    assert named == {"component": "net", "module": "3", "micro_step": 0}
+    assert (dtype, warm.counts) == (torch.float16, after.counts)

@@ -169,8 +169,8 @@ def _replay(call: KeptForward) -> list:
         if call.autocast and ANY_AUTOCAST():  # one count more: the regions left at count 0
             torch.autocast_increment_nesting()  # (a script's autocast on without a region) cleared its weight cache
             stack.callback(torch.autocast_decrement_nesting)
-        for device, dtype in call.autocast:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
+        for device, dtype in call.autocast:  # the script's cache neither read nor written (keyed by weight alone:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))  # another dtype's raised)
         if HAS_SET_STANCE:  # a module compiled in place (model.compile()) runs its Python: no recompile
             stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(warnings.catch_warnings())  # the replay's own (a checkpoint's, under no_grad):
