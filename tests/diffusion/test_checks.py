@@ -534,6 +534,13 @@ def test_a_sentinels_inf_inside_a_near_max_block_is_decided_as_that_blocks_clip_
     clip = plan.overflow.clipped
     assert (clip.producer, clip.block, plan.overflow.how) == (wo, "block.0", CLIP_UNLOCALISED)
     assert plan([wo, block], full=True) == (None, False, None)  # full probes: the clip decided as read
+    # localising off, a block near the max but far below it (33000, half of 65504) clipped nothing: it was read
+    # as the clip ('clipped it to 33000'), its overflow_risk dropped; the Inf at its leaf and the block's warning
+    for value, clipped in ((33000.0, False), (64503.0, False), (64504.0, True), (65504.0, True)):
+        near = block._replace(output_value=value)
+        assert plan([wo, near], localize=False) == (None, not clipped, (None, True)), value
+        made = plan.overflow.clipped
+        assert ((made.block, made.value) if made else None) == (("block.0", value) if clipped else None), value
 
 
 def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_replay_reads_the_clip():

@@ -277,7 +277,7 @@ def decide(
         # unread: one given with its inputs was not); with localize off, the clip as read (no replay names it)
         made_inf = seen.first_nonfinite if seen.first_nonfinite is seen.producer else None
         if block is not None and not localize:  # no replay to name it: the clip read, where an Inf was made there
-            read = made_inf is not None
+            read = made_inf is not None and at_dtype_max(block)  # (a block far below the max clipped nothing)
         else:  # its replay names the Inf it clipped (else: its own path, as no replay says)
             read = block is not None and _clip_read(component, block, memory, made_inf)
         if read:
