@@ -414,3 +414,48 @@ def test_scalars_and_summaries_of_the_other_half_dtype_read_under_autocast_what_
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == autocast
     assert got == expected == ([1.5, -3.0, INF, 0.25], [[3.5, -3.0], l2, [4.0, 8.0]])
     assert ops.counts == outside_ops.counts and "aten._to_copy.default" not in ops.counts
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "hpu", "xla", "mtia", "ipu"])
+def test_outside_autocast_turns_off_each_device_type_any_autocast_sees(device_type):
+    """``ANY_AUTOCAST`` (one C call) sees these device types' autocast too: one on among them was left on, and the
+    training monitor measured under it. Turned on with no region (a flag each), off within the block, on after.
+    (A third-party backend's, ``privateuseone`` renamed, needs one registered: ``torch.autocast`` refuses it.)"""
+    from diffusion_debug.stats import ANY_AUTOCAST, outside_autocast
+
+    torch.set_autocast_enabled(device_type, True)
+    try:
+        with outside_autocast():
+            inside = torch.is_autocast_enabled(device_type), ANY_AUTOCAST()
+        after = torch.is_autocast_enabled(device_type)
+    finally:
+        torch.set_autocast_enabled(device_type, False)
+    assert (inside, after) == ((False, False), True)
+
+
+def test_outside_autocast_that_fails_at_a_later_device_type_leaves_none_it_turned_off(monkeypatch):
+    """A failure turning off a later device type's autocast left the earlier ones off (the stack was never handed
+    back, nor closed) and their nesting counts one higher: the user's autocast is as it was."""
+    from diffusion_debug.stats import host
+
+    turned_off = host.autocast_off
+
+    def refusing(device_type):
+        if device_type == "hpu":
+            raise RuntimeError("refused")
+        return turned_off(device_type)
+
+    monkeypatch.setattr(host, "autocast_off", refusing)
+    torch.set_autocast_enabled("cpu", True)
+    torch.set_autocast_enabled("hpu", True)
+    try:
+        with pytest.raises(RuntimeError, match="refused"):
+            host.outside_autocast()
+        state = torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("hpu")
+        nesting = torch.autocast_increment_nesting()
+        torch.autocast_decrement_nesting()
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_autocast_enabled("hpu", False)
+        torch.clear_autocast_cache()
+    assert (state, nesting) == ((True, True), 1)

@@ -132,7 +132,10 @@ def autocast_off(device_type: str) -> Iterator[None]:
 
 
 _NO_CONTEXT = contextlib.nullcontext()
-_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps")
+_PRIVATEUSE1: Callable[[], str] = getattr(torch._C, "_get_privateuse1_backend_name", lambda: "privateuseone")
+_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu", "xla", "mtia", "ipu")
+"""With a third-party backend's (:data:`_PRIVATEUSE1`, its name as registered: ``torch.autocast`` takes no other),
+every device type whose autocast :data:`ANY_AUTOCAST` sees (one left on: the monitor measured under it)."""
 
 
 def outside_autocast() -> contextlib.ExitStack | contextlib.nullcontext:
@@ -149,15 +152,15 @@ def outside_autocast() -> contextlib.ExitStack | contextlib.nullcontext:
     """
     if not ANY_AUTOCAST():
         return _NO_CONTEXT
-    stack = contextlib.ExitStack()
-    for device_type in _AUTOCAST_DEVICE_TYPES:
-        try:
-            on = torch.is_autocast_enabled(device_type)
-        except (RuntimeError, TypeError, ValueError):  # a device type this build does not know
-            continue
-        if on:
-            stack.enter_context(autocast_off(device_type))
-    return stack
+    with contextlib.ExitStack() as stack:  # a failure at a later device type puts the earlier ones back
+        for device_type in (*_AUTOCAST_DEVICE_TYPES, _PRIVATEUSE1()):
+            try:
+                on = torch.is_autocast_enabled(device_type)
+            except (RuntimeError, TypeError, ValueError):  # a device type this build does not know
+                continue
+            if on:
+                stack.enter_context(autocast_off(device_type))
+        return stack.pop_all()
 
 
 def _rows(indices: list[int], host: torch.Tensor, event: Any, layout: list[tuple[int, bool]]) -> list[list[float]]:
