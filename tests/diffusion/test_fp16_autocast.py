@@ -702,13 +702,16 @@ def test_a_flat_image_a_float32_vae_decoded_under_autocast_names_the_autocast_no
     pipe = pipes["sd"]
     with helpers.plant(pipe.vae.decoder, 0, lambda out: out * 0 + 3.0):
         dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", level="basic"))
-        with dbg, torch.autocast("cpu", dtype=dtype):
-            run(pipe, steps=2)
-    (flat,) = [a for a in dbg.report().anomalies if a.kind == "constant_image"]
+        try:
+            with dbg, torch.autocast("cpu", dtype=dtype):
+                run(pipe, steps=2)
+            anomalies = dbg.report().anomalies
+        finally:
+            dbg.close()  # (the shared pipeline unhooked, whatever failed)
+    (flat,) = [a for a in anomalies if a.kind == "constant_image"]
     name = str(dtype).removeprefix("torch.")
     assert (flat.details["vae_dtype"], flat.details["vae_autocast"]) == (name, name)
     assert flat.message == FLAT_UNDER_AUTOCAST[name]
-    dbg.close()
 
 
 def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_localize_off(tmp_path):
@@ -721,12 +724,16 @@ def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_localize_off
 
     pipe, call = t5_making_an_inf()
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", localize=False))
-    for _ in range(3):
-        with dbg:
-            call()
+    try:
+        for _ in range(3):
+            with dbg:
+                call()
+        runs = {number: found(dbg, number) for number in (2, 3)}
+        anomalies = dbg.report().anomalies
+    finally:
+        dbg.close()
     for number in (2, 3):
-        assert found(dbg, number) == [("nonfinite", "error", "text_encoder_2", helpers.T5_WO, None)], number
-        (error,) = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
+        assert runs[number] == [("nonfinite", "error", "text_encoder_2", helpers.T5_WO, None)], number
+        (error,) = [a for a in anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
         assert error.message == T5_CLIP
         assert (error.details["localized_by"], error.details["clipped_in"]) == (CLIP_UNLOCALISED, "encoder.block.0")
-    dbg.close()
