@@ -390,3 +390,72 @@ def test_autocast_off_keeps_autocasts_cache_of_cast_weights_where_autocast_was_t
         torch.set_autocast_enabled("cpu", False)
         torch.clear_autocast_cache()
     assert after.counts == warm.counts, (warm.counts, after.counts)
+
+
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
+def test_scalars_and_summaries_of_the_other_half_dtype_read_under_autocast_what_they_read_outside_it(autocast):
+    """Abs-maxes of one half dtype (a float16 component's outputs, a float16 T5's two calls) read under the
+    other's autocast: ``scalars_to_host`` stacked them, and ``summarize`` stacked a step's tensors, with
+    autocast's ``stack``, which takes float32 and its own dtype only and raised for the other half dtype
+    ("Unexpected floating ScalarType in at::autocast::prioritize"): a ``debugger_error`` where a value was to be
+    read. Both run outside autocast: the values and ops of a read outside it, autocast left as it was."""
+    from diffusion_debug.op_count import count_aten_ops
+    from diffusion_debug.stats import scalars_to_host
+    from diffusion_debug.stats.batched import summarize
+
+    other = torch.bfloat16 if autocast == torch.float16 else torch.float16
+    scalars = list(torch.tensor([1.5, -3.0, INF, 0.25]).to(other).unbind())
+    tensors = [torch.tensor([[1.0, -2.0], [4.0, 0.5]]).to(other), torch.tensor([[3.0, 0.0], [-8.0, 2.0]]).to(other)]
+    l2 = torch.tensor([21.25, 77.0]).sqrt().tolist()  # (float32 norms)
+    with count_aten_ops() as outside_ops:
+        expected = (scalars_to_host(scalars), [v.tolist() for v in summarize(tensors).vectors])
+    with torch.autocast("cpu", dtype=autocast), count_aten_ops() as ops:
+        got = (scalars_to_host(scalars), [v.tolist() for v in summarize(tensors).vectors])
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == autocast
+    assert got == expected == ([1.5, -3.0, INF, 0.25], [[3.5, -3.0], l2, [4.0, 8.0]])
+    assert ops.counts == outside_ops.counts and "aten._to_copy.default" not in ops.counts
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "hpu", "xla", "mtia", "ipu"])
+def test_outside_autocast_turns_off_each_device_type_any_autocast_sees(device_type):
+    """``ANY_AUTOCAST`` (one C call) sees these device types' autocast too: one on among them was left on, and the
+    training monitor measured under it. Turned on with no region (a flag each), off within the block, on after.
+    (A third-party backend's, ``privateuseone`` renamed, needs one registered: ``torch.autocast`` refuses it.)"""
+    from diffusion_debug.stats import ANY_AUTOCAST, outside_autocast
+
+    torch.set_autocast_enabled(device_type, True)
+    try:
+        with outside_autocast():
+            inside = torch.is_autocast_enabled(device_type), ANY_AUTOCAST()
+        after = torch.is_autocast_enabled(device_type)
+    finally:
+        torch.set_autocast_enabled(device_type, False)
+    assert (inside, after) == ((False, False), True)
+
+
+def test_outside_autocast_that_fails_at_a_later_device_type_leaves_none_it_turned_off(monkeypatch):
+    """A failure turning off a later device type's autocast left the earlier ones off (the stack was never handed
+    back, nor closed) and their nesting counts one higher: the user's autocast is as it was."""
+    from diffusion_debug.stats import host
+
+    turned_off = host.autocast_off
+
+    def refusing(device_type):
+        if device_type == "hpu":
+            raise RuntimeError("refused")
+        return turned_off(device_type)
+
+    monkeypatch.setattr(host, "autocast_off", refusing)
+    torch.set_autocast_enabled("cpu", True)
+    torch.set_autocast_enabled("hpu", True)
+    try:
+        with pytest.raises(RuntimeError, match="refused"):
+            host.outside_autocast()
+        state = torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("hpu")
+        nesting = torch.autocast_increment_nesting()
+        torch.autocast_decrement_nesting()
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_autocast_enabled("hpu", False)
+        torch.clear_autocast_cache()
+    assert (state, nesting) == ((True, True), 1)

@@ -33,10 +33,20 @@ import torch
 from ..probes import ModuleReading, readings_by_call
 from ..probes.fused import FUSED_DTYPES, _absmaxes
 from ..record import rebuilt
-from ..stats import absmax_on_device, detached, measurable, plain_tensor, read_now, scalars_to_host, to_host
+from ..stats import (
+    absmax_on_device,
+    detached,
+    dtype_name,
+    measurable,
+    plain_tensor,
+    read_now,
+    scalars_to_host,
+    to_host,
+)
 from . import checks, origins
 from . import step_values as rows
 from .components.call_sites import CallSite
+from .components.computes_in import autocast_over, computes_in
 from .components.inventory import call_phase, is_loop_role
 from .components.roles import role
 
@@ -596,6 +606,7 @@ class CallEvents:
                     sd_vae = site.component in self.localizer.sd_vaes
                     dtype = None if tensor is None else tensor.dtype  # what it decoded in (read on a flat image)
                     kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae, dtype=dtype)
+                    kw["autocast"] = lambda: self._decoded_under(site.component, dtype)  # (no C call made)
                     self.emit(rows.decoded_image_anomalies(values, **kw))
                 except Exception as error:
                     self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
@@ -607,6 +618,15 @@ class CallEvents:
                     output_absmax=absmax,
                 )
         self.calls.drop_call(site.component, site.prefix)
+
+    def _decoded_under(self, component: str, dtype: torch.dtype | None) -> str | None:
+        """The autocast dtype a float32 VAE decoded ``dtype`` values in (None: it decoded in its weights' dtype),
+        asked on a flat image: its advice is about autocast, not the VAE's dtype."""
+        root = self.localizer.modules.get(component)
+        if dtype is None or root is None or computes_in(root, "") != "float32":
+            return None
+        under = autocast_over(root)
+        return under if under == dtype_name(dtype) else None
 
     def output_overflow(self, site: CallSite, absmax: float, step: int | None, timestep: float | None = None) -> None:
         """``overflow_risk`` at the call's output (a text encoder's, a VAE half's, a compiled component's):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -462,14 +462,16 @@ def vae_saturation(
     component: str = "vae",
     sd_vae: bool = False,
     dtype: torch.dtype | None = None,
+    autocast: Callable[[], str | None] | None = None,
 ) -> list[Anomaly]:
-    """Decoded pixels outside [-1, 1] (``vae_saturation``), or images that are one flat colour
-    although finite (``constant_image``: a black image that is not a NaN); ``component``: the
-    VAE-role component that decoded them (``sd_vae``: Stable Diffusion's VAE; ``dtype``: the dtype
-    it decoded in, when known: a flat image from a float32 decode is no fp16 overflow)."""
+    """Decoded pixels outside [-1, 1] (``vae_saturation``), or images that are one flat colour although finite
+    (``constant_image``: a black image that is not a NaN); ``component``: the VAE-role component that decoded them
+    (``sd_vae``: Stable Diffusion's VAE; ``dtype``: the dtype it decoded in, when known: a flat image from a float32
+    decode is no fp16 overflow; ``autocast``, asked on a flat image: the autocast a float32 VAE decoded under)."""
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
+        under = autocast() if autocast is not None else None
         out.append(
             make_anomaly(
                 kind="constant_image",
@@ -481,6 +483,7 @@ def vae_saturation(
                     "image_ranges": image_ranges,
                     "sd_vae": sd_vae,
                     **({"vae_dtype": dtype_name(dtype)} if dtype is not None else {}),
+                    **({"vae_autocast": under} if under else {}),
                 },
             )
         )

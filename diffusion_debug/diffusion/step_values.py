@@ -393,6 +393,7 @@ def decoded_image_anomalies(
     component: str = "vae",
     sd_vae: bool = False,
     dtype: torch.dtype | None = None,
+    autocast: Callable[[], str | None] | None = None,
 ) -> list[tuple[Anomaly, tuple]]:
     """``vae_saturation`` and ``constant_image`` (with their fold keys) for decoded images (none for other calls)."""
     if values.outside_fraction is None:
@@ -405,6 +406,7 @@ def decoded_image_anomalies(
         component=component,
         sd_vae=sd_vae,
         dtype=dtype,
+        autocast=autocast,
     )
     return [(a, (a.kind,)) for a in found]
 

@@ -296,6 +296,20 @@ def prompt_truncated(anomaly: Anomaly) -> str:
 def constant_image(anomaly: Anomaly) -> str:
     d = anomaly.details
     flat = f"{len(d['flat_images'])} decoded image(s) are a single flat colour"
+    component, autocast = anomaly.component, d.get("vae_autocast")
+    if autocast == "float16":  # a float32 VAE decoded in float16 under autocast: the VAE's dtype is no fix
+        return (
+            f"{flat}; {component} decoded under float16 autocast (its weights are float32 already, so no float32 "
+            "VAE or force_upcast changes what it computes in): check the latents reaching it (the step table) and "
+            "its weights; if they are finite, autocast to bfloat16 instead (torch.autocast(..., "
+            f"dtype=torch.bfloat16)) or run {component} outside autocast."
+        )
+    if autocast:
+        return (
+            f"{flat}; {component} decoded under {autocast} autocast (its weights are float32), whose range is "
+            "float32's, so this is no half-precision overflow: check the latents reaching it (the step table), the "
+            "latents' scaling factor and its weights."
+        )
     if d.get("vae_dtype") == "float32":  # no fp16 overflow: the decode ran in float32
         return (
             f"{flat}; {anomaly.component} decoded in float32, so this is no half-precision overflow: check the "

@@ -20,7 +20,16 @@ from .batched import (
     queue_tensors,
     summarize,
 )
-from .host import ANY_AUTOCAST, HostCopy, autocast_off, count_host_transfers, detached, read_now, to_device
+from .host import (
+    ANY_AUTOCAST,
+    HostCopy,
+    autocast_off,
+    count_host_transfers,
+    detached,
+    outside_autocast,
+    read_now,
+    to_device,
+)
 from .nested import absmax_on_device, call_tensors, cuda_devices, iter_tensors, map_tensors, tensors_in, walk_tensors
 from .tensors import (
     PendingStats,
@@ -44,6 +53,7 @@ __all__ = [
     "ANY_AUTOCAST",
     "HostCopy",
     "autocast_off",
+    "outside_autocast",
     "count_host_transfers",
     "detached",
     "PendingStats",

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from .host import HostCopy, detached
+from .host import ANY_AUTOCAST, HostCopy, autocast_off, detached
 from .tensors import PendingStats, TensorStats, dtype_max, dtype_name, finish, measure, tensor_stats
 
 _INF = math.inf
@@ -60,7 +60,14 @@ def summarize(tensors: Sequence[torch.Tensor]) -> PendingSummaries:
     # the parts detached where autograd tracks them: no graph is recorded (and no no_grad context is
     # entered at every step); a step's tensors under inference need no detach, an op each
     if len(tensors) > 1:
-        x = torch.stack([t.detach() if t.requires_grad else t for t in tensors])
+        parts = [t.detach() if t.requires_grad else t for t in tensors]
+        try:
+            x = torch.stack(parts)
+        except RuntimeError:  # autocast's stack raised for the half dtype not its own (asked only then: no call
+            if not ANY_AUTOCAST():  # at every step where no autocast is on)
+                raise
+            with autocast_off(tensors[0].device.type):
+                x = torch.stack(parts)
     else:
         x = detached(tensors[0]).unsqueeze(0)
     dims = tuple(range(1, x.dim()))

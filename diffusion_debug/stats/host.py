@@ -131,6 +131,38 @@ def autocast_off(device_type: str) -> Iterator[None]:
         torch.autocast_decrement_nesting()
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+_PRIVATEUSE1: Callable[[], str] = getattr(torch._C, "_get_privateuse1_backend_name", lambda: "privateuseone")
+_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu", "xla", "mtia", "ipu")
+"""With a third-party backend's (:data:`_PRIVATEUSE1`, its name as registered: ``torch.autocast`` takes no other),
+every device type whose autocast :data:`ANY_AUTOCAST` sees (one left on: the monitor measured under it)."""
+
+
+def outside_autocast() -> contextlib.ExitStack | contextlib.nullcontext:
+    """:func:`autocast_off` for every device type whose autocast is on (a user's ``with torch.autocast(...)``
+    around a training step's monitor: its casts are no part of a measurement, and its ``stack``/``cat`` raise for
+    the half dtype not its own), entered as it is made: the block of a ``with``, or until its ``close()``; a
+    context that does nothing where none is on (one C call).
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     with outside_autocast():
+    ...         off = torch.is_autocast_enabled("cpu")
+    ...     off, torch.is_autocast_enabled("cpu")
+    (False, True)
+    """
+    if not ANY_AUTOCAST():
+        return _NO_CONTEXT
+    with contextlib.ExitStack() as stack:  # a failure at a later device type puts the earlier ones back
+        for device_type in (*_AUTOCAST_DEVICE_TYPES, _PRIVATEUSE1()):
+            try:
+                on = torch.is_autocast_enabled(device_type)
+            except (RuntimeError, TypeError, ValueError):  # a device type this build does not know
+                continue
+            if on:
+                stack.enter_context(autocast_off(device_type))
+        return stack.pop_all()
+
+
 def _rows(indices: list[int], host: torch.Tensor, event: Any, layout: list[tuple[int, bool]]) -> list[list[float]]:
     """The values of one device's tensors, a list each, from their host buffer (read in one
     ``tolist``): ``layout`` is :func:`_flat_parts`'s, a run of 0-d tensors made a list a value

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .host import HostCopy, detached, read_now
+from .host import ANY_AUTOCAST, HostCopy, autocast_off, detached, read_now
 
 # Order of the values in a device vector (see _device_vector).
 _FIELDS = ("finite", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "absmax", "l2")
@@ -216,7 +216,16 @@ def scalars_to_host(scalars: Sequence[torch.Tensor]) -> list[float]:
             alike = False
             break
     if alike:
-        return [read_now(first)] if len(scalars) == 1 else read_now(torch.stack(scalars))
+        if len(scalars) == 1:
+            return [read_now(first)]
+        try:
+            stacked = torch.stack(scalars)
+        except RuntimeError:  # autocast's stack takes float32 and its own dtype only: the other half dtype raised
+            if not ANY_AUTOCAST():  # (asked only then: no call at every read where no autocast is on)
+                raise
+            with autocast_off(device.type):
+                stacked = torch.stack(scalars)
+        return read_now(stacked)
     values = []
     for row in to_host(scalars):
         values.append(row[0] if row else math.nan)

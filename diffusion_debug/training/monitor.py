@@ -13,7 +13,11 @@ goes on); every further collective and the policy's decision (skip, stop, raise)
 the exchange brought every rank alike, so all ranks take the same branch; a local failure after
 the exchange (judging, recording, logging to trackers) is recorded once the step's collectives
 are done and the policy has run, and with ``strict=True`` raised after the policy (on every rank
-for a failed measurement, on its own rank for anything else).
+for a failed measurement, on its own rank for anything else). A user's ``torch.autocast`` region around the
+call is left for the measurement and the transfer (its casts are no part of them, and its ``cat``/``stack`` raise
+for the half dtype not its own: fp16 weights under bf16 autocast); the ``closure=`` replay runs under it.
+
+Long because the step's one pass reads top to bottom here; each phase's work lives in the packages it names.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ..config import DebugConfig
 from ..core import AnomalySink, raised_by_debugger
 from ..probes import BackwardOrder
 from ..record import Anomaly
+from ..stats import ANY_AUTOCAST, outside_autocast
 from . import failures
 from .judges import step_checks
 from .judges.causes import trace_causes
@@ -118,7 +123,12 @@ class StepMonitor:
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
 
     def monitor(self, call: Call) -> dict[str, Any]:
-        failure = self._accumulate(call)
+        off = outside_autocast() if ANY_AUTOCAST() else None  # (entered as made; no Python call without one)
+        try:
+            failure = self._accumulate(call)
+        finally:
+            if off is not None:
+                off.close()
         if call.accumulating or not gradients_complete(self.accelerator, self.params.partitions):
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
@@ -129,9 +139,14 @@ class StepMonitor:
             self.coverage.check(step.index, call.optimizer)
         elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
             self.coverage.check(step.index, call.optimizer)  # a clean run learns of them too, not only a broken one
-        measured = self._measure(step, call)  # never raises: a failure is the failed row
-        self._pre_reduction_failed(step)
-        own, local = self._to_host(step, measured)  # the step's one host transfer
+        off = outside_autocast() if off is not None else None  # (the closure's replay, judged after, runs under it)
+        try:
+            measured = self._measure(step, call)  # never raises: a failure is the failed row
+            self._pre_reduction_failed(step)
+            own, local = self._to_host(step, measured)  # the step's one host transfer
+        finally:
+            if off is not None:
+                off.close()
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
         if self.ctx.distributed:

@@ -508,9 +508,10 @@ def test_a_tokenizers_special_tokens_are_counted_once_and_forgotten_with_it():
 def test_a_sentinels_inf_inside_a_near_max_block_is_decided_as_that_blocks_clip_only_when_every_bad_one_is_inside():
     """A sentinel read a residual projection's Inf and the block around it at float16's clamp (T5's 64512) in one
     call: the block is replayed as a clip (its replay names the Inf), no NaN/Inf localised apart. A NaN (a clip
-    keeps it), an Inf outside the block, or localising off keep the NaN/Inf's own path; full probes decide the clip
-    as read."""
-    from diffusion_debug.diffusion.replay.decide import ReplayMemory, decide
+    keeps it) or an Inf outside the block keep the NaN/Inf's own path; full probes decide the clip as read, and so
+    does localising off (no replay to name it: it named the Inf at its leaf beside an overflow warning at the block,
+    the clip's consequence, two findings for one cause)."""
+    from diffusion_debug.diffusion.replay.decide import CLIP_UNLOCALISED, ReplayMemory, decide
     from diffusion_debug.probes import ModuleReading
 
     wo = ModuleReading("block.0.ff.wo", 0, "float16", None, float("inf"), "float16")
@@ -523,13 +524,23 @@ def test_a_sentinels_inf_inside_a_near_max_block_is_decided_as_that_blocks_clip_
         asked = dict(leaf=lambda c, m: m.endswith("wo"), received=lambda c, s: False, unwatched=None, site="")
         made = decide("t5", seen, readings, memory=ReplayMemory(), output_finite=True, full=full, **asked,
                       localize=localize, fraction=0.5)  # fmt: skip
+        plan.overflow = made.overflow
         return made.replay, made.source is not None, made.overflow and (made.overflow.replay, made.overflow.clean)
 
     assert plan([wo, block]) == (None, False, ("block.0", True))
     assert plan([nan, block]) == ("block.0.ff.wo", False, ("block.0", False))
     assert plan([wo, block, other]) == ("block.0.ff.wo", False, ("block.0", False))
-    assert plan([wo, block], localize=False)[:2] == (None, True)  # the Inf named at its leaf, unreplayed
+    assert plan([wo, block], localize=False) == (None, False, (None, True))  # the clip as read, unreplayed
+    clip = plan.overflow.clipped
+    assert (clip.producer, clip.block, plan.overflow.how) == (wo, "block.0", CLIP_UNLOCALISED)
     assert plan([wo, block], full=True) == (None, False, None)  # full probes: the clip decided as read
+    # localising off, a block near the max but far below it (33000, half of 65504) clipped nothing: it was read
+    # as the clip ('clipped it to 33000'), its overflow_risk dropped; the Inf at its leaf and the block's warning
+    for value, clipped in ((33000.0, False), (64503.0, False), (64504.0, True), (65504.0, True)):
+        near = block._replace(output_value=value)
+        assert plan([wo, near], localize=False) == (None, not clipped, (None, True)), value
+        made = plan.overflow.clipped
+        assert ((made.block, made.value) if made else None) == (("block.0", value) if clipped else None), value
 
 
 def test_a_sentinels_inf_inside_a_near_max_block_keeps_its_own_path_where_no_replay_reads_the_clip():

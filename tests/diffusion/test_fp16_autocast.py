@@ -299,6 +299,30 @@ def test_why_replays_an_fp16_autocast_overflow_under_the_autocast_it_ran_in(pipe
     dbg.close()
 
 
+def test_why_under_the_users_bfloat16_autocast_replays_as_it_ran_and_in_bfloat16_each_in_its_own_dtype(
+    pipes, tmp_path
+):
+    """The test above with ``why()`` asked while the user's bfloat16 autocast is on without a region: the row as it
+    ran (float16) left its casts in the user's cache, and the bfloat16 row read them ('mat1 and mat2 must have the
+    same dtype'): no row finite, no fix. Each row casts for itself; the user's autocast is as it was."""
+    pipe = pipes["sd"]
+    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        try:
+            with dbg, autocast():
+                run(pipe, steps=2, output_type="latent")
+            with users_bfloat16_autocast("no-region"):
+                result = dbg.report().why()
+                still = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        finally:
+            dbg.close()
+    assert (result.baseline.factor, result.baseline.finite, result.baseline.error) == ("as it was", False, "")
+    rows = {r.factor: (r.finite, r.error) for r in result.replays}
+    assert (rows["autocast to bfloat16"], rows["outside autocast"]) == ((True, ""), (True, ""))
+    assert result.fix == "autocast to bfloat16"
+    assert still == (True, torch.bfloat16)
+
+
 def test_a_near_max_made_inside_a_float32_stream_under_fp16_autocast_is_warned_after_the_first_read(pipes, tmp_path):
     """``fc2`` at 60% of float16's max under autocast (weights float32): its float16 output is added to the CLIP
     layer's float32 stream, whose float32 outputs the sentinel does not read against float16's max. The full
@@ -579,3 +603,137 @@ def test_a_bundle_saved_under_cuda_autocast_replayed_on_the_cpu_says_it_ran_outs
     )
     assert [str(w.message) for w in caught if "autocast" in str(w.message).lower()] == []
     dbg.close()
+
+
+@pytest.mark.parametrize(
+    "state, outside",
+    [((("cpu", torch.bfloat16),), False), ((("cpu", None),), False), ((), True)],
+    ids=["replayed-under-it", "replayed-outside-it", "why-outside"],
+)
+def test_a_replay_keeps_the_weight_cache_of_an_autocast_turned_on_without_a_region(state, outside):
+    """``torch.set_autocast_enabled`` turns autocast on with no region (nesting count 0), and its cache of cast
+    weights lives on from call to call: a replay's region (:func:`autocast_as`, under the call's autocast, outside
+    it, or ``why()``'s outside every one) left at count 0 cleared it, and the user's next call cast its weight and
+    bias again (3 ``_to_copy`` where it made 1). The cache is the user's: the next call casts what it did."""
+    from diffusion_debug.diffusion.components.autocast import autocast_as
+    from diffusion_debug.op_count import count_aten_ops
+
+    linear, x = torch.nn.Linear(4, 4), torch.ones(2, 4)
+    torch.set_autocast_enabled("cpu", True)
+    try:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        linear(x)
+        with count_aten_ops() as warm:
+            linear(x)
+        with autocast_as(state, outside=outside):
+            replayed = linear(x).dtype
+        with count_aten_ops() as after:
+            linear(x)
+        still = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.clear_autocast_cache()
+    assert replayed == (torch.bfloat16 if state and state[0][1] else torch.float32)
+    assert dict(warm.counts) == dict(after.counts) == {"aten._to_copy.default": 1, "aten.addmm.default": 1}
+    assert still == (True, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def users_bfloat16_autocast(caller):
+    """The user's bfloat16 autocast, as ``caller`` turned it on: ``no-region`` (``torch.set_autocast_enabled``,
+    nesting count 0), ``region`` (``with torch.autocast``) or ``disabled-inside`` (a region with a disabled one
+    inside it: the replay runs in the inner one, the user's next call in the outer). Yields ``replaying``, the
+    context a replay runs in; its cache cleared after."""
+    with contextlib.ExitStack() as stack:
+        stack.callback(torch.clear_autocast_cache)
+        if caller == "no-region":
+            torch.set_autocast_enabled("cpu", True)
+            stack.callback(torch.set_autocast_enabled, "cpu", False)
+            torch.set_autocast_dtype("cpu", torch.bfloat16)
+        else:
+            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        if caller == "disabled-inside":
+            yield lambda: torch.autocast("cpu", enabled=False)
+        else:
+            yield contextlib.nullcontext
+
+
+@pytest.mark.parametrize("caller", ["no-region", "region", "disabled-inside"])
+def test_a_replay_in_another_dtype_than_the_users_autocast_neither_reads_nor_writes_its_weight_cache(caller):
+    """The cache of cast weights is keyed by the weight alone: a replay under float16 autocast read the user's
+    bfloat16 casts ('mat1 and mat2 must have the same dtype, but got Half and BFloat16'), and where it ran first
+    its float16 casts, left in the cache, raised in the user's next bfloat16 call. The replay casts for itself;
+    the user's next call casts what it did before (nothing: its cache kept)."""
+    from diffusion_debug.diffusion.components.autocast import autocast_as
+    from diffusion_debug.op_count import count_aten_ops
+
+    linear, x = torch.nn.Linear(4, 4), torch.ones(2, 4)
+    fresh = torch.nn.Linear(4, 4)  # replayed first: its float16 casts in no cache of the user's
+    with users_bfloat16_autocast(caller) as replaying:
+        linear(x)
+        with count_aten_ops() as warm:
+            linear(x)
+        with replaying(), autocast_as((("cpu", torch.float16),)):
+            replayed = linear(x).dtype, fresh(x).dtype
+        with count_aten_ops() as after:
+            next_call = linear(x).dtype, fresh(x).dtype
+    assert replayed == (torch.float16, torch.float16)
+    assert next_call == (torch.bfloat16, torch.bfloat16)
+    assert dict(warm.counts) == {"aten._to_copy.default": 1, "aten.addmm.default": 1}
+    assert dict(after.counts) == {"aten._to_copy.default": 4, "aten.addmm.default": 2}  # fresh's 3 casts, its first
+
+
+FLAT_UNDER_AUTOCAST = {
+    "float16": "1 decoded image(s) are a single flat colour; vae decoded under float16 autocast (its weights are "
+    "float32 already, so no float32 VAE or force_upcast changes what it computes in): check the latents reaching it "
+    "(the step table) and its weights; if they are finite, autocast to bfloat16 instead (torch.autocast(..., "
+    "dtype=torch.bfloat16)) or run vae outside autocast.",
+    "bfloat16": "1 decoded image(s) are a single flat colour; vae decoded under bfloat16 autocast (its weights are "
+    "float32), whose range is float32's, so this is no half-precision overflow: check the latents reaching it (the "
+    "step table), the latents' scaling factor and its weights.",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_flat_image_a_float32_vae_decoded_under_autocast_names_the_autocast_not_its_dtype(pipes, tmp_path, dtype):
+    """A float32 VAE decodes in the autocast's dtype: its flat image was read as an fp16 VAE's ('often a black image
+    from an fp16 VAE: keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) ...', and
+    under bfloat16 autocast 'run the VAE in float32'), advice it already follows. The message names the autocast."""
+    pipe = pipes["sd"]
+    with helpers.plant(pipe.vae.decoder, 0, lambda out: out * 0 + 3.0):
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", level="basic"))
+        try:
+            with dbg, torch.autocast("cpu", dtype=dtype):
+                run(pipe, steps=2)
+            anomalies = dbg.report().anomalies
+        finally:
+            dbg.close()  # (the shared pipeline unhooked, whatever failed)
+    (flat,) = [a for a in anomalies if a.kind == "constant_image"]
+    name = str(dtype).removeprefix("torch.")
+    assert (flat.details["vae_dtype"], flat.details["vae_autocast"]) == (name, name)
+    assert flat.message == FLAT_UNDER_AUTOCAST[name]
+
+
+def test_an_inf_an_fp16_t5_block_clipped_is_one_error_each_run_with_localize_off(tmp_path):
+    """The T5 above with ``localize=False`` (no replay): the sentinel read ``wo``'s Inf inside the block at T5's
+    clamp, and each call gave two findings, a generic error at ``wo`` ('produced NaN/Inf from finite inputs') and an
+    ``overflow_risk`` warning at ``encoder.block.0`` (its near-max value, the clip's consequence), at every run of the
+    default level (from the second; every run at ``basic`` and ``advanced``). One cause, one finding: the error at
+    ``wo`` as the sentinel read it, the clip said, as where the block's replay cannot run."""
+    from diffusion_debug.diffusion.replay.decide import CLIP_UNLOCALISED
+
+    pipe, call = t5_making_an_inf()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", localize=False))
+    try:
+        for _ in range(3):
+            with dbg:
+                call()
+        runs = {number: found(dbg, number) for number in (2, 3)}
+        anomalies = dbg.report().anomalies
+    finally:
+        dbg.close()
+    for number in (2, 3):
+        assert runs[number] == [("nonfinite", "error", "text_encoder_2", helpers.T5_WO, None)], number
+        (error,) = [a for a in anomalies if a.kind == "nonfinite" and a.details.get("run") == number]
+        assert error.message == T5_CLIP
+        assert (error.details["localized_by"], error.details["clipped_in"]) == (CLIP_UNLOCALISED, "encoder.block.0")

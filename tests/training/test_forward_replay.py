@@ -205,3 +205,53 @@ def test_the_micro_step_named_is_the_model_s_own_call_count_not_the_place_among_
     ]
     assert replay_forwards(calls) == {"component": "unet", "module": "1", "micro_step": 1}
     assert replay_forwards(calls[1:2] + calls[3:])["micro_step"] == 1  # the UNet's calls alone: the same
+
+
+def test_the_replay_keeps_the_weight_cache_of_an_autocast_turned_on_without_a_region():
+    """A script that turned autocast on with ``torch.set_autocast_enabled`` (no region, nesting count 0) keeps its
+    cache of cast weights from call to call: the replay's ``torch.autocast`` region, left at count 0, cleared it,
+    and the script's next call cast the weight and bias of each Linear again (5 ``_to_copy`` where it made 1)."""
+    from diffusion_debug.op_count import count_aten_ops
+
+    model, x = _model().eval(), torch.randn(2, 4)
+    torch.set_autocast_enabled("cpu", True)
+    try:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        kept, _ = _kept_call(model, x)
+        with count_aten_ops() as warm:
+            model(x)
+        assert kept[0].autocast == (("cpu", torch.bfloat16),)
+        assert replay_forwards(kept) is None  # finite: nothing named
+        with count_aten_ops() as after:
+            model(x)
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.clear_autocast_cache()
+    assert warm.counts["aten._to_copy.default"] == after.counts["aten._to_copy.default"] == 1
+    assert warm.counts == after.counts
+
+
+def test_the_replay_under_another_dtype_than_the_scripts_autocast_casts_for_itself():
+    """The cache of cast weights is keyed by the weight alone: a call kept under bfloat16 autocast, replayed while
+    the script's float16 autocast is on without a region, read its float16 casts ('mat1 and mat2 must have the same
+    dtype'), and its bfloat16 casts, left in the cache, raised in the script's next call. The replay casts for
+    itself and finds the call's NaN; the script's next call casts what it did before."""
+    from diffusion_debug.op_count import count_aten_ops
+
+    model, x = _model(), torch.randn(2, 4)
+    torch.manual_seed(_first_nan_seed(model, x))
+    kept, _ = _kept_call(model, x, autocast=torch.bfloat16)
+    torch.set_autocast_enabled("cpu", True)
+    try:
+        torch.set_autocast_dtype("cpu", torch.float16)
+        model(x)
+        with count_aten_ops() as warm:
+            model(x)
+        named = replay_forwards(kept)
+        with count_aten_ops() as after:
+            dtype = model(x).dtype
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.clear_autocast_cache()
+    assert named == {"component": "net", "module": "3", "micro_step": 0}
+    assert (dtype, warm.counts) == (torch.float16, after.counts)

@@ -117,20 +117,29 @@ def autocast_as(state: tuple[tuple[str, torch.dtype | None], ...], *, outside: b
     """Within the block, the autocast regions of ``state`` open again (a replay of a call made under them), a
     device type given dtype None closed (a replay outside the call's autocast); none entered for ``()``: the
     replay runs as the caller's code does, but for ``outside`` (a replay after the run, of a call made outside
-    autocast: ``why()``, a bundle's), which closes every region the caller has open.
+    autocast: ``why()``, a bundle's), which closes every region the caller has open. The regions neither read nor
+    write the caller's cache of cast weights (keyed by the weight alone: a cast of the user's dtype raised in a
+    replay of another, and the replay's cast raised in the user's next call), and leave it as it was where its
+    autocast is on (with no region of its own too: one nesting count more, else their exit at count 0 cleared it).
 
     >>> with autocast_as((("cpu", torch.float16),)):
     ...     torch.nn.Linear(2, 2)(torch.ones(2)).dtype
     torch.float16
     """
+    caller = ANY_AUTOCAST()
     if outside and not state:
         state = tuple((device, None) for device, _ in autocast_state())
     with contextlib.ExitStack() as stack:
+        if caller and state:
+            # one count more: the regions left at count 0 (an autocast turned on with no region, by
+            # ``set_autocast_enabled``) cleared its cache, and the caller's next call cast each weight again
+            torch.autocast_increment_nesting()
+            stack.callback(torch.autocast_decrement_nesting)
         for device, dtype in state:
             if dtype is None:
                 stack.enter_context(torch.autocast(device, enabled=False))
             else:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
         yield
 
 

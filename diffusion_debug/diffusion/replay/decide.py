@@ -272,12 +272,16 @@ def decide(
         clipped = clipped_producer(readings, "") if output_finite and full else None
         if clipped is not None and clipped.block and clipped.producer is seen.first_nonfinite:  # what a replay names
             return Decision(clipped=clipped)
-        block = clipping_block(readings, fraction) if localize and output_finite and not full else None
+        block = clipping_block(readings, fraction) if output_finite and not full else None
         # the Inf read, where the replay shows none or cannot run (only an Inf made there, its inputs finite or
-        # unread: one given with its inputs was not)
+        # unread: one given with its inputs was not); with localize off, the clip as read (no replay names it)
         made_inf = seen.first_nonfinite if seen.first_nonfinite is seen.producer else None
-        if block is not None and _clip_read(component, block, memory, made_inf):  # its replay names the Inf it
-            inf, seen = made_inf, checks.Suspects(None, None, block)  # clipped (else: its own path, as no replay says)
+        if block is not None and not localize:  # no replay to name it: the clip read, where an Inf was made there
+            read = made_inf is not None and at_dtype_max(block)  # (a block far below the max clipped nothing)
+        else:  # its replay names the Inf it clipped (else: its own path, as no replay says)
+            read = block is not None and _clip_read(component, block, memory, made_inf)
+        if read:
+            inf, seen = made_inf, checks.Suspects(None, None, block)
         if seen.first_nonfinite is not None or not output_finite:
             received = _once(received)  # (a host read of the kept call's arguments: once a call)
             asked = (memory, full, leaf, received, unwatched, localize, site, fraction, step)
@@ -305,6 +309,7 @@ UNLOCALISED = "sentinel (block level; localize is off, the call was not kept or 
 
 CLIP_UNREPLAYED = "sentinel, its block's clip read in the call (the call was not kept or its replay failed)"
 CLIP_NOT_AGAIN = "sentinel, its block's clip read in the call (the block's replay made no Inf again)"
+CLIP_UNLOCALISED = "sentinel, its block's clip read in the call (localize is off)"
 """How an Inf a block clipped is named as the sentinel read it (:meth:`ReplayMemory.overflow_shown`)."""
 
 
@@ -423,8 +428,9 @@ def _overflow(component, reading, between, memory, full, leaf, clean, localize, 
     if key in memory.clipped and clean:
         clip, count = memory.clipped[key]
         return Overflow(reading, key, clipped=clip, replayed=count)
-    if inf is not None and key in memory.tried:
-        return Overflow(reading, key, clipped=Clip(inf, reading.module, reading.output_absmax), how=CLIP_UNREPLAYED)
+    if inf is not None and (key in memory.tried or not localize):
+        how = CLIP_UNREPLAYED if localize else CLIP_UNLOCALISED
+        return Overflow(reading, key, clipped=Clip(inf, reading.module, reading.output_absmax), how=how)
     at_max = clean and at_dtype_max(reading) and key not in memory.replayed_at_max
     if (key not in memory.overflow_where or at_max) and key not in memory.tried and localize:
         return Overflow(reading, key, clean, replay=reading.module)

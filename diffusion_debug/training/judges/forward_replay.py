@@ -45,7 +45,7 @@ from torch import nn
 from ...installed import HAS_SET_STANCE
 from ...probes import find_producer, probe_call
 from ...probes.tracing import compiled_in_place
-from ...stats import cuda_devices
+from ...stats import ANY_AUTOCAST, cuda_devices
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 
@@ -166,8 +166,11 @@ def _replay(call: KeptForward) -> list:
         torch.set_rng_state(call.cpu_rng)
         if call.cuda_rng is not None:
             torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
-        for device, dtype in call.autocast:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
+        if call.autocast and ANY_AUTOCAST():  # one count more: the regions left at count 0
+            torch.autocast_increment_nesting()  # (a script's autocast on without a region) cleared its weight cache
+            stack.callback(torch.autocast_decrement_nesting)
+        for device, dtype in call.autocast:  # the script's cache neither read nor written (keyed by weight alone:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))  # another dtype's raised)
         if HAS_SET_STANCE:  # a module compiled in place (model.compile()) runs its Python: no recompile
             stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(warnings.catch_warnings())  # the replay's own (a checkpoint's, under no_grad):
