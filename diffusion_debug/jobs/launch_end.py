@@ -139,11 +139,16 @@ def _ours(filename: str) -> bool:
 
 def end_by_signal(error: Interrupted) -> None:
     """End this process by the signal that raised ``error``, as the signal would have ended it."""
+    end_by(error.signum)
+
+
+def end_by(signum: int) -> None:
+    """End this process by the signal ``signum``, as the signal would have ended it."""
     sys.stdout.flush()
     sys.stderr.flush()
-    signal.signal(error.signum, signal.SIG_DFL)
-    os.kill(os.getpid(), error.signum)
-    raise SystemExit(128 + error.signum)  # the signal is blocked or delayed: the same exit status
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    raise SystemExit(128 + signum)  # the signal is blocked or delayed: the same exit status
 
 
 def die_with_parent(c_library: Any = None) -> None:
