@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -261,6 +262,23 @@ def test_a_signal_to_the_launcher_ends_the_script_with_a_saved_run(tmp_path, sen
     assert run.summary["training"]["total_steps"] >= 3
     said = f"The run was interrupted by {name} before the script finished; the figures stop there."
     assert said in (run_dir / "report.html").read_text(encoding="utf-8") and said in stderr
+
+
+def test_a_killed_command_ends_the_launcher_and_the_script_with_a_saved_run(tmp_path):
+    """``diffusion-debug launch`` itself SIGKILLed (the OOM killer, a scheduler's hard stop): the launcher
+    gets SIGTERM as its parent dies and ends, and the script then gets SIGTERM as its own parent ends and
+    saves its run, report.html too (accelerate 1.16's launcher, left to answer that SIGTERM, killed the
+    script 5 seconds later, before report.html)."""
+    launcher, script_pid = _launch_until(tmp_path, 3)
+    started = psutil.Process(launcher.pid).children(recursive=True)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.communicate(timeout=300)
+    _, alive = psutil.wait_procs(started, timeout=120)
+    assert alive == [] and _gone(script_pid)
+    run_dir = _run_dir(tmp_path)
+    assert load_run(run_dir).summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
+    said = "The run was interrupted by SIGTERM before the script finished; the figures stop there."
+    assert said in (run_dir / "report.html").read_text(encoding="utf-8")
 
 
 def test_the_end_of_a_script_that_exits_or_handles_its_interrupt():
