@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -210,13 +211,15 @@ def test_a_crashed_run_says_how_it_ended_in_summary_report_and_terminal(tmp_path
     assert load_run(run_dir).summary["training"]["total_steps"] == 3
 
 
-def _launch_until(tmp_path: Path, rounds: int) -> tuple[subprocess.Popen, int]:
-    """``diffusion-debug launch`` (one process) of a script training until stopped, read until it
-    printed ``rounds`` rounds; the launcher and the script's pid."""
+def _launch_until(
+    tmp_path: Path, rounds: int, *script_args: str, module: str = "diffusion_debug.cli launch"
+) -> tuple[subprocess.Popen, int]:
+    """``diffusion-debug launch`` (one process; ``module``: the launcher's module run directly) of a script
+    training until stopped, read until it printed ``rounds`` rounds; the launcher and the script's pid."""
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
-    command = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
-    command += [*ONE_PROCESS, str(SCRIPT), "--forever"]
+    command = [sys.executable, "-m", *module.split(), "--debug-output-dir", str(tmp_path / "runs")]
+    command += [*ONE_PROCESS, str(SCRIPT), "--forever", *script_args]
     launcher = subprocess.Popen(
         command,
         env=cpu_launch_env(ROOT),
@@ -267,14 +270,17 @@ def test_a_signal_to_the_launcher_ends_the_script_with_a_saved_run(tmp_path, sen
 def test_a_killed_command_ends_the_launcher_and_the_script_with_a_saved_run(tmp_path):
     """``diffusion-debug launch`` itself SIGKILLed (the OOM killer, a scheduler's hard stop): the launcher
     gets SIGTERM as its parent dies and ends, and the script then gets SIGTERM as its own parent ends and
-    saves its run, report.html too (accelerate 1.16's launcher, left to answer that SIGTERM, killed the
-    script 5 seconds later, before report.html)."""
-    launcher, script_pid = _launch_until(tmp_path, 3)
+    saves its run, report.html too, after its own 8 s cleanup (accelerate 1.16's launcher, left to answer
+    that SIGTERM, killed the script 5 seconds later: no summary.json); within 30 s of the SIGKILL, not
+    after the launcher's GRACE_S (60 s)."""
+    launcher, script_pid = _launch_until(tmp_path, 3, "--cleanup-s", "8")
     started = psutil.Process(launcher.pid).children(recursive=True)
+    killed = time.monotonic()
     os.kill(launcher.pid, signal.SIGKILL)
-    launcher.communicate(timeout=300)
+    stdout, _ = launcher.communicate(timeout=300)  # until the script, which holds the pipe, ended
     _, alive = psutil.wait_procs(started, timeout=120)
     assert alive == [] and _gone(script_pid)
+    assert time.monotonic() - killed < 30 and stdout.endswith("cleaned up\n"), stdout[-300:]
     run_dir = _run_dir(tmp_path)
     assert load_run(run_dir).summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
     said = "The run was interrupted by SIGTERM before the script finished; the figures stop there."
