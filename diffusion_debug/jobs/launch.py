@@ -26,7 +26,10 @@ The launcher and the command then end by the signal itself (a shell loop or a sc
 by SIGINT / SIGTERM", not an exit status 130 / 143), under every accelerate: the one-process launcher
 waits for the script instead of answering the signal (accelerate 1.16's terminates the script and kills
 it 5 seconds later, before report.html), and accelerate 1.16's exit status 128 + N after torch's elastic
-agent was signalled becomes the signal N again.
+agent was signalled becomes the signal N again. The one-process launcher forwards the signal to the script
+(a supervisor that started ``python -m diffusion_debug.jobs.launch`` itself may signal its pid alone),
+except a Ctrl-C or hangup of the terminal whose foreground it is; where the script had it from the group too,
+the repeat is noted, not raised into its cleanup (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`).
 """
 
 from __future__ import annotations
@@ -333,7 +336,10 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
     and killing it 5 seconds later (``_terminate_process_tree``: no report.html, no terminal summary) and
     exit 143 / 130; up to 1.15 this process died by the signal at once. Run in a thread, accelerate's
     launcher leaves the signals to this (main) thread; the launcher that started this process gone (its
-    SIGKILL sends SIGTERM here), it ends at once, as before: the script then gets SIGTERM as its parent ends."""
+    SIGKILL sends SIGTERM here), it ends at once, as before: the script then gets SIGTERM as its parent ends.
+    Else the first signal is forwarded to the script (:func:`_forward_to_children`): one sent to this pid
+    alone would leave the script training for GRACE_S; a Ctrl-C or hangup of the terminal whose foreground
+    group this is reached the script already and is not."""
 
     def run(args: Any) -> None:
         raised: list[BaseException] = []
@@ -350,6 +356,8 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
             received.append((signum, time.monotonic()))
             if os.getppid() != parent:
                 end_by(signum)
+            if len(received) == 1 and not (signum != signal.SIGTERM and _terminal_foreground()):
+                _forward_to_children(signum)
 
         previous = {s: signal.signal(s, note) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
         thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
@@ -366,6 +374,35 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
             raise raised[0]
 
     return run
+
+
+def _terminal_foreground() -> bool:
+    """Whether this process's group is its controlling terminal's foreground (a Ctrl-C or a hangup there
+    reached every process of the group)."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _forward_to_children(signum: int) -> None:
+    """``signum`` to this process's child processes still running (the script's): a signal sent to this
+    launcher alone (``kill PID`` of ``python -m diffusion_debug.jobs.launch``) reaches the script too.
+    Where the script had it from the group already, the repeat is noted there and not raised again
+    (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            child.send_signal(signum)
+        except psutil.Error:  # ended meanwhile
+            pass
 
 
 def _end_by_agent_signal(error: BaseException) -> None:

@@ -287,6 +287,51 @@ def test_a_killed_command_ends_the_launcher_and_the_script_with_a_saved_run(tmp_
     assert said in (run_dir / "report.html").read_text(encoding="utf-8")
 
 
+@pytest.mark.parametrize("to", ["launcher", "group"])
+def test_a_sigterm_to_the_launcher_started_directly_ends_it_promptly_with_the_scripts_cleanup_and_run(tmp_path, to):
+    """``python -m diffusion_debug.jobs.launch`` started by a supervisor itself: a SIGTERM to its pid alone
+    reaches the script too (the launcher forwards it: it waited its GRACE_S, 60 s, with the script training
+    on), and one to its whole group, which the script gets twice (from the group and forwarded), does not
+    cut the script's own 3 s cleanup: the launcher ends by SIGTERM within 20 s, the run saved."""
+    launcher, script_pid = _launch_until(tmp_path, 3, "--cleanup-s", "3", module="diffusion_debug.jobs.launch")
+    sent = time.monotonic()
+    if to == "launcher":
+        os.kill(launcher.pid, signal.SIGTERM)
+    else:
+        os.killpg(launcher.pid, signal.SIGTERM)
+    try:
+        stdout, stderr = launcher.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        pytest.fail("the launcher did not end after the signal")
+    assert launcher.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert time.monotonic() - sent < 20 and _gone(script_pid)
+    assert stdout.endswith("cleaned up\n"), stdout[-300:]
+    run = load_run(_run_dir(tmp_path))
+    assert run.summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
+    assert run.summary["training"]["total_steps"] >= 3
+
+
+def test_the_same_signal_again_within_repeat_s_is_noted_not_raised_again(monkeypatch):
+    """The launcher forwards a signal the script may have had from the group: that repeat does not raise
+    into the script's cleanup; one later, or another signal, raises as before."""
+    from diffusion_debug.jobs import launch_end
+
+    now = [100.0]
+    monkeypatch.setattr(launch_end.time, "monotonic", lambda: now[0])
+    signals = launch_end.Signals()
+    with pytest.raises(launch_end.Interrupted):
+        signals._on_signal(signal.SIGTERM, None)
+    now[0] += launch_end.REPEAT_S - 0.01
+    assert signals._on_signal(signal.SIGTERM, None) is None  # the repeat: noted
+    with pytest.raises(KeyboardInterrupt):  # another signal
+        signals._on_signal(signal.SIGINT, None)
+    now[0] += 0.02
+    with pytest.raises(launch_end.Interrupted):  # SIGTERM again, REPEAT_S after the first
+        signals._on_signal(signal.SIGTERM, None)
+    assert (signals.received, launch_end.REPEAT_S) == (signal.SIGTERM, 2.0)
+
+
 def test_the_end_of_a_script_that_exits_or_handles_its_interrupt():
     from diffusion_debug.jobs.launch_end import describe_end
 
