@@ -52,7 +52,8 @@ ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 BOOTSTRAP = "diffusion_debug.jobs.launched"
 OWN_OPTIONS = ("--debug-output-dir", "--debug-config", "--level", "--policy")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_SIGNAL_NUMBERS = frozenset(int(s) for s in signal.Signals)
+_AGENT_SIGNALS = frozenset(int(s) for s in (*FORWARDED, signal.SIGQUIT))
+"""The signals torch's elastic agent turns into a SignalException (accelerate 1.16: exit status 128 + N)."""
 GRACE_S = 60.0
 """How long the launcher waits, after an interrupt or a failure, for the processes still saving."""
 
@@ -415,10 +416,10 @@ def _end_by_agent_signal(error: BaseException) -> None:
         sigval = signal.SIGINT
     elif isinstance(error, SystemExit):
         code = error.code
-        sigval = code - 128 if isinstance(code, int) and code - 128 in _SIGNAL_NUMBERS else None
+        sigval = code - 128 if isinstance(code, int) else None
     elif type(error).__name__ != "SignalException":
         sigval = None
-    if isinstance(sigval, int) and sigval > 0:
+    if isinstance(sigval, int) and sigval in _AGENT_SIGNALS:  # never 137 -> SIGKILL: no handler to reset
         end_by(sigval)
 
 

@@ -424,6 +424,15 @@ def test_a_signal_the_elastic_agent_raised_ends_the_launcher_by_that_signal_with
     assert (done.returncode, done.stderr) == (-sent, "")
 
 
+@pytest.mark.parametrize("code", [137, 147, 128 + 17, 1, 2, 128])
+def test_an_exit_status_that_is_no_signal_of_the_agent_is_left_as_it_is(code):
+    """Only the agent's signals (SIGINT, SIGTERM, SIGHUP, SIGQUIT) from 128 + N: 137 (SIGKILL) and 147
+    (SIGSTOP) raised OSError when their handler was reset, inside the launcher's except clause."""
+    from diffusion_debug.jobs.launch import _end_by_agent_signal
+
+    assert _end_by_agent_signal(SystemExit(code)) is None
+
+
 def test_a_script_with_its_own_training_debugger_gets_one_run_of_that_debugger(tmp_path):
     """A script that makes its own TrainingDebugger (README's lines), run by ``diffusion-debug launch``:
     launch steps aside for it and says so in one line; one run directory (the script's), its NaN of
