@@ -317,15 +317,17 @@ def main(argv: list[str]) -> int:
     args = _accelerate_parser().parse_args(command[3:])
     os.environ[ENVIRONMENT] = json.dumps(settings)
     cpu_processes(args, os.environ)
-    simple_launcher = accelerate_launch.simple_launcher
-    accelerate_launch.simple_launcher = _waiting_for_the_script(simple_launcher)
+    simple_launcher = getattr(accelerate_launch, "simple_launcher", None)  # detected, never assumed
+    if simple_launcher is not None:
+        accelerate_launch.simple_launcher = _waiting_for_the_script(simple_launcher)
     try:
         accelerate_launch.launch_command(args)
     except BaseException as error:  # accelerate's SystemExit(128 + N) too (1.16)
         _end_by_agent_signal(error)
         raise
     finally:
-        accelerate_launch.simple_launcher = simple_launcher
+        if simple_launcher is not None:
+            accelerate_launch.simple_launcher = simple_launcher
     return 0
 
 

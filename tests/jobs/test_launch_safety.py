@@ -433,6 +433,23 @@ def test_an_exit_status_that_is_no_signal_of_the_agent_is_left_as_it_is(code):
     assert _end_by_agent_signal(SystemExit(code)) is None
 
 
+def test_an_accelerate_without_a_simple_launcher_launches_unwrapped(tmp_path, monkeypatch):
+    """accelerate's one-process launcher is detected, never assumed (DESIGN): where accelerate has no
+    ``simple_launcher`` the launch runs as accelerate runs it, and none is added."""
+    import accelerate.commands.launch as accelerate_launch
+
+    from diffusion_debug.jobs import launch
+
+    launched = []
+    monkeypatch.delattr(accelerate_launch, "simple_launcher")
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: launched.append(args.training_script_args))
+    monkeypatch.setenv(ENVIRONMENT, "")
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    assert launch.main(["--debug-output-dir", str(tmp_path / "runs"), *ONE_PROCESS, str(script)]) == 0
+    assert launched == [[str(script)]] and not hasattr(accelerate_launch, "simple_launcher")
+
+
 def test_a_script_with_its_own_training_debugger_gets_one_run_of_that_debugger(tmp_path):
     """A script that makes its own TrainingDebugger (README's lines), run by ``diffusion-debug launch``:
     launch steps aside for it and says so in one line; one run directory (the script's), its NaN of
