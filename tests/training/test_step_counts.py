@@ -42,6 +42,7 @@ from pathlib import Path
 
 import accelerate
 import pytest
+from packaging.version import Version
 
 from diffusion_debug.testing import tiny_pipeline
 
@@ -70,7 +71,7 @@ PINNED_CLIPPING = {"fp16": (19, -166), "bf16": (18, -180)}
 # and a linalg_vector_norm more (of the one total; the total is bitwise the same) and 12 Python calls fewer
 # (no torch clip_grad_norm_ with its _no_grad wrapper, no is_torch_version parsing a version); the watched
 # step's clip is the monitor's norms and torch's clip_grads_with_norm_, as before: 2 ops and 12 calls less added
-if tuple(int(part) for part in accelerate.__version__.split(".")[:2]) >= (1, 16):
+if Version(accelerate.__version__).release >= (1, 16):  # "1.16.0rc1", "2.0.dev0" too
     PINNED_CLIPPING = {"fp16": (17, -154), "bf16": (16, -168)}
 
 
