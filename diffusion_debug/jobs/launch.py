@@ -30,6 +30,10 @@ agent was signalled becomes the signal N again. The one-process launcher forward
 (a supervisor that started ``python -m diffusion_debug.jobs.launch`` itself may signal its pid alone),
 except a Ctrl-C or hangup of the terminal whose foreground it is; where the script had it from the group too,
 the repeat is noted, not raised into its cleanup (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`).
+Under accelerate 1.16 the one-process script's stderr is a pipe through the launcher (accelerate keeps its
+tail for the error it raises): the script sees no terminal there, and what it writes to stderr after the
+launcher ended (a SIGKILLed command) is lost. DeepSpeed's multi-node launch (pdsh) is left to accelerate:
+under 1.16 a signal still terminates it and kills it 5 seconds later.
 """
 
 from __future__ import annotations
