@@ -22,6 +22,18 @@ command was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored)
 it sends SIGTERM to the launcher (Linux; the script's process then gets SIGTERM as its parent ends).
 After an interrupt or a failure the command waits for the group's processes (the script's, saving
 its run) before it returns, up to :data:`GRACE_S`: on Ctrl-C it returns once report.html is written.
+The launcher and the command then end by the signal itself (a shell loop or a scheduler sees "killed
+by SIGINT / SIGTERM", not an exit status 130 / 143), under every accelerate: the one-process launcher
+waits for the script instead of answering the signal (accelerate 1.16's terminates the script and kills
+it 5 seconds later, before report.html), and accelerate 1.16's exit status 128 + N after torch's elastic
+agent was signalled becomes the signal N again. The one-process launcher forwards the signal to the script
+(a supervisor that started ``python -m diffusion_debug.jobs.launch`` itself may signal its pid alone),
+except a Ctrl-C or hangup of the terminal whose foreground it is; where the script had it from the group too,
+the repeat is noted, not raised into its cleanup (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`).
+Under accelerate 1.16 the one-process script's stderr is a pipe through the launcher (accelerate keeps its
+tail for the error it raises): the script sees no terminal there, and what it writes to stderr after the
+launcher ended (a SIGKILLed command) is lost. DeepSpeed's multi-node launch (pdsh) is left to accelerate:
+under 1.16 a signal still terminates it and kills it 5 seconds later.
 """
 
 from __future__ import annotations
@@ -31,18 +43,21 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
-from .launch_end import die_with_parent, libc
+from .launch_end import die_with_parent, end_by, libc
 
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 """The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
 BOOTSTRAP = "diffusion_debug.jobs.launched"
 OWN_OPTIONS = ("--debug-output-dir", "--debug-config", "--level", "--policy")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_AGENT_SIGNALS = frozenset(int(s) for s in (*FORWARDED, signal.SIGQUIT))
+"""The signals torch's elastic agent turns into a SignalException (accelerate 1.16: exit status 128 + N)."""
 GRACE_S = 60.0
 """How long the launcher waits, after an interrupt or a failure, for the processes still saving."""
 
@@ -301,29 +316,117 @@ def main(argv: list[str]) -> int:
         where = "(DIFFUSION_DEBUG_TRACEBACK=1 shows where)"
         print(f"diffusion-debug launch: internal error: {reason} {where}", file=sys.stderr)
         return 1
-    from accelerate.commands.launch import launch_command
+    from accelerate.commands import launch as accelerate_launch
 
     args = _accelerate_parser().parse_args(command[3:])
     os.environ[ENVIRONMENT] = json.dumps(settings)
     cpu_processes(args, os.environ)
+    simple_launcher = getattr(accelerate_launch, "simple_launcher", None)  # detected, never assumed
+    if simple_launcher is not None:
+        accelerate_launch.simple_launcher = _waiting_for_the_script(simple_launcher)
     try:
-        launch_command(args)
-    except Exception as error:
+        accelerate_launch.launch_command(args)
+    except BaseException as error:  # accelerate's SystemExit(128 + N) too (1.16)
         _end_by_agent_signal(error)
         raise
+    finally:
+        if simple_launcher is not None:
+            accelerate_launch.simple_launcher = simple_launcher
     return 0
 
 
-def _end_by_agent_signal(error: Exception) -> None:
-    """torch's elastic agent (several processes) raises a SignalException for the signal it was
-    sent, once its workers ended: end by that signal, as the one-process launch does (a shell loop
-    stops), not with exit status 1 after its traceback."""
+def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[[Any], None]:
+    """accelerate's one-process launcher, run so that a signal leaves the script its time to save its run
+    and the launcher then ends by that signal, under every accelerate. The signal reaches the script from
+    the group (the terminal's Ctrl-C, or :func:`run_forwarding`); this process only notes it and waits for
+    the script, up to :data:`GRACE_S`. accelerate 1.16 would otherwise answer it by terminating the script
+    and killing it 5 seconds later (``_terminate_process_tree``: no report.html, no terminal summary) and
+    exit 143 / 130; up to 1.15 this process died by the signal at once. Run in a thread, accelerate's
+    launcher leaves the signals to this (main) thread; the launcher that started this process gone (its
+    SIGKILL sends SIGTERM here), it ends at once, as before: the script then gets SIGTERM as its parent ends.
+    Else the first signal is forwarded to the script (:func:`_forward_to_children`): one sent to this pid
+    alone would leave the script training for GRACE_S; a Ctrl-C or hangup of the terminal whose foreground
+    group this is reached the script already and is not."""
+
+    def run(args: Any) -> None:
+        raised: list[BaseException] = []
+
+        def launcher() -> None:
+            try:
+                simple_launcher(args)
+            except BaseException as error:  # its CalledProcessError, or sys.exit(1) under --quiet
+                raised.append(error)
+
+        parent, received = os.getppid(), []
+
+        def note(signum: int, frame: Any) -> None:
+            received.append((signum, time.monotonic()))
+            if os.getppid() != parent:
+                end_by(signum)
+            if len(received) == 1 and not (signum != signal.SIGTERM and _terminal_foreground()):
+                _forward_to_children(signum)
+
+        previous = {s: signal.signal(s, note) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
+        thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
+        try:
+            thread.start()
+            while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):
+                thread.join(0.1)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if received:
+            end_by(received[0][0])
+        if raised:
+            raise raised[0]
+
+    return run
+
+
+def _terminal_foreground() -> bool:
+    """Whether this process's group is its controlling terminal's foreground (a Ctrl-C or a hangup there
+    reached every process of the group)."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _forward_to_children(signum: int) -> None:
+    """``signum`` to this process's child processes still running (the script's): a signal sent to this
+    launcher alone (``kill PID`` of ``python -m diffusion_debug.jobs.launch``) reaches the script too.
+    Where the script had it from the group already, the repeat is noted there and not raised again
+    (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            child.send_signal(signum)
+        except psutil.Error:  # ended meanwhile
+            pass
+
+
+def _end_by_agent_signal(error: BaseException) -> None:
+    """torch's elastic agent (several processes) raises a SignalException for the signal it was sent,
+    once its workers ended; accelerate 1.16 exits 128 + N for it (and 130 for a KeyboardInterrupt): end
+    by that signal, as the one-process launch does (a shell loop stops), not with an exit status after a
+    traceback."""
     sigval = getattr(error, "sigval", None)
-    if type(error).__name__ == "SignalException" and isinstance(sigval, int) and sigval > 0:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(sigval, signal.SIG_DFL)
-        os.kill(os.getpid(), sigval)
+    if isinstance(error, KeyboardInterrupt):
+        sigval = signal.SIGINT
+    elif isinstance(error, SystemExit):
+        code = error.code
+        sigval = code - 128 if isinstance(code, int) else None
+    elif type(error).__name__ != "SignalException":
+        sigval = None
+    if isinstance(sigval, int) and sigval in _AGENT_SIGNALS:  # never 137 -> SIGKILL: no handler to reset
+        end_by(sigval)
 
 
 if __name__ == "__main__":

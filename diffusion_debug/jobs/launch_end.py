@@ -8,7 +8,9 @@ last frames, bounded) or ``{"status": "interrupted", "signal": "SIGTERM"}``.
 SIGINT and SIGTERM, where the script left their default handlers, raise where the script is (Ctrl-C's
 ``KeyboardInterrupt``, :class:`Interrupted` for SIGTERM) so that the run is saved; a SIGTERM then ends
 the process by the signal, as it would have ended it. While the run is being saved a signal is noted
-and not raised, so that a second Ctrl-C does not cut summary.json or report.html.
+and not raised, so that a second Ctrl-C does not cut summary.json or report.html; the same signal
+again within :data:`REPEAT_S` of the first is noted too (the launcher forwards a signal that may have
+reached the script from the group already).
 
 ``DIFFUSION_DEBUG_NO_HTML=1`` in the launch's environment (:data:`NO_HTML`): the run is saved without
 report.html (a CI job that reads summary.json saves the seconds the page takes to build);
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -29,6 +32,9 @@ from .pipeline_loading import one_line
 TRACEBACK_FRAMES = 4
 """The innermost frames of a raised script's traceback kept in ``end.traceback``."""
 TRACEBACK_CHARS = 4000
+REPEAT_S = 2.0
+"""A signal received again this soon after the first is the same request twice (sent to the group, and
+forwarded by the launcher to its script): it is noted, not raised a second time into the script's cleanup."""
 NO_HTML = "DIFFUSION_DEBUG_NO_HTML"
 """Set to 1 (or any value but 0 and empty) in a launch's environment: no report.html is written."""
 
@@ -70,6 +76,7 @@ class Signals:
 
     def __init__(self, unwatched: Callable[[], bool] = lambda: False) -> None:
         self.received: int | None = None
+        self._first_at = 0.0
         self.saving = False
         self.unwatched = unwatched
         self._previous: dict[int, Any] = {}
@@ -81,8 +88,11 @@ class Signals:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
         if self.received is None:
-            self.received = signum
+            self.received, self._first_at = signum, now
+        elif signum == self.received and now - self._first_at < REPEAT_S:
+            return  # the same signal twice: from the group and forwarded by the launcher (launch.py)
         if self.saving:
             return  # noted: the run being saved is not cut
         if signum == signal.SIGTERM and self.unwatched():  # ends the process as it would have
@@ -139,11 +149,16 @@ def _ours(filename: str) -> bool:
 
 def end_by_signal(error: Interrupted) -> None:
     """End this process by the signal that raised ``error``, as the signal would have ended it."""
+    end_by(error.signum)
+
+
+def end_by(signum: int) -> None:
+    """End this process by the signal ``signum``, as the signal would have ended it."""
     sys.stdout.flush()
     sys.stderr.flush()
-    signal.signal(error.signum, signal.SIG_DFL)
-    os.kill(os.getpid(), error.signum)
-    raise SystemExit(128 + error.signum)  # the signal is blocked or delayed: the same exit status
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    raise SystemExit(128 + signum)  # the signal is blocked or delayed: the same exit status
 
 
 def die_with_parent(c_library: Any = None) -> None:

@@ -8,10 +8,12 @@ stepping on one backward); --nan-at S (a NaN in the second model's gradient at r
 (one optimizer, the script's own TrainingDebugger writing to DIR, as README's lines add it; --nan-at S
 then plants a NaN in the model's gradient at round S); --pipeline-debugger DIR (after round 2, a validation
 call of a tiny SD pipeline whose UNet makes an Inf at its second step, watched by the script's own
-DiffusionModelDebugger writing to DIR)."""
+DiffusionModelDebugger writing to DIR); --cleanup-s S (interrupted, the script's own cleanup sleeps S seconds, then
+prints "cleaned up")."""
 
 import argparse
 import os
+import time
 
 import torch
 from accelerate import Accelerator
@@ -28,6 +30,7 @@ parser.add_argument("--no-accelerate", action="store_true")
 parser.add_argument("--late-second", action="store_true")
 parser.add_argument("--own-debugger")
 parser.add_argument("--pipeline-debugger")
+parser.add_argument("--cleanup-s", type=float)
 args = parser.parse_args()
 
 
@@ -59,59 +62,65 @@ if args.own_debugger:
     debugger = TrainingDebugger(first, accelerator=accelerator, config=DebugConfig(output_dir=args.own_debugger))
 
 step = 0
-while args.forever or step < args.steps:
-    x = torch.randn(4, 8, generator=generator)
-    if args.optimizers == "gan":  # the discriminator's step, then the generator's, each on its own backward
-        fake = first(x)
-        loss_d = nn.functional.softplus(second(fake.detach())).mean() + nn.functional.softplus(-second(x)).mean()
-        accelerator.backward(loss_d)
-        if step == args.nan_at:
-            second[2].weight.grad[0, 0] = float("nan")
-        opt_second.step()
-        opt_second.zero_grad()
-        loss_g = nn.functional.softplus(-second(first(x))).mean()
-        accelerator.backward(loss_g)
-        opt_first.step()
-        opt_first.zero_grad()
-        second.zero_grad()
-    elif args.optimizers == "text":  # one backward through both models, two optimizers step on it
-        loss = nn.functional.mse_loss(second(first(x)), x[:, :1])
-        accelerator.backward(loss)
-        if step == args.nan_at:
-            second[2].weight.grad[0, 0] = float("nan")
-        opt_first.step()
-        opt_second.step()
-        opt_first.zero_grad()
-        opt_second.zero_grad()
-    else:
-        loss = nn.functional.mse_loss(first(x), x)
-        accelerator.backward(loss)
-        if debugger is not None:
+try:
+    while args.forever or step < args.steps:
+        x = torch.randn(4, 8, generator=generator)
+        if args.optimizers == "gan":  # the discriminator's step, then the generator's, each on its own backward
+            fake = first(x)
+            loss_d = nn.functional.softplus(second(fake.detach())).mean() + nn.functional.softplus(-second(x)).mean()
+            accelerator.backward(loss_d)
             if step == args.nan_at:
-                first[2].weight.grad[0, 0] = float("nan")
-            debugger.monitor_training_step(loss, optimizer=opt_first, step=step)
-        opt_first.step()
-        opt_first.zero_grad()
-        if args.late_second and step == 2:
-            second, opt_second = accelerator.prepare(second, opt_second)
-        if args.late_second and step >= 2:
-            accelerator.backward(second(x).pow(2).mean())
+                second[2].weight.grad[0, 0] = float("nan")
             opt_second.step()
             opt_second.zero_grad()
-    if args.pipeline_debugger and step == 2:  # validation images, the pipeline watched by the script
-        from diffusion_debug import DebugConfig, DiffusionModelDebugger
-        from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+            loss_g = nn.functional.softplus(-second(first(x))).mean()
+            accelerator.backward(loss_g)
+            opt_first.step()
+            opt_first.zero_grad()
+            second.zero_grad()
+        elif args.optimizers == "text":  # one backward through both models, two optimizers step on it
+            loss = nn.functional.mse_loss(second(first(x)), x[:, :1])
+            accelerator.backward(loss)
+            if step == args.nan_at:
+                second[2].weight.grad[0, 0] = float("nan")
+            opt_first.step()
+            opt_second.step()
+            opt_first.zero_grad()
+            opt_second.zero_grad()
+        else:
+            loss = nn.functional.mse_loss(first(x), x)
+            accelerator.backward(loss)
+            if debugger is not None:
+                if step == args.nan_at:
+                    first[2].weight.grad[0, 0] = float("nan")
+                debugger.monitor_training_step(loss, optimizer=opt_first, step=step)
+            opt_first.step()
+            opt_first.zero_grad()
+            if args.late_second and step == 2:
+                second, opt_second = accelerator.prepare(second, opt_second)
+            if args.late_second and step >= 2:
+                accelerator.backward(second(x).pow(2).mean())
+                opt_second.step()
+                opt_second.zero_grad()
+        if args.pipeline_debugger and step == 2:  # validation images, the pipeline watched by the script
+            from diffusion_debug import DebugConfig, DiffusionModelDebugger
+            from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 
-        pipe = tiny_pipeline("sd")
-        plant_nonfinite(pipe.unet.conv_out, from_call=1)
-        with DiffusionModelDebugger(pipe, DebugConfig(output_dir=args.pipeline_debugger)) as validation:
-            pipe("a prompt", num_inference_steps=2, output_type="latent")
-        print("validation run:", validation.report().save(html=False), flush=True)
-    if args.forever:
-        print(f"round {step} pid {os.getpid()}", flush=True)
-    if step == args.raise_at:
-        raise RuntimeError(f"the data ran out after round {step}")
-    step += 1
+            pipe = tiny_pipeline("sd")
+            plant_nonfinite(pipe.unet.conv_out, from_call=1)
+            with DiffusionModelDebugger(pipe, DebugConfig(output_dir=args.pipeline_debugger)) as validation:
+                pipe("a prompt", num_inference_steps=2, output_type="latent")
+            print("validation run:", validation.report().save(html=False), flush=True)
+        if args.forever:
+            print(f"round {step} pid {os.getpid()}", flush=True)
+        if step == args.raise_at:
+            raise RuntimeError(f"the data ran out after round {step}")
+        step += 1
+except BaseException:  # the script's own cleanup (a checkpoint saved on SIGTERM) takes --cleanup-s seconds
+    if args.cleanup_s:
+        time.sleep(args.cleanup_s)
+        print("cleaned up", flush=True)
+    raise
 if debugger is not None:
     print("debug run:", debugger.report().save(html=False), flush=True)
 if args.out:
