@@ -43,24 +43,42 @@ def _per_step(short: Counter[str], long: Counter[str], steps: int) -> Counter[st
     return Counter({op: (long[op] - short.get(op, 0)) / steps for op in long if long[op] != short.get(op, 0)})
 
 
+def _region(pipe: Any, autocast: torch.dtype | None) -> Any:
+    """The user's ``with torch.autocast(device, dtype=autocast)`` around each call (a region of its own: autocast's
+    cache of cast weights is emptied as it closes, so no call finds the weights another one cast), or nothing."""
+    return contextlib.nullcontext() if autocast is None else torch.autocast(pipe.device.type, dtype=autocast)
+
+
 def inference_ops(
-    pipe: Any, config: DebugConfig, *, short: int = 2, long: int = 6, first: int = 1, **kwargs: Any
+    pipe: Any,
+    config: DebugConfig,
+    *,
+    short: int = 2,
+    long: int = 6,
+    first: int = 1,
+    autocast: torch.dtype | None = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """Ops per denoising step of ``pipe`` plain and under a debugger with ``config``. ``first``: the steps of the
-    uncounted first call (PixArt's default scheduler cannot run 1); ``kwargs``: the call's other arguments (a
-    PixArt's size; its prompt in place of the default)."""
+    uncounted first call (PixArt's default scheduler cannot run 1); ``autocast``: each call (and its debugger's
+    attach) under ``torch.autocast`` to that dtype; ``kwargs``: the call's other arguments (a PixArt's size; its
+    prompt in place of the default)."""
     kwargs.setdefault("prompt", "a photo of a cat")
     kwargs.setdefault("output_type", "np")
 
     def call(steps: int) -> Callable[[], Any]:
-        return lambda: pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs)
+        def run() -> None:
+            with _region(pipe, autocast):
+                pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs)
+
+        return run
 
     def watched(steps: int) -> Callable[[], Any]:
         debugger = DiffusionModelDebugger(pipe, config)
 
         def run() -> None:
-            with debugger:
-                call(steps)()
+            with _region(pipe, autocast), debugger:
+                pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs)
             debugger.close()
 
         return run
@@ -180,7 +198,15 @@ def hook_calls(run: Callable[[], Any]) -> Counter[str]:
     return counts
 
 
-def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int = 3, **kwargs: Any) -> dict[str, Any]:
+def inference_hooks(
+    pipe: Any,
+    config: DebugConfig,
+    *,
+    short: int = 1,
+    long: int = 3,
+    autocast: torch.dtype | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """Hooks torch runs (and probe readings taken) for a call of ``pipe`` watched by a reused
     debugger, once its first call (full probes on the components called once per image) is behind
     it: per call of ``short`` steps, and per step (the difference to a ``long``-step call). Both
@@ -188,13 +214,14 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
     back a run): an fp16 UNet's step 0, the fp16 VAE's and text encoder's calls: a 1-step call's count
     is that of a call reading all, the most a call runs (from the 3rd on each group reads runs of its own,
     1 in 4: ``components.sentinel_pace``; on tiny SD the UNet's 7, the VAE's 5, the text encoder's 2).
-    ``kwargs``: the call's other arguments (a Flux's size; its prompt in place of the default)."""
+    ``kwargs``: the call's other arguments (a Flux's size; its prompt in place of the default); ``autocast``: as
+    :func:`inference_ops` takes it."""
     debugger = DiffusionModelDebugger(pipe, config)
     kwargs.setdefault("prompt", "a photo of a cat")
 
     def call(steps: int) -> Callable[[], None]:
         def run() -> None:
-            with debugger:
+            with _region(pipe, autocast), debugger:
                 pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs)
 
         return run
