@@ -32,6 +32,7 @@ from .roles import role
 from .sentinel_blocks import (
     _LAYER_STACKS,
     _unet,
+    block_projections,
     denoiser_blocks,
     inner_blocks,
     overflow_blocks,
@@ -94,7 +95,10 @@ def probe_levels(
       nested residuals that the step does not measure.
 
     Under float16 autocast a float32 component is probed as a float16 one (its matmuls compute in float16);
-    its float32 block outputs are not read against float16's largest value (:meth:`ComponentProbes._config`).
+    its float32 block outputs are not read against float16's largest value (:meth:`ComponentProbes._config`),
+    its sublayers' float16 projections are: a text encoder's (:func:`~.sentinel_blocks.residual_projections`),
+    a transformer denoiser's blocks' (:func:`~.sentinel_blocks.block_projections`, whose adaLN gates shrink
+    them before the block's end), that one paced by step as a UNet's (:mod:`.sentinel_pace`).
     Autocast entered or left after attach is followed as the next
     run begins (:meth:`ComponentProbes.autocast_changed`); limit: one entered inside a pipeline call (around a
     component's call in the pipeline's own code) is not."""
@@ -132,11 +136,16 @@ def under_autocast(components: list[Component], autocast: AutocastState) -> dict
 
 
 def with_projections(
-    module: nn.Module, blocks: list[tuple[str, nn.Module]], unread: tuple[str, ...] = ()
+    module: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    unread: tuple[str, ...] = (),
+    projections: list[tuple[str, nn.Module]] | None = None,
 ) -> list[tuple[str, nn.Module]]:
-    """``blocks`` and ``module``'s :func:`~.sentinel_blocks.residual_projections` (none under ``unread``), in module
-    order: one abs-max a call for them all (the sentinel's fused reduction), a hook each."""
-    projections = residual_projections(module, unread)
+    """``blocks`` and ``projections`` (``module``'s :func:`~.sentinel_blocks.residual_projections` none under
+    ``unread`` where not given), in module order: one abs-max a call for them all (the sentinel's fused reduction),
+    a hook each."""
+    if projections is None:
+        projections = residual_projections(module, unread)
     if not projections:
         return blocks
     order = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
@@ -221,8 +230,12 @@ class ComponentProbes:
                     continue
                 if ORIG in module._modules and compile_wrapper(module):  # torch.compile(vae): its decode is eager
                     module = module._modules[ORIG]  # probed as itself, names without the "_orig_mod." prefix
-                # a text encoder's float32 stream under float16 autocast: its sublayers' float16 outputs read too
-                projected = name in under and component.role in _LAYER_STACKS
+                # a float32 stream under float16 autocast: its sublayers' float16 outputs read too (a text encoder's;
+                # a float32 transformer denoiser's, whose adaLN gates shrink them before its blocks' outputs)
+                projected = name in under and (
+                    component.role in _LAYER_STACKS
+                    or (component.role == "denoiser" and dtypes.get(name) == "float32" and not _unet(module))
+                )
                 watched = values.get(("probed", level, component.role, projected))  # the modules to probe
                 if watched is None:
                     once = not is_loop_role(component.role)  # called once per image
@@ -234,6 +247,8 @@ class ComponentProbes:
                     elif level == "sentinel" and component.role == "denoiser":
                         watched = denoiser_blocks(overflow_blocks(module))
                         watched = watched if _unet(module) else stack_ends(module, watched, repeated=True)
+                        if projected:  # paced by step, as a UNet's sentinel (below)
+                            watched = with_projections(module, watched, projections=block_projections(module))
                     else:
                         watched = probed_modules(module, level)
                     values[("probed", level, component.role, projected)] = watched
@@ -256,10 +271,11 @@ class ComponentProbes:
                     if self.strict:  # a hook's own error goes through the sink (attributes: no call)
                         probe.on_raise, probe.label = self.on_error, f"probe {name}."
                     # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output),
-                    # a component's called once per image some runs, encoders and decoders apart (its output checked
-                    # at every call)
-                    unet = component.role == "denoiser" and _unet(module)
-                    pace = run_group(component.role) if once else "steps" if unet else None
+                    # and a float32 transformer's under float16 autocast with its projections (no block clips a
+                    # float32 stream); a component's called once per image some runs, encoders and decoders apart
+                    # (its output checked at every call)
+                    stepped = component.role == "denoiser" and (projected or _unet(module))
+                    pace = run_group(component.role) if once else "steps" if stepped else None
                     pace = pace if level == "sentinel" else None
                     self._kept[name] = (watched, level, probe, config.armed, pace)
                 if hooks is None and late.get(pace) is not None:  # its hooks in: its group's too (all or none out)

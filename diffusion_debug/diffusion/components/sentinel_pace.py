@@ -34,7 +34,10 @@ What it costs (the trade-off):
 Read at every step: a transformer denoiser's sentinel (diffusers' Flux, Sana, QwenImage... blocks
 clip their fp16 streams to +-65504, so an Inf made there reaches no output; their sentinels read a
 block list's end, 2 to 10 hooks a step), ControlNets and adapters (outputs the step does not
-measure).
+measure). Paced as a UNet's: a float32 transformer's under float16 autocast, which reads each block's
+float16 projections too (:func:`~.sentinel_blocks.block_projections`; PixArt-alpha's 84, a hook each and
+their bytes: ~11 flushes a step read at 1024 px, the held bytes bounded by ``HELD_BYTES``); its streams
+are float32, which no block clips, so an Inf a projection makes reaches the step's output.
 
 The components called once per image (an fp16 VAE's decoder blocks, a text or image encoder's last
 layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
@@ -129,12 +132,14 @@ def run_group(role_name: str) -> str:
 
 
 class SentinelPace:
-    """The steps the UNet denoisers' sentinels of one debugger read, and the runs its sentinels of the
+    """The steps the UNet denoisers' sentinels of one debugger read (and a float32 transformer's under float16
+    autocast), and the runs its sentinels of the
     components called once per image read (see the module)."""
 
     def __init__(self, overflow_fraction: float):
         self.sampled: list[str] = []
-        """The UNet denoisers whose sentinel reads some steps, at this attach (empty: nothing paced)."""
+        """The denoisers whose sentinel reads some steps, at this attach (empty: nothing paced): the UNets, and the
+        float32 transformers under float16 autocast."""
         self.once: dict[str, str] = {}
         """The components called once per image whose sentinel reads some runs, at this attach, each with
         its group (``"encoders"`` or ``"decoders"``, :data:`SENTINEL_PHASES`)."""
