@@ -805,3 +805,40 @@ def test_a_clip_text_encoders_sentinel_under_fp16_autocast_reads_its_two_dtypes_
     assert {t.dtype for t in outputs} == {torch.float16, torch.float32}
     assert flushed.dtype == torch.float32
     assert flushed.tolist() == [t.abs().max().item() for t in outputs]
+
+
+def test_a_float32_dits_sentinel_under_fp16_autocast_reads_its_projections_at_steps_0_1_and_every_8th():
+    """A float32 PixArt under float16 autocast computes its blocks' projections (``attn1.to_out.0``,
+    ``attn2.to_out.0``, ``ff.net.2``) in float16 and its adaLN gates scale them into a float32 stream: its sentinel
+    reads them too (``sentinel_blocks.block_projections``), at steps 0, 1 and every 8th
+    (``SENTINEL_EVERY_PROJECTED``; every 4th added 28.4 ops a step over a 20-step run at PixArt-alpha's 28 blocks,
+    23.6 every 8th: benchmarks/RESULTS.md, dit31). 3 blocks, each flush the real model's (``op_counts.held_bytes``:
+    HELD_BYTES scaled as a projection's output is to 1024 px with CFG's, 10922 bytes here: 3 flushes a step read):
+    step 8 runs 17 hooks (its 9 projections beside the 8 of before, 15 readings) and adds 26 ops; step 4 (read at
+    every 4th: 26) the call site's 2 hooks and 14 ops. A 20-step run (steps 0, 1, 8, 16 read): 16.4 ops a step. Out
+    of autocast the float32 transformer has no probe: 12 a step, as before. Each call under an autocast region of
+    its own, as a user's."""
+    from benchmarks.models import PIXART_1024_PROJECTION_BYTES
+    from diffusion_debug.probes.fused import HELD_BYTES
+    from diffusion_debug.testing.flux import deeper
+    from diffusion_debug.testing.zoo import ZOO_CALLS
+
+    call = ZOO_CALLS["pixart"][0]()
+    pipe = deeper(tiny_pipeline("pixart"), num_layers=3)
+    projection = pipe.transformer.transformer_blocks[0].attn1.to_out[0]
+    sizes = []
+    handle = projection.register_forward_hook(lambda _m, _a, out: sizes.append(out.numel() * out.element_size()))
+    with torch.autocast("cpu", dtype=torch.float16):
+        pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="latent")
+    handle.remove()
+    fp16 = {"autocast": torch.float16, **call}
+    with op_counts.held_bytes(HELD_BYTES * sizes[0] // PIXART_1024_PROJECTION_BYTES):
+        read = op_counts.inference_ops(pipe, quiet_config(), short=8, long=9, first=2, **fp16)
+        unread = op_counts.inference_ops(pipe, quiet_config(), short=4, long=5, first=2, **fp16)
+        hooks = [op_counts.inference_hooks(pipe, quiet_config(), short=s, long=s + 1, **fp16) for s in (8, 4)]
+    fp32 = op_counts.inference_ops(pipe, quiet_config(), short=2, long=3, first=2, **call)
+    assert [(h["hooks_per_step"], h["measures_per_step"]) for h in hooks] == [(17, 15), (2, 0)], hooks
+    assert (read["added_ops_per_step"], unread["added_ops_per_step"]) == (26, 14), (read, unread)
+    run = (4 * read["added_ops_per_step"] + 16 * unread["added_ops_per_step"]) / 20  # steps 0, 1, 8, 16 read
+    assert run == 16.4 and run <= 25
+    assert fp32["added_ops_per_step"] == 12, fp32

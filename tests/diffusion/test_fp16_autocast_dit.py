@@ -2,7 +2,7 @@
 so; CPU autocast here): each block's attention and FeedForward projections compute in float16, and the block scales
 each by its adaLN gate before adding it to a float32 stream. The sentinel read the block lists' ends, float32, never
 against float16's max: a projection at 90% of it was never warned. It reads the projections too (a float32
-transformer under float16 autocast only), paced by step as a UNet's sentinel: a planted near-max is warned at its
+transformer under float16 autocast only), paced by step (0, 1, every 8th): a planted near-max is warned at its
 module and step, a clean run stays quiet, and the images are bitwise the unwatched ones.
 
 Each fault is planted by scaling one projection's weights so that its float16 output under autocast reaches 90% of

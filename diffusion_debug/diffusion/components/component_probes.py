@@ -39,7 +39,7 @@ from .sentinel_blocks import (
     residual_projections,
     stack_ends,
 )
-from .sentinel_pace import SentinelPace, run_group
+from .sentinel_pace import SENTINEL_EVERY, SENTINEL_EVERY_PROJECTED, SentinelPace, run_group
 from .structure import TreeMemo
 
 
@@ -98,7 +98,7 @@ def probe_levels(
     its float32 block outputs are not read against float16's largest value (:meth:`ComponentProbes._config`),
     its sublayers' float16 projections are: a text encoder's (:func:`~.sentinel_blocks.residual_projections`),
     a transformer denoiser's blocks' (:func:`~.sentinel_blocks.block_projections`, whose adaLN gates shrink
-    them before the block's end), that one paced by step as a UNet's (:mod:`.sentinel_pace`).
+    them before the block's end), that one paced by step (steps 0, 1, every 8th: :mod:`.sentinel_pace`).
     Autocast entered or left after attach is followed as the next
     run begins (:meth:`ComponentProbes.autocast_changed`); limit: one entered inside a pipeline call (around a
     component's call in the pipeline's own code) is not."""
@@ -215,6 +215,7 @@ class ComponentProbes:
         paced: dict = {"steps": ([], []), "encoders": ([], []), "decoders": ([], []), None: ([], [])}  # by pace group
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
         late = self.pace.left_out() if self._kept else {None: None}  # (fp32, bf16: nothing kept, no call)
+        every = SENTINEL_EVERY  # the paced denoiser's steps read: a projected transformer's fewer (its ~11 flushes)
         try:
             for component in components:
                 name, module = component.name, component.module
@@ -281,6 +282,8 @@ class ComponentProbes:
                 if hooks is None and late.get(pace) is not None:  # its hooks in: its group's too (all or none out)
                     outputs += late.pop(pace)
                 self.probes[name] = probe
+                if pace == "steps" and projected:
+                    every = SENTINEL_EVERY_PROJECTED
                 paced[pace][0].append(name)
                 paced[pace][1].append(probe)
             if outputs:
@@ -291,7 +294,7 @@ class ComponentProbes:
         if not self.probes:  # (fp32, bf16)
             return ProbeHandle(handles)
         # the runs begun with a probe counted; the paced sentinels' hooks found at their first step or run not read
-        self.pace.watch(paced, late)
+        self.pace.watch(paced, late, every)
         return ProbeHandle(handles, on_remove=self.pace.forget)
 
     def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
