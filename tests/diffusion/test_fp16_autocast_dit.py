@@ -180,3 +180,40 @@ def _block_order(name: str) -> tuple[int, int]:
     order = ("attn1.to_out.0", "attn2.to_out.0", "ff.net.2")
     _, index, rest = name.split(".", 2)
     return int(index), order.index(rest)
+
+
+def test_flux_float16_streams_under_autocast_read_every_step_an_inf_made_at_one_step_is_named_there(tmp_path):
+    """Flux under float16 autocast with float32 weights: its x_embedder and gates run in float16, so its block streams
+    are float16, which its blocks clip to +-65504 (an Inf a projection makes turns finite before any output). Paced
+    (steps 0, 1, every 8th) an Inf made only at step 2 went unread: nothing reported. Its sentinel reads every step."""
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    pipe = deeper(tiny_pipeline("flux"), num_layers=3, num_single_layers=3)
+    kw = {k: v for k, v in FLUX_CALL[0]().items() if k not in ("output_type", "num_inference_steps", "generator")}
+    timesteps: list[float] = []  # each step's, in order; a replay of a step's call has its step's (and its Inf)
+    now = [0.0]
+    target = "transformer_blocks.0.ff_context.net.2"
+
+    def count(module, args, kwargs):
+        now[0] = float(kwargs["timestep"].flatten()[0])
+        if now[0] not in timesteps:
+            timesteps.append(now[0])
+
+    def inf_at_step_2(module, args, output):
+        if timesteps.index(now[0]) == 2:  # the transformer's call at step 2 (or its replay)
+            output = output.clone()
+            output[(0,) * output.dim()] = float("inf")
+            return output
+
+    pipe.transformer.register_forward_pre_hook(count, with_kwargs=True)
+    pipe.transformer.get_submodule(target).register_forward_hook(inf_at_step_2)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg, autocast():
+        out = pipe(
+            **kw, num_inference_steps=6, generator=torch.Generator().manual_seed(0), output_type="latent"
+        ).images
+    dbg.close()
+    assert len(timesteps) == 6
+    assert bool(torch.isfinite(out).all())  # clipped: the step's output never showed it
+    got = [(a.kind, a.module, a.step) for a in dbg.report().anomalies if a.kind != "latent_divergence"]
+    assert got[:1] == [("nonfinite", target, 2)], got

@@ -248,7 +248,9 @@ class ComponentProbes:
                     elif level == "sentinel" and component.role == "denoiser":
                         watched = denoiser_blocks(overflow_blocks(module))
                         watched = watched if _unet(module) else stack_ends(module, watched, repeated=True)
-                        if projected:  # paced by step, as a UNet's sentinel (below)
+                        if projected:  # paced by step, as a UNet's sentinel (below), if its streams are float32
+                            # its block lists' ends (a layer of a list), not its patch embedding's float16 output
+                            values["stack_ends"] = [m for n, m in watched if n.rsplit(".", 1)[-1].isdigit()]
                             watched = with_projections(module, watched, projections=block_projections(module))
                     else:
                         watched = probed_modules(module, level)
@@ -284,6 +286,7 @@ class ComponentProbes:
                 self.probes[name] = probe
                 if pace == "steps" and projected:
                     every = SENTINEL_EVERY_PROJECTED
+                    handles.append(_StreamDtype(values["stack_ends"], self.pace))
                 paced[pace][0].append(name)
                 paced[pace][1].append(probe)
             if outputs:
@@ -381,3 +384,26 @@ class ComponentProbes:
         for probe in self.probes.values():
             probe.errors.clear()
         self.probes = {}
+
+
+class _StreamDtype:
+    """Whether a projected transformer's streams are float32, told by its stack-end blocks' outputs at its first
+    call after an attach (then its hooks go): PixArt's are (its adaLN gate, a float32 parameter, makes them so), and
+    its sentinel reads steps 0, 1 and every :data:`~.sentinel_pace.SENTINEL_EVERY_PROJECTED`-th; Flux's and SD3's are
+    float16 (x_embedder and gates run in float16) and clipped to +-65504 by their blocks, so an Inf a projection
+    makes at a step not read never reaches the step's output: their sentinel reads every step, as before."""
+
+    def __init__(self, ends: list[nn.Module], pace: SentinelPace):
+        self.pace = pace
+        self.handles = [m.register_forward_hook(self._seen) for m in ends]
+
+    def _seen(self, module: nn.Module, args: object, output: object) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        if any(isinstance(o, torch.Tensor) and o.dtype == torch.float16 for o in outputs):
+            self.pace.every = 1  # read at every step
+        self.remove()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

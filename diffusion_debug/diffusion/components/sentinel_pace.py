@@ -37,8 +37,10 @@ block list's end, 2 to 10 hooks a step), ControlNets and adapters (outputs the s
 measure). Paced as a UNet's, but every :data:`SENTINEL_EVERY_PROJECTED`-th step after the first
 two: a float32 transformer's under float16 autocast, which reads each block's float16 projections too
 (:func:`~.sentinel_blocks.block_projections`; PixArt-alpha's 84, a hook each and their bytes: ~11
-flushes a step read at 1024 px, the held bytes bounded by ``HELD_BYTES``); its streams are float32,
-which no block clips, so an Inf a projection makes reaches the step's output.
+flushes a step read at 1024 px, the held bytes bounded by ``HELD_BYTES``), where its streams are
+float32 (PixArt's: its adaLN gate is a float32 parameter), which no block clips, so an Inf a projection
+makes reaches the step's output. Flux's and SD3's are float16 under autocast (their x_embedder and gates
+run in it) and clipped: told by their block lists' ends at the first call, their sentinel reads every step.
 
 The components called once per image (an fp16 VAE's decoder blocks, a text or image encoder's last
 layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
