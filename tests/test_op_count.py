@@ -842,3 +842,30 @@ def test_a_float32_dits_sentinel_under_fp16_autocast_reads_its_projections_at_st
     run = (4 * read["added_ops_per_step"] + 16 * unread["added_ops_per_step"]) / 20  # steps 0, 1, 8, 16 read
     assert run == 16.4 and run <= 25
     assert fp32["added_ops_per_step"] == 12, fp32
+
+
+def test_a_float32_flux_under_fp16_autocast_costs_a_step_what_it_costs_on_main():
+    """Flux's block streams are float16 under float16 autocast (its x_embedder and gates run in it; its blocks clip
+    them), told at the first call after an attach (``component_probes._StreamDtype``): its projections' hooks go then,
+    and from the next attach its sentinel is main's, its block lists' ends read every step, no projection, no pace.
+    Tiny Flux (3 + 3 blocks), float32 weights, each call under an autocast region of its own, the pipeline watched
+    twice first (its tree changes at the 2nd call: a 1st-call check again there): 9 hooks a step (7 readings), 34 a
+    call, as main (21, 19 and 59 while its projections were read every step). Ops a step: main's 11, but 2 _to_copy
+    that main took out after this branch began (a11f3dbb: host copy and fused stacks outside the user's autocast;
+    13 measured at this branch's base with no projection): after merging main, ``added_ops_per_step == 11``."""
+    from diffusion_debug.testing.flux import FLUX_CALL, deeper
+
+    pipe = deeper(tiny_pipeline("flux"), num_layers=3, num_single_layers=3)
+    call = FLUX_CALL[0]()
+    for _ in range(2):
+        debugger = DiffusionModelDebugger(pipe, quiet_config())
+        with torch.autocast("cpu", dtype=torch.float16), debugger:
+            pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(0))
+        debugger.close()
+    fp16 = {"autocast": torch.float16, **call}
+    hooks = op_counts.inference_hooks(pipe, quiet_config(), short=2, long=4, **fp16)
+    ops = op_counts.inference_ops(pipe, quiet_config(), short=2, long=4, first=1, **fp16)
+    assert (hooks["hooks_per_step"], hooks["measures_per_step"], hooks["hooks_per_call"]) == (9, 7, 34), hooks
+    assert "_StreamDtype._seen" not in hooks["by_hook"], hooks
+    copies = ops["added_by_op"].get("aten._to_copy.default", 0)
+    assert (ops["added_ops_per_step"] - copies, copies) == (11, 2), ops

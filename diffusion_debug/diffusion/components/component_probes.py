@@ -233,9 +233,15 @@ class ComponentProbes:
                     module = module._modules[ORIG]  # probed as itself, names without the "_orig_mod." prefix
                 # a float32 stream under float16 autocast: its sublayers' float16 outputs read too (a text encoder's;
                 # a float32 transformer denoiser's, whose adaLN gates shrink them before its blocks' outputs)
+                # (not one whose streams a first call showed float16: Flux's, SD3's, read as on main; _StreamDtype)
                 projected = name in under and (
                     component.role in _LAYER_STACKS
-                    or (component.role == "denoiser" and dtypes.get(name) == "float32" and not _unet(module))
+                    or (
+                        component.role == "denoiser"
+                        and dtypes.get(name) == "float32"
+                        and not _unet(module)
+                        and "float16_streams" not in values
+                    )
                 )
                 watched = values.get(("probed", level, component.role, projected))  # the modules to probe
                 if watched is None:
@@ -251,6 +257,7 @@ class ComponentProbes:
                         if projected:  # paced by step, as a UNet's sentinel (below), if its streams are float32
                             # its block lists' ends (a layer of a list), not its patch embedding's float16 output
                             values["stack_ends"] = [m for n, m in watched if n.rsplit(".", 1)[-1].isdigit()]
+                            values["projections"] = [m for _, m in block_projections(module)]
                             watched = with_projections(module, watched, projections=block_projections(module))
                     else:
                         watched = probed_modules(module, level)
@@ -286,7 +293,7 @@ class ComponentProbes:
                 self.probes[name] = probe
                 if pace == "steps" and projected:
                     every = SENTINEL_EVERY_PROJECTED
-                    handles.append(_StreamDtype(values["stack_ends"], self.pace))
+                    handles.append(_StreamDtype(values, probe, self.pace))
                 paced[pace][0].append(name)
                 paced[pace][1].append(probe)
             if outputs:
@@ -389,18 +396,27 @@ class ComponentProbes:
 class _StreamDtype:
     """Whether a projected transformer's streams are float32, told by its stack-end blocks' outputs at its first
     call after an attach (then its hooks go): PixArt's are (its adaLN gate, a float32 parameter, makes them so), and
-    its sentinel reads steps 0, 1 and every :data:`~.sentinel_pace.SENTINEL_EVERY_PROJECTED`-th; Flux's and SD3's are
-    float16 (x_embedder and gates run in float16) and clipped to +-65504 by their blocks, so an Inf a projection
-    makes at a step not read never reaches the step's output: their sentinel reads every step, as before."""
+    its sentinel reads its projections at steps 0, 1 and every :data:`~.sentinel_pace.SENTINEL_EVERY_PROJECTED`-th;
+    Flux's and SD3's are float16 (x_embedder and gates run in float16) and clipped to +-65504 by their blocks, so an
+    Inf a projection makes at a step not read never reaches the step's output: their projections' hooks go at once
+    (the first call's readings kept), their sentinel reads every step, and ``values`` (the tree memo's) remembers it:
+    the next attach reads them as on main, its block lists' ends every step, no projection (hooks and ops a step as
+    main's)."""
 
-    def __init__(self, ends: list[nn.Module], pace: SentinelPace):
-        self.pace = pace
-        self.handles = [m.register_forward_hook(self._seen) for m in ends]
+    def __init__(self, values: dict, probe: Probe, pace: SentinelPace):
+        self.values, self.probe, self.pace = values, probe, pace
+        self.handles = [m.register_forward_hook(self._seen) for m in values["stack_ends"]]
 
     def _seen(self, module: nn.Module, args: object, output: object) -> None:
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         if any(isinstance(o, torch.Tensor) and o.dtype == torch.float16 for o in outputs):
-            self.pace.every = 1  # read at every step
+            self.values["float16_streams"] = True
+            self.pace.every = 1  # read at every step (this attach; the next is not paced)
+            projections = {id(m) for m in self.values["projections"]}
+            for m, hook in self.probe.output_hooks() or ():  # the projections' hooks out, as they went in
+                if m is not None and id(m) in projections:
+                    for key in [k for k, h in m._forward_hooks.items() if h is hook]:
+                        del m._forward_hooks[key]
         self.remove()
 
     def remove(self) -> None:

@@ -40,7 +40,8 @@ two: a float32 transformer's under float16 autocast, which reads each block's fl
 flushes a step read at 1024 px, the held bytes bounded by ``HELD_BYTES``), where its streams are
 float32 (PixArt's: its adaLN gate is a float32 parameter), which no block clips, so an Inf a projection
 makes reaches the step's output. Flux's and SD3's are float16 under autocast (their x_embedder and gates
-run in it) and clipped: told by their block lists' ends at the first call, their sentinel reads every step.
+run in it) and clipped: told by their block lists' ends at the first call, their projections' hooks go and
+their sentinel reads every step; from the next attach it is main's (block lists' ends, not paced).
 
 The components called once per image (an fp16 VAE's decoder blocks, a text or image encoder's last
 layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
