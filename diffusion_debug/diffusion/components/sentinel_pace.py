@@ -34,7 +34,14 @@ What it costs (the trade-off):
 Read at every step: a transformer denoiser's sentinel (diffusers' Flux, Sana, QwenImage... blocks
 clip their fp16 streams to +-65504, so an Inf made there reaches no output; their sentinels read a
 block list's end, 2 to 10 hooks a step), ControlNets and adapters (outputs the step does not
-measure).
+measure). Paced as a UNet's, but every :data:`SENTINEL_EVERY_PROJECTED`-th step after the first
+two: a float32 transformer's under float16 autocast, which reads each block's float16 projections too
+(:func:`~.sentinel_blocks.block_projections`; PixArt-alpha's 84, a hook each and their bytes: ~11
+flushes a step read at 1024 px, the held bytes bounded by ``HELD_BYTES``), where its streams are
+float32 (PixArt's: its adaLN gate is a float32 parameter), which no block clips, so an Inf a projection
+makes reaches the step's output. Flux's and SD3's are float16 under autocast (their x_embedder and gates
+run in it) and clipped: told by their block lists' ends at the first call, their projections' hooks go and
+their sentinel reads every step; from the next attach it is main's (block lists' ends, not paced).
 
 The components called once per image (an fp16 VAE's decoder blocks, a text or image encoder's last
 layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
@@ -95,6 +102,10 @@ SENTINEL_FIRST_STEPS = 2
 """A run's first steps, which the sentinel reads whatever else."""
 SENTINEL_EVERY = 4
 """After them, the steps it reads: every ``SENTINEL_EVERY``-th (and every step while warm)."""
+SENTINEL_EVERY_PROJECTED = 8
+"""The same for a float32 transformer's sentinel under float16 autocast, which reads its blocks' projections too
+(PixArt-alpha's 84, ~11 flushes a step read at 1024 px): every 4th step added 28.4 ops a step over a 20-step run
+(DESIGN: <= 25), every 8th 23.6 (benchmarks/RESULTS.md, dit31)."""
 SENTINEL_WARM = 4
 """Warm: a block output read was within this factor of the overflow warning (8188 at the default
 ``overflow_fraction`` 0.5 of fp16's 65504)."""
@@ -129,16 +140,20 @@ def run_group(role_name: str) -> str:
 
 
 class SentinelPace:
-    """The steps the UNet denoisers' sentinels of one debugger read, and the runs its sentinels of the
+    """The steps the UNet denoisers' sentinels of one debugger read (and a float32 transformer's under float16
+    autocast), and the runs its sentinels of the
     components called once per image read (see the module)."""
 
     def __init__(self, overflow_fraction: float):
         self.sampled: list[str] = []
-        """The UNet denoisers whose sentinel reads some steps, at this attach (empty: nothing paced)."""
+        """The denoisers whose sentinel reads some steps, at this attach (empty: nothing paced): the UNets, and the
+        float32 transformers under float16 autocast."""
         self.once: dict[str, str] = {}
         """The components called once per image whose sentinel reads some runs, at this attach, each with
         its group (``"encoders"`` or ``"decoders"``, :data:`SENTINEL_PHASES`)."""
         self.phases: Mapping[str, int] = SENTINEL_PHASES
+        self.every = SENTINEL_EVERY
+        """The steps after a run's first two that :attr:`sampled` read: every ``every``-th (:meth:`watch`'s)."""
         """Each group's phase (:data:`SENTINEL_PHASES`); every phase 1 reads the three groups at the same
         runs (``benchmarks.call_control`` times that against the default)."""
         self.paced = False
@@ -195,10 +210,17 @@ class SentinelPace:
             None: None,
         }
 
-    def watch(self, paced: dict[str | None, tuple[list[str], list]], late: dict[str | None, list | None]) -> None:
+    def watch(
+        self,
+        paced: dict[str | None, tuple[list[str], list]],
+        late: dict[str | None, list | None],
+        every: int = SENTINEL_EVERY,
+    ) -> None:
         """An attach (after :meth:`forget`): ``paced``, per group (``"steps"``, ``"encoders"``, ``"decoders"``),
         its components' names and probes, their hooks in but those of the groups ``late`` (:meth:`left_out`)
-        holds a non-empty list for (their ``(module, hook)`` pairs: put in at the first step or run read)."""
+        holds a non-empty list for (their ``(module, hook)`` pairs: put in at the first step or run read);
+        ``every``: the ``"steps"`` group's steps read after a run's first two (:attr:`every`)."""
+        self.every = every
         sampled, unets = paced["steps"]
         self.sampled, self._paused, self._late = sampled, None, late.get("steps") or None
         self._hooks = lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets)
@@ -268,7 +290,7 @@ class SentinelPace:
                 return
             read = first or (runs - phases["steps"]) % SENTINEL_EVERY == 0 or self.warm
         else:
-            read = step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or self.warm
+            read = step < SENTINEL_FIRST_STEPS or step % self.every == 0 or self.warm
         if read:
             if self._late is not None:  # left out at the attach: in now
                 self._put_in.append(ForwardHooks(chain.from_iterable(self._late)))

@@ -1,0 +1,220 @@
+"""Float32 transformer denoisers under ``torch.autocast(..., dtype=torch.float16)`` (PixArt, SD3, Flux users run them
+so; CPU autocast here): each block's attention and FeedForward projections compute in float16, and the block scales
+each by its adaLN gate before adding it to a float32 stream. The sentinel read the block lists' ends, float32, never
+against float16's max: a projection at 90% of it was never warned. It reads the projections too (a float32
+transformer under float16 autocast only), paced by step (0, 1, every 8th): a planted near-max is warned at its
+module and step, a clean run stays quiet, and the images are bitwise the unwatched ones.
+
+Each fault is planted by scaling one projection's weights so that its float16 output under autocast reaches 90% of
+65504, in a block that is not its list's last (the sentinel's own block)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.flux import deeper
+from diffusion_debug.testing.zoo import ZOO_CALLS
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+# kind -> (layers, a block's attention projection, its FeedForward's last Linear, the planted block)
+PLANTED = {
+    "pixart": (3, "transformer_blocks.1.attn1.to_out.0", "transformer_blocks.1.ff.net.2", "transformer_blocks.1"),
+    "sd3": (3, "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.ff.net.2", "transformer_blocks.0"),
+}
+
+
+def call_kwargs(kind: str) -> dict:
+    return ZOO_CALLS["pixart"][0]() if kind == "pixart" else {"prompt": "a cat"}
+
+
+def autocast():
+    return torch.autocast("cpu", dtype=torch.float16)
+
+
+def run(pipe, kind: str, steps: int = 3, output_type: str = "np"):
+    with autocast():
+        return pipe(
+            **call_kwargs(kind),
+            num_inference_steps=steps,
+            generator=torch.Generator().manual_seed(0),
+            output_type=output_type,
+        ).images
+
+
+@pytest.fixture
+def dits():
+    """Float32 tiny PixArt and SD3 with three blocks (a block list whose last block is not the planted one), fresh
+    each test: SD3's streams are float16 under autocast, so its projections are read at its first watched call's
+    first step only (told there: ``component_probes._StreamDtype``), a later debugger of the pipeline reads it as
+    main does, no projection."""
+    return {kind: deeper(tiny_pipeline(kind), num_layers=PLANTED[kind][0]) for kind in PLANTED}
+
+
+def peaks_by_call(pipe, kind, modules, steps):
+    """Per transformer call (one a step: CFG's two halves go in one batch), the abs-max of each of ``modules``'
+    outputs (a tuple's first tensor) in an unwatched autocast run."""
+    transformer = pipe.transformer
+    peaks: dict[str, list[float]] = {name: [] for name in modules}
+
+    def hook(name):
+        def read(_module, _args, output):
+            tensor = output[0] if isinstance(output, tuple) else output
+            peaks[name].append(tensor.abs().max().item())
+
+        return read
+
+    handles = [transformer.get_submodule(name).register_forward_hook(hook(name)) for name in modules]
+    try:
+        run(pipe, kind, steps, output_type="latent")
+    finally:
+        for handle in handles:
+            handle.remove()
+    return peaks
+
+
+def scaled_to(pipe, kind, name, fraction, steps):
+    """``name`` of the transformer, its weight and bias scaled so that its float16 output under autocast peaks at
+    ``fraction`` of 65504 over a ``steps``-step run; returns how to put them back."""
+    module = pipe.transformer.get_submodule(name)
+    by = fraction * FP16_MAX / max(peaks_by_call(pipe, kind, [name], steps)[name])
+    saved = [p.detach().clone() for p in (module.weight, module.bias)]
+    with torch.no_grad():
+        module.weight.mul_(by)
+        module.bias.mul_(by)
+
+    def restore():
+        with torch.no_grad():
+            module.weight.copy_(saved[0])
+            module.bias.copy_(saved[1])
+
+    return restore
+
+
+def found(dbg):
+    """Every anomaly but ``latent_divergence``: the tiny random PixArt's latents diverge under autocast at step 0
+    (DPM-Solver on an untrained transformer; not what these tests ask), as the tiny SD's static scheduler warning is
+    left out elsewhere."""
+    anomalies = dbg.report().anomalies
+    return [(a.kind, a.severity, a.component, a.module, a.step) for a in anomalies if a.kind != "latent_divergence"]
+
+
+@pytest.mark.parametrize("kind", list(PLANTED))
+@pytest.mark.parametrize("which", ["attention", "feed_forward"])
+def test_a_float32_dits_projection_near_float16s_max_under_autocast_is_warned_at_its_module_and_step(
+    dits, kind, which, tmp_path
+):
+    """The planted projection's float16 output peaks at 90% of 65504 under autocast; the gate brings its block's
+    float32 output far below it (so no reading of the block would see it). Warned at that Linear, at the first step
+    its output passes the warning's half of the max (later steps fold into it), as the sentinel read it; nothing
+    else is warned."""
+    pipe = dits[kind]
+    layers, attention, feed_forward, block = PLANTED[kind]
+    name = attention if which == "attention" else feed_forward
+    restore = scaled_to(pipe, kind, name, 0.9, steps=3)
+    try:
+        peaks = peaks_by_call(pipe, kind, [name, block], steps=3)
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        with dbg:
+            run(pipe, kind, steps=3, output_type="latent")
+        dbg.close()
+    finally:
+        restore()
+    first = next(step for step, peak in enumerate(peaks[name]) if peak >= 0.5 * FP16_MAX)
+    # (planted against a clean run's peak; the block's new output moves the later steps' inputs a little)
+    assert 0.8 * FP16_MAX < max(peaks[name]) < FP16_MAX, peaks[name]
+    assert max(peaks[block]) < 0.5 * FP16_MAX, peaks[block]  # the gated block output stays small
+    # (the latents such weights make may diverge: latent_divergence, not asked here)
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert [(a.kind, a.severity, a.component, a.module, a.step) for a in risks] == [
+        ("overflow_risk", "warning", "transformer", name, first)
+    ]
+    (risk,) = risks
+    assert risk.details["localized_by"] == "sentinel"
+    assert (risk.details["dtype"], risk.details["weights_dtype"]) == ("float16", "float32")
+    assert risk.details["absmax"] == pytest.approx(peaks[name][first], rel=1e-3)
+    assert risk.message == (
+        f"transformer.{name} output reached {risk.details['dtype_max_fraction']:.0%} of the float16 maximum "
+        f"(|x|={risk.details['absmax']:.4g}); it ran under float16 autocast (its weights are float32): autocast to "
+        f"bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run transformer.{name} outside autocast."
+    )
+
+
+@pytest.mark.parametrize("kind", list(PLANTED))
+def test_clean_float32_dits_under_fp16_autocast_stay_quiet_and_bitwise_equal_with_their_projections_read(
+    dits, kind, tmp_path
+):
+    """Clean runs under autocast: the transformer's sentinel holds each block's projections (two attentions and a
+    FeedForward a PixArt block; SD3's none from its 2nd attach: its float16 streams, told at its first call, are read
+    as main reads them), nothing is warned, and each image is bitwise the unwatched one. Out of autocast the float32
+    transformer is not probed (its output checked at every step)."""
+    pipe = dits[kind]
+    plain = run(pipe, kind)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    watched = []
+    try:
+        for _ in range(2):
+            with dbg:
+                watched.append(run(pipe, kind))
+                modules = list(dbg._steps.probes.probes["transformer"].module_names)
+        with dbg:
+            level = dbg._steps.probes.levels["transformer"]
+    finally:
+        dbg.close()
+    assert [np.array_equal(image, plain) for image in watched] == [True, True]
+    assert found(dbg) == []
+    assert level == "output"
+    projections = [m for m in modules if m.endswith(("to_out.0", "to_add_out", "ff.net.2", "ff_context.net.2"))]
+    if kind == "pixart":
+        expected = [f"transformer_blocks.{i}.{m}" for i in range(3) for m in ("attn1.to_out.0", "attn2.to_out.0")]
+        expected = sorted(expected + [f"transformer_blocks.{i}.ff.net.2" for i in range(3)], key=_block_order)
+    else:  # its streams float16, told at its first watched call: from the 2nd attach read as main, no projection
+        expected = []
+    assert projections == expected
+
+
+def _block_order(name: str) -> tuple[int, int]:
+    order = ("attn1.to_out.0", "attn2.to_out.0", "ff.net.2")
+    _, index, rest = name.split(".", 2)
+    return int(index), order.index(rest)
+
+
+def test_flux_float16_streams_under_autocast_read_every_step_an_inf_made_at_one_step_is_named_there(tmp_path):
+    """Flux under float16 autocast with float32 weights: its x_embedder and gates run in float16, so its block streams
+    are float16, which its blocks clip to +-65504 (an Inf a projection makes turns finite before any output). Paced
+    (steps 0, 1, every 8th) an Inf made only at step 2 went unread: nothing reported. Its sentinel reads every step."""
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    pipe = deeper(tiny_pipeline("flux"), num_layers=3, num_single_layers=3)
+    kw = {k: v for k, v in FLUX_CALL[0]().items() if k not in ("output_type", "num_inference_steps", "generator")}
+    timesteps: list[float] = []  # each step's, in order; a replay of a step's call has its step's (and its Inf)
+    now = [0.0]
+    target = "transformer_blocks.0.ff_context.net.2"
+
+    def count(module, args, kwargs):
+        now[0] = float(kwargs["timestep"].flatten()[0])
+        if now[0] not in timesteps:
+            timesteps.append(now[0])
+
+    def inf_at_step_2(module, args, output):
+        if timesteps.index(now[0]) == 2:  # the transformer's call at step 2 (or its replay)
+            output = output.clone()
+            output[(0,) * output.dim()] = float("inf")
+            return output
+
+    pipe.transformer.register_forward_pre_hook(count, with_kwargs=True)
+    pipe.transformer.get_submodule(target).register_forward_hook(inf_at_step_2)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg, autocast():
+        out = pipe(
+            **kw, num_inference_steps=6, generator=torch.Generator().manual_seed(0), output_type="latent"
+        ).images
+    dbg.close()
+    assert len(timesteps) == 6
+    assert bool(torch.isfinite(out).all())  # clipped: the step's output never showed it
+    got = [(a.kind, a.module, a.step) for a in dbg.report().anomalies if a.kind != "latent_divergence"]
+    assert got[:1] == [("nonfinite", target, 2)], got
