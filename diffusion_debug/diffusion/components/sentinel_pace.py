@@ -152,10 +152,10 @@ class SentinelPace:
         """The components called once per image whose sentinel reads some runs, at this attach, each with
         its group (``"encoders"`` or ``"decoders"``, :data:`SENTINEL_PHASES`)."""
         self.phases: Mapping[str, int] = SENTINEL_PHASES
-        self.every = SENTINEL_EVERY
-        """The steps after a run's first two that :attr:`sampled` read: every ``every``-th (:meth:`watch`'s)."""
         """Each group's phase (:data:`SENTINEL_PHASES`); every phase 1 reads the three groups at the same
         runs (``benchmarks.call_control`` times that against the default)."""
+        self.every = SENTINEL_EVERY
+        """The steps after a run's first two that :attr:`sampled` read: every ``every``-th (:meth:`watch`'s)."""
         self.paced = False
         """Whether this attach probes a component (a sentinel or full probes): a run's beginning asks
         :meth:`at` then, which counts it (:attr:`runs`) and paces :attr:`sampled` and :attr:`once`."""
