@@ -1,9 +1,10 @@
 """Float32 transformer denoisers under ``torch.autocast(..., dtype=torch.float16)`` (PixArt, SD3, Flux users run them
 so; CPU autocast here): each block's attention and FeedForward projections compute in float16, and the block scales
-each by its adaLN gate before adding it to a float32 stream. The sentinel read the block lists' ends, float32, never
-against float16's max: a projection at 90% of it was never warned. It reads the projections too (a float32
-transformer under float16 autocast only), paced by step (0, 1, every 8th): a planted near-max is warned at its
-module and step, a clean run stays quiet, and the images are bitwise the unwatched ones.
+each by its adaLN gate before adding it to its stream (PixArt's float32; SD3's float16, not clipped). The sentinel
+read the block lists' ends, never a projection against float16's max: a projection at 90% of it was never warned. It
+reads the projections too (a float32 transformer under float16 autocast only), paced by step (0, 1, every 8th): a
+planted near-max is warned at its module and step, a clean run stays quiet, and the images are bitwise the unwatched
+ones.
 
 Each fault is planted by scaling one projection's weights so that its float16 output under autocast reaches 90% of
 65504, in a block that is not its list's last (the sentinel's own block)."""
@@ -49,9 +50,8 @@ def run(pipe, kind: str, steps: int = 3, output_type: str = "np"):
 @pytest.fixture
 def dits():
     """Float32 tiny PixArt and SD3 with three blocks (a block list whose last block is not the planted one), fresh
-    each test: SD3's streams are float16 under autocast, so its projections are read at its first watched call's
-    first step only (told there: ``component_probes._StreamDtype``), a later debugger of the pipeline reads it as
-    main does, no projection."""
+    each test: SD3's streams are float16 under autocast, but its blocks do not clip them (told at its first watched
+    call: ``component_probes._StreamDtype``), so its projections are read as PixArt's, paced by step."""
     return {kind: deeper(tiny_pipeline(kind), num_layers=PLANTED[kind][0]) for kind in PLANTED}
 
 
@@ -149,9 +149,9 @@ def test_clean_float32_dits_under_fp16_autocast_stay_quiet_and_bitwise_equal_wit
     dits, kind, tmp_path
 ):
     """Clean runs under autocast: the transformer's sentinel holds each block's projections (two attentions and a
-    FeedForward a PixArt block; SD3's none from its 2nd attach: its float16 streams, told at its first call, are read
-    as main reads them), nothing is warned, and each image is bitwise the unwatched one. Out of autocast the float32
-    transformer is not probed (its output checked at every step)."""
+    FeedForward a PixArt block; an attention's two and two FeedForwards an SD3 block, its last, which keeps no text
+    stream, one of each: its float16 streams are not clipped), nothing is warned, and each image is bitwise the
+    unwatched one. Out of autocast the float32 transformer is not probed (its output checked at every step)."""
     pipe = dits[kind]
     plain = run(pipe, kind)
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
@@ -172,8 +172,10 @@ def test_clean_float32_dits_under_fp16_autocast_stay_quiet_and_bitwise_equal_wit
     if kind == "pixart":
         expected = [f"transformer_blocks.{i}.{m}" for i in range(3) for m in ("attn1.to_out.0", "attn2.to_out.0")]
         expected = sorted(expected + [f"transformer_blocks.{i}.ff.net.2" for i in range(3)], key=_block_order)
-    else:  # its streams float16, told at its first watched call: from the 2nd attach read as main, no projection
-        expected = []
+    else:  # its float16 streams not clipped (told at its first watched call): read at the 2nd attach too
+        both = ("attn.to_out.0", "attn.to_add_out", "ff.net.2", "ff_context.net.2")
+        expected = [f"transformer_blocks.{i}.{m}" for i in range(2) for m in both]
+        expected += ["transformer_blocks.2.attn.to_out.0", "transformer_blocks.2.ff.net.2"]
     assert projections == expected
 
 
@@ -218,3 +220,30 @@ def test_flux_float16_streams_under_autocast_read_every_step_an_inf_made_at_one_
     assert bool(torch.isfinite(out).all())  # clipped: the step's output never showed it
     got = [(a.kind, a.module, a.step) for a in dbg.report().anomalies if a.kind != "latent_divergence"]
     assert got[:1] == [("nonfinite", target, 2)], got
+
+
+def test_sd3s_projection_near_float16s_max_is_warned_at_later_calls_and_attaches_not_only_the_first(dits, tmp_path):
+    """SD3's streams are float16 under autocast, but its blocks do not clip them (Flux's do): an Inf a projection
+    makes at a step not read reaches the step's output, so its projections are paced as PixArt's, at every call.
+    Each debugger's first call is clean (the streams' dtype told there), then the planted projection is warned at
+    that debugger's next call, and at a new debugger's first: the warning comes at whatever call the near-max
+    does (read at the first call only, a later one was never warned)."""
+    pipe = dits["sd3"]
+    _, name, _, _ = PLANTED["sd3"]
+    risks = []
+    for attach in range(2):
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / str(attach)), log_level="error"))
+        with dbg:
+            run(pipe, "sd3", output_type="latent")
+        restore = scaled_to(pipe, "sd3", name, 0.9, steps=3)
+        try:
+            peaks = peaks_by_call(pipe, "sd3", [name], steps=3)
+            with dbg:
+                run(pipe, "sd3", output_type="latent")
+        finally:
+            restore()
+            dbg.close()
+        first = next(step for step, peak in enumerate(peaks[name]) if peak >= 0.5 * FP16_MAX)
+        found_risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+        risks.append([(a.component, a.module, a.step) for a in found_risks] == [("transformer", name, first)])
+    assert risks == [True, True]

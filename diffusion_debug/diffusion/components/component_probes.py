@@ -33,6 +33,7 @@ from .sentinel_blocks import (
     _LAYER_STACKS,
     _unet,
     block_projections,
+    clips_float16,
     denoiser_blocks,
     inner_blocks,
     overflow_blocks,
@@ -233,14 +234,15 @@ class ComponentProbes:
                     module = module._modules[ORIG]  # probed as itself, names without the "_orig_mod." prefix
                 # a float32 stream under float16 autocast: its sublayers' float16 outputs read too (a text encoder's;
                 # a float32 transformer denoiser's, whose adaLN gates shrink them before its blocks' outputs)
-                # (not one whose streams a first call showed float16: Flux's, SD3's, read as on main; _StreamDtype)
+                # (not one whose blocks a first call showed clipping float16 streams: Flux's, read as on main;
+                # _StreamDtype)
                 projected = name in under and (
                     component.role in _LAYER_STACKS
                     or (
                         component.role == "denoiser"
                         and dtypes.get(name) == "float32"
                         and not _unet(module)
-                        and "float16_streams" not in values
+                        and "clipped_streams" not in values
                     )
                 )
                 watched = values.get(("probed", level, component.role, projected))  # the modules to probe
@@ -394,14 +396,15 @@ class ComponentProbes:
 
 
 class _StreamDtype:
-    """Whether a projected transformer's streams are float32, told by its stack-end blocks' outputs at its first
-    call after an attach (then its hooks go): PixArt's are (its adaLN gate, a float32 parameter, makes them so), and
-    its sentinel reads its projections at steps 0, 1 and every :data:`~.sentinel_pace.SENTINEL_EVERY_PROJECTED`-th;
-    Flux's and SD3's are float16 (x_embedder and gates run in float16) and clipped to +-65504 by their blocks, so an
-    Inf a projection makes at a step not read never reaches the step's output: their projections' hooks go at once
-    (the first call's readings kept), their sentinel reads every step, and ``values`` (the tree memo's) remembers it:
-    the next attach reads them as on main, its block lists' ends every step, no projection (hooks and ops a step as
-    main's)."""
+    """Whether a projected transformer's blocks clip float16 streams, told by its stack-end blocks' outputs at its
+    first call after an attach (then its hooks go). PixArt's streams are float32 (its adaLN gate, a float32
+    parameter, makes them so) and SD3's float16 but not clipped (:func:`~.sentinel_blocks.clips_float16`): an Inf
+    a projection makes at a step not read reaches the step's output, so their sentinels read their projections at
+    steps 0, 1 and every :data:`~.sentinel_pace.SENTINEL_EVERY_PROJECTED`-th of every call. Flux's are float16
+    (x_embedder and gates run in float16) and clipped to +-65504 by its blocks, so such an Inf never reaches the
+    step's output: its projections' hooks go at once (the first call's readings kept), its sentinel reads every
+    step, and ``values`` (the tree memo's) remembers it: the next attach reads it as on main, its block lists' ends
+    every step, no projection (hooks and ops a step as main's)."""
 
     def __init__(self, values: dict, probe: Probe, pace: SentinelPace):
         self.values, self.probe, self.pace = values, probe, pace
@@ -409,8 +412,8 @@ class _StreamDtype:
 
     def _seen(self, module: nn.Module, args: object, output: object) -> None:
         outputs = output if isinstance(output, (tuple, list)) else (output,)
-        if any(isinstance(o, torch.Tensor) and o.dtype == torch.float16 for o in outputs):
-            self.values["float16_streams"] = True
+        if clips_float16(module) and any(isinstance(o, torch.Tensor) and o.dtype == torch.float16 for o in outputs):
+            self.values["clipped_streams"] = True
             self.pace.every = 1  # read at every step (this attach; the next is not paced)
             projections = {id(m) for m in self.values["projections"]}
             for m, hook in self.probe.output_hooks() or ():  # the projections' hooks out, as they went in

@@ -8,6 +8,8 @@ and a replay with full probes names the module inside a block."""
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from ...probes import probed_modules
@@ -288,6 +290,23 @@ def block_projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
                 if last:
                     found.append((f"{name}.net.{last[-1]}", net[last[-1]]))
     return found
+
+
+def clips_float16(block: nn.Module) -> bool:
+    """Whether ``block``'s ``forward`` clips its float16 streams to +-65504 (diffusers writes it so:
+    ``.clip(-65504, 65504)`` in Flux's, QwenImage's, Chroma's... blocks; not in SD3's ``JointTransformerBlock`` nor
+    PixArt's): an Inf one of its projections makes turns finite at the block's end and reaches no output, so a
+    sentinel that did not read that step never sees it. A block whose source cannot be read counts as clipping.
+
+    >>> from diffusers.models.attention import JointTransformerBlock
+    >>> from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+    >>> clips_float16(FluxTransformerBlock(8, 1, 8)), clips_float16(JointTransformerBlock(8, 1, 8, False))
+    (True, False)
+    """
+    try:
+        return "65504" in inspect.getsource(type(block).forward)
+    except (OSError, TypeError):
+        return True
 
 
 def _sublayer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:

@@ -38,10 +38,11 @@ measure). Paced as a UNet's, but every :data:`SENTINEL_EVERY_PROJECTED`-th step 
 two: a float32 transformer's under float16 autocast, which reads each block's float16 projections too
 (:func:`~.sentinel_blocks.block_projections`; PixArt-alpha's 84, a hook each and their bytes: ~11
 flushes a step read at 1024 px, the held bytes bounded by ``HELD_BYTES``), where its streams are
-float32 (PixArt's: its adaLN gate is a float32 parameter), which no block clips, so an Inf a projection
-makes reaches the step's output. Flux's and SD3's are float16 under autocast (their x_embedder and gates
-run in it) and clipped: told by their block lists' ends at the first call, their projections' hooks go and
-their sentinel reads every step; from the next attach it is main's (block lists' ends, not paced).
+float32 (PixArt's: its adaLN gate is a float32 parameter) or float16 but not clipped by its blocks (SD3's),
+so an Inf a projection makes reaches the step's output. Flux's are float16 under autocast (its x_embedder
+and gates run in it) and clipped by its blocks: told by its block lists' ends at the first call, its
+projections' hooks go and its sentinel reads every step; from the next attach it is main's (block lists'
+ends, not paced).
 
 The components called once per image (an fp16 VAE's decoder blocks, a text or image encoder's last
 layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
