@@ -10,6 +10,9 @@ runs (:func:`hook_calls`).
 Per step means the difference between a run of ``long`` and one of ``short`` steps, divided by
 the step difference: what happens once per pipeline call (prompt encoding, VAE decode, static
 checks, the report) cancels out.
+
+Long because every count the op, hook and Python-call pins read (inference, a reused call,
+training, a paced run's average) is here, over one counting and one per-step difference.
 """
 
 from __future__ import annotations

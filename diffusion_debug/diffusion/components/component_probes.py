@@ -283,9 +283,9 @@ class ComponentProbes:
                     if self.strict:  # a hook's own error goes through the sink (attributes: no call)
                         probe.on_raise, probe.label = self.on_error, f"probe {name}."
                     # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output),
-                    # and a float32 transformer's under float16 autocast with its projections (no block clips a
-                    # float32 stream); a component's called once per image some runs, encoders and decoders apart
-                    # (its output checked at every call)
+                    # and a float32 transformer's under float16 autocast with its projections (its blocks clip no
+                    # stream: PixArt's, SD3's; _StreamDtype); a component's called once per image some runs, encoders
+                    # and decoders apart (its output checked at every call)
                     stepped = component.role == "denoiser" and (projected or _unet(module))
                     pace = run_group(component.role) if once else "steps" if stepped else None
                     pace = pace if level == "sentinel" else None
