@@ -105,8 +105,9 @@ SENTINEL_EVERY = 4
 """After them, the steps it reads: every ``SENTINEL_EVERY``-th (and every step while warm)."""
 SENTINEL_EVERY_PROJECTED = 8
 """The same for a float32 transformer's sentinel under float16 autocast, which reads its blocks' projections too
-(PixArt-alpha's 84, ~11 flushes a step read at 1024 px): every 4th step added 28.4 ops a step over a 20-step run
-(DESIGN: <= 25), every 8th 23.6 (benchmarks/RESULTS.md, dit31)."""
+(PixArt-alpha's 84, ~12 flushes a step read at 1024 px): every 4th step added 28.4 ops a step over a 20-step run
+(DESIGN: <= 25), every 8th 23.6 (benchmarks/RESULTS.md, dit31); since main's flushes stack outside the user's
+autocast (no ``_to_copy`` a flush), every 4th 22.8, every 8th 19.2 (dit32)."""
 SENTINEL_WARM = 4
 """Warm: a block output read was within this factor of the overflow warning (8188 at the default
 ``overflow_fraction`` 0.5 of fp16's 65504)."""
