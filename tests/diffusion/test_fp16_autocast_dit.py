@@ -247,3 +247,52 @@ def test_sd3s_projection_near_float16s_max_is_warned_at_later_calls_and_attaches
         found_risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
         risks.append([(a.component, a.module, a.step) for a in found_risks] == [("transformer", name, first)])
     assert risks == [True, True]
+
+
+def _flux_with_inf(step: int, call: int):
+    """Tiny Flux (3 + 3 blocks) and a hook that makes ``transformer_blocks.0.ff_context.net.2`` output an Inf at step
+    ``step`` of the ``call``-th pipeline call (from 0; a replay of that step's call too): its blocks clip it away.
+    Returns the pipeline, its call's keywords, the module's name and the call counter to set."""
+    from diffusion_debug.testing.flux import FLUX_CALL
+
+    pipe = deeper(tiny_pipeline("flux"), num_layers=3, num_single_layers=3)
+    kw = {k: v for k, v in FLUX_CALL[0]().items() if k not in ("output_type", "num_inference_steps", "generator")}
+    target = "transformer_blocks.0.ff_context.net.2"
+    state = {"call": 0, "timesteps": [], "now": 0.0}
+
+    def count(module, args, kwargs):
+        state["now"] = float(kwargs["timestep"].flatten()[0])
+        if state["now"] not in state["timesteps"]:
+            state["timesteps"].append(state["now"])
+
+    def inf(module, args, output):
+        if state["call"] == call and state["timesteps"].index(state["now"]) == step:
+            output = output.clone()
+            output[(0,) * output.dim()] = float("inf")
+            return output
+
+    pipe.transformer.register_forward_pre_hook(count, with_kwargs=True)
+    pipe.transformer.get_submodule(target).register_forward_hook(inf)
+    return pipe, kw, target, state
+
+
+def test_flux_under_one_attach_around_a_serving_loop_has_an_inf_at_step_0_of_its_6th_call_named_there(tmp_path):
+    """One ``with dbg`` around six Flux calls under float16 autocast: its clipped streams are told at the first call,
+    and from then its sentinel reads every step of every call, as main's. Its step 0 was still paced by run (read at
+    calls 1, 2, 5, 9...): an Inf made at step 0 of the 6th call, clipped by its blocks, was reported nowhere (main
+    names it)."""
+    pipe, kw, target, state = _flux_with_inf(step=0, call=5)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    outs = []
+    with dbg, autocast():
+        for call in range(6):
+            state["call"], state["timesteps"] = call, []
+            outs.append(
+                pipe(
+                    **kw, num_inference_steps=4, generator=torch.Generator().manual_seed(0), output_type="latent"
+                ).images
+            )
+    dbg.close()
+    assert bool(torch.isfinite(outs[5]).all())  # clipped: the step's output never showed it
+    got = [(a.kind, a.module, a.step) for a in dbg.report().anomalies if a.kind == "nonfinite"]
+    assert got[:1] == [("nonfinite", target, 0)], got

@@ -216,7 +216,7 @@ class ComponentProbes:
         paced: dict = {"steps": ([], []), "encoders": ([], []), "decoders": ([], []), None: ([], [])}  # by pace group
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
         late = self.pace.left_out() if self._kept else {None: None}  # (fp32, bf16: nothing kept, no call)
-        every = SENTINEL_EVERY  # the paced denoiser's steps read: a projected transformer's fewer (its ~11 flushes)
+        every = SENTINEL_EVERY  # the paced denoiser's steps read: a projected transformer's fewer (its ~12 flushes)
         try:
             for component in components:
                 name, module = component.name, component.module
@@ -298,6 +298,8 @@ class ComponentProbes:
                     handles.append(_StreamDtype(values, probe, self.pace))
                 paced[pace][0].append(name)
                 paced[pace][1].append(probe)
+            if every == SENTINEL_EVERY_PROJECTED and late.get("steps"):  # its step 0 read at every call: hooks in
+                outputs += late.pop("steps")
             if outputs:
                 handles.append(ForwardHooks(chain.from_iterable(outputs)))
         except BaseException:  # what was added goes before the error does
@@ -306,7 +308,7 @@ class ComponentProbes:
         if not self.probes:  # (fp32, bf16)
             return ProbeHandle(handles)
         # the runs begun with a probe counted; the paced sentinels' hooks found at their first step or run not read
-        self.pace.watch(paced, late, every)
+        self.pace.watch(paced, late, every, each_run=every == SENTINEL_EVERY_PROJECTED)
         return ProbeHandle(handles, on_remove=self.pace.forget)
 
     def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
@@ -403,8 +405,9 @@ class _StreamDtype:
     steps 0, 1 and every :data:`~.sentinel_pace.SENTINEL_EVERY_PROJECTED`-th of every call. Flux's are float16
     (x_embedder and gates run in float16) and clipped to +-65504 by its blocks, so such an Inf never reaches the
     step's output: its projections' hooks go at once (the first call's readings kept), its sentinel reads every
-    step, and ``values`` (the tree memo's) remembers it: the next attach reads it as on main, its block lists' ends
-    every step, no projection (hooks and ops a step as main's)."""
+    step of every call (:meth:`~.sentinel_pace.SentinelPace.read_every_step`: its step 0 too, read at every call,
+    :attr:`~.sentinel_pace.SentinelPace.each_run`), and ``values`` (the tree memo's) remembers it: the next attach
+    reads it as on main, its block lists' ends every step, no projection (hooks and ops a step as main's)."""
 
     def __init__(self, values: dict, probe: Probe, pace: SentinelPace):
         self.values, self.probe, self.pace = values, probe, pace
@@ -414,7 +417,7 @@ class _StreamDtype:
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         if clips_float16(module) and any(isinstance(o, torch.Tensor) and o.dtype == torch.float16 for o in outputs):
             self.values["clipped_streams"] = True
-            self.pace.every = 1  # read at every step (this attach; the next is not paced)
+            self.pace.read_every_step()  # this call's later steps and calls, as main's
             projections = {id(m) for m in self.values["projections"]}
             for m, hook in self.probe.output_hooks() or ():  # the projections' hooks out, as they went in
                 if m is not None and id(m) in projections:

@@ -34,15 +34,17 @@ What it costs (the trade-off):
 Read at every step: a transformer denoiser's sentinel (diffusers' Flux, Sana, QwenImage... blocks
 clip their fp16 streams to +-65504, so an Inf made there reaches no output; their sentinels read a
 block list's end, 2 to 10 hooks a step), ControlNets and adapters (outputs the step does not
-measure). Paced as a UNet's, but every :data:`SENTINEL_EVERY_PROJECTED`-th step after the first
-two: a float32 transformer's under float16 autocast, which reads each block's float16 projections too
-(:func:`~.sentinel_blocks.block_projections`; PixArt-alpha's 84, a hook each and their bytes: ~11
-flushes a step read at 1024 px, the held bytes bounded by ``HELD_BYTES``), where its streams are
-float32 (PixArt's: its adaLN gate is a float32 parameter) or float16 but not clipped by its blocks (SD3's),
-so an Inf a projection makes reaches the step's output. Flux's are float16 under autocast (its x_embedder
-and gates run in it) and clipped by its blocks: told by its block lists' ends at the first call, its
-projections' hooks go and its sentinel reads every step; from the next attach it is main's (block lists'
-ends, not paced).
+measure). Paced, its step 0 read at every call (not by run: :attr:`SentinelPace.each_run`) and every
+:data:`SENTINEL_EVERY_PROJECTED`-th step after the first two: a float32 transformer's under float16
+autocast, which reads each block's float16 projections too (:func:`~.sentinel_blocks.block_projections`;
+PixArt-alpha's 84, a hook each and their bytes: ~12 flushes a step read at 1024 px, 11 more than its
+block lists' ends, the held bytes bounded by ``HELD_BYTES``), where its streams are float32 (PixArt's:
+its adaLN gate is a float32 parameter) or float16 in blocks of a class known not to clip them (SD3's
+``JointTransformerBlock``: :func:`~.sentinel_blocks.unclipped_float16`), so an Inf a projection makes
+reaches the step's output. Any other float16 stream (Flux's: its x_embedder and gates run in float16,
+its blocks clip) is told by its block lists' ends at the first call: its projections' hooks go and its
+sentinel leaves the pace (:meth:`SentinelPace.read_every_step`: every step of every call from then, as
+main's); from the next attach it is main's (block lists' ends, not paced).
 
 The components called once per image (an fp16 VAE's decoder blocks, a text or image encoder's last
 layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
@@ -105,9 +107,9 @@ SENTINEL_EVERY = 4
 """After them, the steps it reads: every ``SENTINEL_EVERY``-th (and every step while warm)."""
 SENTINEL_EVERY_PROJECTED = 8
 """The same for a float32 transformer's sentinel under float16 autocast, which reads its blocks' projections too
-(PixArt-alpha's 84, ~12 flushes a step read at 1024 px): every 4th step added 28.4 ops a step over a 20-step run
-(DESIGN: <= 25), every 8th 23.6 (benchmarks/RESULTS.md, dit31); since main's flushes stack outside the user's
-autocast (no ``_to_copy`` a flush), every 4th 22.8, every 8th 19.2 (dit32)."""
+(PixArt-alpha's 84, ~12 flushes a step read at 1024 px; its step 0 read at every call): every 4th step added 28.4
+ops a step over a 20-step run (DESIGN: <= 25), every 8th 23.6 (benchmarks/RESULTS.md, dit31); since main's
+flushes stack outside the user's autocast (no ``_to_copy`` a flush), every 4th 22.8, every 8th 19.2 (dit32)."""
 SENTINEL_WARM = 4
 """Warm: a block output read was within this factor of the overflow warning (8188 at the default
 ``overflow_fraction`` 0.5 of fp16's 65504)."""
@@ -158,6 +160,10 @@ class SentinelPace:
         runs (``benchmarks.call_control`` times that against the default)."""
         self.every = SENTINEL_EVERY
         """The steps after a run's first two that :attr:`sampled` read: every ``every``-th (:meth:`watch`'s)."""
+        self.each_run = False
+        """Whether :attr:`sampled` read step 0 of every run, not by run (:meth:`watch`'s): a float32 transformer's
+        under float16 autocast, whose first call tells whether its streams may be clipped with every hook in
+        (``component_probes._StreamDtype``), and whose step 0 main read at every call."""
         self.paced = False
         """Whether this attach probes a component (a sentinel or full probes): a run's beginning asks
         :meth:`at` then, which counts it (:attr:`runs`) and paces :attr:`sampled` and :attr:`once`."""
@@ -217,12 +223,14 @@ class SentinelPace:
         paced: dict[str | None, tuple[list[str], list]],
         late: dict[str | None, list | None],
         every: int = SENTINEL_EVERY,
+        each_run: bool = False,
     ) -> None:
         """An attach (after :meth:`forget`): ``paced``, per group (``"steps"``, ``"encoders"``, ``"decoders"``),
         its components' names and probes, their hooks in but those of the groups ``late`` (:meth:`left_out`)
         holds a non-empty list for (their ``(module, hook)`` pairs: put in at the first step or run read);
-        ``every``: the ``"steps"`` group's steps read after a run's first two (:attr:`every`)."""
-        self.every = every
+        ``every``: the ``"steps"`` group's steps read after a run's first two (:attr:`every`); ``each_run``: its
+        step 0 read at every run (:attr:`each_run`; ``late`` then holds no ``"steps"`` list)."""
+        self.every, self.each_run = every, each_run
         sampled, unets = paced["steps"]
         self.sampled, self._paused, self._late = sampled, None, late.get("steps") or None
         self._hooks = lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets)
@@ -290,7 +298,7 @@ class SentinelPace:
                 self.once_out = out
             if not self.sampled:
                 return
-            read = first or (runs - phases["steps"]) % SENTINEL_EVERY == 0 or self.warm
+            read = first or self.each_run or (runs - phases["steps"]) % SENTINEL_EVERY == 0 or self.warm
         else:
             read = step < SENTINEL_FIRST_STEPS or step % self.every == 0 or self.warm
         if read:
@@ -308,6 +316,18 @@ class SentinelPace:
             paused = self._paused = PausedHooks(self._hooks())
         if not paused.paused:
             paused.pause()
+
+    def read_every_step(self) -> None:
+        """The ``"steps"`` group out of the pace for the rest of this attach: every step of every run read, as main
+        reads a transformer's sentinel (one whose first call showed float16 streams its blocks may clip; the next
+        attach does not pace it). Its hooks are in (asked at a step 0, which :attr:`each_run` reads); any left out or
+        paused go back in. A UNet paced beside it (no diffusers pipeline holds both) is read every step too."""
+        self.sampled, self.every, self.each_run = [], 1, True
+        if self._late is not None:
+            self._put_in.append(ForwardHooks(chain.from_iterable(self._late)))
+            self._late = None
+        elif self._paused is not None and self._paused.paused:
+            self._paused.resume()
 
     def note(self, readings: dict[str, list[ModuleReading]]) -> None:
         """A step's readings, read: warm while a sampled sentinel's block output is within
