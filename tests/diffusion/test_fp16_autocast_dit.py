@@ -296,3 +296,77 @@ def test_flux_under_one_attach_around_a_serving_loop_has_an_inf_at_step_0_of_its
     assert bool(torch.isfinite(outs[5]).all())  # clipped: the step's output never showed it
     got = [(a.kind, a.module, a.step) for a in dbg.report().anomalies if a.kind == "nonfinite"]
     assert got[:1] == [("nonfinite", target, 0)], got
+
+
+def test_a_block_not_known_to_keep_float16_streams_unclipped_is_read_every_step(tmp_path):
+    """A float16 stream is paced only where its blocks are of a class known not to clip it (SD3's
+    ``JointTransformerBlock``); any other is read as on main, every step. Here SD3's blocks become a subclass that
+    clips with ``torch.finfo(torch.float16).max`` (as diffusers' NucleusMoE does; Sana clips in its processor): no
+    ``65504`` in its source, so it was paced as an unclipped one, and an Inf its first block's FeedForward made at
+    step 2 (not read: steps 0, 1, 8) was clipped away and reported nowhere. Named there now."""
+    from diffusers.models.attention import JointTransformerBlock
+
+    class FinfoClippedBlock(JointTransformerBlock):
+        def forward(self, *args, **kwargs):
+            encoder, hidden = super().forward(*args, **kwargs)
+            big = torch.finfo(torch.float16).max
+            clip = lambda t: t if t is None or t.dtype != torch.float16 else t.clip(-big, big)  # noqa: E731
+            return clip(encoder), clip(hidden)
+
+    pipe = deeper(tiny_pipeline("sd3"), num_layers=3)
+    for block in pipe.transformer.transformer_blocks:
+        block.__class__ = FinfoClippedBlock
+    target = "transformer_blocks.0.ff.net.2"
+    timesteps: list[float] = []
+    now = [0.0]
+
+    def count(module, args, kwargs):
+        now[0] = float(kwargs["timestep"].flatten()[0])
+        if now[0] not in timesteps:
+            timesteps.append(now[0])
+
+    def inf_at_step_2(module, args, output):
+        if timesteps.index(now[0]) == 2:
+            output = output.clone()
+            output[(0,) * output.dim()] = float("inf")
+            return output
+
+    pipe.transformer.register_forward_pre_hook(count, with_kwargs=True)
+    pipe.transformer.get_submodule(target).register_forward_hook(inf_at_step_2)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        out = run(pipe, "sd3", steps=4, output_type="latent")
+    dbg.close()
+    assert len(timesteps) == 4
+    assert bool(torch.isfinite(out).all())  # clipped by the blocks
+    got = [(a.kind, a.module, a.step) for a in dbg.report().anomalies if a.kind == "nonfinite"]
+    assert got[:1] == [("nonfinite", target, 2)], got
+
+
+def test_a_dits_stream_dtype_is_told_once_then_remembered_both_ways(dits, tmp_path, monkeypatch):
+    """Whether a float32 transformer's streams need main's path is told at its first watched call and remembered
+    either way: a PixArt (float32 streams: paced) watched at four attaches is told once, and its later attaches add
+    no check (it was told again at every attach: a hook on its block lists' ends and a read of its blocks' source,
+    1-2 ms a call, of DESIGN's 3 ms fixed cost)."""
+    from diffusion_debug.diffusion.components import component_probes
+
+    told = []
+    original = component_probes._StreamDtype.__init__
+
+    def counting(self, *args, **kwargs):
+        told.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(component_probes._StreamDtype, "__init__", counting)
+    pipe = dits["pixart"]
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    sampled = []
+    try:
+        for _ in range(4):
+            with dbg:
+                run(pipe, "pixart", steps=2, output_type="latent")
+                sampled.append(list(dbg._steps.probes.pace.sampled))
+    finally:
+        dbg.close()
+    assert len(told) == 1
+    assert sampled == [["transformer"]] * 4

@@ -33,12 +33,12 @@ from .sentinel_blocks import (
     _LAYER_STACKS,
     _unet,
     block_projections,
-    clips_float16,
     denoiser_blocks,
     inner_blocks,
     overflow_blocks,
     residual_projections,
     stack_ends,
+    unclipped_float16,
 )
 from .sentinel_pace import SENTINEL_EVERY, SENTINEL_EVERY_PROJECTED, SentinelPace, run_group
 from .structure import TreeMemo
@@ -234,7 +234,7 @@ class ComponentProbes:
                     module = module._modules[ORIG]  # probed as itself, names without the "_orig_mod." prefix
                 # a float32 stream under float16 autocast: its sublayers' float16 outputs read too (a text encoder's;
                 # a float32 transformer denoiser's, whose adaLN gates shrink them before its blocks' outputs)
-                # (not one whose blocks a first call showed clipping float16 streams: Flux's, read as on main;
+                # (not one whose first call showed float16 streams its blocks may clip: Flux's, read as on main;
                 # _StreamDtype)
                 projected = name in under and (
                     component.role in _LAYER_STACKS
@@ -242,7 +242,7 @@ class ComponentProbes:
                         component.role == "denoiser"
                         and dtypes.get(name) == "float32"
                         and not _unet(module)
-                        and "clipped_streams" not in values
+                        and not values.get("clipped_streams")
                     )
                 )
                 watched = values.get(("probed", level, component.role, projected))  # the modules to probe
@@ -259,8 +259,9 @@ class ComponentProbes:
                         if projected:  # paced by step, as a UNet's sentinel (below), if its streams are float32
                             # its block lists' ends (a layer of a list), not its patch embedding's float16 output
                             values["stack_ends"] = [m for n, m in watched if n.rsplit(".", 1)[-1].isdigit()]
-                            values["projections"] = [m for _, m in block_projections(module)]
-                            watched = with_projections(module, watched, projections=block_projections(module))
+                            projections = block_projections(module)
+                            values["projections"] = [m for _, m in projections]
+                            watched = with_projections(module, watched, projections=projections)
                     else:
                         watched = probed_modules(module, level)
                     values[("probed", level, component.role, projected)] = watched
@@ -295,7 +296,8 @@ class ComponentProbes:
                 self.probes[name] = probe
                 if pace == "steps" and projected:
                     every = SENTINEL_EVERY_PROJECTED
-                    handles.append(_StreamDtype(values, probe, self.pace))
+                    if "clipped_streams" not in values:  # told once a tree (then remembered either way)
+                        handles.append(_StreamDtype(values, probe, self.pace))
                 paced[pace][0].append(name)
                 paced[pace][1].append(probe)
             if every == SENTINEL_EVERY_PROJECTED and late.get("steps"):  # its step 0 read at every call: hooks in
@@ -398,24 +400,28 @@ class ComponentProbes:
 
 
 class _StreamDtype:
-    """Whether a projected transformer's blocks clip float16 streams, told by its stack-end blocks' outputs at its
-    first call after an attach (then its hooks go). PixArt's streams are float32 (its adaLN gate, a float32
-    parameter, makes them so) and SD3's float16 but not clipped (:func:`~.sentinel_blocks.clips_float16`): an Inf
-    a projection makes at a step not read reaches the step's output, so their sentinels read their projections at
-    steps 0, 1 and every :data:`~.sentinel_pace.SENTINEL_EVERY_PROJECTED`-th of every call. Flux's are float16
-    (x_embedder and gates run in float16) and clipped to +-65504 by its blocks, so such an Inf never reaches the
-    step's output: its projections' hooks go at once (the first call's readings kept), its sentinel reads every
-    step of every call (:meth:`~.sentinel_pace.SentinelPace.read_every_step`: its step 0 too, read at every call,
-    :attr:`~.sentinel_pace.SentinelPace.each_run`), and ``values`` (the tree memo's) remembers it: the next attach
-    reads it as on main, its block lists' ends every step, no projection (hooks and ops a step as main's)."""
+    """Whether a projected transformer's streams may be clipped, told by its stack-end blocks' outputs at its first
+    call (step 0, read at every call: :attr:`~.sentinel_pace.SentinelPace.each_run`), then its hooks go and the tree
+    memo's ``values`` remembers the answer either way (a later attach adds no check). PixArt's streams are float32
+    (its adaLN gate, a float32 parameter, makes them so) and SD3's float16 but not clipped by its blocks
+    (:func:`~.sentinel_blocks.unclipped_float16`, a list of block classes): an Inf a projection makes at a step not
+    read reaches the step's output, so their sentinels read their projections at steps 0, 1 and every
+    :data:`~.sentinel_pace.SENTINEL_EVERY_PROJECTED`-th of every call. Any other block list ending in float16 (Flux's:
+    its x_embedder and gates run in float16, and its blocks clip to +-65504) may hide such an Inf: its projections'
+    hooks go at once (the first call's readings kept) and its sentinel leaves the pace, read at every step of every
+    call from then on (:meth:`~.sentinel_pace.SentinelPace.read_every_step`), and from the next attach it is read as
+    on main (its block lists' ends every step, no projection: hooks and ops a step as main's). Every list's end is
+    told (Flux's dual-stream and single-stream lists)."""
 
     def __init__(self, values: dict, probe: Probe, pace: SentinelPace):
         self.values, self.probe, self.pace = values, probe, pace
+        self.waiting = {id(m) for m in values["stack_ends"]}
         self.handles = [m.register_forward_hook(self._seen) for m in values["stack_ends"]]
 
     def _seen(self, module: nn.Module, args: object, output: object) -> None:
         outputs = output if isinstance(output, (tuple, list)) else (output,)
-        if clips_float16(module) and any(isinstance(o, torch.Tensor) and o.dtype == torch.float16 for o in outputs):
+        float16 = any(isinstance(o, torch.Tensor) and o.dtype == torch.float16 for o in outputs)
+        if float16 and not unclipped_float16(module):
             self.values["clipped_streams"] = True
             self.pace.read_every_step()  # this call's later steps and calls, as main's
             projections = {id(m) for m in self.values["projections"]}
@@ -423,7 +429,12 @@ class _StreamDtype:
                 if m is not None and id(m) in projections:
                     for key in [k for k, h in m._forward_hooks.items() if h is hook]:
                         del m._forward_hooks[key]
-        self.remove()
+            self.remove()
+            return
+        self.waiting.discard(id(module))
+        if not self.waiting:  # every list's end told: none clips
+            self.values["clipped_streams"] = False
+            self.remove()
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -8,8 +8,6 @@ and a replay with full probes names the module inside a block."""
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 
 from ...probes import probed_modules
@@ -292,21 +290,29 @@ def block_projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def clips_float16(block: nn.Module) -> bool:
-    """Whether ``block``'s ``forward`` clips its float16 streams to +-65504 (diffusers writes it so:
-    ``.clip(-65504, 65504)`` in Flux's, QwenImage's, Chroma's... blocks; not in SD3's ``JointTransformerBlock`` nor
-    PixArt's): an Inf one of its projections makes turns finite at the block's end and reaches no output, so a
-    sentinel that did not read that step never sees it. A block whose source cannot be read counts as clipping.
+def unclipped_float16(block: nn.Module) -> bool:
+    """Whether ``block`` is of a class known to add its sublayers' outputs to its float16 streams unclipped, so that an
+    Inf one of its projections makes reaches the step's output and a sentinel that reads some steps still finds it:
+    diffusers' ``JointTransformerBlock`` (SD3's; neither its ``forward`` nor ``JointAttnProcessor2_0`` clips or clamps,
+    diffusers 0.32 to 0.42), exactly that class, not a subclass (its ``forward`` may clip). Any other block with a
+    float16 output counts as clipping: Flux's, QwenImage's, Chroma's blocks ``.clip(-65504, 65504)`` their streams,
+    NucleusMoE's to ``torch.finfo(torch.float16).max``, Sana's attention processor inside; a list, not a guess.
 
     >>> from diffusers.models.attention import JointTransformerBlock
     >>> from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
-    >>> clips_float16(FluxTransformerBlock(8, 1, 8)), clips_float16(JointTransformerBlock(8, 1, 8, False))
+    >>> unclipped_float16(JointTransformerBlock(8, 1, 8, False)), unclipped_float16(FluxTransformerBlock(8, 1, 8))
     (True, False)
     """
+    return type(block) in _unclipped_classes()
+
+
+def _unclipped_classes() -> tuple[type, ...]:
+    """The installed diffusers' block classes of :func:`unclipped_float16`."""
     try:
-        return "65504" in inspect.getsource(type(block).forward)
-    except (OSError, TypeError):
-        return True
+        from diffusers.models.attention import JointTransformerBlock
+    except ImportError:  # pragma: no cover - diffusers is what this package watches
+        return ()
+    return (JointTransformerBlock,)
 
 
 def _sublayer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
