@@ -370,3 +370,27 @@ def test_a_dits_stream_dtype_is_told_once_then_remembered_both_ways(dits, tmp_pa
         dbg.close()
     assert len(told) == 1
     assert sampled == [["transformer"]] * 4
+
+
+def test_a_dit_whose_projections_are_wrapped_by_lora_is_not_paced_for_none(tmp_path):
+    """peft's LoRA wraps each targeted projection in a ``lora.Linear`` (not an ``nn.Linear``): no projection of the
+    blocks is found to read, so the transformer is read as on main (its block lists' ends every step, not paced),
+    not paced for projections it does not read."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from diffusion_debug.diffusion.components.sentinel_blocks import block_projections
+
+    pipe = deeper(tiny_pipeline("pixart"), num_layers=3)
+    config = LoraConfig(r=4, target_modules=["to_out.0", "ff.net.2"], init_lora_weights=True)
+    inject_adapter_in_model(config, pipe.transformer)
+    assert block_projections(pipe.transformer) == []
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        with dbg:
+            run(pipe, "pixart", steps=2, output_type="latent")
+            sampled = list(dbg._steps.probes.pace.sampled)
+            every = dbg._steps.probes.pace.every
+    finally:
+        dbg.close()
+    assert (sampled, every) == ([], 4)
+    assert found(dbg) == []

@@ -235,7 +235,7 @@ class ComponentProbes:
                 # a float32 stream under float16 autocast: its sublayers' float16 outputs read too (a text encoder's;
                 # a float32 transformer denoiser's, whose adaLN gates shrink them before its blocks' outputs)
                 # (not one whose first call showed float16 streams its blocks may clip: Flux's, read as on main;
-                # _StreamDtype)
+                # _StreamDtype; nor one with no projection found: peft's LoRA wraps them)
                 projected = name in under and (
                     component.role in _LAYER_STACKS
                     or (
@@ -243,6 +243,7 @@ class ComponentProbes:
                         and dtypes.get(name) == "float32"
                         and not _unet(module)
                         and not values.get("clipped_streams")
+                        and bool(memo.get(component.module, "block_projections", lambda: block_projections(module)))
                     )
                 )
                 watched = values.get(("probed", level, component.role, projected))  # the modules to probe
@@ -259,7 +260,9 @@ class ComponentProbes:
                         if projected:  # paced by step, as a UNet's sentinel (below), if its streams are float32
                             # its block lists' ends (a layer of a list), not its patch embedding's float16 output
                             values["stack_ends"] = [m for n, m in watched if n.rsplit(".", 1)[-1].isdigit()]
-                            projections = block_projections(module)
+                            projections = memo.get(
+                                component.module, "block_projections", lambda: block_projections(module)
+                            )
                             values["projections"] = [m for _, m in projections]
                             watched = with_projections(module, watched, projections=projections)
                     else:
