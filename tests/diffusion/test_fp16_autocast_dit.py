@@ -372,17 +372,17 @@ def test_a_dits_stream_dtype_is_told_once_then_remembered_both_ways(dits, tmp_pa
     assert sampled == [["transformer"]] * 4
 
 
-def test_a_dit_whose_projections_are_wrapped_by_lora_is_not_paced_for_none(tmp_path):
-    """peft's LoRA wraps each targeted projection in a ``lora.Linear`` (not an ``nn.Linear``): no projection of the
-    blocks is found to read, so the transformer is read as on main (its block lists' ends every step, not paced),
-    not paced for projections it does not read."""
-    from peft import LoraConfig, inject_adapter_in_model
-
+def test_a_dit_with_no_projection_found_is_not_paced_for_none(tmp_path):
+    """A transformer whose blocks hold no projection :func:`~.sentinel_blocks.block_projections` reads (here each
+    wrapped in an ``nn.Sequential``) is read as on main (its block lists' ends every step, not paced), not paced for
+    projections it does not read (peft's LoRA wrappers were such: found none, paced still)."""
     from diffusion_debug.diffusion.components.sentinel_blocks import block_projections
 
     pipe = deeper(tiny_pipeline("pixart"), num_layers=3)
-    config = LoraConfig(r=4, target_modules=["to_out.0", "ff.net.2"], init_lora_weights=True)
-    inject_adapter_in_model(config, pipe.transformer)
+    for block in pipe.transformer.transformer_blocks:
+        for attention in (block.attn1, block.attn2):
+            attention.to_out[0] = torch.nn.Sequential(attention.to_out[0])
+        block.ff.net[2] = torch.nn.Sequential(block.ff.net[2])
     assert block_projections(pipe.transformer) == []
     dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
     try:
@@ -394,3 +394,32 @@ def test_a_dit_whose_projections_are_wrapped_by_lora_is_not_paced_for_none(tmp_p
         dbg.close()
     assert (sampled, every) == ([], 4)
     assert found(dbg) == []
+
+
+def test_a_lora_wrapped_projection_near_float16s_max_is_warned_at_the_wrapper(tmp_path):
+    """peft's LoRA wraps each targeted projection in a ``lora.Linear`` (its ``base_layer`` the ``nn.Linear``): the
+    wrapper is read, its output the projection's with the adapter's. Its base layer scaled so that the wrapper's
+    float16 output peaks at 90% of 65504: warned at the first step past half the max, the replay naming the base layer
+    inside the wrapper the sentinel read (none was read: block_projections found no ``nn.Linear``)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from diffusion_debug.diffusion.components.sentinel_blocks import block_projections
+
+    pipe = deeper(tiny_pipeline("pixart"), num_layers=3)
+    config = LoraConfig(r=4, target_modules=["to_out.0", "ff.net.2"], init_lora_weights=True)
+    inject_adapter_in_model(config, pipe.transformer)
+    _, name, _, _ = PLANTED["pixart"]
+    assert len(block_projections(pipe.transformer)) == 9
+    module = pipe.transformer.get_submodule(name)
+    by = 0.9 * FP16_MAX / max(peaks_by_call(pipe, "pixart", [name], steps=3)[name])
+    with torch.no_grad():
+        module.base_layer.weight.mul_(by)
+        module.base_layer.bias.mul_(by)
+    peaks = peaks_by_call(pipe, "pixart", [name], steps=3)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        run(pipe, "pixart", steps=3, output_type="latent")
+    dbg.close()
+    first = next(step for step, peak in enumerate(peaks[name]) if peak >= 0.5 * FP16_MAX)
+    risks = [(a.kind, a.module, a.step) for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert risks == [("overflow_risk", f"{name}.base_layer", first)]

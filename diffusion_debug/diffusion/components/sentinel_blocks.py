@@ -258,7 +258,8 @@ def block_projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
     stream: what one makes near float16's max reaches no float16 block output the sentinel reads (PixArt's gate is a
     float32 parameter plus the timestep's: the product is float32). Read here, paced by step
     (:mod:`.sentinel_pace`; :meth:`~.component_probes.ComponentProbes.attach`). At real size PixArt-alpha's 28
-    blocks hold 84 (two attentions and a FeedForward each).
+    blocks hold 84 (two attentions and a FeedForward each). A Linear a LoRA adapter wraps (peft's ``lora.Linear``:
+    its ``base_layer`` an ``nn.Linear``) is read as the wrapper, whose output is the projection's with the adapter's.
 
     >>> from diffusers.models.attention import FeedForward
     >>> from diffusers.models.attention_processor import Attention
@@ -278,16 +279,23 @@ def block_projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(child, attentions):
                 out = child._modules.get("to_out")
                 first = out[0] if isinstance(out, nn.ModuleList) and len(out) else None
-                if isinstance(first, nn.Linear):
+                if _linear(first):
                     found.append((f"{name}.to_out.0", first))
-                if isinstance(child._modules.get("to_add_out"), nn.Linear):
+                if _linear(child._modules.get("to_add_out")):
                     found.append((f"{name}.to_add_out", child._modules["to_add_out"]))
             elif isinstance(child, feed_forwards):
                 net = child._modules.get("net")
-                last = [i for i, m in enumerate(net or ()) if isinstance(m, nn.Linear)]
+                last = [i for i, m in enumerate(net or ()) if _linear(m)]
                 if last:
                     found.append((f"{name}.net.{last[-1]}", net[last[-1]]))
     return found
+
+
+def _linear(module: nn.Module | None) -> bool:
+    """``module`` is an ``nn.Linear``, or wraps one as its ``base_layer`` (peft's LoRA layers)."""
+    return isinstance(module, nn.Linear) or (
+        module is not None and isinstance(module._modules.get("base_layer"), nn.Linear)
+    )
 
 
 def unclipped_float16(block: nn.Module) -> bool:
