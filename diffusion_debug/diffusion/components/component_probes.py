@@ -235,7 +235,7 @@ class ComponentProbes:
                 # a float32 stream under float16 autocast: its sublayers' float16 outputs read too (a text encoder's;
                 # a float32 transformer denoiser's, whose adaLN gates shrink them before its blocks' outputs)
                 # (not one whose first call showed float16 streams its blocks may clip: Flux's, read as on main;
-                # _StreamDtype; nor one with no projection found: peft's LoRA wraps them)
+                # _StreamDtype; nor one whose blocks hold no projection block_projections reads)
                 projected = name in under and (
                     component.role in _LAYER_STACKS
                     or (
