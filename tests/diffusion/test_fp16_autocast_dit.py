@@ -423,3 +423,64 @@ def test_a_lora_wrapped_projection_near_float16s_max_is_warned_at_the_wrapper(tm
     first = next(step for step, peak in enumerate(peaks[name]) if peak >= 0.5 * FP16_MAX)
     risks = [(a.kind, a.module, a.step) for a in dbg.report().anomalies if a.kind == "overflow_risk"]
     assert risks == [("overflow_risk", f"{name}.base_layer", first)]
+
+
+def test_a_projected_prior_beside_a_unet_leaves_the_unets_pace_as_on_main(tmp_path):
+    """A float32 PriorTransformer and a float32 UNet under float16 autocast (Kandinsky's combined pipelines' prior and
+    UNet; UnCLIP's): the prior is paced as a projected transformer (step 0 of every run, then steps 1 and every 8th),
+    the UNet as on main (its step 0 by run: runs 1, 2, 5...; then steps 1 and every 4th). The projected pace was the
+    whole group's: the UNet was read at steps 0, 1 and every 8th of every run."""
+    from diffusers import PriorTransformer, UNet2DConditionModel
+
+    from diffusion_debug.diffusion.components.component_probes import ComponentProbes
+    from diffusion_debug.diffusion.components.inventory import Component
+    from diffusion_debug.diffusion.components.sentinel_blocks import block_projections
+    from diffusion_debug.diffusion.components.sentinel_pace import reads
+    from diffusion_debug.diffusion.components.structure import TreeMemo
+
+    torch.manual_seed(0)
+    prior = PriorTransformer(num_attention_heads=2, attention_head_dim=16, embedding_dim=32, num_layers=1)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+    )
+    probes = ComponentProbes(DebugConfig(output_dir=str(tmp_path), log_level="error"), on_error=print)
+    components = [Component("unet", "denoiser", unet), Component("prior", "denoiser", prior)]
+    memo, dtypes = TreeMemo(), {"unet": "float32", "prior": "float32"}
+    projections = [m for _, m in block_projections(prior)]
+    assert projections
+
+    def hooked(modules) -> bool:
+        return any(m._forward_hooks for m in modules)
+
+    seen: dict[str, list[list[int]]] = {"unet": [], "prior": []}
+    every: list[tuple[int, list[str]]] = []
+    for _ in range(6):  # runs 1 to 6
+        memo.refresh([unet, prior])  # as an attach does: the probes kept are reused (their hooks left out or not)
+        with torch.autocast("cpu", dtype=torch.float16):
+            handle = probes.attach(components, memo, dtypes)
+        assert (probes.levels, sorted(probes.pace.sampled)) == (
+            {"unet": "sentinel", "prior": "sentinel"},
+            ["prior", "unet"],
+        )
+        every.append((probes.pace.every, list(getattr(probes.pace, "projected", []))))
+        read: dict[str, list[int]] = {"unet": [], "prior": []}
+        for step in range(17):
+            probes.pace.at(step)
+            if hooked(unet.modules()):
+                read["unet"].append(step)
+            if hooked(projections):
+                read["prior"].append(step)
+        seen["unet"].append(read["unet"])
+        seen["prior"].append(read["prior"])
+        handle.remove()
+    assert seen["unet"] == [[s for s in range(17) if reads(s, warm=False, run=run)] for run in range(1, 7)]
+    assert seen["unet"][2] == [1, 4, 8, 12, 16]  # run 3: its step 0 not read, as on main
+    assert seen["prior"] == [[0, 1, 8, 16]] * 6
+    assert every == [(4, ["prior"])] * 6

@@ -40,7 +40,7 @@ from .sentinel_blocks import (
     stack_ends,
     unclipped_float16,
 )
-from .sentinel_pace import SENTINEL_EVERY, SENTINEL_EVERY_PROJECTED, SentinelPace, run_group
+from .sentinel_pace import SentinelPace, run_group
 from .structure import TreeMemo
 
 
@@ -213,10 +213,15 @@ class ComponentProbes:
         self.levels.update(probe_levels(components, self.level, dtypes, first, under))
         self.reading_fully = [name for name in first if self.levels[name] == "full"] if first else []
         self.compiled, handles = [], []  # (compiled: as found at this attach; a component may be compiled between)
-        paced: dict = {"steps": ([], []), "encoders": ([], []), "decoders": ([], []), None: ([], [])}  # by pace group
+        paced: dict = {  # by pace group (a literal: no comprehension's frame an attach)
+            "steps": ([], []),
+            "projected": ([], []),
+            "encoders": ([], []),
+            "decoders": ([], []),
+            None: ([], []),
+        }
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
         late = self.pace.left_out() if self._kept else {None: None}  # (fp32, bf16: nothing kept, no call)
-        every = SENTINEL_EVERY  # the paced denoiser's steps read: a projected transformer's fewer (its ~12 flushes)
         try:
             for component in components:
                 name, module = component.name, component.module
@@ -290,21 +295,24 @@ class ComponentProbes:
                     # and a float32 transformer's under float16 autocast with its projections (its blocks clip no
                     # stream: PixArt's, SD3's; _StreamDtype); a component's called once per image some runs, encoders
                     # and decoders apart (its output checked at every call)
+                    # (a projected one paced on its own, its step 0 at every call: never left out, late has no list)
                     stepped = component.role == "denoiser" and (projected or _unet(module))
-                    pace = run_group(component.role) if once else "steps" if stepped else None
+                    pace = (
+                        run_group(component.role)
+                        if once
+                        else ("projected" if projected else "steps")
+                        if stepped
+                        else None
+                    )
                     pace = pace if level == "sentinel" else None
                     self._kept[name] = (watched, level, probe, config.armed, pace)
                 if hooks is None and late.get(pace) is not None:  # its hooks in: its group's too (all or none out)
                     outputs += late.pop(pace)
                 self.probes[name] = probe
-                if pace == "steps" and projected:
-                    every = SENTINEL_EVERY_PROJECTED
-                    if "clipped_streams" not in values:  # told once a tree (then remembered either way)
-                        handles.append(_StreamDtype(values, probe, self.pace))
+                if pace == "projected" and "clipped_streams" not in values:  # told once a tree (then remembered)
+                    handles.append(_StreamDtype(values, probe, self.pace, name))
                 paced[pace][0].append(name)
                 paced[pace][1].append(probe)
-            if every == SENTINEL_EVERY_PROJECTED and late.get("steps"):  # its step 0 read at every call: hooks in
-                outputs += late.pop("steps")
             if outputs:
                 handles.append(ForwardHooks(chain.from_iterable(outputs)))
         except BaseException:  # what was added goes before the error does
@@ -313,7 +321,7 @@ class ComponentProbes:
         if not self.probes:  # (fp32, bf16)
             return ProbeHandle(handles)
         # the runs begun with a probe counted; the paced sentinels' hooks found at their first step or run not read
-        self.pace.watch(paced, late, every, each_run=every == SENTINEL_EVERY_PROJECTED)
+        self.pace.watch(paced, late)
         return ProbeHandle(handles, on_remove=self.pace.forget)
 
     def _config(self, component: Component, level: str, once: bool, memo: TreeMemo) -> ProbeConfig:
@@ -404,7 +412,7 @@ class ComponentProbes:
 
 class _StreamDtype:
     """Whether a projected transformer's streams may be clipped, told by its stack-end blocks' outputs at its first
-    call (step 0, read at every call: :attr:`~.sentinel_pace.SentinelPace.each_run`), then its hooks go and the tree
+    call (step 0, read at every call: :attr:`~.sentinel_pace.SentinelPace.projected`), then its hooks go and the tree
     memo's ``values`` remembers the answer either way (a later attach adds no check). PixArt's streams are float32
     (its adaLN gate, a float32 parameter, makes them so) and SD3's float16 but not clipped by its blocks
     (:func:`~.sentinel_blocks.unclipped_float16`, a list of block classes): an Inf a projection makes at a step not
@@ -416,8 +424,8 @@ class _StreamDtype:
     on main (its block lists' ends every step, no projection: hooks and ops a step as main's). Every list's end is
     told (Flux's dual-stream and single-stream lists)."""
 
-    def __init__(self, values: dict, probe: Probe, pace: SentinelPace):
-        self.values, self.probe, self.pace = values, probe, pace
+    def __init__(self, values: dict, probe: Probe, pace: SentinelPace, name: str):
+        self.values, self.probe, self.pace, self.name = values, probe, pace, name
         self.waiting = {id(m) for m in values["stack_ends"]}
         self.handles = [m.register_forward_hook(self._seen) for m in values["stack_ends"]]
 
@@ -426,7 +434,7 @@ class _StreamDtype:
         float16 = any(isinstance(o, torch.Tensor) and o.dtype == torch.float16 for o in outputs)
         if float16 and not unclipped_float16(module):
             self.values["clipped_streams"] = True
-            self.pace.read_every_step()  # this call's later steps and calls, as main's
+            self.pace.read_every_step(self.name)  # this call's later steps and calls, as main's
             projections = {id(m) for m in self.values["projections"]}
             for m, hook in self.probe.output_hooks() or ():  # the projections' hooks out, as they went in
                 if m is not None and id(m) in projections:
