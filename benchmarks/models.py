@@ -4,6 +4,8 @@ topology at tiny widths (:func:`sd15_shaped_pipeline`), whose counts stand for a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
@@ -98,3 +100,18 @@ def sd15_shaped_pipeline(dtype: torch.dtype = torch.float16, seed: int = 0) -> S
     pipe = StableDiffusionPipeline(**parts, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(dtype=dtype)
+
+
+PIXART_1024_PROJECTION_BYTES = 2 * (1024 // 16) ** 2 * 1152 * 2
+"""The bytes of one float16 output of a PixArt-alpha 1024px block's projection (``attn1.to_out.0``, ``attn2.to_out.0``,
+``ff.net.2``) under float16 autocast with CFG: 2 images x 4096 tokens (128x128 latents, patch 2) x 1152 channels."""
+
+
+def pixart_shaped_pipeline(seed: int = 0) -> Any:
+    """PixArt-alpha's depth (28 blocks of two attentions and a FeedForward) at tiny widths (the tiny PixArt's
+    24 channels, 4 tokens: 32x32 px with :data:`~diffusion_debug.testing.zoo.ZOO_CALLS`' ``"pixart"``), float32,
+    as a user runs it under float16 autocast: the hooks and reads its sentinel adds a step are those of the real
+    model; the bytes it holds are emulated by :func:`~benchmarks.op_counts.held_bytes` (the real model's flushes)."""
+    from diffusion_debug.testing.flux import deeper
+
+    return deeper(tiny_pipeline("pixart", seed=seed), seed=seed, num_layers=28)

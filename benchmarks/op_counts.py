@@ -10,16 +10,21 @@ runs (:func:`hook_calls`).
 Per step means the difference between a run of ``long`` and one of ``short`` steps, divided by
 the step difference: what happens once per pipeline call (prompt encoding, VAE decode, static
 checks, the report) cancels out.
+
+Long because every count the op, hook and Python-call pins read (inference, a reused call,
+training, a paced run's average) is here, over one counting and one per-step difference.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import os
 import sys
 import tempfile
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,20 +46,42 @@ def _per_step(short: Counter[str], long: Counter[str], steps: int) -> Counter[st
     return Counter({op: (long[op] - short.get(op, 0)) / steps for op in long if long[op] != short.get(op, 0)})
 
 
-def inference_ops(pipe: Any, config: DebugConfig, *, short: int = 2, long: int = 6) -> dict[str, Any]:
-    """Ops per denoising step of ``pipe`` plain and under a debugger with ``config``."""
+def _region(pipe: Any, autocast: torch.dtype | None) -> Any:
+    """The user's ``with torch.autocast(device, dtype=autocast)`` around each call (a region of its own: autocast's
+    cache of cast weights is emptied as it closes, so no call finds the weights another one cast), or nothing."""
+    return contextlib.nullcontext() if autocast is None else torch.autocast(pipe.device.type, dtype=autocast)
+
+
+def inference_ops(
+    pipe: Any,
+    config: DebugConfig,
+    *,
+    short: int = 2,
+    long: int = 6,
+    first: int = 1,
+    autocast: torch.dtype | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Ops per denoising step of ``pipe`` plain and under a debugger with ``config``. ``first``: the steps of the
+    uncounted first call (PixArt's default scheduler cannot run 1); ``autocast``: each call (and its debugger's
+    attach) under ``torch.autocast`` to that dtype; ``kwargs``: the call's other arguments (a PixArt's size; its
+    prompt in place of the default)."""
+    kwargs.setdefault("prompt", "a photo of a cat")
+    kwargs.setdefault("output_type", "np")
 
     def call(steps: int) -> Callable[[], Any]:
-        return lambda: pipe(
-            "a photo of a cat", num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="np"
-        )
+        def run() -> None:
+            with _region(pipe, autocast):
+                pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs)
+
+        return run
 
     def watched(steps: int) -> Callable[[], Any]:
         debugger = DiffusionModelDebugger(pipe, config)
 
         def run() -> None:
-            with debugger:
-                call(steps)()
+            with _region(pipe, autocast), debugger:
+                pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs)
             debugger.close()
 
         return run
@@ -62,7 +89,7 @@ def inference_ops(pipe: Any, config: DebugConfig, *, short: int = 2, long: int =
     plain = _per_step(_count(call(short)), _count(call(long)), long - short)
     # the pipeline's first watched call reads its once-per-image components with full probes: made
     # first, uncounted, so that both counted calls take the later calls' path and only steps differ
-    watched(1)()
+    watched(first)()
     debugged = _per_step(_count(watched(short)), _count(watched(long)), long - short)
     added = added_ops(debugged, plain)
     return {
@@ -70,6 +97,40 @@ def inference_ops(pipe: Any, config: DebugConfig, *, short: int = 2, long: int =
         "added_ops_per_step": sum(debugged.values()) - sum(plain.values()),
         "added_by_op": dict(added.most_common()),
     }
+
+
+def run_average_ops(
+    pipe: Any, config: DebugConfig, *, steps: int = 20, read: int = SENTINEL_EVERY, **kwargs: Any
+) -> dict[str, Any]:
+    """Added ops a denoising step averaged over a ``steps``-step run, which a paced sentinel reads at its first
+    steps (0, 1) and every ``SENTINEL_EVERY``-th: steps 2 to ``steps - 1`` counted as :func:`inference_ops` counts
+    them (a ``steps``-step call against a 2-step one), steps 0 and 1 each as step ``read`` (read too: a
+    ``read + 1``-step call against a ``read``-step one, so that the once-a-call ops cancel out). ``kwargs``:
+    :func:`inference_ops`'."""
+    later = inference_ops(pipe, config, short=2, long=steps, **kwargs)
+    step = inference_ops(pipe, config, short=read, long=read + 1, **kwargs)
+    reads = 2 * step["added_ops_per_step"]
+    return {
+        "added_ops_per_step": (later["added_ops_per_step"] * (steps - 2) + reads) / steps,
+        "read_step_ops": step["added_ops_per_step"],
+        "later_steps_ops": later["added_ops_per_step"],
+        "read_step_by_op": step["added_by_op"],
+    }
+
+
+@contextlib.contextmanager
+def held_bytes(limit: int) -> Iterator[None]:
+    """The probes made inside flush what they hold at ``limit`` bytes (:class:`~diffusion_debug.probes.fused.
+    HeldAbsmax`; :data:`~diffusion_debug.probes.fused.HELD_BYTES` scaled as a tiny model's tensors are to the real
+    one's: the real model's flushes a step, which a tiny one reaches only so)."""
+    from diffusion_debug.probes import readings
+
+    made = readings.HeldAbsmax
+    readings.HeldAbsmax = functools.partial(made, limit)
+    try:
+        yield
+    finally:
+        readings.HeldAbsmax = made
 
 
 def call_ops(pipe: Any, config: DebugConfig, *, steps: int = 1) -> dict[str, Any]:
@@ -140,7 +201,15 @@ def hook_calls(run: Callable[[], Any]) -> Counter[str]:
     return counts
 
 
-def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int = 3, **kwargs: Any) -> dict[str, Any]:
+def inference_hooks(
+    pipe: Any,
+    config: DebugConfig,
+    *,
+    short: int = 1,
+    long: int = 3,
+    autocast: torch.dtype | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """Hooks torch runs (and probe readings taken) for a call of ``pipe`` watched by a reused
     debugger, once its first call (full probes on the components called once per image) is behind
     it: per call of ``short`` steps, and per step (the difference to a ``long``-step call). Both
@@ -148,13 +217,14 @@ def inference_hooks(pipe: Any, config: DebugConfig, *, short: int = 1, long: int
     back a run): an fp16 UNet's step 0, the fp16 VAE's and text encoder's calls: a 1-step call's count
     is that of a call reading all, the most a call runs (from the 3rd on each group reads runs of its own,
     1 in 4: ``components.sentinel_pace``; on tiny SD the UNet's 7, the VAE's 5, the text encoder's 2).
-    ``kwargs``: the call's other arguments (a Flux's size; its prompt in place of the default)."""
+    ``kwargs``: the call's other arguments (a Flux's size; its prompt in place of the default); ``autocast``: as
+    :func:`inference_ops` takes it."""
     debugger = DiffusionModelDebugger(pipe, config)
     kwargs.setdefault("prompt", "a photo of a cat")
 
     def call(steps: int) -> Callable[[], None]:
         def run() -> None:
-            with debugger:
+            with _region(pipe, autocast), debugger:
                 pipe(num_inference_steps=steps, generator=torch.Generator().manual_seed(0), **kwargs)
 
         return run

@@ -821,3 +821,69 @@ def test_an_sd_pipeline_under_fp16_autocast_adds_no_cast_a_step():
         counts = op_counts.inference_ops(pipe, quiet_config())
     assert "aten._to_copy.default" not in counts["added_by_op"], counts
     assert counts["added_ops_per_step"] == 13.75, counts
+
+
+def test_a_float32_dits_sentinel_under_fp16_autocast_reads_its_projections_at_steps_0_1_and_every_8th():
+    """A float32 PixArt under float16 autocast computes its blocks' projections (``attn1.to_out.0``,
+    ``attn2.to_out.0``, ``ff.net.2``) in float16 and its adaLN gates scale them into a float32 stream: its sentinel
+    reads them too (``sentinel_blocks.block_projections``), at steps 0, 1 and every 8th
+    (``SENTINEL_EVERY_PROJECTED``; every 4th added 28.4 ops a step over a 20-step run at PixArt-alpha's 28 blocks,
+    23.6 every 8th: benchmarks/RESULTS.md, dit31). 3 blocks, each flush the real model's (``op_counts.held_bytes``:
+    HELD_BYTES scaled as a projection's output is to 1024 px with CFG's, 10922 bytes here: 3 flushes a step read):
+    step 8 runs 17 hooks (its 9 projections beside the 8 of before, 15 readings) and adds 21 ops (3 flushes of
+    ``_foreach_abs``, ``_foreach_max`` and ``stack`` beside the 12 of a step not read); step 4 (read at every 4th: 21)
+    the call site's 2 hooks and 12 ops, a float32 step's. A 20-step run (steps 0, 1, 8, 16 read): 13.8 ops a step.
+    (dit31 measured 26 and 14 before main's a11f3dbb took the host copy and the flushes' stacks out of the user's
+    autocast: 2 ``_to_copy`` a step and 1 a flush fewer.) Out of autocast the float32 transformer has no probe: 12 a
+    step, as before. Each call under an autocast region of its own, as a user's."""
+    from benchmarks.models import PIXART_1024_PROJECTION_BYTES
+    from diffusion_debug.probes.fused import HELD_BYTES
+    from diffusion_debug.testing.flux import deeper
+    from diffusion_debug.testing.zoo import ZOO_CALLS
+
+    call = ZOO_CALLS["pixart"][0]()
+    pipe = deeper(tiny_pipeline("pixart"), num_layers=3)
+    projection = pipe.transformer.transformer_blocks[0].attn1.to_out[0]
+    sizes = []
+    handle = projection.register_forward_hook(lambda _m, _a, out: sizes.append(out.numel() * out.element_size()))
+    with torch.autocast("cpu", dtype=torch.float16):
+        pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="latent")
+    handle.remove()
+    fp16 = {"autocast": torch.float16, **call}
+    with op_counts.held_bytes(HELD_BYTES * sizes[0] // PIXART_1024_PROJECTION_BYTES):
+        read = op_counts.inference_ops(pipe, quiet_config(), short=8, long=9, first=2, **fp16)
+        unread = op_counts.inference_ops(pipe, quiet_config(), short=4, long=5, first=2, **fp16)
+        hooks = [op_counts.inference_hooks(pipe, quiet_config(), short=s, long=s + 1, **fp16) for s in (8, 4)]
+    fp32 = op_counts.inference_ops(pipe, quiet_config(), short=2, long=3, first=2, **call)
+    assert [(h["hooks_per_step"], h["measures_per_step"]) for h in hooks] == [(17, 15), (2, 0)], hooks
+    assert (read["added_ops_per_step"], unread["added_ops_per_step"]) == (21, 12), (read, unread)
+    assert "aten._to_copy.default" not in read["added_by_op"], read
+    run = (4 * read["added_ops_per_step"] + 16 * unread["added_ops_per_step"]) / 20  # steps 0, 1, 8, 16 read
+    assert run == 13.8 and run <= 25
+    assert fp32["added_ops_per_step"] == 12, fp32
+
+
+def test_a_float32_flux_under_fp16_autocast_costs_a_step_what_it_costs_on_main():
+    """Flux's block streams are float16 under float16 autocast (its x_embedder and gates run in it; its blocks clip
+    them), told at the first call after an attach (``component_probes._StreamDtype``): its projections' hooks go then,
+    and from the next attach its sentinel is main's, its block lists' ends read every step, no projection, no pace.
+    Tiny Flux (3 + 3 blocks), float32 weights, each call under an autocast region of its own, the pipeline watched
+    twice first (its tree changes at the 2nd call: a 1st-call check again there): 9 hooks a step (7 readings), 34 a
+    call, as main (21, 19 and 59 while its projections were read every step). Ops a step: main's 11, no
+    ``_to_copy`` (a11f3dbb: host copy and fused stacks outside the user's autocast; dit31's base measured 13)."""
+    from diffusion_debug.testing.flux import FLUX_CALL, deeper
+
+    pipe = deeper(tiny_pipeline("flux"), num_layers=3, num_single_layers=3)
+    call = FLUX_CALL[0]()
+    for _ in range(2):
+        debugger = DiffusionModelDebugger(pipe, quiet_config())
+        with torch.autocast("cpu", dtype=torch.float16), debugger:
+            pipe(**call, num_inference_steps=2, generator=torch.Generator().manual_seed(0))
+        debugger.close()
+    fp16 = {"autocast": torch.float16, **call}
+    hooks = op_counts.inference_hooks(pipe, quiet_config(), short=2, long=4, **fp16)
+    ops = op_counts.inference_ops(pipe, quiet_config(), short=2, long=4, first=1, **fp16)
+    assert (hooks["hooks_per_step"], hooks["measures_per_step"], hooks["hooks_per_call"]) == (9, 7, 34), hooks
+    assert "_StreamDtype._seen" not in hooks["by_hook"], hooks
+    assert ops["added_ops_per_step"] == 11, ops
+    assert "aten._to_copy.default" not in ops["added_by_op"], ops

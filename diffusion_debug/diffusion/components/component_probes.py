@@ -32,11 +32,13 @@ from .roles import role
 from .sentinel_blocks import (
     _LAYER_STACKS,
     _unet,
+    block_projections,
     denoiser_blocks,
     inner_blocks,
     overflow_blocks,
     residual_projections,
     stack_ends,
+    unclipped_float16,
 )
 from .sentinel_pace import SentinelPace, run_group
 from .structure import TreeMemo
@@ -94,7 +96,10 @@ def probe_levels(
       nested residuals that the step does not measure.
 
     Under float16 autocast a float32 component is probed as a float16 one (its matmuls compute in float16);
-    its float32 block outputs are not read against float16's largest value (:meth:`ComponentProbes._config`).
+    its float32 block outputs are not read against float16's largest value (:meth:`ComponentProbes._config`),
+    its sublayers' float16 projections are: a text encoder's (:func:`~.sentinel_blocks.residual_projections`),
+    a transformer denoiser's blocks' (:func:`~.sentinel_blocks.block_projections`, whose adaLN gates shrink
+    them before the block's end), that one paced by step (steps 0, 1, every 8th: :mod:`.sentinel_pace`).
     Autocast entered or left after attach is followed as the next
     run begins (:meth:`ComponentProbes.autocast_changed`); limit: one entered inside a pipeline call (around a
     component's call in the pipeline's own code) is not."""
@@ -132,11 +137,16 @@ def under_autocast(components: list[Component], autocast: AutocastState) -> dict
 
 
 def with_projections(
-    module: nn.Module, blocks: list[tuple[str, nn.Module]], unread: tuple[str, ...] = ()
+    module: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    unread: tuple[str, ...] = (),
+    projections: list[tuple[str, nn.Module]] | None = None,
 ) -> list[tuple[str, nn.Module]]:
-    """``blocks`` and ``module``'s :func:`~.sentinel_blocks.residual_projections` (none under ``unread``), in module
-    order: one abs-max a call for them all (the sentinel's fused reduction), a hook each."""
-    projections = residual_projections(module, unread)
+    """``blocks`` and ``projections`` (``module``'s :func:`~.sentinel_blocks.residual_projections` none under
+    ``unread`` where not given), in module order: one abs-max a call for them all (the sentinel's fused reduction),
+    a hook each."""
+    if projections is None:
+        projections = residual_projections(module, unread)
     if not projections:
         return blocks
     order = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
@@ -203,7 +213,13 @@ class ComponentProbes:
         self.levels.update(probe_levels(components, self.level, dtypes, first, under))
         self.reading_fully = [name for name in first if self.levels[name] == "full"] if first else []
         self.compiled, handles = [], []  # (compiled: as found at this attach; a component may be compiled between)
-        paced: dict = {"steps": ([], []), "encoders": ([], []), "decoders": ([], []), None: ([], [])}  # by pace group
+        paced: dict = {  # by pace group (a literal: no comprehension's frame an attach)
+            "steps": ([], []),
+            "projected": ([], []),
+            "encoders": ([], []),
+            "decoders": ([], []),
+            None: ([], []),
+        }
         outputs = []  # every reused sentinel's hooks, put in by one ForwardHooks (a 1-step call: at every call)
         late = self.pace.left_out() if self._kept else {None: None}  # (fp32, bf16: nothing kept, no call)
         try:
@@ -221,8 +237,20 @@ class ComponentProbes:
                     continue
                 if ORIG in module._modules and compile_wrapper(module):  # torch.compile(vae): its decode is eager
                     module = module._modules[ORIG]  # probed as itself, names without the "_orig_mod." prefix
-                # a text encoder's float32 stream under float16 autocast: its sublayers' float16 outputs read too
-                projected = name in under and component.role in _LAYER_STACKS
+                # a float32 stream under float16 autocast: its sublayers' float16 outputs read too (a text encoder's;
+                # a float32 transformer denoiser's, whose adaLN gates shrink them before its blocks' outputs)
+                # (not one whose first call showed float16 streams its blocks may clip: Flux's, read as on main;
+                # _StreamDtype; nor one whose blocks hold no projection block_projections reads)
+                projected = name in under and (
+                    component.role in _LAYER_STACKS
+                    or (
+                        component.role == "denoiser"
+                        and dtypes.get(name) == "float32"
+                        and not _unet(module)
+                        and not values.get("clipped_streams")
+                        and bool(memo.get(component.module, "block_projections", lambda: block_projections(module)))
+                    )
+                )
                 watched = values.get(("probed", level, component.role, projected))  # the modules to probe
                 if watched is None:
                     once = not is_loop_role(component.role)  # called once per image
@@ -234,6 +262,14 @@ class ComponentProbes:
                     elif level == "sentinel" and component.role == "denoiser":
                         watched = denoiser_blocks(overflow_blocks(module))
                         watched = watched if _unet(module) else stack_ends(module, watched, repeated=True)
+                        if projected:  # paced by step, as a UNet's sentinel (below), if its streams are float32
+                            # its block lists' ends (a layer of a list), not its patch embedding's float16 output
+                            values["stack_ends"] = [m for n, m in watched if n.rsplit(".", 1)[-1].isdigit()]
+                            projections = memo.get(
+                                component.module, "block_projections", lambda: block_projections(module)
+                            )
+                            values["projections"] = [m for _, m in projections]
+                            watched = with_projections(module, watched, projections=projections)
                     else:
                         watched = probed_modules(module, level)
                     values[("probed", level, component.role, projected)] = watched
@@ -256,15 +292,25 @@ class ComponentProbes:
                     if self.strict:  # a hook's own error goes through the sink (attributes: no call)
                         probe.on_raise, probe.label = self.on_error, f"probe {name}."
                     # a UNet's sentinel reads some steps (no UNet block clips: an Inf one makes reaches the output),
-                    # a component's called once per image some runs, encoders and decoders apart (its output checked
-                    # at every call)
-                    unet = component.role == "denoiser" and _unet(module)
-                    pace = run_group(component.role) if once else "steps" if unet else None
+                    # and a float32 transformer's under float16 autocast with its projections (its blocks clip no
+                    # stream: PixArt's, SD3's; _StreamDtype); a component's called once per image some runs, encoders
+                    # and decoders apart (its output checked at every call)
+                    # (a projected one paced on its own, its step 0 at every call: never left out, late has no list)
+                    stepped = component.role == "denoiser" and (projected or _unet(module))
+                    pace = (
+                        run_group(component.role)
+                        if once
+                        else ("projected" if projected else "steps")
+                        if stepped
+                        else None
+                    )
                     pace = pace if level == "sentinel" else None
                     self._kept[name] = (watched, level, probe, config.armed, pace)
                 if hooks is None and late.get(pace) is not None:  # its hooks in: its group's too (all or none out)
                     outputs += late.pop(pace)
                 self.probes[name] = probe
+                if pace == "projected" and "clipped_streams" not in values:  # told once a tree (then remembered)
+                    handles.append(_StreamDtype(values, probe, self.pace, name))
                 paced[pace][0].append(name)
                 paced[pace][1].append(probe)
             if outputs:
@@ -362,3 +408,46 @@ class ComponentProbes:
         for probe in self.probes.values():
             probe.errors.clear()
         self.probes = {}
+
+
+class _StreamDtype:
+    """Whether a projected transformer's streams may be clipped, told by its stack-end blocks' outputs at its first
+    call (step 0, read at every call: :attr:`~.sentinel_pace.SentinelPace.projected`), then its hooks go and the tree
+    memo's ``values`` remembers the answer either way (a later attach adds no check). PixArt's streams are float32
+    (its adaLN gate, a float32 parameter, makes them so) and SD3's float16 but not clipped by its blocks
+    (:func:`~.sentinel_blocks.unclipped_float16`, a list of block classes): an Inf a projection makes at a step not
+    read reaches the step's output, so their sentinels read their projections at steps 0, 1 and every
+    :data:`~.sentinel_pace.SENTINEL_EVERY_PROJECTED`-th of every call. Any other block list ending in float16 (Flux's:
+    its x_embedder and gates run in float16, and its blocks clip to +-65504) may hide such an Inf: its projections'
+    hooks go at once (the first call's readings kept) and its sentinel leaves the pace, read at every step of every
+    call from then on (:meth:`~.sentinel_pace.SentinelPace.read_every_step`), and from the next attach it is read as
+    on main (its block lists' ends every step, no projection: hooks and ops a step as main's). Every list's end is
+    told (Flux's dual-stream and single-stream lists)."""
+
+    def __init__(self, values: dict, probe: Probe, pace: SentinelPace, name: str):
+        self.values, self.probe, self.pace, self.name = values, probe, pace, name
+        self.waiting = {id(m) for m in values["stack_ends"]}
+        self.handles = [m.register_forward_hook(self._seen) for m in values["stack_ends"]]
+
+    def _seen(self, module: nn.Module, args: object, output: object) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        float16 = any(isinstance(o, torch.Tensor) and o.dtype == torch.float16 for o in outputs)
+        if float16 and not unclipped_float16(module):
+            self.values["clipped_streams"] = True
+            self.pace.read_every_step(self.name)  # this call's later steps and calls, as main's
+            projections = {id(m) for m in self.values["projections"]}
+            for m, hook in self.probe.output_hooks() or ():  # the projections' hooks out, as they went in
+                if m is not None and id(m) in projections:
+                    for key in [k for k, h in m._forward_hooks.items() if h is hook]:
+                        del m._forward_hooks[key]
+            self.remove()
+            return
+        self.waiting.discard(id(module))
+        if not self.waiting:  # every list's end told: none clips
+            self.values["clipped_streams"] = False
+            self.remove()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

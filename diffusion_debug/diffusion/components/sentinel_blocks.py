@@ -2,8 +2,9 @@
 ``sentinel``): a UNet's or VAE's blocks, a mid block as one (:func:`overflow_blocks`), a denoiser's without
 the single modules at its ends (:func:`denoiser_blocks`), a component called once per image without those at
 either end of a call site (:func:`inner_blocks`), and a residual stream's layer list at its last layer
-(:func:`stack_ends`). Each leaves out what another check already reads, and a replay with full probes names the
-module inside a block."""
+(:func:`stack_ends`); under float16 autocast, the float16 projections that end a float32 stream's sublayers
+(:func:`residual_projections`, :func:`block_projections`). Each leaves out what another check already reads,
+and a replay with full probes names the module inside a block."""
 
 from __future__ import annotations
 
@@ -246,3 +247,103 @@ def _lookup(block: nn.Module) -> bool:
     position embeddings): its output is rows of its weights, as a single module's is bounded by them."""
     inside = [m for m in block.modules() if m is not block]
     return bool(inside) and all(isinstance(m, nn.Embedding) for m in inside)
+
+
+def block_projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The ``nn.Linear`` that end the sublayers of the blocks of ``module``'s block lists (each ``nn.ModuleList`` it
+    holds), in module order: an attention's output projections (``to_out.0``; ``to_add_out``, the text stream's of
+    SD3's and Flux's dual-stream blocks) and a ``FeedForward``'s last Linear, nothing else (a block's own
+    ``proj_out``, a ``GLUMBConv``'s convolution). A float32 transformer denoiser under float16 autocast (PixArt, SD3,
+    Flux run so) computes them in float16, and its blocks scale each by its adaLN gate before adding it to a float32
+    stream: what one makes near float16's max reaches no float16 block output the sentinel reads (PixArt's gate is a
+    float32 parameter plus the timestep's: the product is float32). Read here, paced by step
+    (:mod:`.sentinel_pace`; :meth:`~.component_probes.ComponentProbes.attach`). At real size PixArt-alpha's 28
+    blocks hold 84 (two attentions and a FeedForward each). A Linear a LoRA adapter wraps (peft's ``lora.Linear``:
+    its ``base_layer`` an ``nn.Linear``) is read as the wrapper, whose output is the projection's with the adapter's.
+
+    >>> from diffusers.models.attention import FeedForward
+    >>> from diffusers.models.attention_processor import Attention
+    >>> block = nn.Module()
+    >>> block.attn1, block.ff, block.proj_out = Attention(8, heads=1, dim_head=8), FeedForward(8), nn.Linear(8, 8)
+    >>> model = nn.Module()
+    >>> model.transformer_blocks, model.proj_out = nn.ModuleList([block]), nn.Linear(8, 8)
+    >>> [name for name, _ in block_projections(model)]
+    ['transformer_blocks.0.attn1.to_out.0', 'transformer_blocks.0.ff.net.2']
+    """
+    attentions, feed_forwards = _sublayer_types()
+    found = []
+    for list_name, blocks in module.named_children():
+        if not isinstance(blocks, nn.ModuleList):
+            continue
+        for name, child in blocks.named_modules(prefix=list_name):
+            if isinstance(child, attentions):
+                out = child._modules.get("to_out")
+                first = out[0] if isinstance(out, nn.ModuleList) and len(out) else None
+                if _linear(first):
+                    found.append((f"{name}.to_out.0", first))
+                if _linear(child._modules.get("to_add_out")):
+                    found.append((f"{name}.to_add_out", child._modules["to_add_out"]))
+            elif isinstance(child, feed_forwards):
+                net = child._modules.get("net")
+                last = [i for i, m in enumerate(net or ()) if _linear(m)]
+                if last:
+                    found.append((f"{name}.net.{last[-1]}", net[last[-1]]))
+    return found
+
+
+def _linear(module: nn.Module | None) -> bool:
+    """``module`` is an ``nn.Linear``, or wraps one as its ``base_layer`` (peft's LoRA layers)."""
+    return isinstance(module, nn.Linear) or (
+        module is not None and isinstance(module._modules.get("base_layer"), nn.Linear)
+    )
+
+
+def unclipped_float16(block: nn.Module) -> bool:
+    """Whether ``block`` is of a class known to add its sublayers' outputs to its float16 streams unclipped, so that an
+    Inf one of its projections makes reaches the step's output and a sentinel that reads some steps still finds it:
+    diffusers' ``JointTransformerBlock`` (SD3's; neither its ``forward`` nor ``JointAttnProcessor2_0`` clips or clamps,
+    diffusers 0.32 to 0.42), exactly that class, not a subclass (its ``forward`` may clip). Any other block with a
+    float16 output counts as clipping: Flux's, QwenImage's, Chroma's blocks ``.clip(-65504, 65504)`` their streams,
+    NucleusMoE's to ``torch.finfo(torch.float16).max``, Sana's attention processor inside; a list, not a guess.
+
+    >>> from diffusers.models.attention import JointTransformerBlock
+    >>> from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+    >>> unclipped_float16(JointTransformerBlock(8, 1, 8, False)), unclipped_float16(FluxTransformerBlock(8, 1, 8))
+    (True, False)
+    """
+    return type(block) in _unclipped_classes()
+
+
+def _unclipped_classes() -> tuple[type, ...]:
+    """The installed diffusers' block classes of :func:`unclipped_float16`."""
+    try:
+        from diffusers.models.attention import JointTransformerBlock
+    except ImportError:  # pragma: no cover - diffusers is what this package watches
+        return ()
+    return (JointTransformerBlock,)
+
+
+def _sublayer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """diffusers' attention classes (``Attention``; ``AttentionModuleMixin``'s, Flux's since 0.35) and
+    ``FeedForward``, as the installed diffusers has them."""
+    attentions: list[type] = []
+    feed_forwards: list[type] = []
+    try:
+        from diffusers.models.attention_processor import Attention
+
+        attentions.append(Attention)
+    except ImportError:  # pragma: no cover - diffusers is what this package watches
+        pass
+    try:
+        from diffusers.models.attention import AttentionModuleMixin  # diffusers >= 0.35
+
+        attentions.append(AttentionModuleMixin)
+    except ImportError:
+        pass
+    try:
+        from diffusers.models.attention import FeedForward
+
+        feed_forwards.append(FeedForward)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(attentions), tuple(feed_forwards)

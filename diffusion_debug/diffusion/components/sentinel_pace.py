@@ -34,7 +34,19 @@ What it costs (the trade-off):
 Read at every step: a transformer denoiser's sentinel (diffusers' Flux, Sana, QwenImage... blocks
 clip their fp16 streams to +-65504, so an Inf made there reaches no output; their sentinels read a
 block list's end, 2 to 10 hooks a step), ControlNets and adapters (outputs the step does not
-measure).
+measure). Paced, its step 0 read at every call (not by run: :attr:`SentinelPace.projected`) and every
+:data:`SENTINEL_EVERY_PROJECTED`-th step after the first two: a float32 transformer's under float16
+autocast, which reads each block's float16 projections too (:func:`~.sentinel_blocks.block_projections`;
+PixArt-alpha's 84, a hook each and their bytes: ~12 flushes a step read at 1024 px, 11 more than its
+block lists' ends, the held bytes bounded by ``HELD_BYTES``), where its streams are float32 (PixArt's:
+its adaLN gate is a float32 parameter) or float16 in blocks of a class known not to clip them (SD3's
+``JointTransformerBlock``: :func:`~.sentinel_blocks.unclipped_float16`), so an Inf a projection makes
+reaches the step's output. Any other float16 stream (Flux's: its x_embedder and gates run in float16,
+its blocks clip) is told by its block lists' ends at the first call: its projections' hooks go and its
+sentinel leaves the pace (:meth:`SentinelPace.read_every_step`: every step of every call from then, as
+main's); from the next attach it is main's (block lists' ends, not paced). Its pace is its own: a UNet paced
+beside it (a Kandinsky combined pipeline's float32 prior and UNet, UnCLIP's, under float16 autocast) is read
+as on main (step 0 by run, every :data:`SENTINEL_EVERY`-th step), and stays so when it leaves the pace.
 
 The components called once per image (an fp16 VAE's decoder blocks, a text or image encoder's last
 layer: :attr:`SentinelPace.once`) are paced by run the same way: their sentinels read a debugger's
@@ -95,6 +107,11 @@ SENTINEL_FIRST_STEPS = 2
 """A run's first steps, which the sentinel reads whatever else."""
 SENTINEL_EVERY = 4
 """After them, the steps it reads: every ``SENTINEL_EVERY``-th (and every step while warm)."""
+SENTINEL_EVERY_PROJECTED = 8
+"""The same for a float32 transformer's sentinel under float16 autocast, which reads its blocks' projections too
+(PixArt-alpha's 84, ~12 flushes a step read at 1024 px; its step 0 read at every call): every 4th step added 28.4
+ops a step over a 20-step run (DESIGN: <= 25), every 8th 23.6 (benchmarks/RESULTS.md, dit31); since main's
+flushes stack outside the user's autocast (no ``_to_copy`` a flush), every 4th 22.8, every 8th 19.2 (dit32)."""
 SENTINEL_WARM = 4
 """Warm: a block output read was within this factor of the overflow warning (8188 at the default
 ``overflow_fraction`` 0.5 of fp16's 65504)."""
@@ -129,18 +146,30 @@ def run_group(role_name: str) -> str:
 
 
 class SentinelPace:
-    """The steps the UNet denoisers' sentinels of one debugger read, and the runs its sentinels of the
+    """The steps the UNet denoisers' sentinels of one debugger read (and a float32 transformer's under float16
+    autocast), and the runs its sentinels of the
     components called once per image read (see the module)."""
 
     def __init__(self, overflow_fraction: float):
         self.sampled: list[str] = []
-        """The UNet denoisers whose sentinel reads some steps, at this attach (empty: nothing paced)."""
+        """The denoisers whose sentinel reads some steps, at this attach (empty: nothing paced): the UNets, and the
+        float32 transformers under float16 autocast."""
         self.once: dict[str, str] = {}
         """The components called once per image whose sentinel reads some runs, at this attach, each with
         its group (``"encoders"`` or ``"decoders"``, :data:`SENTINEL_PHASES`)."""
         self.phases: Mapping[str, int] = SENTINEL_PHASES
         """Each group's phase (:data:`SENTINEL_PHASES`); every phase 1 reads the three groups at the same
         runs (``benchmarks.call_control`` times that against the default)."""
+        self.every = SENTINEL_EVERY
+        """The steps after a run's first two that the UNets of :attr:`sampled` read: every ``every``-th."""
+        self.projected: list[str] = []
+        """The float32 transformers of :attr:`sampled` under float16 autocast (their projections read), each paced on
+        its own: its step 0 read at every run, not by run (its first call tells whether its streams may be clipped
+        with every hook in: ``component_probes._StreamDtype``; main read its step 0 at every call), then every
+        :data:`SENTINEL_EVERY_PROJECTED`-th step; a UNet beside it keeps its own pace (:attr:`every`, by run)."""
+        self._projected: dict[str, Any] = {}
+        self._projected_paused: dict[str, PausedHooks] = {}
+        """Per component of :attr:`projected`: its probe, and its hooks taken out (found at its first step unread)."""
         self.paced = False
         """Whether this attach probes a component (a sentinel or full probes): a run's beginning asks
         :meth:`at` then, which counts it (:attr:`runs`) and paces :attr:`sampled` and :attr:`once`."""
@@ -195,13 +224,21 @@ class SentinelPace:
             None: None,
         }
 
-    def watch(self, paced: dict[str | None, tuple[list[str], list]], late: dict[str | None, list | None]) -> None:
-        """An attach (after :meth:`forget`): ``paced``, per group (``"steps"``, ``"encoders"``, ``"decoders"``),
-        its components' names and probes, their hooks in but those of the groups ``late`` (:meth:`left_out`)
-        holds a non-empty list for (their ``(module, hook)`` pairs: put in at the first step or run read)."""
-        sampled, unets = paced["steps"]
-        self.sampled, self._paused, self._late = sampled, None, late.get("steps") or None
-        self._hooks = lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets)
+    def watch(
+        self,
+        paced: dict[str | None, tuple[list[str], list]],
+        late: dict[str | None, list | None],
+    ) -> None:
+        """An attach (after :meth:`forget`): ``paced``, per group (``"steps"``, ``"encoders"``, ``"decoders"``, and
+        ``"projected"``: :attr:`projected`, optional), its components' names and probes, their hooks in but those of
+        the groups ``late`` (:meth:`left_out`) holds a non-empty list for (their ``(module, hook)`` pairs: put in at
+        the first step or run read; never ``"projected"``'s, whose step 0 every run reads)."""
+        names, unets = paced["steps"]
+        projected, transformers = paced.get("projected", ([], []))
+        self.sampled, self._paused, self._late = names + projected, None, late.get("steps") or None
+        self._hooks = (lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets)) if unets else None
+        self.projected, self._projected_paused = list(projected), {}
+        self._projected = dict(zip(projected, transformers))  # (no comprehension: no frame an attach)
         once: dict[str, str] = {}
         members: dict[str, frozenset[str]] = {}
         hooks: dict[str, Callable[[], Iterable[tuple[Any, Callable]]]] = {}
@@ -223,6 +260,9 @@ class SentinelPace:
         """At detach (the hooks removed, or about to be): nothing taken out is put back, what was put in
         late is taken out."""
         paused, self._paused, self.sampled, self._hooks = self._paused, None, [], None
+        for held in self._projected_paused.values():
+            held.remove()
+        self.projected, self._projected, self._projected_paused = [], {}, {}
         once, self._once_paused, self.once, self._once_hooks = self._once_paused, {}, {}, {}
         self.paced, self._late, self._once_late, self.once_out = False, None, {}, _NONE
         if paused is not None:
@@ -268,7 +308,19 @@ class SentinelPace:
                 return
             read = first or (runs - phases["steps"]) % SENTINEL_EVERY == 0 or self.warm
         else:
-            read = step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY == 0 or self.warm
+            read = step < SENTINEL_FIRST_STEPS or step % self.every == 0 or self.warm
+        if self._projected:  # each its own: step 0 of every run, then every SENTINEL_EVERY_PROJECTED-th (a loop)
+            now = not step or step < SENTINEL_FIRST_STEPS or step % SENTINEL_EVERY_PROJECTED == 0 or self.warm
+            for name, probe in self._projected.items():
+                held = self._projected_paused.get(name)
+                if now:
+                    if held is not None and held.paused:
+                        held.resume()
+                    continue
+                if held is None:
+                    held = self._projected_paused[name] = PausedHooks(probe.output_hooks() or ())
+                if not held.paused:
+                    held.pause()
         if read:
             if self._late is not None:  # left out at the attach: in now
                 self._put_in.append(ForwardHooks(chain.from_iterable(self._late)))
@@ -284,6 +336,23 @@ class SentinelPace:
             paused = self._paused = PausedHooks(self._hooks())
         if not paused.paused:
             paused.pause()
+
+    def read_every_step(self, name: str) -> None:
+        """The projected transformer ``name`` (:attr:`projected`) out of the pace for the rest of this attach: every
+        step of every run read, as main reads a transformer's sentinel (one whose first call showed float16 streams
+        its blocks may clip; the next attach does not pace it). Its hooks are in (asked at a step 0, which every run
+        reads for it); any paused go back in. A UNet paced beside it (a Kandinsky combined pipeline's prior and UNet)
+        keeps its own pace, as on main."""
+        if name not in self._projected:
+            return
+        del self._projected[name]
+        self.projected = [n for n in self.projected if n != name]
+        self.sampled = [n for n in self.sampled if n != name]
+        held = self._projected_paused.pop(name, None)
+        if held is not None:
+            if held.paused:
+                held.resume()
+            held.remove()
 
     def note(self, readings: dict[str, list[ModuleReading]]) -> None:
         """A step's readings, read: warm while a sampled sentinel's block output is within
