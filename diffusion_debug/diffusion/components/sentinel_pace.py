@@ -123,6 +123,7 @@ run (6, 10, 14...), ``"encoders"`` the text and image encoders' last layers (3, 
 the 2nd reads two groups (but while warm), and no group waits more than ``SENTINEL_EVERY`` runs."""
 _HALF_MAX = float(torch.finfo(torch.float16).max)
 _NONE: frozenset[str] = frozenset()
+_NO_PROJECTED: tuple[list[str], list] = ([], [])  # (read only: a watch without a "projected" group)
 _ONCE_GROUPS = ("encoders", "decoders")
 
 
@@ -234,11 +235,12 @@ class SentinelPace:
         the groups ``late`` (:meth:`left_out`) holds a non-empty list for (their ``(module, hook)`` pairs: put in at
         the first step or run read; never ``"projected"``'s, whose step 0 every run reads)."""
         names, unets = paced["steps"]
-        projected, transformers = paced.get("projected", ([], []))
+        projected, transformers = paced["projected"] if "projected" in paced else _NO_PROJECTED
         self.sampled, self._paused, self._late = names + projected, None, late.get("steps") or None
         self._hooks = (lambda: chain.from_iterable(probe.output_hooks() or () for probe in unets)) if unets else None
-        self.projected, self._projected_paused = list(projected), {}
-        self._projected = dict(zip(projected, transformers))  # (no comprehension: no frame an attach)
+        # (no comprehension: no frame an attach; and no C call where nothing is projected: a UNet's attach)
+        self.projected, self._projected_paused = projected[:], {}
+        self._projected = dict(zip(projected, transformers)) if projected else {}
         once: dict[str, str] = {}
         members: dict[str, frozenset[str]] = {}
         hooks: dict[str, Callable[[], Iterable[tuple[Any, Callable]]]] = {}
@@ -260,8 +262,9 @@ class SentinelPace:
         """At detach (the hooks removed, or about to be): nothing taken out is put back, what was put in
         late is taken out."""
         paused, self._paused, self.sampled, self._hooks = self._paused, None, [], None
-        for held in self._projected_paused.values():
-            held.remove()
+        if self._projected_paused:  # (no .values() call where nothing was projected: a UNet's detach)
+            for held in self._projected_paused.values():
+                held.remove()
         self.projected, self._projected, self._projected_paused = [], {}, {}
         once, self._once_paused, self.once, self._once_hooks = self._once_paused, {}, {}, {}
         self.paced, self._late, self._once_late, self.once_out = False, None, {}, _NONE
