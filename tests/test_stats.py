@@ -423,7 +423,10 @@ def test_outside_autocast_turns_off_each_device_type_any_autocast_sees(device_ty
     (A third-party backend's, ``privateuseone`` renamed, needs one registered: ``torch.autocast`` refuses it.)"""
     from diffusion_debug.stats import ANY_AUTOCAST, outside_autocast
 
-    torch.set_autocast_enabled(device_type, True)
+    try:
+        torch.set_autocast_enabled(device_type, True)
+    except RuntimeError:  # (torch 2.5, the floor: no mtia autocast; outside_autocast skips it the same way)
+        pytest.skip(f"this torch has no {device_type} autocast")
     try:
         with outside_autocast():
             inside = torch.is_autocast_enabled(device_type), ANY_AUTOCAST()
