@@ -43,15 +43,16 @@ from __future__ import annotations
 
 import functools
 import weakref
-from operator import itemgetter, setitem
+from operator import getitem, is_, itemgetter, setitem
 from typing import Any, Callable
 
 from torch import nn
 
 from ...core.out_of_memory import Watched
+from .tree_tags import READ
 
 _set_attribute = object.__setattr__  # frozen dataclasses (Component, CallSite) too
-_SECOND = itemgetter(1)
+_FIRST, _SECOND, _THIRD, _FOURTH = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
 
 
 class Parked:
@@ -70,6 +71,10 @@ class Parked:
         "gone",
         "active",
         "memo",
+        "by_id",
+        "places",
+        "tags",
+        "memo_places",
         "__weakref__",
     )
     objects: list[Any]
@@ -92,10 +97,25 @@ class Parked:
     """The (shared) tree memo whose lists hold weak references (``orders``, ``pairs``), if any."""
     active: bool
     """Parked: the modules are held weakly (a debugger's one ``Parked``, made once, set at each detach)."""
+    by_id: dict[int, weakref.ref]
+    """The weak reference to each module parked, by its id."""
+    places: tuple | None
+    """What the last park found its places in (compared at each park): found the same at the next, that
+    park's ``objects`` and ``containers`` are parked again as they are, not looked for (a reused
+    debugger's call)."""
+    tags: list[int] | None
+    """The version tags and lengths of the dicts among the places, read as :func:`revive` put the modules back."""
+    memo_places: tuple | None
+    """What the last park found in the memo: ``(memo, orders, pairs, lists, lengths, dicts, tags, at_orders,
+    at_pairs)``, its ``orders`` and ``pairs``, the memo's lists it looked in and their lengths, the memo's
+    dicts and their version tags and lengths (park and revive write its lists, not its dicts), and where each
+    order and pair is (lists, indexes, weak references: compared in C loops). Found the same at the next
+    park (the other places the same too), they are parked again as they are; dropped with a tree gone."""
 
     def __init__(self) -> None:  # (once a debugger: park fills it at each detach)
         self.active = self.gone = False
         self.orders, self.pairs, self.memo = [], [], None
+        self.by_id, self.places, self.tags, self.memo_places = {}, None, None, None
 
     def __del__(self) -> None:
         # a debugger dropped while detached: the pipeline's memo (shared) as it was, for the next
@@ -128,15 +148,145 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
     lists, a ``Watched``'s too, and the static checks' VAE and what they last read. ``dropped()``
     runs once a parked component is collected, after the memo forgot the trees that held it (the
     others stay parked): the caller lets go of what else held its parts."""
+    sites, static, check = steps.calls.sites, steps._static, held.check
+    dicts = (steps.calls.roots, steps.localizer.modules, held.halves)
+    places = (components, held, held.components, check, sites, dropped, *dicts)
+    # the places the last park found, as revive left them: the same objects, the lists' items the same, no
+    # dict written since (version tags and lengths, as .tree_tags reads them), each object and container
+    # holding the module it held (C loops, no Python call a place; inline: at every detach). Not where a
+    # parked module was collected since, nor where no tag can be read: looked for one by one, as before.
+    was, tags, strong = parked.places, parked.tags, weakref.ref.__call__
+    try:
+        same = (
+            was is not None
+            and tags is not None
+            and not parked.gone
+            and all(map(is_, places, was))
+            and (tuple(components), tuple(held.components), len(check[2][2]), tuple(sites)) == was[9:]
+            and [*map(READ, dicts), *map(len, dicts)] == tags
+            and all(map(is_, map(getattr, parked.objects, parked.names), map(strong, parked.object_refs)))
+            and all(map(is_, map(getitem, parked.containers, parked.keys), map(strong, parked.refs)))
+        )
+    except (KeyError, IndexError, AttributeError):  # (not while the tags are the same: cheap to say)
+        same = False
+    parked.orders, parked.pairs, parked.static, parked.gone, parked.active = [], [], None, False, True
+    parked.memo, parked.tags = memo, None
+    if same:  # the last park's places, holding the modules it parked: parked again, not looked for
+        refs = parked.by_id
+    else:
+        refs = _find_places(parked, components, held, sites, dicts, dropped)
+        parked.places = _places_read(places)
+    memo_same = False  # the memo's places as the last park found them (C loops; its lists hold the modules again)
+    if same and parked.memo_places is not None and parked.memo_places[0] is memo:
+        _, orders, pairs, lists, lengths, memo_dicts, memo_tags, at_orders, at_pairs = parked.memo_places
+        try:
+            memo_same = (
+                [*map(READ, memo_dicts), *map(len, memo_dicts)] == memo_tags
+                and [*map(len, lists)] == lengths
+                and all(map(is_, map(getitem, at_orders[0], at_orders[1]), map(strong, at_orders[2])))
+                and all(map(is_, map(_SECOND, map(getitem, at_pairs[0], at_pairs[1])), map(strong, at_pairs[2])))
+            )
+        except (KeyError, IndexError, TypeError):  # (not while the tags are the same: cheap to say)
+            memo_same = False
+    if memo_same:
+        parked.orders, parked.pairs = [*orders], [*pairs]
+        for found, index, name, ref, _ in parked.pairs:
+            found[index] = (name, ref)
+    elif memo is not None:
+        scanned: list[list] = []
+        for key, (_, order) in memo._trees.items():
+            ref = refs.get(key)
+            if ref is not None and order and order[0] is ref():
+                parked.orders.append((order, 0, ref, key))  # the tree key's list of modules (the root first)
+                hooked = memo._trees[key][0][3]  # a compiled call, a diffusers hook registry: the root's own too
+                scanned += (order, hooked)
+                for index, item in enumerate(hooked):
+                    if item is not None and type(item) is not str and type(item) is not object:  # (a name, the end)
+                        item_ref = refs.get(id(item))
+                        try:
+                            parked.orders.append((hooked, index, item_ref or weakref.ref(item), key))
+                        except TypeError:  # not weakly referable: held as it is
+                            pass
+        pairs = parked.pairs
+        for key, values in memo._values.items():
+            for value in values.values():
+                if type(value) is not list or not value:
+                    continue
+                scanned.append(value)
+                lists = []  # oom_targets (Watched: its modules), a probe level's (name, module) pairs
+                if type(value[0]) is Watched:
+                    for watched in value:
+                        lists.append(watched.modules)
+                else:
+                    lists.append(value)
+                scanned += lists
+                for found in lists:  # the pairs that hold a parked module: a few among a tree's (C loops a list)
+                    try:
+                        ids = list(map(id, map(_SECOND, found)))
+                    except (TypeError, IndexError, KeyError):  # (an item that is no pair: looked at one by one)
+                        ids = None
+                    if ids is None:
+                        for index, pair in enumerate(found):
+                            if type(pair) is tuple and len(pair) == 2 and id(pair[1]) in refs:
+                                pairs.append((found, index, pair[0], refs[id(pair[1])], key))
+                        continue
+                    for hit in refs.keys() & set(ids):
+                        index = -1
+                        for _ in range(ids.count(hit)):  # (a module in two pairs: each)
+                            index = ids.index(hit, index + 1)
+                            pair = found[index]
+                            if type(pair) is tuple and len(pair) == 2:
+                                pairs.append((found, index, pair[0], refs[hit], key))
+        for found, index, name, ref, _ in pairs:
+            found[index] = (name, ref)
+        if READ is not None:
+            dicts_read = [memo._trees, memo._values, *memo._values.values()]
+            tags_read = [*map(READ, dicts_read), *map(len, dicts_read)]
+            lengths = [*map(len, scanned)]
+            at_orders = [[*map(_FIRST, parked.orders)], [*map(_SECOND, parked.orders)], [*map(_THIRD, parked.orders)]]
+            at_pairs = [[*map(_FIRST, pairs)], [*map(_SECOND, pairs)], [*map(_FOURTH, pairs)]]
+            found_now = (memo, [*parked.orders], [*pairs], scanned, lengths, dicts_read, tags_read)
+            parked.memo_places = (*found_now, at_orders, at_pairs)
+    if static is not None and (vae := static.vae) is not None and id(vae) in refs:
+        ref, quiet, at = refs[id(vae)], static.quiet, None
+        if quiet is not None:
+            for index, read in enumerate(quiet):
+                if read is vae:
+                    at = index
+                    break
+        parked.static = (static, at)
+        static.vae = ref
+        if at is not None:
+            static.quiet = (*quiet[:at], ref, *quiet[at + 1 :])
+    list(map(_set_attribute, parked.objects, parked.names, parked.object_refs))
+    list(map(setitem, parked.containers, parked.keys, parked.refs))
+    for found, index, ref, _ in parked.orders:
+        found[index] = ref
+    _HELD[id(parked)] = list(refs.values())
+    if memo is not None and (parked.orders or parked.pairs):  # shared: another debugger puts them back first
+        memo.held_weakly = functools.partial(_revive_memo, parked, dropped)  # (strongly: a collected cycle's weak
+        # references are cleared before its finalizers, the memo's own parking among them, run)
+
+
+def _places_read(places: tuple) -> tuple:
+    """:func:`park`'s ``places`` and their lists' items (the held check's list: its length, its
+    modules are parked in it), as the next park compares them."""
+    components, held, held_components, check, sites = places[:5]
+    return (*places, tuple(components), tuple(held_components), len(check[2][2]), tuple(sites))
+
+
+def _find_places(
+    parked: Parked, components: list[Any], held: Any, sites: list[Any], dicts: tuple, dropped: Callable[[], None]
+) -> dict[int, weakref.ref]:
+    """Look for each place that holds a component's module, one by one (``parked.objects`` and
+    ``parked.containers``, with the weak reference each will hold); returns the weak references by
+    module id (``parked.by_id``)."""
     if held.components is not components:  # (the same, or the pipeline's as found since)
         components = [*components, *held.components]
-    sites, static, held_list = steps.calls.sites, steps._static, held.check[2][2]
-    dicts = (steps.calls.roots, steps.localizer.modules, held.halves)
+    held_list = held.check[2][2]
     parked.objects, parked.names, parked.object_refs = objects, names, object_refs = [], [], []
     parked.containers, parked.keys, parked.refs = containers, keys, weak = [], [], []
-    parked.orders, parked.pairs, parked.static, parked.gone, parked.active = [], [], None, False, True
-    parked.memo = memo
-    refs: dict[int, weakref.ref] = {}
+    parked.by_id = refs = {}
     state = weakref.ref(parked)
     for component in components:
         module = component.module
@@ -172,68 +322,7 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
             containers.append(held_list)
             keys.append(index)
             weak.append(ref)
-    if memo is not None:
-        for key, (_, order) in memo._trees.items():
-            ref = refs.get(key)
-            if ref is not None and order and order[0] is ref():
-                parked.orders.append((order, 0, ref, key))  # the tree key's list of modules (the root first)
-                hooked = memo._trees[key][0][3]  # a compiled call, a diffusers hook registry: the root's own too
-                for index, item in enumerate(hooked):
-                    if item is not None and type(item) is not str and type(item) is not object:  # (a name, the end)
-                        held = refs.get(id(item))
-                        try:
-                            parked.orders.append((hooked, index, held or weakref.ref(item), key))
-                        except TypeError:  # not weakly referable: held as it is
-                            pass
-        pairs = parked.pairs
-        for key, values in memo._values.items():
-            for value in values.values():
-                if type(value) is not list or not value:
-                    continue
-                lists = []  # oom_targets (Watched: its modules), a probe level's (name, module) pairs
-                if type(value[0]) is Watched:
-                    for watched in value:
-                        lists.append(watched.modules)
-                else:
-                    lists.append(value)
-                for found in lists:  # the pairs that hold a parked module: a few among a tree's (C loops a list)
-                    try:
-                        ids = list(map(id, map(_SECOND, found)))
-                    except (TypeError, IndexError, KeyError):  # (an item that is no pair: looked at one by one)
-                        ids = None
-                    if ids is None:
-                        for index, pair in enumerate(found):
-                            if type(pair) is tuple and len(pair) == 2 and id(pair[1]) in refs:
-                                pairs.append((found, index, pair[0], refs[id(pair[1])], key))
-                        continue
-                    for hit in refs.keys() & set(ids):
-                        index = -1
-                        for _ in range(ids.count(hit)):  # (a module in two pairs: each)
-                            index = ids.index(hit, index + 1)
-                            pair = found[index]
-                            if type(pair) is tuple and len(pair) == 2:
-                                pairs.append((found, index, pair[0], refs[hit], key))
-        for found, index, name, ref, _ in pairs:
-            found[index] = (name, ref)
-    if static is not None and (vae := static.vae) is not None and id(vae) in refs:
-        ref, quiet, at = refs[id(vae)], static.quiet, None
-        if quiet is not None:
-            for index, read in enumerate(quiet):
-                if read is vae:
-                    at = index
-                    break
-        parked.static = (static, at)
-        static.vae = ref
-        if at is not None:
-            static.quiet = (*quiet[:at], ref, *quiet[at + 1 :])
-    list(map(_set_attribute, objects, names, object_refs))
-    list(map(setitem, containers, keys, weak))
-    for found, index, ref, _ in parked.orders:
-        found[index] = ref
-    _HELD[id(parked)] = list(refs.values())
-    if memo is not None and (parked.orders or parked.pairs):  # shared: another debugger puts them back first
-        memo.held_weakly = functools.partial(_revive_memo, parked, dropped)  # (strongly: a collected cycle's weak
-        # references are cleared before its finalizers, the memo's own parking among them, run)
+    return refs
 
 
 def revive(parked: Parked) -> bool:
@@ -256,6 +345,9 @@ def revive(parked: Parked) -> bool:
         if at is not None:
             quiet = static.quiet
             static.quiet = None if vae is None else (*quiet[:at], vae, *quiet[at + 1 :])
+    if parked.places is not None and READ is not None and not parked.gone:  # the next park compares them
+        dicts = parked.places[6:9]
+        parked.tags = [*map(READ, dicts), *map(len, dicts)]
     return not parked.gone
 
 
@@ -276,6 +368,7 @@ def _revive_memo(parked: Parked, dropped: Callable[[], None]) -> None:
     for found, index, name, ref, _ in parked.pairs:
         found[index] = (name, ref())
     parked.orders, parked.pairs = [], []
+    parked.places = parked.memo_places = None  # (they hold the memo's lists, and the held check dropped now)
     parked.memo.held_weakly = None
     dropped()
 
@@ -284,6 +377,7 @@ def _collected(state: "weakref.ref[Parked]", dropped: Callable[[], None], gone: 
     parked = state()
     if parked is None:
         return
+    parked.places = parked.memo_places = None  # (they hold its parts: the held check's dicts, the memo's lists)
     # the memo's trees still parked by this debugger (its lists hold the weak references) that hold the
     # parts of the one gone: forgotten, worked out again; the others stay parked as they are (emptying the
     # whole memo read an unchanged fp16 text encoder fully again). Put back already (another debugger
