@@ -313,23 +313,16 @@ def _find_places(
         objects.append(site)
         names.append("module")
         object_refs.append(ref)
-    for mapping in dicts:
-        for key, module in mapping.items():
+    items = (*(mapping.items() for mapping in dicts), enumerate(held_list))  # (key, module): an index in the list
+    for container, found in zip((*dicts, held_list), items):
+        for key, module in found:
             if isinstance(module, nn.Module):
                 ref = refs.get(id(module))
                 if ref is None:
                     ref = refs[id(module)] = weakref.ref(module)
-                containers.append(mapping)
+                containers.append(container)
                 keys.append(key)
                 weak.append(ref)
-    for index, module in enumerate(held_list):
-        if isinstance(module, nn.Module):
-            ref = refs.get(id(module))
-            if ref is None:
-                ref = refs[id(module)] = weakref.ref(module)
-            containers.append(held_list)
-            keys.append(index)
-            weak.append(ref)
     return refs
 
 
