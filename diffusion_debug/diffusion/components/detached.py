@@ -159,7 +159,8 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
     sites, static, check = steps.calls.sites, steps._static, held.check
     dicts = (steps.calls.roots, steps.localizer.modules, held.halves)
     places = (components, held, held.components, check, sites, dropped, *dicts)
-    # the places the last park found, as revive left them: the same objects, the lists' items the same, no
+    # the places the last park found, as revive left them: the same objects, the lists' items the same ones (by
+    # identity: a Component or CallSite is a frozen dataclass, so an equal new one would compare equal), no
     # dict written since (version tags and lengths, as .tree_tags reads them), each object and container
     # holding the module it held (C loops, no Python call a place; inline: at every detach). Not where a
     # parked module was collected since, nor where no tag can be read: looked for one by one, as before.
@@ -170,7 +171,8 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
             and tags is not None
             and not parked.gone
             and all(map(is_, places, was))
-            and (tuple(components), tuple(held.components), len(check[2][2]), tuple(sites)) == was[9:]
+            and [*map(len, (components, held.components, check[2][2], sites))] == was[9]
+            and all(map(is_, [*components, *held.components, *sites], was[10]))
             and [*map(READ, dicts), *map(len, dicts)] == tags
             and all(map(is_, map(getattr, parked.objects, parked.names), map(strong, parked.object_refs)))
             and all(map(is_, map(getitem, parked.containers, parked.keys), map(strong, parked.refs)))
@@ -280,7 +282,7 @@ def _places_read(places: tuple) -> tuple:
     """:func:`park`'s ``places`` and their lists' items (the held check's list: its length, its
     modules are parked in it), as the next park compares them."""
     components, held, held_components, check, sites = places[:5]
-    return (*places, tuple(components), tuple(held_components), len(check[2][2]), tuple(sites))
+    return (*places, [*map(len, (components, held_components, check[2][2], sites))], [*components, *held_components, *sites])
 
 
 def _find_places(
