@@ -112,7 +112,8 @@ class Parked:
     park's ``objects`` and ``containers`` are parked again as they are, not looked for (a reused
     debugger's call)."""
     tags: list[int] | None
-    """The version tags and lengths of the dicts among the places, read as :func:`revive` put the modules back."""
+    """The version tags and lengths of the dicts among the places, read as :func:`revive` put the modules back
+    (only where each is a plain dict: ``READ`` takes no other mapping)."""
     memo_places: tuple | None
     """What the last park found in the memo: ``(memo, orders, pairs, lists, lengths, dicts, tags, at_orders,
     at_pairs)``, its ``orders`` and ``pairs``, the memo's lists it looked in and their lengths, the memo's
@@ -185,7 +186,10 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
         refs = parked.by_id
     else:
         refs = _find_places(parked, components, held, sites, dicts, dropped)
-        parked.places = _places_read(places)
+        # kept only where every dict's tag can be read (dict_version takes a plain dict alone: a RuntimeError
+        # on a ChainMap or a mappingproxy): else looked for at each park
+        readable = READ is not None and {*map(type, dicts)} == {dict}
+        parked.places = _places_read(places) if readable else None
     memo_same = False  # the memo's places as the last park found them (C loops; its lists hold the modules again)
     if same and parked.memo_places is not None and parked.memo_places[0] is memo:
         _, orders, pairs, lists, lengths, memo_dicts, memo_tags, at_orders, at_pairs = parked.memo_places
@@ -249,8 +253,9 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
                                 pairs.append((found, index, pair[0], refs[hit], key))
         for found, index, name, ref, _ in pairs:
             found[index] = (name, ref)
-        if READ is not None:
-            dicts_read = [memo._trees, memo._values, *memo._values.values()]
+        dicts_read = [memo._trees, memo._values, *memo._values.values()]
+        parked.memo_places = None
+        if READ is not None and {*map(type, dicts_read)} == {dict}:  # (as the places above)
             tags_read = [*map(READ, dicts_read), *map(len, dicts_read)]
             lengths = [*map(len, scanned)]
             at_orders = [[*map(_FIRST, parked.orders)], [*map(_SECOND, parked.orders)], [*map(_THIRD, parked.orders)]]
