@@ -17,9 +17,10 @@ at the next attach, in C loops (with :func:`park`, two Python calls a reused deb
 whatever the size of the trees); where one is gone it puts None, and the attach finds the component
 replaced (``HeldComponents.check``) and watches the pipeline as it is now, as for any component
 replaced between two watched calls. A reused debugger's places are those of its last detach: where
-:func:`park` finds them as :func:`revive` left them (the same objects and lists' items, no dict among
-them or the memo's written since, by their version tags and lengths as :mod:`.tree_tags` reads them,
-each place holding the module it held), it parks them again as they are, not looked for one by one
+:func:`park` finds them as :func:`revive` left them (the same objects and lists' items, by identity; no
+dict among them or the memo's written since the last park, detached or attached, by their version tags
+and lengths as :mod:`.tree_tags` reads them, at each park and revive; each place holding the module it
+held), it parks them again as they are, not looked for one by one
 (~205 C calls a reused fp16 1-step call to 10); what it kept of them is dropped where a parked
 component is collected or another debugger revives the memo. The memo is the pipeline's, shared
 by its debuggers: another debugger that reads it, or the memo parking itself once no debugger holds
@@ -112,8 +113,9 @@ class Parked:
     park's ``objects`` and ``containers`` are parked again as they are, not looked for (a reused
     debugger's call)."""
     tags: list[int] | None
-    """The version tags and lengths of the dicts among the places, read as :func:`revive` put the modules back
-    (only where each is a plain dict: ``READ`` takes no other mapping)."""
+    """The version tags and lengths of the dicts among the places (only where each is a plain dict: ``READ``
+    takes no other mapping), read as :func:`park` left them (:func:`revive` compares them before it writes: a
+    write while detached drops ``places``) and as :func:`revive` put the modules back (the next park compares them)."""
     memo_places: tuple | None
     """What the last park found in the memo: ``(memo, orders, pairs, lists, lengths, dicts, tags, at_orders,
     at_pairs)``, its ``orders`` and ``pairs``, the memo's lists it looked in and their lengths, the memo's
@@ -278,6 +280,8 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
     for found, index, ref, _ in parked.orders:
         found[index] = ref
     _HELD[id(parked)] = list(refs.values())
+    if parked.places is not None:  # as this park left them: revive compares them first (a write while detached)
+        parked.tags = [*map(READ, dicts), *map(len, dicts)]
     if memo is not None and (parked.orders or parked.pairs):  # shared: another debugger puts them back first
         memo.held_weakly = functools.partial(_revive_memo, parked, dropped)  # (strongly: a collected cycle's weak
         # references are cleared before its finalizers, the memo's own parking among them, run)
@@ -338,6 +342,9 @@ def revive(parked: Parked) -> bool:
     structures are as they were), False when one was collected (None in its places)."""
     parked.active = False
     _HELD.pop(id(parked), None)
+    places, tags = parked.places, parked.tags
+    if places is not None and tags is not None and [*map(READ, places[6:9]), *map(len, places[6:9])] != tags:
+        parked.places = None  # a dict written while detached (the tags as park left them): looked for again
     list(map(_set_attribute, parked.objects, parked.names, map(weakref.ref.__call__, parked.object_refs)))
     list(map(setitem, parked.containers, parked.keys, map(weakref.ref.__call__, parked.refs)))
     if parked.orders or parked.pairs:
