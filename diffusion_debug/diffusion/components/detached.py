@@ -39,9 +39,11 @@ it, puts its modules back first (``TreeMemo.held_weakly``).
 >>> unet() is None, [row["step"] for row in dbg.report().steps]
 (True, [0])
 
-Limits: the held check's list is compared by its length (its modules are parked in it): a module
-written in place over another item of it between two calls is not parked (only ``HeldComponents``
-makes that list); where no tag can be read every park looks, as before. A submodule replaced
+Limits: the held check's list is compared by its length (its modules are parked in it) and by the
+modules parked in it (a module written over another is seen): a module written in place over an item
+of it that is no module (the scheduler, None) between two calls is not parked (only ``HeldComponents``
+makes that list); where no tag can be read (no reader, a mapping that is no plain dict) every park
+looks, as before. A submodule replaced
 inside a component while detached (``pipe.vae.decoder = ...``, a layer swapped by a LoRA fuse) is
 let go at the next attach, as before; the pipeline itself is held (the debugger's ``pipe``:
 ``report()`` describes its components), so a pipeline deleted while its debugger is kept goes with
