@@ -290,10 +290,14 @@ def park(parked: Parked, components: list[Any], held: Any, steps: Any, memo: Any
 
 
 def _places_read(places: tuple) -> tuple:
-    """:func:`park`'s ``places`` and their lists' items (the held check's list: its length, its
-    modules are parked in it), as the next park compares them."""
+    """:func:`park`'s ``places``, their lists' lengths and their items (the held check's list: its
+    length alone, its modules are parked in it), as the next park compares them (the items by identity)."""
     components, held, held_components, check, sites = places[:5]
-    return (*places, [*map(len, (components, held_components, check[2][2], sites))], [*components, *held_components, *sites])
+    return (
+        *places,
+        [*map(len, (components, held_components, check[2][2], sites))],
+        [*components, *held_components, *sites],
+    )
 
 
 def _find_places(
