@@ -219,38 +219,58 @@ def run(pipe: Any, *, repeats: int, output_dir: str, label: str, clock: str = "c
             return call
 
         cases = {"plain": called(pipe), **{name: watched(debugger) for name, debugger in debuggers.items()}}
-        for name in cases:
-            result.whole[name], result.compute[name] = [], []
-        for name in debuggers:
-            result.groups[name] = []
         try:
-            for _ in range(warm_up_rounds(warmup)):
-                for call in cases.values():
-                    call()
-            gc.collect()
-            gc.freeze()
-            try:
-                for round_ in range(repeats):
-                    for name in reversed(cases) if round_ % 2 else cases:
-                        gc.collect()
-                        spent[0] = spent[1] = 0.0
-                        seen.clear()
-                        start = now()
-                        cases[name]()
-                        whole = now() - start
-                        result.whole[name].append(whole)
-                        result.compute[name].append(spent[0] - spent[1])
-                        if name in debuggers:  # whose sentinel hooks ran
-                            kept = debuggers[name]._steps.probes._kept
-                            ran = sorted(c for c, entry in kept.items() if id(entry[2]) in seen)
-                            result.groups[name].append("+".join(ran))
-                    result.read.append(bool(result.groups[REUSED][-1]))
-            finally:
-                gc.unfreeze()
+            controlled_rounds(result, cases, debuggers, REUSED, now, spent, seen, repeats=repeats, warmup=warmup)
         finally:
             for debugger in debuggers.values():
                 debugger.close()
     return result
+
+
+def controlled_rounds(
+    result: Controlled,
+    cases: dict[str, Callable[[], None]],
+    debuggers: dict[str, DiffusionModelDebugger],
+    read_by: str,
+    now: Callable[[], float],
+    spent: list[float],
+    seen: set[int],
+    *,
+    repeats: int,
+    warmup: int,
+) -> None:
+    """Fill ``result`` with ``repeats`` mirrored rounds of ``cases`` (the plain call first, then one per
+    debugger of ``debuggers``, by name) after ``warmup`` rounds, by ``now``: each call's whole time, the
+    compute inside its components (``spent`` and ``seen``, which :func:`compute_clock` fills, set back
+    before each call), whose sentinel hooks ran in each watched call (``groups``) and whether
+    ``read_by``'s ran (``read``). The collector runs before each call, everything older frozen, as
+    :func:`~benchmarks.harness.interleaved` does."""
+    for name in cases:
+        result.whole[name], result.compute[name] = [], []
+    for name in debuggers:
+        result.groups[name] = []
+    for _ in range(warm_up_rounds(warmup)):
+        for call in cases.values():
+            call()
+    gc.collect()
+    gc.freeze()
+    try:
+        for round_ in range(repeats):
+            for name in reversed(cases) if round_ % 2 else cases:
+                gc.collect()
+                spent[0] = spent[1] = 0.0
+                seen.clear()
+                start = now()
+                cases[name]()
+                result.whole[name].append(now() - start)
+                result.compute[name].append(spent[0] - spent[1])
+                if name in debuggers:  # whose sentinel hooks ran
+                    kept = debuggers[name]._steps.probes._kept
+                    ran = sorted(c for c, entry in kept.items() if id(entry[2]) in seen)
+                    result.groups[name].append("+".join(ran))
+            result.read.append(bool(result.groups[read_by][-1]))
+    finally:
+        gc.unfreeze()
 
 
 def main(argv: list[str] | None = None) -> int:

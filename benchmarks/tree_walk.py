@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import tempfile
 import time
 import timeit
@@ -23,9 +22,9 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.components import tree_tags
 from diffusion_debug.diffusion.components.structure import tree_key
 
-from .call_control import Controlled, compute_clock
+from .call_control import Controlled, compute_clock, controlled_rounds
 from .call_cost import one_step
-from .harness import CLOCKS, Comparison, machine, warm_up_rounds
+from .harness import CLOCKS, Comparison, machine
 
 TAGS, WALK = "reused, tags read", "reused, every tree walked"
 
@@ -84,33 +83,8 @@ def run(pipe: Any, *, repeats: int, output_dir: str, label: str, clock: str = "c
             return call
 
         cases = {"plain": called(pipe), TAGS: watched(TAGS), WALK: watched(WALK)}
-        for name in cases:
-            result.whole[name], result.compute[name] = [], []
-        for name in debuggers:
-            result.groups[name] = []
         try:
-            for _ in range(warm_up_rounds(warmup)):
-                for call in cases.values():
-                    call()
-            gc.collect()
-            gc.freeze()
-            try:
-                for round_ in range(repeats):
-                    for name in reversed(cases) if round_ % 2 else cases:
-                        gc.collect()
-                        spent[0] = spent[1] = 0.0
-                        seen.clear()
-                        start = now()
-                        cases[name]()
-                        result.whole[name].append(now() - start)
-                        result.compute[name].append(spent[0] - spent[1])
-                        if name in debuggers:  # whose sentinel hooks ran (call_control's groups)
-                            kept = debuggers[name]._steps.probes._kept
-                            ran = sorted(c for c, entry in kept.items() if id(entry[2]) in seen)
-                            result.groups[name].append("+".join(ran))
-                    result.read.append(bool(result.groups[TAGS][-1]))
-            finally:
-                gc.unfreeze()
+            controlled_rounds(result, cases, debuggers, TAGS, now, spent, seen, repeats=repeats, warmup=warmup)
         finally:
             for debugger in debuggers.values():
                 debugger.close()

@@ -5,7 +5,9 @@ pipeline as it is now and names a fault of the new component at its module and s
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import gc
 import weakref
 
@@ -14,6 +16,7 @@ import torch
 from diffusion_helpers import run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components import detached
 from diffusion_debug.testing import tiny_pipeline
 
 CONV = "up_blocks.1.resnets.0.conv2"
@@ -170,5 +173,76 @@ def test_a_component_collected_under_a_detached_debugger_takes_its_own_memo_entr
         run(pipe, steps=1)
     with DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error")) as another:
         assert another._steps.probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+def write_while_detached(dbg, pipe, parking):
+    dbg._steps.localizer.modules["extra"] = pipe.vae  # between park and revive: read at revive, after it
+    parking()
+    return dbg._steps.localizer.modules["extra"]
+
+
+def swap_an_equal_component(dbg, pipe, parking):
+    index, swapped = [c.name for c in dbg._components].index("vae"), []
+
+    def swap():  # attached: the module held again
+        swapped.append(dataclasses.replace(dbg._components[index]))  # equal, not the same
+        dbg._components[index] = swapped[0]
+
+    parking(attached=swap)
+    return swapped[0].module
+
+
+def another_debugger_reads_the_memo(dbg, pipe, parking):
+    with DiffusionModelDebugger(pipe, DebugConfig(output_dir=dbg.config.output_dir, log_level="error")) as other:
+        run(pipe, steps=1, output_type="latent")
+    other.close()
+    parking()
+    return dbg._components[0].module
+
+
+def a_mapping_that_is_no_dict(dbg, pipe, parking):
+    localizer = dbg._steps.localizer
+    parking(attached=lambda: setattr(localizer, "modules", collections.ChainMap(dict(localizer.modules))))
+    parking()  # its version cannot be read (dict_version: a RuntimeError): looked through at each park
+    return dbg._steps.localizer.modules["unet"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [write_while_detached, swap_an_equal_component, another_debugger_reads_the_memo, a_mapping_that_is_no_dict],
+)
+def test_a_reused_debugger_s_detach_looks_for_its_places_again_after_a_change_and_parks_them(
+    tmp_path, monkeypatch, change
+):
+    """A reused debugger's detach parks its last places again as they are when nothing changed since
+    the attach (``detached.park``); a change to them (a dict written, even while detached, an item
+    swapped for an equal new one, the memo read by another debugger, a mapping whose version cannot
+    be read) sends it through the full search, and the module the change put there is parked."""
+    pipe = tiny_pipeline("sd")
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    for _ in range(2):
+        with dbg:
+            run(pipe, steps=1, output_type="latent")
+    searches = []
+    find_places = detached._find_places
+    monkeypatch.setattr(detached, "_find_places", lambda *args: searches.append(1) or find_places(*args))
+
+    def parking(attached=lambda: None):  # as an attach and a detach do, ``attached()`` run between them
+        detached.revive(dbg._parked)
+        attached()
+        detached.park(dbg._parked, dbg._components, dbg._held, dbg._steps, dbg._trees, dbg._dropped)
+
+    parking()
+    assert searches == []  # nothing changed: the last park's places, parked again
+    held = change(dbg, pipe, parking)
+    assert searches and isinstance(held, weakref.ref) and held() is not None
+    assert all(isinstance(c.module, weakref.ref) for c in dbg._components)
+    count = len(searches)
+    parking()  # (the mapping that is no dict: looked through again)
+    assert len(searches) == count + (change is a_mapping_that_is_no_dict)
+    with dbg:
+        run(pipe, steps=1, output_type="latent")
     assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
     dbg.close()
