@@ -1,7 +1,7 @@
 """A small Accelerate training loop that knows nothing of diffusion-debug, for `launch`'s single-process
-tests (test_launch_safety.py). Flags: --steps N; --optimizers gan (a generator and a discriminator, each
-with its optimizer and its own backward), text (a UNet-like model and a text encoder, two optimizers
-stepping on one backward); --nan-at S (a NaN in the second model's gradient at round S); --raise-at S
+tests (test_launch_safety.py, test_launch_signals.py). Flags: --steps N; --optimizers gan (a generator and a
+discriminator, each with its optimizer and its own backward), text (a UNet-like model and a text encoder, two
+optimizers stepping on one backward); --nan-at S (a NaN in the second model's gradient at round S); --raise-at S
 (RuntimeError after round S); --forever (trains until stopped, printing "round S" with its pid after each);
 --out FILE (the final weights); --no-accelerate (plain torch: loss.backward(), nothing prepared);
 --late-second (one optimizer, then from round 2 a second model prepared and trained too); --own-debugger DIR
