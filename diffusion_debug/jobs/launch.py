@@ -38,7 +38,9 @@ script's stdin, stdout and stderr (pdb works), not its controlling terminal. A S
 the launcher SIGTERM as its parent dies: passed on as any other, the launcher waits for the script, so that
 what the script writes to stderr while it saves its run reaches the command's stderr (under accelerate 1.16
 the one-process script's stderr is a pipe through the launcher, accelerate keeping its tail for the error it
-raises; the launcher ending at once left the script's terminal summary to a pipe nobody read). DeepSpeed's
+raises, and raises again: the launcher raises accelerate's error without it, as up to 1.15, so that the script's
+summary and traceback are printed once; the launcher ending at once left the script's terminal summary to a pipe
+nobody read). DeepSpeed's
 multi-node launch (pdsh) is left to accelerate: under 1.16 a signal still terminates it and kills it 5 seconds
 later.
 """
@@ -386,8 +388,13 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
                 signal.signal(signum, handler)
         if received:
             end_by(received[0][0])
-        if raised:
-            raise raised[0]
+        error = raised[0] if raised else None
+        if isinstance(error, subprocess.CalledProcessError) and error.stderr is not None:
+            # accelerate 1.16 raises the tail of the script's stderr again, which it wrote through already
+            # (the script's summary and traceback, twice): the error as accelerate up to 1.15 raised it
+            raise subprocess.CalledProcessError(error.returncode, error.cmd) from None
+        if error is not None:
+            raise error
 
     return run
 

@@ -392,3 +392,21 @@ def test_an_error_of_the_scripts_own_training_debugger_has_its_traceback_as_with
     assert from_script(watched.stderr) == from_script(plain.stderr)
     assert "launched.py" not in from_script(watched.stderr) and len(_ours(watched.stderr)) == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_launched_script_that_raises_has_its_summary_and_traceback_printed_once(tmp_path):
+    """``diffusion-debug launch`` of a script that raises: the command exits 1, the script's terminal summary
+    and traceback on its stderr once. accelerate 1.16's one-process launcher keeps the tail of the script's
+    stderr, written through already, and raised it again inside its CalledProcessError (``from
+    RuntimeError(stderr)``): the summary and the traceback were printed twice."""
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    command = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
+    command += [*ONE_PROCESS, str(SCRIPT), "--raise-at", "1"]
+    env = {**cpu_launch_env(ROOT), NO_HTML: "1"}
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = "The script raised RuntimeError: the data ran out after round 1"
+    raised = 'raise RuntimeError(f"the data ran out after round {step}")'
+    assert (done.stderr.count(said), done.stderr.count(raised)) == (1, 1), done.stderr[-6000:]
+    assert done.stderr.index(said) < done.stderr.index(raised)
