@@ -36,13 +36,12 @@ script's group, so that the script gets it once (a script's own SIGTERM handler,
 runs once; it was twice where the script had it from the group and forwarded too). The terminal is still the
 script's stdin, stdout and stderr (pdb works), not its controlling terminal. A SIGKILL of the command sends
 the launcher SIGTERM as its parent dies: passed on as any other, the launcher waits for the script, so that
-what the script writes to stderr while it saves its run reaches the command's stderr (under accelerate 1.16
-the one-process script's stderr is a pipe through the launcher, accelerate keeping its tail for the error it
-raises, and raises again: the launcher raises accelerate's error without it, as up to 1.15, so that the script's
-summary and traceback are printed once; the launcher ending at once left the script's terminal summary to a pipe
-nobody read). DeepSpeed's
-multi-node launch (pdsh) is left to accelerate: under 1.16 a signal still terminates it and kills it 5 seconds
-later.
+what the script writes to stderr while it saves its run reaches the command's stderr (the launcher ending at
+once left the script's terminal summary to a pipe nobody read). Under accelerate 1.16 the one-process
+script's stderr is a pipe through the launcher, which keeps its tail and raised it again in its error for a
+failed script (its summary and traceback printed twice): the launcher raises that error without it, as
+accelerate up to 1.15 raised it. DeepSpeed's multi-node launch (pdsh) is left to accelerate: under 1.16 a
+signal still terminates it and kills it 5 seconds later.
 """
 
 from __future__ import annotations
