@@ -20,9 +20,8 @@ command had it), so Ctrl-C in the terminal reaches it (and through it the script
 SIGINT, SIGTERM or SIGHUP sent to the command's pid alone are forwarded to that group (one the
 command was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored), and a SIGKILL of
 it sends SIGTERM to the launcher (Linux).
-After an interrupt or a failure the command waits for the launcher's group (the launcher waits for the
-script, saving its run) before it returns, up to :data:`GRACE_S`: on Ctrl-C it returns once report.html is
-written.
+After an interrupt or a failure the command waits for the processes it started (the script's, saving
+its run) before it returns, up to :data:`GRACE_S`: on Ctrl-C it returns once report.html is written.
 The launcher and the command then end by the signal itself (a shell loop or a scheduler sees "killed
 by SIGINT / SIGTERM", not an exit status 130 / 143), under every accelerate: the one-process launcher
 waits for the script instead of answering the signal (accelerate 1.16's terminates the script and kills
@@ -222,7 +221,7 @@ def run_launch(argv: list[str]) -> int:
 
 def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     """Run ``command`` in a process group of its own, forward SIGINT, SIGTERM and SIGHUP to the
-    group, and after an interrupt or a failure wait for the group's processes (up to
+    group, and after an interrupt or a failure wait for the processes it leaves (up to
     :data:`GRACE_S`); the command's return code (negative: the signal that ended it)."""
     c_library = libc()
     reaper = c_library is not None and c_library.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
@@ -288,14 +287,14 @@ def _take_terminal_back(terminal: int | None) -> None:
 
 
 def _wait_for_group(group: int, reaper: bool, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Until no process of ``group`` is left (as subreaper: reaped; else: none answers a signal 0),
-    or :data:`GRACE_S` has passed. Only the group's: this may be a caller's process with children of its
-    own (the one-process script, in a session of its own, is waited for by the launcher itself)."""
+    """Until no process of ``group`` is left (as subreaper: no child of this process, reaped, the script's
+    session too, whose processes come here once the launcher ended; else: none of the group answers a
+    signal 0), or :data:`GRACE_S` has passed."""
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:
         try:
             if reaper:
-                if os.waitpid(-group, os.WNOHANG)[0] != 0:
+                if os.waitpid(-1, os.WNOHANG)[0] != 0:
                     continue  # one reaped: look again at once
             else:
                 os.killpg(group, 0)
