@@ -347,10 +347,9 @@ def main(argv: list[str]) -> int:
 def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[[Any], None]:
     """accelerate's one-process launcher, run so that the script gets each signal sent to this launcher
     once, has its time to save its run, and the launcher then ends by that signal, under every accelerate.
-    The script (not an mpirun's ranks: ``--mpirun_hostfile``) leaves this process's session as it starts
-    (:data:`~diffusion_debug.jobs.launch_end.OWN_SESSION`): a signal to this pid, to its group or by its
-    terminal reaches this process only, and each is passed on to the script (:func:`_forward_to_script`);
-    this process then waits for the script, up to :data:`GRACE_S`.
+    The script leaves this process's session as it starts (:data:`~diffusion_debug.jobs.launch_end.OWN_SESSION`):
+    a signal to this pid, to its group or by its terminal reaches this process only, and each is passed on to
+    the script (:func:`_forward_to_script`); this process then waits for the script, up to :data:`GRACE_S`.
     accelerate 1.16 would otherwise answer it by terminating the script and killing it 5 seconds later
     (``_terminate_process_tree``: no report.html, no terminal summary) and exit 143 / 130; up to 1.15 this
     process died by the signal at once. Run in a thread, accelerate's launcher leaves the signals to this
@@ -375,8 +374,7 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
 
         previous = {s: signal.signal(s, note) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
         thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
-        if getattr(args, "mpirun_hostfile", None) is None:  # mpirun's ranks are mpirun's to signal, as before
-            os.environ[OWN_SESSION] = "1"  # read (and taken out) by the script's process: never the script's
+        os.environ[OWN_SESSION] = "1"  # read (and taken out) by the script's process: never the script's
         try:
             thread.start()
             while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):

@@ -166,26 +166,6 @@ def test_each_signal_the_script_gets_raises_unless_its_run_is_being_saved():
     assert signals._on_signal(signal.SIGINT, None) is None and signals.received == signal.SIGTERM
 
 
-LEAVE = """
-import os, sys
-from diffusion_debug.jobs.launch_end import OWN_SESSION, leave_the_launchers_session
-before = os.getsid(0)
-leave_the_launchers_session()
-print(os.getsid(0) == os.getpid() != before, OWN_SESSION in os.environ)
-"""
-
-
-@pytest.mark.parametrize("asked", [True, False])
-def test_only_the_process_the_launcher_asked_leaves_its_session_and_the_request_is_not_left_to_the_script(asked):
-    from diffusion_debug.jobs.launch_end import OWN_SESSION
-
-    env = {k: v for k, v in cpu_launch_env(ROOT).items() if k != OWN_SESSION}
-    if asked:
-        env[OWN_SESSION] = "1"
-    done = subprocess.run([sys.executable, "-c", LEAVE], env=env, capture_output=True, text=True, timeout=120)
-    assert done.stdout == f"{asked} False\n", done.stderr[-3000:]
-
-
 def _end(launcher: subprocess.Popen) -> tuple[str, str]:
     try:
         return launcher.communicate(timeout=300)
