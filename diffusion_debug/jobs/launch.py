@@ -16,32 +16,34 @@ The command's own process imports no torch: it only starts the launcher (the cos
 one Python that imports torch fewer than a launch that parses accelerate's options itself).
 
 Signals: the launcher runs in a process group of its own (the terminal's foreground, where the
-command had it), so Ctrl-C in the terminal reaches it (and through it the script, below);
+command had it), so Ctrl-C in the terminal reaches it and the script as under a plain launch;
 SIGINT, SIGTERM or SIGHUP sent to the command's pid alone are forwarded to that group (one the
 command was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored), and a SIGKILL of
-it sends SIGTERM to the launcher (Linux).
-After an interrupt or a failure the command waits for the processes it started (the script's, saving
+it sends SIGTERM to the launcher (Linux; the script's process then gets SIGTERM as its parent ends).
+After an interrupt or a failure the command waits for the group's processes (the script's, saving
 its run) before it returns, up to :data:`GRACE_S`: on Ctrl-C it returns once report.html is written.
 The launcher and the command then end by the signal itself (a shell loop or a scheduler sees "killed
 by SIGINT / SIGTERM", not an exit status 130 / 143), under every accelerate: the one-process launcher
 waits for the script instead of answering the signal (accelerate 1.16's terminates the script and kills
 it 5 seconds later, before report.html), and accelerate 1.16's exit status 128 + N after torch's elastic
-agent was signalled becomes the signal N again.
-
-The one-process script runs in a session of its own, as torch's elastic agent starts its workers
-(``start_new_session``, the agent passing the signal on): a signal sent to the launcher's pid alone, to its
-group (``kill -TERM -PGID``, a scheduler signalling the job's group) or by the terminal (Ctrl-C goes to the
-launcher's group, the terminal's foreground) reaches the launcher only, which passes each one on to the
-script's group, so that the script gets it once (a script's own SIGTERM handler, a checkpoint saved on it,
-runs once; it was twice where the script had it from the group and forwarded too). The terminal is still the
-script's stdin, stdout and stderr (pdb works), not its controlling terminal. A SIGKILL of the command sends
-the launcher SIGTERM as its parent dies: passed on as any other, the launcher waits for the script, so that
-what the script writes to stderr while it saves its run reaches the command's stderr (the launcher ending at
-once left the script's terminal summary to a pipe nobody read). Under accelerate 1.16 the one-process
-script's stderr is a pipe through the launcher, which keeps its tail and raised it again in its error for a
-failed script (its summary and traceback printed twice): the launcher raises that error without it, as
+agent was signalled becomes the signal N again. The one-process launcher forwards the signal to the script
+(a supervisor that started ``python -m diffusion_debug.jobs.launch`` itself may signal its pid alone),
+except a Ctrl-C or hangup of the terminal whose foreground it is; where the script had it from the group too,
+the repeat is noted, not raised into its cleanup (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`).
+Under accelerate 1.16 the one-process script's stderr is a pipe through the launcher (accelerate keeps its
+tail for the error it raises): the script sees no terminal there, and what it writes to stderr after the
+launcher ended (a SIGKILLed command) is lost. accelerate 1.16 raises that tail again in its error for a
+failed script (its summary and traceback printed twice): the launcher raises the error without it, as
 accelerate up to 1.15 raised it. DeepSpeed's multi-node launch (pdsh) is left to accelerate: under 1.16 a
 signal still terminates it and kills it 5 seconds later.
+
+Limits: a SIGTERM or SIGINT sent to the launcher's whole group without a terminal (``kill -TERM -PGID``, a
+scheduler signalling the job's group) reaches the one-process script twice, from the group and forwarded:
+REPEAT_S drops the repeat for our own handler only, so a SIGTERM handler of the script's own (a checkpoint
+saved on it) is called twice; so is it where a sender signals every process of the job (a SLURM cgroup,
+systemd). The script stays in the launcher's group on purpose: a ``kill -KILL -PGID`` still reaches it, our
+own handler drops the repeat in its cleanup, a signal to the launcher alone does not reach the script's
+DataLoader workers, and an mpirun gets a Ctrl-C once (not forwarded: its second is a forced stop).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
-from .launch_end import OWN_SESSION, die_with_parent, end_by, libc
+from .launch_end import die_with_parent, end_by, libc
 
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 """The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
@@ -221,7 +223,7 @@ def run_launch(argv: list[str]) -> int:
 
 def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     """Run ``command`` in a process group of its own, forward SIGINT, SIGTERM and SIGHUP to the
-    group, and after an interrupt or a failure wait for the processes it leaves (up to
+    group, and after an interrupt or a failure wait for the group's processes (up to
     :data:`GRACE_S`); the command's return code (negative: the signal that ended it)."""
     c_library = libc()
     reaper = c_library is not None and c_library.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
@@ -287,14 +289,13 @@ def _take_terminal_back(terminal: int | None) -> None:
 
 
 def _wait_for_group(group: int, reaper: bool, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Until no process of ``group`` is left (as subreaper: no child of this process, reaped, the script's
-    session too, whose processes come here once the launcher ended; else: none of the group answers a
-    signal 0), or :data:`GRACE_S` has passed."""
+    """Until no process of ``group`` is left (as subreaper: reaped; else: none answers a signal 0),
+    or :data:`GRACE_S` has passed."""
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:
         try:
             if reaper:
-                if os.waitpid(-1, os.WNOHANG)[0] != 0:
+                if os.waitpid(-group, os.WNOHANG)[0] != 0:
                     continue  # one reaped: look again at once
             else:
                 os.killpg(group, 0)
@@ -345,17 +346,17 @@ def main(argv: list[str]) -> int:
 
 
 def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[[Any], None]:
-    """accelerate's one-process launcher, run so that the script gets each signal sent to this launcher
-    once, has its time to save its run, and the launcher then ends by that signal, under every accelerate.
-    The script leaves this process's session as it starts (:data:`~diffusion_debug.jobs.launch_end.OWN_SESSION`):
-    a signal to this pid, to its group or by its terminal reaches this process only, and each is passed on to
-    the script (:func:`_forward_to_script`); this process then waits for the script, up to :data:`GRACE_S`.
-    accelerate 1.16 would otherwise answer it by terminating the script and killing it 5 seconds later
-    (``_terminate_process_tree``: no report.html, no terminal summary) and exit 143 / 130; up to 1.15 this
-    process died by the signal at once. Run in a thread, accelerate's launcher leaves the signals to this
-    (main) thread. The launcher that started this process gone (its SIGKILL sends SIGTERM here) is one
-    more SIGTERM: passed on and waited for, so that the script's stderr, a pipe through this process under
-    accelerate 1.16, is still read while the script saves."""
+    """accelerate's one-process launcher, run so that a signal leaves the script its time to save its run
+    and the launcher then ends by that signal, under every accelerate. The signal reaches the script from
+    the group (the terminal's Ctrl-C, or :func:`run_forwarding`); this process only notes it and waits for
+    the script, up to :data:`GRACE_S`. accelerate 1.16 would otherwise answer it by terminating the script
+    and killing it 5 seconds later (``_terminate_process_tree``: no report.html, no terminal summary) and
+    exit 143 / 130; up to 1.15 this process died by the signal at once. Run in a thread, accelerate's
+    launcher leaves the signals to this (main) thread; the launcher that started this process gone (its
+    SIGKILL sends SIGTERM here), it ends at once, as before: the script then gets SIGTERM as its parent ends.
+    Else the first signal is forwarded to the script (:func:`_forward_to_children`): one sent to this pid
+    alone would leave the script training for GRACE_S; a Ctrl-C or hangup of the terminal whose foreground
+    group this is reached the script already and is not."""
 
     def run(args: Any) -> None:
         raised: list[BaseException] = []
@@ -366,21 +367,22 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
             except BaseException as error:  # its CalledProcessError, or sys.exit(1) under --quiet
                 raised.append(error)
 
-        received: list[tuple[int, float]] = []
+        parent, received = os.getppid(), []
 
         def note(signum: int, frame: Any) -> None:
             received.append((signum, time.monotonic()))
-            _forward_to_script(signum)
+            if os.getppid() != parent:
+                end_by(signum)
+            if len(received) == 1 and not (signum != signal.SIGTERM and _terminal_foreground()):
+                _forward_to_children(signum)
 
         previous = {s: signal.signal(s, note) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
         thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
-        os.environ[OWN_SESSION] = "1"  # read (and taken out) by the script's process: never the script's
         try:
             thread.start()
             while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):
                 thread.join(0.1)
         finally:
-            os.environ.pop(OWN_SESSION, None)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         if received:
@@ -396,19 +398,32 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
     return run
 
 
-def _forward_to_script(signum: int) -> None:
-    """``signum`` to the process group of each child process of this one still running (the script's, a
-    session of its own: its DataLoader workers too, as the terminal's Ctrl-C reached them), or to the child
-    alone where it has not left this process's group yet (its Python starting)."""
+def _terminal_foreground() -> bool:
+    """Whether this process's group is its controlling terminal's foreground (a Ctrl-C or a hangup there
+    reached every process of the group)."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _forward_to_children(signum: int) -> None:
+    """``signum`` to this process's child processes still running (the script's): a signal sent to this
+    launcher alone (``kill PID`` of ``python -m diffusion_debug.jobs.launch``) reaches the script too.
+    Where the script had it from the group already, the repeat is noted there and not raised again
+    (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`)."""
     import psutil
 
     for child in psutil.Process().children():
         try:
-            if os.getpgid(child.pid) == child.pid:
-                os.killpg(child.pid, signum)
-            else:
-                child.send_signal(signum)
-        except (OSError, psutil.Error):  # ended meanwhile
+            child.send_signal(signum)
+        except psutil.Error:  # ended meanwhile
             pass
 
 

@@ -8,11 +8,9 @@ last frames, bounded) or ``{"status": "interrupted", "signal": "SIGTERM"}``.
 SIGINT and SIGTERM, where the script left their default handlers, raise where the script is (Ctrl-C's
 ``KeyboardInterrupt``, :class:`Interrupted` for SIGTERM) so that the run is saved; a SIGTERM then ends
 the process by the signal, as it would have ended it. While the run is being saved a signal is noted
-and not raised, so that a second Ctrl-C does not cut summary.json or report.html.
-
-The one-process script runs in a session of its own (:func:`leave_the_launchers_session`), as torch's
-elastic agent starts its workers: a signal to the launcher's group, or the terminal's Ctrl-C, reaches the
-launcher alone, which passes each signal on once, so a script's own handler is called once for it.
+and not raised, so that a second Ctrl-C does not cut summary.json or report.html; the same signal
+again within :data:`REPEAT_S` of the first is noted too (the launcher forwards a signal that may have
+reached the script from the group already).
 
 ``DIFFUSION_DEBUG_NO_HTML=1`` in the launch's environment (:data:`NO_HTML`): the run is saved without
 report.html (a CI job that reads summary.json saves the seconds the page takes to build);
@@ -24,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -33,9 +32,9 @@ from .pipeline_loading import one_line
 TRACEBACK_FRAMES = 4
 """The innermost frames of a raised script's traceback kept in ``end.traceback``."""
 TRACEBACK_CHARS = 4000
-OWN_SESSION = "DIFFUSION_DEBUG_OWN_SESSION"
-"""Set by launch's one-process launcher in the environment of the script it starts (never seen by the script):
-the script's process leaves the launcher's session (:func:`leave_the_launchers_session`)."""
+REPEAT_S = 2.0
+"""A signal received again this soon after the first is the same request twice (sent to the group, and
+forwarded by the launcher to its script): it is noted, not raised a second time into the script's cleanup."""
 NO_HTML = "DIFFUSION_DEBUG_NO_HTML"
 """Set to 1 (or any value but 0 and empty) in a launch's environment: no report.html is written."""
 
@@ -77,6 +76,7 @@ class Signals:
 
     def __init__(self, unwatched: Callable[[], bool] = lambda: False) -> None:
         self.received: int | None = None
+        self._first_at = 0.0
         self.saving = False
         self.unwatched = unwatched
         self._previous: dict[int, Any] = {}
@@ -88,8 +88,11 @@ class Signals:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
         if self.received is None:
-            self.received = signum
+            self.received, self._first_at = signum, now
+        elif signum == self.received and now - self._first_at < REPEAT_S:
+            return  # the same signal twice: from the group and forwarded by the launcher (launch.py)
         if self.saving:
             return  # noted: the run being saved is not cut
         if signum == signal.SIGTERM and self.unwatched():  # ends the process as it would have
@@ -156,21 +159,6 @@ def end_by(signum: int) -> None:
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     raise SystemExit(128 + signum)  # the signal is blocked or delayed: the same exit status
-
-
-def leave_the_launchers_session(environ: Any = os.environ) -> None:
-    """A process that launch's one-process launcher started (:data:`OWN_SESSION` in ``environ``, taken out of
-    it) leaves the launcher's session and process group for one of its own: a signal sent to the launcher's
-    group (``kill -TERM -PGID``, a scheduler signalling the job's group) or by its terminal (Ctrl-C) then
-    reaches the launcher only, which passes it on, once. The terminal stays the script's stdin, stdout and
-    stderr (pdb reads it, with no job control: it is no longer the controlling terminal); a signal in the
-    second the script's Python takes to start, before this runs, may still reach it twice."""
-    if environ.pop(OWN_SESSION, None) is None:
-        return
-    try:
-        os.setsid()
-    except OSError:  # it leads a process group already: the launcher signals it alone
-        pass
 
 
 def die_with_parent(c_library: Any = None) -> None:
