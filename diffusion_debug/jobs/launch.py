@@ -32,8 +32,18 @@ except a Ctrl-C or hangup of the terminal whose foreground it is; where the scri
 the repeat is noted, not raised into its cleanup (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`).
 Under accelerate 1.16 the one-process script's stderr is a pipe through the launcher (accelerate keeps its
 tail for the error it raises): the script sees no terminal there, and what it writes to stderr after the
-launcher ended (a SIGKILLed command) is lost. DeepSpeed's multi-node launch (pdsh) is left to accelerate:
-under 1.16 a signal still terminates it and kills it 5 seconds later.
+launcher ended (a SIGKILLed command) is lost. accelerate 1.16 raises that tail again in its error for a
+failed script (its summary and traceback printed twice): the launcher raises the error without it, as
+accelerate up to 1.15 raised it. DeepSpeed's multi-node launch (pdsh) is left to accelerate: under 1.16 a
+signal still terminates it and kills it 5 seconds later.
+
+Limits: a SIGTERM or SIGINT sent to the launcher's whole group without a terminal (``kill -TERM -PGID``, a
+scheduler signalling the job's group) reaches the one-process script twice, from the group and forwarded:
+REPEAT_S drops the repeat for our own handler only, so a SIGTERM handler of the script's own (a checkpoint
+saved on it) is called twice; so is it where a sender signals every process of the job (a SLURM cgroup,
+systemd). The script stays in the launcher's group on purpose: a ``kill -KILL -PGID`` still reaches it, our
+own handler drops the repeat in its cleanup, a signal to the launcher alone does not reach the script's
+DataLoader workers, and an mpirun gets a Ctrl-C once (not forwarded: its second is a forced stop).
 """
 
 from __future__ import annotations
@@ -377,8 +387,13 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
                 signal.signal(signum, handler)
         if received:
             end_by(received[0][0])
-        if raised:
-            raise raised[0]
+        error = raised[0] if raised else None
+        if isinstance(error, subprocess.CalledProcessError) and error.stderr is not None:
+            # accelerate 1.16 raises the tail of the script's stderr again, which it wrote through already
+            # (the script's summary and traceback, twice): the error as accelerate up to 1.15 raised it
+            raise subprocess.CalledProcessError(error.returncode, error.cmd) from None
+        if error is not None:
+            raise error
 
     return run
 

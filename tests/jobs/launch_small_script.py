@@ -1,7 +1,7 @@
 """A small Accelerate training loop that knows nothing of diffusion-debug, for `launch`'s single-process
-tests (test_launch_safety.py). Flags: --steps N; --optimizers gan (a generator and a discriminator, each
-with its optimizer and its own backward), text (a UNet-like model and a text encoder, two optimizers
-stepping on one backward); --nan-at S (a NaN in the second model's gradient at round S); --raise-at S
+tests (test_launch_safety.py, test_launch_signals.py). Flags: --steps N; --optimizers gan (a generator and a
+discriminator, each with its optimizer and its own backward), text (a UNet-like model and a text encoder, two
+optimizers stepping on one backward); --nan-at S (a NaN in the second model's gradient at round S); --raise-at S
 (RuntimeError after round S); --forever (trains until stopped, printing "round S" with its pid after each);
 --out FILE (the final weights); --no-accelerate (plain torch: loss.backward(), nothing prepared);
 --late-second (one optimizer, then from round 2 a second model prepared and trained too); --own-debugger DIR
@@ -9,10 +9,14 @@ stepping on one backward); --nan-at S (a NaN in the second model's gradient at r
 then plants a NaN in the model's gradient at round S); --pipeline-debugger DIR (after round 2, a validation
 call of a tiny SD pipeline whose UNet makes an Inf at its second step, watched by the script's own
 DiffusionModelDebugger writing to DIR); --cleanup-s S (interrupted, the script's own cleanup sleeps S seconds, then
-prints "cleaned up")."""
+prints "cleaned up"); --count-signals FILE (the script's own graceful stop, as a checkpointing script has it:
+its SIGTERM and SIGINT handler counts its calls and stops the loop at the first; each round waits 0.2 s for its
+data (where a signal finds it, the handler runs at once: one that came twice is counted twice); the script then
+saves for --cleanup-s seconds and writes the names of the signals its handler had to FILE, one a line)."""
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -31,6 +35,7 @@ parser.add_argument("--late-second", action="store_true")
 parser.add_argument("--own-debugger")
 parser.add_argument("--pipeline-debugger")
 parser.add_argument("--cleanup-s", type=float)
+parser.add_argument("--count-signals")
 args = parser.parse_args()
 
 
@@ -61,9 +66,14 @@ if args.own_debugger:
 
     debugger = TrainingDebugger(first, accelerator=accelerator, config=DebugConfig(output_dir=args.own_debugger))
 
+handled: list[int] = []
+if args.count_signals:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: handled.append(signum))
+
 step = 0
 try:
-    while args.forever or step < args.steps:
+    while not handled and (args.forever or step < args.steps):
         x = torch.randn(4, 8, generator=generator)
         if args.optimizers == "gan":  # the discriminator's step, then the generator's, each on its own backward
             fake = first(x)
@@ -113,6 +123,8 @@ try:
             print("validation run:", validation.report().save(html=False), flush=True)
         if args.forever:
             print(f"round {step} pid {os.getpid()}", flush=True)
+        if args.count_signals:  # waiting for its data: a signal runs the handler at once, as it does mostly
+            time.sleep(0.2)
         if step == args.raise_at:
             raise RuntimeError(f"the data ran out after round {step}")
         step += 1
@@ -121,6 +133,10 @@ except BaseException:  # the script's own cleanup (a checkpoint saved on SIGTERM
         time.sleep(args.cleanup_s)
         print("cleaned up", flush=True)
     raise
+if args.count_signals:  # the graceful stop's save, during which a signal sent twice would come again
+    time.sleep(args.cleanup_s or 0)
+    with open(args.count_signals, "w") as counted:
+        counted.writelines(f"{signal.Signals(signum).name}\n" for signum in handled)
 if debugger is not None:
     print("debug run:", debugger.report().save(html=False), flush=True)
 if args.out:

@@ -12,15 +12,12 @@ compared with are processes of their own."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -211,127 +208,6 @@ def test_a_crashed_run_says_how_it_ended_in_summary_report_and_terminal(tmp_path
     assert load_run(run_dir).summary["training"]["total_steps"] == 3
 
 
-def _launch_until(
-    tmp_path: Path, rounds: int, *script_args: str, module: str = "diffusion_debug.cli launch"
-) -> tuple[subprocess.Popen, int]:
-    """``diffusion-debug launch`` (one process; ``module``: the launcher's module run directly) of a script
-    training until stopped, read until it printed ``rounds`` rounds; the launcher and the script's pid."""
-    if accelerate_launcher() is None:
-        pytest.skip("the accelerate launcher is not installed")
-    command = [sys.executable, "-m", *module.split(), "--debug-output-dir", str(tmp_path / "runs")]
-    command += [*ONE_PROCESS, str(SCRIPT), "--forever", *script_args]
-    launcher = subprocess.Popen(
-        command,
-        env=cpu_launch_env(ROOT),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # the test's signal goes to the launcher's pid alone
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as under `cmd &`
-    )
-    for line in launcher.stdout:
-        if line.startswith(f"round {rounds - 1} "):
-            return launcher, int(line.split()[-1])
-    os.killpg(launcher.pid, signal.SIGKILL)
-    pytest.fail(f"the launched script stopped before round {rounds}: {launcher.stderr.read()[-3000:]}")
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-# the launcher ends by the signal itself (Popen's returncode -N), as a plain `accelerate launch` does:
-# a shell loop or a script running it stops on Ctrl-C, where an exit status 130 would go on
-@pytest.mark.parametrize(("sent", "returncode"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)])
-def test_a_signal_to_the_launcher_ends_the_script_with_a_saved_run(tmp_path, sent, returncode):
-    launcher, script_pid = _launch_until(tmp_path, 3)
-    os.kill(launcher.pid, sent)  # to the launcher alone, as a job scheduler or `kill PID` sends it
-    try:
-        _, stderr = launcher.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        pytest.fail("the launcher did not end after the signal")
-    assert launcher.returncode == returncode, stderr[-3000:]
-    assert _gone(script_pid)  # the launcher returned once the script's process had ended
-    run_dir = _run_dir(tmp_path)
-    run = load_run(run_dir)
-    name = signal.Signals(sent).name
-    assert run.summary["end"] == {"status": "interrupted", "signal": name}
-    assert run.summary["training"]["total_steps"] >= 3
-    said = f"The run was interrupted by {name} before the script finished; the figures stop there."
-    assert said in (run_dir / "report.html").read_text(encoding="utf-8") and said in stderr
-
-
-def test_a_killed_command_ends_the_launcher_and_the_script_with_a_saved_run(tmp_path):
-    """``diffusion-debug launch`` itself SIGKILLed (the OOM killer, a scheduler's hard stop): the launcher
-    gets SIGTERM as its parent dies and ends, and the script then gets SIGTERM as its own parent ends and
-    saves its run, report.html too, after its own 8 s cleanup (accelerate 1.16's launcher, left to answer
-    that SIGTERM, killed the script 5 seconds later: no summary.json); within 30 s of the SIGKILL, not
-    after the launcher's GRACE_S (60 s)."""
-    launcher, script_pid = _launch_until(tmp_path, 3, "--cleanup-s", "8")
-    started = psutil.Process(launcher.pid).children(recursive=True)
-    killed = time.monotonic()
-    os.kill(launcher.pid, signal.SIGKILL)
-    stdout, _ = launcher.communicate(timeout=300)  # until the script, which holds the pipe, ended
-    _, alive = psutil.wait_procs(started, timeout=120)
-    assert alive == [] and _gone(script_pid)
-    assert time.monotonic() - killed < 30 and stdout.endswith("cleaned up\n"), stdout[-300:]
-    run_dir = _run_dir(tmp_path)
-    assert load_run(run_dir).summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
-    said = "The run was interrupted by SIGTERM before the script finished; the figures stop there."
-    assert said in (run_dir / "report.html").read_text(encoding="utf-8")
-
-
-@pytest.mark.parametrize("to", ["launcher", "group"])
-def test_a_sigterm_to_the_launcher_started_directly_ends_it_promptly_with_the_scripts_cleanup_and_run(tmp_path, to):
-    """``python -m diffusion_debug.jobs.launch`` started by a supervisor itself: a SIGTERM to its pid alone
-    reaches the script too (the launcher forwards it: it waited its GRACE_S, 60 s, with the script training
-    on), and one to its whole group, which the script gets twice (from the group and forwarded), does not
-    cut the script's own 3 s cleanup: the launcher ends by SIGTERM within 20 s, the run saved."""
-    launcher, script_pid = _launch_until(tmp_path, 3, "--cleanup-s", "3", module="diffusion_debug.jobs.launch")
-    sent = time.monotonic()
-    if to == "launcher":
-        os.kill(launcher.pid, signal.SIGTERM)
-    else:
-        os.killpg(launcher.pid, signal.SIGTERM)
-    try:
-        stdout, stderr = launcher.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        pytest.fail("the launcher did not end after the signal")
-    assert launcher.returncode == -signal.SIGTERM, stderr[-3000:]
-    assert time.monotonic() - sent < 20 and _gone(script_pid)
-    assert stdout.endswith("cleaned up\n"), stdout[-300:]
-    run = load_run(_run_dir(tmp_path))
-    assert run.summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
-    assert run.summary["training"]["total_steps"] >= 3
-
-
-def test_the_same_signal_again_within_repeat_s_is_noted_not_raised_again(monkeypatch):
-    """The launcher forwards a signal the script may have had from the group: that repeat does not raise
-    into the script's cleanup; one later, or another signal, raises as before."""
-    from diffusion_debug.jobs import launch_end
-
-    now = [100.0]
-    monkeypatch.setattr(launch_end.time, "monotonic", lambda: now[0])
-    signals = launch_end.Signals()
-    with pytest.raises(launch_end.Interrupted):
-        signals._on_signal(signal.SIGTERM, None)
-    now[0] += launch_end.REPEAT_S - 0.01
-    assert signals._on_signal(signal.SIGTERM, None) is None  # the repeat: noted
-    with pytest.raises(KeyboardInterrupt):  # another signal
-        signals._on_signal(signal.SIGINT, None)
-    now[0] += 0.02
-    with pytest.raises(launch_end.Interrupted):  # SIGTERM again, REPEAT_S after the first
-        signals._on_signal(signal.SIGTERM, None)
-    assert (signals.received, launch_end.REPEAT_S) == (signal.SIGTERM, 2.0)
-
-
 def test_the_end_of_a_script_that_exits_or_handles_its_interrupt():
     from diffusion_debug.jobs.launch_end import describe_end
 
@@ -516,3 +392,21 @@ def test_an_error_of_the_scripts_own_training_debugger_has_its_traceback_as_with
     assert from_script(watched.stderr) == from_script(plain.stderr)
     assert "launched.py" not in from_script(watched.stderr) and len(_ours(watched.stderr)) == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_launched_script_that_raises_has_its_summary_and_traceback_printed_once(tmp_path):
+    """``diffusion-debug launch`` of a script that raises: the command exits 1, the script's terminal summary
+    and traceback on its stderr once. accelerate 1.16's one-process launcher keeps the tail of the script's
+    stderr, written through already, and raised it again inside its CalledProcessError (``from
+    RuntimeError(stderr)``): the summary and the traceback were printed twice."""
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    command = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", str(tmp_path / "runs")]
+    command += [*ONE_PROCESS, str(SCRIPT), "--raise-at", "1"]
+    env = {**cpu_launch_env(ROOT), NO_HTML: "1"}
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = "The script raised RuntimeError: the data ran out after round 1"
+    raised = 'raise RuntimeError(f"the data ran out after round {step}")'
+    assert (done.stderr.count(said), done.stderr.count(raised)) == (1, 1), done.stderr[-6000:]
+    assert done.stderr.index(said) < done.stderr.index(raised)
