@@ -244,13 +244,13 @@ def near_max_nonfinite(
 
 
 def _vae_details(role: str, sd_vae: bool, dtype: str | None = None, autocast: str | None = None) -> dict[str, Any]:
-    """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is
-    Stable Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there), the dtype its weights
-    are in (``vae_dtype``, when known) and, float32 ones, the ``autocast`` dtype it computed in (``vae_autocast``)."""
+    """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is Stable
+    Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there), the dtype its weights are in
+    (``vae_dtype``, when known) and the ``autocast`` dtype it computed in where not theirs (``vae_autocast``)."""
     vae_role = has_check(role, "vae")
     if not vae_role:
         return {"vae_role": False}
-    ran_under = {"vae_autocast": autocast} if autocast and dtype == "float32" else {}
+    ran_under = {"vae_autocast": autocast} if autocast and dtype not in (None, autocast) else {}
     return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {}), **ran_under}
 
 
@@ -462,16 +462,15 @@ def vae_saturation(
     component: str = "vae",
     sd_vae: bool = False,
     dtype: torch.dtype | None = None,
-    autocast: Callable[[], str | None] | None = None,
+    ran: Callable[[], tuple[str | None, str | None]] | None = None,
 ) -> list[Anomaly]:
-    """Decoded pixels outside [-1, 1] (``vae_saturation``), or images that are one flat colour although finite
-    (``constant_image``: a black image that is not a NaN); ``component``: the VAE-role component that decoded them
-    (``sd_vae``: Stable Diffusion's VAE; ``dtype``: the dtype it decoded in, when known: a flat image from a float32
-    decode is no fp16 overflow; ``autocast``, asked on a flat image: the autocast a float32 VAE decoded under)."""
+    """Decoded pixels outside [-1, 1] (``vae_saturation``), or flat images although finite (``constant_image``: a
+    black image that is no NaN) that the VAE-role ``component`` (``sd_vae``: SD's) decoded in ``dtype``
+    (``decoded_dtype``); ``ran``, asked on a flat image: its weights' dtype, and another autocast's it ran in."""
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
-        under = autocast() if autocast is not None else None
+        weights, under = ran() if ran is not None else (dtype_name(dtype) if dtype is not None else None, None)
         out.append(
             make_anomaly(
                 kind="constant_image",
@@ -482,7 +481,8 @@ def vae_saturation(
                     "flat_images": flat,
                     "image_ranges": image_ranges,
                     "sd_vae": sd_vae,
-                    **({"vae_dtype": dtype_name(dtype)} if dtype is not None else {}),
+                    **({"vae_dtype": weights} if weights else {}),
+                    **({"decoded_dtype": dtype_name(dtype)} if dtype is not None else {}),
                     **({"vae_autocast": under} if under else {}),
                 },
             )

@@ -1,7 +1,7 @@
 """The advice a message about values near or past their dtype's largest ends with, chosen by the dtype the module
 ran in: a half dtype's overflow (a wider dtype, the VAE's own fixes), bfloat16's or float32's (no wider dtype helps:
-the values are wrong), and the ``torch.autocast`` a float32 module ran under (what autocast computes in is what to
-change, not the weights' dtype). Pure: strings from an anomaly's details (``record/inference_messages.py``).
+the values are wrong), and the ``torch.autocast`` a module of another dtype ran under (what autocast computes in is
+what to change, not the weights' dtype). Pure: strings from an anomaly's details (``record/inference_messages.py``).
 """
 
 from __future__ import annotations
@@ -12,15 +12,23 @@ FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 
 
 def vae_advice(
-    component: str = "vae", sd_vae: bool = False, dtype: str | None = None, autocast: str | None = None
+    component: str = "vae",
+    sd_vae: bool = False,
+    dtype: str | None = None,
+    autocast: str | None = None,
+    *,
+    subject: str = "it",
+    check: str = "its weights and inputs",
 ) -> str:
     """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
     ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
     ``details["sd_vae"]``); another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept
-    in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``), and one not
+    in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``, its weights'), and one not
     called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE
-    under ``force_upcast`` too) is told so: no dtype advice fits it; but under ``torch.autocast`` (``autocast``: the
-    dtype it computed in) it did not: the autocast is said, and float16's advice holds where its weights are finite.
+    under ``force_upcast`` too) is told so: no dtype advice fits it; but under a ``torch.autocast`` of another dtype
+    than its weights' (``autocast``: the dtype it computed in) it did not: the autocast is said, and float16's advice
+    holds where its weights are finite, whatever their dtype. ``subject`` (what ran) and ``check`` (what to check
+    where the dtype is no cause): a flat image's message says them its own way (``constant_image``).
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
@@ -30,23 +38,24 @@ def vae_advice(
     'keep movq in float32 (pipe.movq.to(torch.float32))'
     >>> vae_advice("movq", dtype="float32")
     'it ran in float32, so this is no half-precision overflow: check its weights and inputs'
-    >>> vae_advice("vae", dtype="float32", autocast="float16")
-    'it ran under float16 autocast (its weights are float32): check its weights and inputs; if they are finite, \
-autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast'
+    >>> vae_advice("vae", dtype="bfloat16", autocast="float16")
+    'it ran under float16 autocast (its weights are bfloat16, so neither their dtype nor force_upcast changes what \
+it computes in): check its weights and inputs; if they are finite, autocast to bfloat16 instead (torch.autocast(..., \
+dtype=torch.bfloat16)) or run vae outside autocast'
     """
-    if dtype == "float32" and autocast == "float16":  # (a NaN weight's, or no module's output read)
+    if autocast == "float16" and dtype not in (None, autocast):  # (a NaN weight's, or no module's output read)
         return (
-            f"it ran under float16 autocast (its weights are float32): check its weights and inputs; if they are "
-            f"finite, autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run {component} "
-            "outside autocast"
+            f"{subject} ran under float16 autocast (its weights are {dtype}, so neither their dtype nor force_upcast "
+            f"changes what it computes in): check {check}; if they are finite, autocast to bfloat16 instead "
+            f"(torch.autocast(..., dtype=torch.bfloat16)) or run {component} outside autocast"
         )
-    if dtype == "float32" and autocast:
+    if autocast and dtype not in (None, autocast):
         return (
-            f"it ran under {autocast} autocast (its weights are float32), whose range is float32's, so this is no "
-            "overflow of a narrow dtype: check its weights and inputs"
+            f"{subject} ran under {autocast} autocast (its weights are {dtype}), whose range is float32's, so this is "
+            f"no overflow of a narrow dtype: check {check}"
         )
     if dtype == "float32":
-        return "it ran in float32, so this is no half-precision overflow: check its weights and inputs"
+        return f"{subject} ran in float32, so this is no half-precision overflow: check {check}"
     if component != "vae":
         return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
     if dtype == "bfloat16":

@@ -173,9 +173,9 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"clipped it to {_clipped_to(d)}, so the output stayed finite but carries that clipped value, not the "
             "one computed" + (f"; {advice}." if autocast else f" ({advice}).")
         )
-    if d.get("vae_role") and not autocast:  # (a float32 VAE under autocast: its advice says the autocast, after "; ")
+    if d.get("vae_role") and not autocast:  # (a VAE under another dtype's autocast: its advice says it, after "; ")
         advice = vae_advice(component, d.get("sd_vae", False), d.get("vae_dtype"), d.get("vae_autocast"))
-        autocast = d.get("vae_dtype") == "float32" and d.get("vae_autocast")
+        autocast = d.get("vae_autocast") not in (None, d.get("vae_dtype"))
     own = "its own forward" if not anomaly.module else "its forward"
     if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)
         return (
@@ -294,28 +294,15 @@ def prompt_truncated(anomaly: Anomaly) -> str:
 
 
 def constant_image(anomaly: Anomaly) -> str:
+    """A flat image, advised by what its VAE computed in: its weights' dtype (``vae_dtype``; the decoded images' on
+    a run recorded before it was kept), or the autocast of another dtype it ran under (``vae_autocast``)."""
     d = anomaly.details
     flat = f"{len(d['flat_images'])} decoded image(s) are a single flat colour"
-    component, autocast = anomaly.component, d.get("vae_autocast")
-    if autocast == "float16":  # a float32 VAE decoded in float16 under autocast: the VAE's dtype is no fix
-        return (
-            f"{flat}; {component} decoded under float16 autocast (its weights are float32 already, so no float32 "
-            "VAE or force_upcast changes what it computes in): check the latents reaching it (the step table) and "
-            "its weights; if they are finite, autocast to bfloat16 instead (torch.autocast(..., "
-            f"dtype=torch.bfloat16)) or run {component} outside autocast."
-        )
-    if autocast:
-        return (
-            f"{flat}; {component} decoded under {autocast} autocast (its weights are float32), whose range is "
-            "float32's, so this is no half-precision overflow: check the latents reaching it (the step table), the "
-            "latents' scaling factor and its weights."
-        )
-    if d.get("vae_dtype") == "float32":  # no fp16 overflow: the decode ran in float32
-        return (
-            f"{flat}; {anomaly.component} decoded in float32, so this is no half-precision overflow: check the "
-            "latents reaching it (the step table), the latents' scaling factor and its weights."
-        )
-    advice = vae_advice(anomaly.component, d.get("sd_vae", False), d.get("vae_dtype"))
+    component, dtype, autocast = anomaly.component, d.get("vae_dtype"), d.get("vae_autocast")
+    if dtype == "float32" or autocast not in (None, dtype):  # no fp16 overflow, or not the VAE's dtype's
+        check = "the latents reaching it (the step table), the latents' scaling factor and its weights"
+        return f"{flat}; {vae_advice(component, dtype=dtype, autocast=autocast, subject=component, check=check)}."
+    advice = vae_advice(component, d.get("sd_vae", False), dtype)
     return f"{flat} (often a black image from an fp16 VAE: {advice})."
 
 

@@ -1,0 +1,94 @@
+"""A half-precision VAE run under an autocast of the other half dtype computes in the autocast's dtype, not its
+weights': a bfloat16 VAE under float16 autocast overflows float16's range (the cause is the autocast, and keeping
+the VAE in bfloat16 or float32 does not change it), a float16 VAE under bfloat16 autocast computes with float32's
+range (no half-precision overflow). The VAE's GroupNorms are kept in float32 here, as CUDA's autocast computes
+``group_norm`` in float32 (CPU's autocast leaves its weight in the VAE's dtype, which its kernel refuses)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from diffusion_helpers import plant, run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+
+CONV = "decoder.up_blocks.0.resnets.0.conv2"
+
+
+@contextlib.contextmanager
+def vae_in(pipe, dtype):
+    """``pipe.vae`` in ``dtype`` (its GroupNorms in float32) while the block runs, float32 after."""
+    pipe.vae.to(dtype)
+    for module in pipe.vae.modules():
+        if isinstance(module, torch.nn.GroupNorm):
+            module.float()
+    try:
+        yield
+    finally:
+        pipe.vae.to(torch.float32)
+
+
+def anomalies_of(pipe, tmp_path, weights, autocast, module, make):
+    """The anomalies of one autocast call of ``pipe`` whose VAE is in ``weights``, ``vae.module``'s output made by
+    ``make`` from the decode's first call on."""
+    with vae_in(pipe, weights), plant(pipe.vae.get_submodule(module), 0, make):
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", level="basic"))
+        try:
+            with dbg, torch.autocast("cpu", dtype=autocast):
+                run(pipe, steps=1)
+            return dbg.report().anomalies
+        finally:
+            dbg.close()
+
+
+FLAT = {
+    "bfloat16": "1 decoded image(s) are a single flat colour; vae ran under float16 autocast (its weights are "
+    "bfloat16, so neither their dtype nor force_upcast changes what it computes in): check the latents reaching it "
+    "(the step table), the latents' scaling factor and its weights; if they are finite, autocast to bfloat16 instead "
+    "(torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast.",
+    "float16": "1 decoded image(s) are a single flat colour; vae ran under bfloat16 autocast (its weights are "
+    "float16), whose range is float32's, so this is no overflow of a narrow dtype: check the latents reaching it (the "
+    "step table), the latents' scaling factor and its weights.",
+}
+
+
+@pytest.mark.parametrize(
+    ("weights", "autocast"), [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)], ids=["bf16", "fp16"]
+)
+def test_a_flat_image_of_a_half_vae_under_another_autocast_names_the_autocast(pipes, tmp_path, weights, autocast):
+    """A bfloat16 VAE under float16 autocast decodes in float16: its flat image read "often a black image from an
+    fp16 VAE: keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) or use an
+    fp16-fixed VAE", none of which changes what autocast computes in; a float16 VAE under bfloat16 autocast read
+    "run the VAE in float32", though it computed with float32's range. Each names the autocast."""
+    found = anomalies_of(pipes["sd"], tmp_path, weights, autocast, "decoder", lambda out: out * 0 + 3.0)
+    (flat,) = [a for a in found if a.kind == "constant_image"]
+    name, under = (str(dtype).removeprefix("torch.") for dtype in (weights, autocast))
+    assert (flat.details["vae_dtype"], flat.details["decoded_dtype"], flat.details["vae_autocast"]) == (
+        name,
+        under,
+        under,
+    )
+    assert flat.message == FLAT[name]
+
+
+def test_a_nan_of_a_float16_vae_under_bfloat16_autocast_is_not_told_to_upcast_it(pipes, tmp_path):
+    """A NaN a float16 VAE's conv made under bfloat16 autocast (computed in bfloat16): it read "keep the VAE in
+    float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) or use an fp16-fixed VAE", an fp16
+    overflow's advice. It says the autocast, whose range is float32's."""
+    found = anomalies_of(pipes["sd"], tmp_path, torch.float16, torch.bfloat16, CONV, lambda out: out * float("nan"))
+    (error,) = [a for a in found if a.kind == "nonfinite" and a.severity == "error"]
+    assert (error.module, error.details["vae_dtype"], error.details["vae_autocast"]) == (CONV, "float16", "bfloat16")
+    assert error.message == (
+        f"vae.{CONV} produced NaN/Inf from finite inputs; it ran under bfloat16 autocast (its weights are float16), "
+        "whose range is float32's, so this is no overflow of a narrow dtype: check its weights and inputs."
+    )
+
+
+def test_vae_dtype_is_the_weights_dtype_in_a_flat_image_as_in_a_nan(pipes, tmp_path):
+    """``vae_dtype`` was the decoded image's dtype in ``constant_image`` (float16, a float32 VAE's under float16
+    autocast) and the weights' in ``nonfinite`` (float32): the weights' in both, the image's ``decoded_dtype``."""
+    found = anomalies_of(pipes["sd"], tmp_path, torch.float32, torch.float16, "decoder", lambda out: out * 0 + 3.0)
+    (flat,) = [a for a in found if a.kind == "constant_image"]
+    assert (flat.details["vae_dtype"], flat.details["decoded_dtype"]) == ("float32", "float16")
