@@ -92,3 +92,26 @@ def test_vae_dtype_is_the_weights_dtype_in_a_flat_image_as_in_a_nan(pipes, tmp_p
     found = anomalies_of(pipes["sd"], tmp_path, torch.float32, torch.float16, "decoder", lambda out: out * 0 + 3.0)
     (flat,) = [a for a in found if a.kind == "constant_image"]
     assert (flat.details["vae_dtype"], flat.details["decoded_dtype"]) == ("float32", "float16")
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn", "float16"])
+def test_values_past_float16s_max_in_a_bfloat16_or_fp8_vae_are_no_overflow_risk(tmp_path, storage):
+    """bfloat16 holds float32's range: a bfloat16 VAE's conv making 1e6 (past float16's 65504), or an fp8-stored one
+    computing in bfloat16 (layerwise casting), is no near-overflow, on the first call (full probes) nor a later one;
+    a float16 VAE's 6e4 (92% of its max) is: the next conv's Inf on it is named at that conv (the error)."""
+    from diffusion_debug.testing.pipelines import tiny_pipeline
+
+    pipe = tiny_pipeline("sd", dtype=torch.float16 if storage == "float16" else torch.bfloat16)
+    if storage == "float8_e4m3fn":
+        pipe.vae.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    value = 6e4 if storage == "float16" else 1e6
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        for _ in range(2):
+            with plant(pipe.vae.get_submodule(CONV), 0, lambda out: out * 0 + value), dbg:
+                run(pipe, steps=1)
+        found = [(a.kind, a.severity, a.module, a.details.get("run")) for a in dbg.report().anomalies]
+    finally:
+        dbg.close()
+    found = [f for f in found if f[0] == "overflow_risk" or f[:2] == ("nonfinite", "error")]
+    assert found == ([("nonfinite", "error", CONV, run) for run in (1, 2)] if storage == "float16" else [])
