@@ -115,3 +115,30 @@ def test_values_past_float16s_max_in_a_bfloat16_or_fp8_vae_are_no_overflow_risk(
         dbg.close()
     found = [f for f in found if f[0] == "overflow_risk" or f[:2] == ("nonfinite", "error")]
     assert found == ([("nonfinite", "error", CONV, run) for run in (1, 2)] if storage == "float16" else [])
+
+
+def test_a_flat_image_of_an_upcast_sdxl_vae_under_float16_autocast_names_the_autocast_and_its_float32_weights(
+    tmp_path,
+):
+    """An fp16 SDXL VAE with ``force_upcast`` decodes with float32 weights (the pipeline casts it for the decode and
+    back after), under float16 autocast in float16: ``vae_dtype`` is its weights' dtype while it decoded (was the
+    image's, float16, which read as an fp16 VAE's), and the message names the autocast, not force_upcast."""
+    from diffusion_debug.testing.pipelines import tiny_pipeline
+
+    pipe = tiny_pipeline("sdxl", dtype=torch.float16)
+    pipe.vae.register_to_config(force_upcast=True)
+    with plant(pipe.vae.decoder, 0, lambda out: out * 0 + 3.0):
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", level="basic"))
+        try:
+            with dbg, torch.autocast("cpu", dtype=torch.float16):
+                run(pipe, steps=1)
+            (flat,) = [a for a in dbg.report().anomalies if a.kind == "constant_image"]
+        finally:
+            dbg.close()
+    assert (flat.details["vae_dtype"], flat.details["decoded_dtype"], flat.details["vae_autocast"]) == (
+        "float32",
+        "float16",
+        "float16",
+    )
+    assert flat.message == FLAT["bfloat16"].replace("bfloat16, so", "float32, so")
+    assert pipe.vae.dtype == torch.float16  # cast back after the decode
