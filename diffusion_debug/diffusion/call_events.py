@@ -621,16 +621,15 @@ class CallEvents:
 
     def _decoded_under(self, component: str, dtype: torch.dtype | None) -> tuple[str | None, str | None]:
         """``(its weights' dtype, the autocast dtype)`` of a VAE that decoded ``dtype`` values, asked on a flat image
-        during the call (``force_upcast`` casts it for the decode alone); the autocast's only where the values are
-        in it and the weights are not (a bfloat16 VAE under float16 autocast overflows float16's range): its advice
-        is about the autocast, not the VAE's dtype."""
+        during the call (``force_upcast`` casts it for the decode alone); the autocast's where the values are in it
+        (a bfloat16 VAE under float16 autocast overflows float16's range): its advice is about the autocast."""
         root = self.localizer.modules.get(component)
         decoded = dtype_name(dtype) if dtype is not None else None
         weights = computes_in(root, "") if root is not None else None
         if decoded is None or weights is None:
             return weights or decoded, None
         under = autocast_over(root)
-        return weights, under if under == decoded != weights else None
+        return weights, under if under == decoded else None
 
     def output_overflow(self, site: CallSite, absmax: float, step: int | None, timestep: float | None = None) -> None:
         """``overflow_risk`` at the call's output (a text encoder's, a VAE half's, a compiled component's):

@@ -246,11 +246,11 @@ def near_max_nonfinite(
 def _vae_details(role: str, sd_vae: bool, dtype: str | None = None, autocast: str | None = None) -> dict[str, Any]:
     """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is Stable
     Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there), the dtype its weights are in
-    (``vae_dtype``, when known) and the ``autocast`` dtype it computed in where not theirs (``vae_autocast``)."""
+    (``vae_dtype``, when known) and the ``autocast`` dtype it ran under (``vae_autocast``)."""
     vae_role = has_check(role, "vae")
     if not vae_role:
         return {"vae_role": False}
-    ran_under = {"vae_autocast": autocast} if autocast and dtype not in (None, autocast) else {}
+    ran_under = {"vae_autocast": autocast} if autocast else {}
     return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {}), **ran_under}
 
 

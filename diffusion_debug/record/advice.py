@@ -42,6 +42,12 @@ def vae_advice(
     'it ran under float16 autocast (its weights are bfloat16, so neither their dtype nor force_upcast changes what \
 it computes in): check its weights and inputs; if they are finite, autocast to bfloat16 instead (torch.autocast(..., \
 dtype=torch.bfloat16)) or run vae outside autocast'
+
+    Under float16 autocast in its own float16, upcasting it alone would not change what it computes in:
+
+    >>> vae_advice("movq", dtype="float16", autocast="float16")
+    'keep movq in float32 (pipe.movq.to(torch.float32)), decoded outside the float16 autocast (which computes a \
+float32 movq in float16 too)'
     """
     if autocast == "float16" and dtype not in (None, autocast):  # (a NaN weight's, or no module's output read)
         return (
@@ -56,14 +62,17 @@ dtype=torch.bfloat16)) or run vae outside autocast'
         )
     if dtype == "float32":
         return f"{subject} ran in float32, so this is no half-precision overflow: check {check}"
+    outside, named = "", "VAE" if component == "vae" else component
+    if autocast == "float16":  # its weights float16 too: upcast alone, it would still compute in float16
+        outside = f", decoded outside the float16 autocast (which computes a float32 {named} in float16 too),"
     if component != "vae":
-        return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
+        return f"keep {component} in float32 (pipe.{component}.to(torch.float32)){outside[:-1]}"
     if dtype == "bfloat16":
         return "run the VAE in float32: pipe.vae.to(torch.float32)"
     if not sd_vae:
-        return "keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)"
+        return f"keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32){outside[:-1]}"
     return (
-        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) "
+        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True){outside} "
         f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
     )
 

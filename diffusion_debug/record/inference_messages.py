@@ -295,14 +295,14 @@ def prompt_truncated(anomaly: Anomaly) -> str:
 
 def constant_image(anomaly: Anomaly) -> str:
     """A flat image, advised by what its VAE computed in: its weights' dtype (``vae_dtype``; the decoded images' on
-    a run recorded before it was kept), or the autocast of another dtype it ran under (``vae_autocast``)."""
+    a run recorded before it was kept), or the autocast it ran under (``vae_autocast``) where not theirs."""
     d = anomaly.details
     flat = f"{len(d['flat_images'])} decoded image(s) are a single flat colour"
     component, dtype, autocast = anomaly.component, d.get("vae_dtype"), d.get("vae_autocast")
     if dtype == "float32" or autocast not in (None, dtype):  # no fp16 overflow, or not the VAE's dtype's
         check = "the latents reaching it (the step table), the latents' scaling factor and its weights"
         return f"{flat}; {vae_advice(component, dtype=dtype, autocast=autocast, subject=component, check=check)}."
-    advice = vae_advice(component, d.get("sd_vae", False), dtype)
+    advice = vae_advice(component, d.get("sd_vae", False), dtype, autocast)
     return f"{flat} (often a black image from an fp16 VAE: {advice})."
 
 

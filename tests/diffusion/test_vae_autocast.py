@@ -142,3 +142,26 @@ def test_a_flat_image_of_an_upcast_sdxl_vae_under_float16_autocast_names_the_aut
     )
     assert flat.message == FLAT["bfloat16"].replace("bfloat16, so", "float32, so")
     assert pipe.vae.dtype == torch.float16  # cast back after the decode
+
+
+def test_an_fp16_vae_under_float16_autocast_is_told_that_upcasting_it_needs_the_autocast_off(pipes, tmp_path):
+    """A float16 VAE under float16 autocast: "keep the VAE in float32 (pipe.vae.to(torch.float32) or
+    vae.config.force_upcast=True)" alone does not work there (autocast computes a float32 VAE in float16 too): the
+    advice says to decode outside that autocast, for its NaN and its flat image alike."""
+    pipe = pipes["sd"]
+    nan = anomalies_of(pipe, tmp_path / "nan", torch.float16, torch.float16, CONV, lambda out: out * float("nan"))
+    flat = anomalies_of(pipe, tmp_path / "flat", torch.float16, torch.float16, "decoder", lambda out: out * 0 + 3.0)
+    (error,) = [a for a in nan if a.kind == "nonfinite" and a.severity == "error"]
+    (image,) = [a for a in flat if a.kind == "constant_image"]
+    advice = (
+        "keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True), decoded outside the "
+        "float16 autocast (which computes a float32 VAE in float16 too), or use an fp16-fixed VAE such as "
+        "madebyollin/sdxl-vae-fp16-fix"
+    )
+    assert (error.details["vae_dtype"], error.details["vae_autocast"]) == ("float16", "float16")
+    assert error.message == f"vae.{CONV} produced NaN/Inf from finite inputs ({advice})."
+    assert (image.details["vae_dtype"], image.details["vae_autocast"]) == ("float16", "float16")
+    assert (
+        image.message
+        == f"1 decoded image(s) are a single flat colour (often a black image from an fp16 VAE: {advice})."
+    )
