@@ -466,7 +466,7 @@ def vae_saturation(
 ) -> list[Anomaly]:
     """Decoded pixels outside [-1, 1] (``vae_saturation``), or flat images although finite (``constant_image``: a
     black image that is no NaN) that the VAE-role ``component`` (``sd_vae``: SD's) decoded in ``dtype``
-    (``decoded_dtype``); ``ran``, asked on a flat image: its weights' dtype, and another autocast's it ran in."""
+    (``decoded_dtype``); ``ran``, asked on a flat image: its weights' dtype and the autocast it ran under."""
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:

@@ -64,16 +64,16 @@ float32 movq in float16 too)'
         return f"{subject} ran in float32, so this is no half-precision overflow: check {check}"
     outside, named = "", "VAE" if component == "vae" else component
     if autocast == "float16":  # its weights float16 too: upcast alone, it would still compute in float16
-        outside = f", decoded outside the float16 autocast (which computes a float32 {named} in float16 too),"
+        outside = f", decoded outside the float16 autocast (which computes a float32 {named} in float16 too)"
     if component != "vae":
-        return f"keep {component} in float32 (pipe.{component}.to(torch.float32)){outside[:-1]}"
+        return f"keep {component} in float32 (pipe.{component}.to(torch.float32)){outside}"
     if dtype == "bfloat16":
         return "run the VAE in float32: pipe.vae.to(torch.float32)"
     if not sd_vae:
-        return f"keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32){outside[:-1]}"
+        return f"keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32){outside}"
     return (
-        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True){outside} "
-        f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
+        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True){outside}"
+        f"{',' if outside else ''} or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
     )
 
 
