@@ -649,6 +649,7 @@ class CallEvents:
                 sd_vae=site.component in self.localizer.sd_vaes,
                 compiled=compiled,
                 weights_dtype=self.localizer.weights_dtype(site.component, site.prefix),
+                autocast=autocast_over(self.localizer.modules.get(site.component)),
             )
             self.emit([(anomaly, None) for anomaly in found])
 

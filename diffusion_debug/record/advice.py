@@ -79,8 +79,9 @@ float32 movq in float16 too)'
 
 def near_max_advice(where: str, details: dict[str, Any]) -> str:
     """What to do about values near their dtype's max that ``where`` (``component.module``) made, on which
-    the next module overflowed (``details``: the ``nonfinite``'s ``dtype``, ``vae_role``, ``sd_vae``).
-    bfloat16 holds float32's range, so no wider dtype helps there: the values are wrong, not the precision.
+    the next module overflowed (``details``: the ``nonfinite``'s ``dtype``, ``vae_role``, ``sd_vae``,
+    ``vae_autocast``). bfloat16 holds float32's range, so no wider dtype helps there: the values are wrong, not the
+    precision.
 
     >>> near_max_advice("unet.conv_out", {"dtype": "float16"})
     'run this component in bfloat16 or float32, or upcast this module'
@@ -102,7 +103,7 @@ dtype=torch.bfloat16)) or run vae.decoder.conv_in outside autocast'
         wider = wider if dtype == "bfloat16" else "no wider dtype holds them"
         return f"{wider}: check {where}'s weights and the scale of its inputs"
     if details.get("vae_role"):
-        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), dtype)
+        return _near_max_vae_advice(where, details)
     if dtype == "float16":
         return "run this component in bfloat16 or float32, or upcast this module"
     return "compute this component in bfloat16 or float32"
@@ -110,8 +111,8 @@ dtype=torch.bfloat16)) or run vae.decoder.conv_in outside autocast'
 
 def overflow_advice(where: str, details: dict[str, Any]) -> str:
     """What to do about values ``where`` (``component.module``, or the component) made near the max of the
-    dtype it ran in (``details``: the ``overflow_risk``'s ``dtype``, ``vae_role``, ``sd_vae``). A wider dtype
-    holds fp16's values; bfloat16's largest value is float32's, so no dtype gives bf16's more room: their
+    dtype it ran in (``details``: the ``overflow_risk``'s ``dtype``, ``vae_role``, ``sd_vae``, ``vae_autocast``). A
+    wider dtype holds fp16's values; bfloat16's largest value is float32's, so no dtype gives bf16's more room: their
     scale is what to change (as :func:`near_max_advice` says of a NaN/Inf made from them).
 
     >>> overflow_advice("unet.conv_out", {"dtype": "float16"})
@@ -134,8 +135,18 @@ def overflow_advice(where: str, details: dict[str, Any]) -> str:
             f"check {where}'s weights and the scale of its inputs"
         )
     if details.get("vae_role"):
-        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), details.get("dtype"))
+        return _near_max_vae_advice(where, details)
     return "run this component in bfloat16 or float32, or upcast this module"
+
+
+def _near_max_vae_advice(where: str, details: dict[str, Any]) -> str:
+    """:func:`vae_advice` for the VAE-role module ``where`` whose output, in its weights' ``dtype``, came near the
+    max: the autocast it ran under (``vae_autocast``) is said where it computed in that dtype (a float16 VAE's
+    upcast alone would not leave float16 autocast), not where the module's output escaped it."""
+    dtype, autocast = details.get("dtype"), details.get("vae_autocast")
+    return vae_advice(
+        where.partition(".")[0], details.get("sd_vae", False), dtype, autocast if autocast == dtype else None
+    )
 
 
 def autocast_advice(where: str, weights_dtype: str) -> str:

@@ -43,6 +43,12 @@ def anomalies_of(pipe, tmp_path, weights, autocast, module, make):
             dbg.close()
 
 
+OUTSIDE_FP16_AUTOCAST = (
+    "keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True), decoded outside the "
+    "float16 autocast (which computes a float32 VAE in float16 too), or use an fp16-fixed VAE such as "
+    "madebyollin/sdxl-vae-fp16-fix"
+)
+
 FLAT = {
     "bfloat16": "1 decoded image(s) are a single flat colour; vae ran under float16 autocast (its weights are "
     "bfloat16, so neither their dtype nor force_upcast changes what it computes in): check the latents reaching it "
@@ -153,11 +159,7 @@ def test_an_fp16_vae_under_float16_autocast_is_told_that_upcasting_it_needs_the_
     flat = anomalies_of(pipe, tmp_path / "flat", torch.float16, torch.float16, "decoder", lambda out: out * 0 + 3.0)
     (error,) = [a for a in nan if a.kind == "nonfinite" and a.severity == "error"]
     (image,) = [a for a in flat if a.kind == "constant_image"]
-    advice = (
-        "keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True), decoded outside the "
-        "float16 autocast (which computes a float32 VAE in float16 too), or use an fp16-fixed VAE such as "
-        "madebyollin/sdxl-vae-fp16-fix"
-    )
+    advice = OUTSIDE_FP16_AUTOCAST
     assert (error.details["vae_dtype"], error.details["vae_autocast"]) == ("float16", "float16")
     assert error.message == f"vae.{CONV} produced NaN/Inf from finite inputs ({advice})."
     assert (image.details["vae_dtype"], image.details["vae_autocast"]) == ("float16", "float16")
@@ -165,3 +167,33 @@ def test_an_fp16_vae_under_float16_autocast_is_told_that_upcasting_it_needs_the_
         image.message
         == f"1 decoded image(s) are a single flat colour (often a black image from an fp16 VAE: {advice})."
     )
+
+
+@pytest.mark.parametrize("module", [CONV, "decoder.conv_out"], ids=["nan", "overflow_risk"])
+def test_near_max_values_of_an_fp16_vae_under_float16_autocast_say_to_decode_outside_it(tmp_path, module):
+    """The values near float16's max that real fp16 SDXL VAEs make: a float16 VAE's conv making 6e4 under float16
+    autocast, on which the next conv overflowed (the NaN's origin) or, at the decoder's last conv, nothing did (an
+    ``overflow_risk``). Both read "keep the VAE in float32 (... force_upcast=True) or use an fp16-fixed VAE", which
+    autocast undoes (it computes a float32 VAE in float16 too): they say to decode outside it, as its NaN does."""
+    from diffusion_debug.testing.pipelines import tiny_pipeline
+
+    # (a pipeline of its own: its first call is read with full probes, which name the module)
+    found = anomalies_of(
+        tiny_pipeline("sd"), tmp_path, torch.float16, torch.float16, module, lambda out: out * 0 + 6e4
+    )
+    (made,) = [a for a in found if a.module == module and a.kind in ("nonfinite", "overflow_risk")]
+    assert (made.kind, made.severity, made.details["vae_autocast"]) == (
+        "nonfinite" if module == CONV else "overflow_risk",
+        "error" if module == CONV else "warning",
+        "float16",
+    )
+    if module == CONV:
+        assert made.message == (
+            f"vae.{CONV} made values at 92% of the float16 maximum (|x|=6e+04), and "
+            "vae.decoder.up_blocks.0.upsamplers.0.conv, given them, produced NaN/Inf (its arithmetic overflowed on "
+            f"them: a norm's variance, a matmul); {OUTSIDE_FP16_AUTOCAST}."
+        )
+    else:
+        assert made.message == (
+            f"vae.decoder.conv_out output reached 92% of the float16 maximum (|x|=6e+04); {OUTSIDE_FP16_AUTOCAST}."
+        )
