@@ -11,6 +11,19 @@ from typing import Any
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 
 
+def names_autocast(dtype: str | None, autocast: str | None) -> bool:
+    """Whether :func:`vae_advice` of a VAE whose weights are ``dtype`` under an ``autocast`` to that dtype name opens
+    with the autocast it ran under: one of another dtype than its weights' (what it computes in is the autocast's),
+    or bfloat16's, whose range is float32's (a float32 VAE would compute in bfloat16 under it too).
+
+    >>> names_autocast("float32", "float16"), names_autocast("bfloat16", "bfloat16")
+    (True, True)
+    >>> names_autocast("float16", "float16"), names_autocast(None, "float16"), names_autocast("float16", None)
+    (False, False, False)
+    """
+    return dtype is not None and autocast is not None and (autocast != dtype or autocast == "bfloat16")
+
+
 def vae_advice(
     component: str = "vae",
     sd_vae: bool = False,
@@ -19,6 +32,7 @@ def vae_advice(
     *,
     subject: str = "it",
     check: str = "its weights and inputs",
+    finite: str = "they",
 ) -> str:
     """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
     ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
@@ -26,9 +40,10 @@ def vae_advice(
     in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``, its weights'), and one not
     called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE
     under ``force_upcast`` too) is told so: no dtype advice fits it; but under a ``torch.autocast`` of another dtype
-    than its weights' (``autocast``: the dtype it computed in) it did not: the autocast is said, and float16's advice
-    holds where its weights are finite, whatever their dtype. ``subject`` (what ran) and ``check`` (what to check
-    where the dtype is no cause): a flat image's message says them its own way (``constant_image``).
+    than its weights' (``autocast``: the dtype it computed in, :func:`names_autocast`) it did not: the autocast is
+    said, and float16's advice holds where its weights are finite, whatever their dtype (``force_upcast`` is said
+    where an SD VAE's float32 weights may be its doing). ``subject`` (what ran), ``check`` (what to check where the
+    dtype is no cause) and ``finite`` (what of it must be finite): a flat image's message says them its own way.
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
@@ -38,10 +53,13 @@ def vae_advice(
     'keep movq in float32 (pipe.movq.to(torch.float32))'
     >>> vae_advice("movq", dtype="float32")
     'it ran in float32, so this is no half-precision overflow: check its weights and inputs'
-    >>> vae_advice("vae", dtype="bfloat16", autocast="float16")
-    'it ran under float16 autocast (its weights are bfloat16, so neither their dtype nor force_upcast changes what \
-it computes in): check its weights and inputs; if they are finite, autocast to bfloat16 instead (torch.autocast(..., \
+    >>> vae_advice("vae", True, dtype="bfloat16", autocast="float16")
+    'it ran under float16 autocast (its weights are bfloat16, so their dtype does not change what it computes in): \
+check its weights and inputs; if they are finite, autocast to bfloat16 instead (torch.autocast(..., \
 dtype=torch.bfloat16)) or run vae outside autocast'
+    >>> vae_advice("vae", dtype="bfloat16", autocast="bfloat16")
+    "it ran under bfloat16 autocast (its weights are bfloat16 too), whose range is float32's, so this is no overflow \
+of a narrow dtype: check its weights and inputs"
 
     Under float16 autocast in its own float16, upcasting it alone would not change what it computes in:
 
@@ -49,16 +67,18 @@ dtype=torch.bfloat16)) or run vae outside autocast'
     'keep movq in float32 (pipe.movq.to(torch.float32)), decoded outside the float16 autocast (which computes a \
 float32 movq in float16 too)'
     """
-    if autocast == "float16" and dtype not in (None, autocast):  # (a NaN weight's, or no module's output read)
+    if names_autocast(dtype, autocast):  # (a NaN weight's, or no module's output read: no autocast named)
+        weights = f"its weights are {dtype}" + (" too" if dtype == autocast else "")
+        if autocast != "float16":
+            return (
+                f"{subject} ran under {autocast} autocast ({weights}), whose range is float32's, so this is no "
+                f"overflow of a narrow dtype: check {check}"
+            )
+        upcast = "neither their dtype nor force_upcast changes" if sd_vae and dtype == "float32" else None
         return (
-            f"{subject} ran under float16 autocast (its weights are {dtype}, so neither their dtype nor force_upcast "
-            f"changes what it computes in): check {check}; if they are finite, autocast to bfloat16 instead "
+            f"{subject} ran under float16 autocast ({weights}, so {upcast or 'their dtype does not change'} what it "
+            f"computes in): check {check}; if {finite} are finite, autocast to bfloat16 instead "
             f"(torch.autocast(..., dtype=torch.bfloat16)) or run {component} outside autocast"
-        )
-    if autocast and dtype not in (None, autocast):
-        return (
-            f"{subject} ran under {autocast} autocast (its weights are {dtype}), whose range is float32's, so this is "
-            f"no overflow of a narrow dtype: check {check}"
         )
     if dtype == "float32":
         return f"{subject} ran in float32, so this is no half-precision overflow: check {check}"

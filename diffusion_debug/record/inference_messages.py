@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .advice import autocast_advice, near_max_advice, overflow_advice, vae_advice
+from .advice import autocast_advice, names_autocast, near_max_advice, overflow_advice, vae_advice
 from .messages import counted, follows, memory_source
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ def _nonfinite(anomaly: Anomaly) -> str:
         )
     if d.get("vae_role") and not autocast:  # (a VAE under another dtype's autocast: its advice says it, after "; ")
         advice = vae_advice(component, d.get("sd_vae", False), d.get("vae_dtype"), d.get("vae_autocast"))
-        autocast = d.get("vae_autocast") not in (None, d.get("vae_dtype"))
+        autocast = names_autocast(d.get("vae_dtype"), d.get("vae_autocast"))
     own = "its own forward" if not anomaly.module else "its forward"
     if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)
         return (
@@ -294,16 +294,22 @@ def prompt_truncated(anomaly: Anomaly) -> str:
 
 
 def constant_image(anomaly: Anomaly) -> str:
-    """A flat image, advised by what its VAE computed in: its weights' dtype (``vae_dtype``; the decoded images' on
-    a run recorded before it was kept), or the autocast it ran under (``vae_autocast``) where not theirs."""
+    """A flat image, advised by what its VAE computed in: its weights' dtype (``vae_dtype``), or the autocast it ran
+    under (``vae_autocast``, :func:`~.advice.names_autocast`). Only a float16 one is "often" an fp16 VAE's."""
     d = anomaly.details
     flat = f"{len(d['flat_images'])} decoded image(s) are a single flat colour"
-    component, dtype, autocast = anomaly.component, d.get("vae_dtype"), d.get("vae_autocast")
-    if dtype == "float32" or autocast not in (None, dtype):  # no fp16 overflow, or not the VAE's dtype's
-        check = "the latents reaching it (the step table), the latents' scaling factor and its weights"
-        return f"{flat}; {vae_advice(component, dtype=dtype, autocast=autocast, subject=component, check=check)}."
-    advice = vae_advice(component, d.get("sd_vae", False), dtype, autocast)
-    return f"{flat} (often a black image from an fp16 VAE: {advice})."
+    component, sd_vae = anomaly.component, d.get("sd_vae", False)
+    dtype, autocast = d.get("vae_dtype"), d.get("vae_autocast")
+    if dtype == "float32" or names_autocast(dtype, autocast):  # no fp16 overflow, or not the VAE's dtype's
+        check = "the latents' scaling factor, the latents reaching it (the step table) and its weights"
+        ran = dict(subject=component, check=check, finite="the latents and weights")
+        return f"{flat}; {vae_advice(component, sd_vae, dtype, autocast, **ran)}."
+    advice = vae_advice(component, sd_vae, dtype, autocast)
+    return (
+        f"{flat} (often a black image from an fp16 VAE: {advice})."
+        if dtype in (None, "float16")
+        else f"{flat} ({advice})."
+    )
 
 
 def safety_blackout(anomaly: Anomaly) -> str:

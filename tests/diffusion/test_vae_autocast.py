@@ -51,12 +51,12 @@ OUTSIDE_FP16_AUTOCAST = (
 
 FLAT = {
     "bfloat16": "1 decoded image(s) are a single flat colour; vae ran under float16 autocast (its weights are "
-    "bfloat16, so neither their dtype nor force_upcast changes what it computes in): check the latents reaching it "
-    "(the step table), the latents' scaling factor and its weights; if they are finite, autocast to bfloat16 instead "
-    "(torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast.",
+    "bfloat16, so their dtype does not change what it computes in): check the latents' scaling factor, the latents "
+    "reaching it (the step table) and its weights; if the latents and weights are finite, autocast to bfloat16 "
+    "instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast.",
     "float16": "1 decoded image(s) are a single flat colour; vae ran under bfloat16 autocast (its weights are "
-    "float16), whose range is float32's, so this is no overflow of a narrow dtype: check the latents reaching it (the "
-    "step table), the latents' scaling factor and its weights.",
+    "float16), whose range is float32's, so this is no overflow of a narrow dtype: check the latents' scaling factor, "
+    "the latents reaching it (the step table) and its weights.",
 }
 
 
@@ -146,7 +146,12 @@ def test_a_flat_image_of_an_upcast_sdxl_vae_under_float16_autocast_names_the_aut
         "float16",
         "float16",
     )
-    assert flat.message == FLAT["bfloat16"].replace("bfloat16, so", "float32, so")
+    assert flat.message == (
+        "1 decoded image(s) are a single flat colour; vae ran under float16 autocast (its weights are float32, so "
+        "neither their dtype nor force_upcast changes what it computes in): check the latents' scaling factor, the "
+        "latents reaching it (the step table) and its weights; if the latents and weights are finite, autocast to "
+        "bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast."
+    )
     assert pipe.vae.dtype == torch.float16  # cast back after the decode
 
 
@@ -197,3 +202,55 @@ def test_near_max_values_of_an_fp16_vae_under_float16_autocast_say_to_decode_out
         assert made.message == (
             f"vae.decoder.conv_out output reached 92% of the float16 maximum (|x|=6e+04); {OUTSIDE_FP16_AUTOCAST}."
         )
+
+
+def test_a_bfloat16_vae_under_bfloat16_autocast_is_told_bfloat16s_range_not_an_fp16_vaes_fix(pipes, tmp_path):
+    """A bfloat16 VAE under bfloat16 autocast: its flat image read "often a black image from an fp16 VAE: run the VAE
+    in float32", though it is no fp16 VAE and autocast computes a float32 VAE in bfloat16 too; its NaN said "run the
+    VAE in float32" as well. Both say bfloat16's range is float32's: the values, not the dtype, are wrong."""
+    pipe = pipes["sd"]
+    nan = anomalies_of(pipe, tmp_path / "nan", torch.bfloat16, torch.bfloat16, CONV, lambda out: out * float("nan"))
+    flat = anomalies_of(pipe, tmp_path / "flat", torch.bfloat16, torch.bfloat16, "decoder", lambda out: out * 0 + 3.0)
+    (error,) = [a for a in nan if a.kind == "nonfinite" and a.severity == "error"]
+    (image,) = [a for a in flat if a.kind == "constant_image"]
+    ran = (
+        "ran under bfloat16 autocast (its weights are bfloat16 too), whose range is float32's, so this is no overflow"
+    )
+    assert (error.details["vae_dtype"], error.details["vae_autocast"]) == ("bfloat16", "bfloat16")
+    assert error.message == (
+        f"vae.{CONV} produced NaN/Inf from finite inputs; it {ran} of a narrow dtype: check its weights and inputs."
+    )
+    assert image.message == (
+        f"1 decoded image(s) are a single flat colour; vae {ran} of a narrow dtype: check the latents' scaling "
+        "factor, the latents reaching it (the step table) and its weights."
+    )
+
+
+@pytest.mark.parametrize(
+    ("component", "sd_vae", "weights", "autocast", "said"),
+    [
+        ("vae", False, "float32", "float16", "its weights are float32, so their dtype does not change"),
+        ("movq", False, "float32", "float16", "its weights are float32, so their dtype does not change"),
+        ("vae", True, "bfloat16", "float16", "its weights are bfloat16, so their dtype does not change"),
+        ("vae", True, "float32", "float16", "its weights are float32, so neither their dtype nor force_upcast"),
+        ("vae", True, "bfloat16", None, "(run the VAE in float32: pipe.vae.to(torch.float32))"),
+    ],
+)
+def test_force_upcast_and_the_fp16_vae_are_said_only_where_they_apply(component, sd_vae, weights, autocast, said):
+    """``force_upcast`` casts only Stable Diffusion's float16 VAE (float32 as it decodes): a Flux or Wan VAE, movq, a
+    bfloat16 VAE were told "neither their dtype nor force_upcast changes what it computes in"; a bfloat16 VAE's flat
+    image opened with "often a black image from an fp16 VAE"."""
+    from diffusion_debug.record import make_anomaly
+
+    details = {"flat_images": [0], "image_ranges": [0.0], "vae_role": True, "sd_vae": sd_vae, "vae_dtype": weights}
+    flat = make_anomaly("constant_image", component=component, details={**details, "vae_autocast": autocast})
+    nan = make_anomaly(
+        "nonfinite",
+        component=component,
+        module="decoder.conv_out",
+        details={"localized_by": "full probes", **details, "vae_autocast": autocast},
+    )
+    assert said in flat.message
+    assert ("force_upcast" in flat.message, "fp16 VAE" in flat.message) == ("nor force_upcast" in said, False)
+    if autocast:
+        assert said in nan.message and ("force_upcast" in nan.message) == ("nor force_upcast" in said)
