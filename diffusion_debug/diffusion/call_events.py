@@ -626,8 +626,8 @@ class CallEvents:
         root = self.localizer.modules.get(component)
         decoded = dtype_name(dtype) if dtype is not None else None
         weights = computes_in(root, "") if root is not None else None
-        if decoded is None or weights is None:
-            return weights or decoded, None
+        if decoded is None or weights is None:  # (unknown weights: the image's dtype is its decoded_dtype alone)
+            return weights, None
         under = autocast_over(root)
         return weights, under if under == decoded else None
 

@@ -472,7 +472,7 @@ def vae_saturation(
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
-        weights, under = ran() if ran is not None else (dtype_name(dtype) if dtype is not None else None, None)
+        weights, under = ran() if ran is not None else (None, None)  # (unknown weights: the decoded dtype alone)
         out.append(
             make_anomaly(
                 kind="constant_image",

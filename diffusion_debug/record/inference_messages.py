@@ -294,12 +294,13 @@ def prompt_truncated(anomaly: Anomaly) -> str:
 
 
 def constant_image(anomaly: Anomaly) -> str:
-    """A flat image, advised by what its VAE computed in: its weights' dtype (``vae_dtype``), or the autocast it ran
-    under (``vae_autocast``, :func:`~.advice.names_autocast`). Only a float16 one is "often" an fp16 VAE's."""
+    """A flat image, advised by what its VAE computed in: its weights' dtype (``vae_dtype``; the decoded images',
+    ``decoded_dtype``, where the weights' is not known), or the autocast it ran under (``vae_autocast``,
+    :func:`~.advice.names_autocast`). Only a float16 one is "often" an fp16 VAE's."""
     d = anomaly.details
     flat = f"{len(d['flat_images'])} decoded image(s) are a single flat colour"
     component, sd_vae = anomaly.component, d.get("sd_vae", False)
-    dtype, autocast = d.get("vae_dtype"), d.get("vae_autocast")
+    dtype, autocast = d.get("vae_dtype") or d.get("decoded_dtype"), d.get("vae_autocast")
     if dtype == "float32" or names_autocast(dtype, autocast):  # no fp16 overflow, or not the VAE's dtype's
         check = "the latents' scaling factor, the latents reaching it (the step table) and its weights"
         ran = dict(subject=component, check=check, finite="the latents and weights")

@@ -95,9 +95,30 @@ def test_a_nan_of_a_float16_vae_under_bfloat16_autocast_is_not_told_to_upcast_it
 def test_vae_dtype_is_the_weights_dtype_in_a_flat_image_as_in_a_nan(pipes, tmp_path):
     """``vae_dtype`` was the decoded image's dtype in ``constant_image`` (float16, a float32 VAE's under float16
     autocast) and the weights' in ``nonfinite`` (float32): the weights' in both, the image's ``decoded_dtype``."""
-    found = anomalies_of(pipes["sd"], tmp_path, torch.float32, torch.float16, "decoder", lambda out: out * 0 + 3.0)
+    found = anomalies_of(
+        pipes["sd"], tmp_path / "flat", torch.float32, torch.float16, "decoder", lambda out: out * 0 + 3.0
+    )
+    nan = anomalies_of(
+        pipes["sd"], tmp_path / "nan", torch.float32, torch.float16, CONV, lambda out: out * float("nan")
+    )
     (flat,) = [a for a in found if a.kind == "constant_image"]
+    (error,) = [a for a in nan if a.kind == "nonfinite" and a.severity == "error"]
     assert (flat.details["vae_dtype"], flat.details["decoded_dtype"]) == ("float32", "float16")
+    assert (error.module, error.details["vae_dtype"], error.details["vae_autocast"]) == (CONV, "float32", "float16")
+    assert "decoded_dtype" not in error.details
+
+
+def test_a_flat_image_whose_vae_weights_are_unknown_keeps_the_decoded_dtype_alone():
+    """Without its weights' dtype (no reader of it given), the decoded images' dtype was kept as ``vae_dtype`` (its
+    old meaning, the weights' now): it is ``decoded_dtype`` alone, and a float32 decode is still no fp16 overflow."""
+    from diffusion_debug.diffusion import checks
+
+    (flat,) = checks.vae_saturation(0.0, [0.0], threshold=0.5, step=None, dtype=torch.float32)
+    assert ("vae_dtype" in flat.details, flat.details["decoded_dtype"]) == (False, "float32")
+    assert flat.message == (
+        "1 decoded image(s) are a single flat colour; vae ran in float32, so this is no half-precision overflow: "
+        "check the latents' scaling factor, the latents reaching it (the step table) and its weights."
+    )
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn", "float16"])
