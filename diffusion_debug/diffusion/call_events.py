@@ -606,7 +606,7 @@ class CallEvents:
                     sd_vae = site.component in self.localizer.sd_vaes
                     dtype = None if tensor is None else tensor.dtype  # what it decoded in (read on a flat image)
                     kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae, dtype=dtype)
-                    kw["autocast"] = lambda: self._decoded_under(site.component, dtype)  # (no C call made)
+                    kw["ran"] = lambda: self._decoded_under(site.component, dtype)  # (no C call made)
                     self.emit(rows.decoded_image_anomalies(values, **kw))
                 except Exception as error:
                     self.guards.failed("vae_saturation", error, self.run.step if self.run.stepped else None)
@@ -619,14 +619,17 @@ class CallEvents:
                 )
         self.calls.drop_call(site.component, site.prefix)
 
-    def _decoded_under(self, component: str, dtype: torch.dtype | None) -> str | None:
-        """The autocast dtype a float32 VAE decoded ``dtype`` values in (None: it decoded in its weights' dtype),
-        asked on a flat image: its advice is about autocast, not the VAE's dtype."""
+    def _decoded_under(self, component: str, dtype: torch.dtype | None) -> tuple[str | None, str | None]:
+        """``(its weights' dtype, the autocast dtype)`` of a VAE that decoded ``dtype`` values, asked on a flat image
+        during the call (``force_upcast`` casts it for the decode alone); the autocast's where the values are in it
+        (a bfloat16 VAE under float16 autocast overflows float16's range): its advice is about the autocast."""
         root = self.localizer.modules.get(component)
-        if dtype is None or root is None or computes_in(root, "") != "float32":
-            return None
+        decoded = dtype_name(dtype) if dtype is not None else None
+        weights = computes_in(root, "") if root is not None else None
+        if decoded is None or weights is None:  # (unknown weights: the image's dtype is its decoded_dtype alone)
+            return weights, None
         under = autocast_over(root)
-        return under if under == dtype_name(dtype) else None
+        return weights, under if under == decoded else None
 
     def output_overflow(self, site: CallSite, absmax: float, step: int | None, timestep: float | None = None) -> None:
         """``overflow_risk`` at the call's output (a text encoder's, a VAE half's, a compiled component's):
@@ -646,6 +649,7 @@ class CallEvents:
                 sd_vae=site.component in self.localizer.sd_vaes,
                 compiled=compiled,
                 weights_dtype=self.localizer.weights_dtype(site.component, site.prefix),
+                autocast=autocast_over(self.localizer.modules.get(site.component)),
             )
             self.emit([(anomaly, None) for anomaly in found])
 

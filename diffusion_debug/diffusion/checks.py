@@ -168,7 +168,7 @@ def nonfinite(
     ``autocast``: the dtype an open autocast computed the component in (a float32 VAE's advice says it)."""
     if near_max is not None and not consequence:
         kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, dtype=dtype)
-        return list(near_max_nonfinite(component, *near_max, details=details or {}, **kw))
+        return list(near_max_nonfinite(component, *near_max, details=details or {}, autocast=autocast, **kw))
     if consequence:
         details = {**(details or {}), "passed_on": True, **({"origin": origin} if origin else {})}
     else:
@@ -200,13 +200,14 @@ def near_max_nonfinite(
     role: str = "",
     sd_vae: bool = False,
     dtype: str | None = None,
+    autocast: str | None = None,
 ) -> tuple[Anomaly, Anomaly]:
     """A NaN/Inf that ``overflowed`` (a module of ``component``) made from finite values near its dtype's
     max, which ``maker`` made (:func:`~.replay.near_max.near_max_maker`): ``(the error at maker, the run's origin; the
     warning at overflowed, which follows it)``. A ``nonfinite`` at the cause, as a NaN/Inf made from the
     near-max values a pipeline input held is (``origins.near_max_input``); ``details``: what the caller
     found (the phase, the replay's reading count; where inside ``overflowed`` its own code made it, ``after``
-    and ``before``: :func:`~.replay.decide.between_modules`, are the warning's)."""
+    and ``before``: :func:`~.replay.decide.between_modules`, are the warning's); ``autocast``: :func:`nonfinite`'s."""
     between = {key: details[key] for key in ("after", "before") if key in details}
     details = {key: value for key, value in details.items() if key not in between}
     place = dict(kind="nonfinite", component=component, step=step, timestep=timestep)
@@ -221,7 +222,7 @@ def near_max_nonfinite(
             "absmax": maker.output_absmax,
             "dtype": maker.dtype,
             "overflowed_in": overflowed.module,
-            **_vae_details(role, sd_vae, dtype),
+            **_vae_details(role, sd_vae, dtype, autocast),
             **_autocast_details(dtype, maker.dtype),
         },
     )
@@ -244,13 +245,12 @@ def near_max_nonfinite(
 
 
 def _vae_details(role: str, sd_vae: bool, dtype: str | None = None, autocast: str | None = None) -> dict[str, Any]:
-    """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is
-    Stable Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there), the dtype its weights
-    are in (``vae_dtype``, when known) and, float32 ones, the ``autocast`` dtype it computed in (``vae_autocast``)."""
-    vae_role = has_check(role, "vae")
-    if not vae_role:
+    """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is Stable
+    Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there), the dtype its weights are in
+    (``vae_dtype``, when known) and the ``autocast`` dtype it ran under (``vae_autocast``)."""
+    if not has_check(role, "vae"):
         return {"vae_role": False}
-    ran_under = {"vae_autocast": autocast} if autocast and dtype == "float32" else {}
+    ran_under = {"vae_autocast": autocast} if autocast else {}
     return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {}), **ran_under}
 
 
@@ -295,6 +295,7 @@ def overflow_risk(
     between: dict[str, str] | None = None,
     compiled: bool = False,
     weights_dtype: str | None = None,
+    autocast: str | None = None,
 ) -> list[Anomaly]:
     """``between``: the modules the component's own forward built the values between
     (:func:`~.replay.decide.overflow_between`), ``reading`` being the component's; ``compiled``: the
@@ -302,7 +303,8 @@ def overflow_risk(
     ``weights_dtype``: the dtype of the module's weights, kept where it is not the output's while an
     autocast region to that dtype is open (:func:`~.components.autocast.autocast_on`: a float32 module's float16
     output ran under ``torch.autocast``, whose advice differs; without one it is a module diffusers keeps in
-    float32 in a float16 model, ``_keep_in_fp32_modules``, which casts its output back: the float16 advice holds)."""
+    float32 in a float16 model, ``_keep_in_fp32_modules``, which casts its output back: the float16 advice holds);
+    ``autocast``: :func:`nonfinite`'s (a float16 VAE's under float16 autocast: upcasting it alone changes nothing)."""
     share = reading.dtype_max_fraction or 0.0
     return [
         make_anomaly(
@@ -318,7 +320,7 @@ def overflow_risk(
                 "dtype": reading.dtype,
                 "threshold": fraction,
                 "localized_by": localized_by,
-                **_vae_details(role, sd_vae),
+                **_vae_details(role, sd_vae, weights_dtype, autocast),
                 **(between or {}),
                 **({"compiled": True} if compiled else {}),
                 **_autocast_details(weights_dtype, reading.dtype),
@@ -462,16 +464,15 @@ def vae_saturation(
     component: str = "vae",
     sd_vae: bool = False,
     dtype: torch.dtype | None = None,
-    autocast: Callable[[], str | None] | None = None,
+    ran: Callable[[], tuple[str | None, str | None]] | None = None,
 ) -> list[Anomaly]:
-    """Decoded pixels outside [-1, 1] (``vae_saturation``), or images that are one flat colour although finite
-    (``constant_image``: a black image that is not a NaN); ``component``: the VAE-role component that decoded them
-    (``sd_vae``: Stable Diffusion's VAE; ``dtype``: the dtype it decoded in, when known: a flat image from a float32
-    decode is no fp16 overflow; ``autocast``, asked on a flat image: the autocast a float32 VAE decoded under)."""
+    """Decoded pixels outside [-1, 1] (``vae_saturation``), or flat images although finite (``constant_image``: a
+    black image that is no NaN) that the VAE-role ``component`` (``sd_vae``: SD's) decoded in ``dtype``
+    (``decoded_dtype``); ``ran``, asked on a flat image: its weights' dtype and the autocast it ran under."""
     out = []
     flat = [i for i, r in enumerate(image_ranges) if r == r and r < 1e-6]
     if flat:
-        under = autocast() if autocast is not None else None
+        weights, under = ran() if ran is not None else (None, None)  # (unknown weights: the decoded dtype alone)
         out.append(
             make_anomaly(
                 kind="constant_image",
@@ -481,9 +482,8 @@ def vae_saturation(
                 details={
                     "flat_images": flat,
                     "image_ranges": image_ranges,
-                    "sd_vae": sd_vae,
-                    **({"vae_dtype": dtype_name(dtype)} if dtype is not None else {}),
-                    **({"vae_autocast": under} if under else {}),
+                    **_vae_details("vae", sd_vae, weights, under),
+                    **({"decoded_dtype": dtype_name(dtype)} if dtype is not None else {}),
                 },
             )
         )

@@ -449,6 +449,7 @@ class Localizer:
             sd_vae=component in self.sd_vaes,
             between=plan.between,
             weights_dtype=self.weights_dtype(component, reading.module),  # (a warning's)
+            autocast=autocast_over(self.modules.get(component)),
         )
         return [(anomaly, None) for anomaly in made]  # the kind's fold key: the module
 

@@ -393,7 +393,7 @@ def decoded_image_anomalies(
     component: str = "vae",
     sd_vae: bool = False,
     dtype: torch.dtype | None = None,
-    autocast: Callable[[], str | None] | None = None,
+    ran: Callable[[], tuple[str | None, str | None]] | None = None,
 ) -> list[tuple[Anomaly, tuple]]:
     """``vae_saturation`` and ``constant_image`` (with their fold keys) for decoded images (none for other calls)."""
     if values.outside_fraction is None:
@@ -406,7 +406,7 @@ def decoded_image_anomalies(
         component=component,
         sd_vae=sd_vae,
         dtype=dtype,
-        autocast=autocast,
+        ran=ran,
     )
     return [(a, (a.kind,)) for a in found]
 

@@ -1,7 +1,7 @@
 """The advice a message about values near or past their dtype's largest ends with, chosen by the dtype the module
 ran in: a half dtype's overflow (a wider dtype, the VAE's own fixes), bfloat16's or float32's (no wider dtype helps:
-the values are wrong), and the ``torch.autocast`` a float32 module ran under (what autocast computes in is what to
-change, not the weights' dtype). Pure: strings from an anomaly's details (``record/inference_messages.py``).
+the values are wrong), and the ``torch.autocast`` a module of another dtype ran under (what autocast computes in is
+what to change, not the weights' dtype). Pure: strings from an anomaly's details (``record/inference_messages.py``).
 """
 
 from __future__ import annotations
@@ -11,16 +11,39 @@ from typing import Any
 FP16_FIX_VAE = "madebyollin/sdxl-vae-fp16-fix"
 
 
+def names_autocast(dtype: str | None, autocast: str | None) -> bool:
+    """Whether :func:`vae_advice` of a VAE whose weights are ``dtype`` under an ``autocast`` to that dtype name opens
+    with the autocast it ran under: one of another dtype than its weights' (what it computes in is the autocast's),
+    or bfloat16's, whose range is float32's (a float32 VAE would compute in bfloat16 under it too).
+
+    >>> names_autocast("float32", "float16"), names_autocast("bfloat16", "bfloat16")
+    (True, True)
+    >>> names_autocast("float16", "float16"), names_autocast(None, "float16"), names_autocast("float16", None)
+    (False, False, False)
+    """
+    return dtype is not None and autocast is not None and (autocast != dtype or autocast == "bfloat16")
+
+
 def vae_advice(
-    component: str = "vae", sd_vae: bool = False, dtype: str | None = None, autocast: str | None = None
+    component: str = "vae",
+    sd_vae: bool = False,
+    dtype: str | None = None,
+    autocast: str | None = None,
+    *,
+    subject: str = "it",
+    check: str = "its weights and inputs",
+    finite: str = "they",
 ) -> str:
     """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
     ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
     ``details["sd_vae"]``); another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept
-    in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``), and one not
+    in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``, its weights'), and one not
     called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE
-    under ``force_upcast`` too) is told so: no dtype advice fits it; but under ``torch.autocast`` (``autocast``: the
-    dtype it computed in) it did not: the autocast is said, and float16's advice holds where its weights are finite.
+    under ``force_upcast`` too) is told so: no dtype advice fits it; but under a ``torch.autocast`` of another dtype
+    than its weights' (``autocast``: the dtype it computed in, :func:`names_autocast`) it did not: the autocast is
+    said, and float16's advice holds where its weights are finite, whatever their dtype (``force_upcast`` is said
+    where an SD VAE's float32 weights may be its doing). ``subject`` (what ran), ``check`` (what to check where the
+    dtype is no cause) and ``finite`` (what of it must be finite): a flat image's message says them its own way.
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
@@ -30,39 +53,55 @@ def vae_advice(
     'keep movq in float32 (pipe.movq.to(torch.float32))'
     >>> vae_advice("movq", dtype="float32")
     'it ran in float32, so this is no half-precision overflow: check its weights and inputs'
-    >>> vae_advice("vae", dtype="float32", autocast="float16")
-    'it ran under float16 autocast (its weights are float32): check its weights and inputs; if they are finite, \
-autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast'
+    >>> vae_advice("vae", True, dtype="bfloat16", autocast="float16")
+    'it ran under float16 autocast (its weights are bfloat16, so their dtype does not change what it computes in): \
+check its weights and inputs; if they are finite, autocast to bfloat16 instead (torch.autocast(..., \
+dtype=torch.bfloat16)) or run vae outside autocast'
+    >>> vae_advice("vae", dtype="bfloat16", autocast="bfloat16")
+    "it ran under bfloat16 autocast (its weights are bfloat16 too), whose range is float32's, so this is no overflow \
+of a narrow dtype: check its weights and inputs"
+
+    Under float16 autocast in its own float16, upcasting it alone would not change what it computes in:
+
+    >>> vae_advice("movq", dtype="float16", autocast="float16")
+    'keep movq in float32 (pipe.movq.to(torch.float32)), decoded outside the float16 autocast (which computes a \
+float32 movq in float16 too)'
     """
-    if dtype == "float32" and autocast == "float16":  # (a NaN weight's, or no module's output read)
+    if names_autocast(dtype, autocast):  # (a NaN weight's, or no module's output read: no autocast named)
+        weights = f"its weights are {dtype}" + (" too" if dtype == autocast else "")
+        if autocast != "float16":
+            return (
+                f"{subject} ran under {autocast} autocast ({weights}), whose range is float32's, so this is no "
+                f"overflow of a narrow dtype: check {check}"
+            )
+        upcast = "neither their dtype nor force_upcast changes" if sd_vae and dtype == "float32" else None
         return (
-            f"it ran under float16 autocast (its weights are float32): check its weights and inputs; if they are "
-            f"finite, autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run {component} "
-            "outside autocast"
-        )
-    if dtype == "float32" and autocast:
-        return (
-            f"it ran under {autocast} autocast (its weights are float32), whose range is float32's, so this is no "
-            "overflow of a narrow dtype: check its weights and inputs"
+            f"{subject} ran under float16 autocast ({weights}, so {upcast or 'their dtype does not change'} what it "
+            f"computes in): check {check}; if {finite} are finite, autocast to bfloat16 instead "
+            f"(torch.autocast(..., dtype=torch.bfloat16)) or run {component} outside autocast"
         )
     if dtype == "float32":
-        return "it ran in float32, so this is no half-precision overflow: check its weights and inputs"
+        return f"{subject} ran in float32, so this is no half-precision overflow: check {check}"
+    outside, named = "", "VAE" if component == "vae" else component
+    if autocast == "float16":  # its weights float16 too: upcast alone, it would still compute in float16
+        outside = f", decoded outside the float16 autocast (which computes a float32 {named} in float16 too)"
     if component != "vae":
-        return f"keep {component} in float32 (pipe.{component}.to(torch.float32))"
+        return f"keep {component} in float32 (pipe.{component}.to(torch.float32)){outside}"
     if dtype == "bfloat16":
         return "run the VAE in float32: pipe.vae.to(torch.float32)"
     if not sd_vae:
-        return "keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)"
+        return f"keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32){outside}"
     return (
-        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) "
-        f"or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
+        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True){outside}"
+        f"{',' if outside else ''} or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
     )
 
 
 def near_max_advice(where: str, details: dict[str, Any]) -> str:
     """What to do about values near their dtype's max that ``where`` (``component.module``) made, on which
-    the next module overflowed (``details``: the ``nonfinite``'s ``dtype``, ``vae_role``, ``sd_vae``).
-    bfloat16 holds float32's range, so no wider dtype helps there: the values are wrong, not the precision.
+    the next module overflowed (``details``: the ``nonfinite``'s ``dtype``, ``vae_role``, ``sd_vae``,
+    ``vae_autocast``). bfloat16 holds float32's range, so no wider dtype helps there: the values are wrong, not the
+    precision.
 
     >>> near_max_advice("unet.conv_out", {"dtype": "float16"})
     'run this component in bfloat16 or float32, or upcast this module'
@@ -84,7 +123,7 @@ dtype=torch.bfloat16)) or run vae.decoder.conv_in outside autocast'
         wider = wider if dtype == "bfloat16" else "no wider dtype holds them"
         return f"{wider}: check {where}'s weights and the scale of its inputs"
     if details.get("vae_role"):
-        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), dtype)
+        return _near_max_vae_advice(where, details)
     if dtype == "float16":
         return "run this component in bfloat16 or float32, or upcast this module"
     return "compute this component in bfloat16 or float32"
@@ -92,8 +131,8 @@ dtype=torch.bfloat16)) or run vae.decoder.conv_in outside autocast'
 
 def overflow_advice(where: str, details: dict[str, Any]) -> str:
     """What to do about values ``where`` (``component.module``, or the component) made near the max of the
-    dtype it ran in (``details``: the ``overflow_risk``'s ``dtype``, ``vae_role``, ``sd_vae``). A wider dtype
-    holds fp16's values; bfloat16's largest value is float32's, so no dtype gives bf16's more room: their
+    dtype it ran in (``details``: the ``overflow_risk``'s ``dtype``, ``vae_role``, ``sd_vae``, ``vae_autocast``). A
+    wider dtype holds fp16's values; bfloat16's largest value is float32's, so no dtype gives bf16's more room: their
     scale is what to change (as :func:`near_max_advice` says of a NaN/Inf made from them).
 
     >>> overflow_advice("unet.conv_out", {"dtype": "float16"})
@@ -116,8 +155,18 @@ def overflow_advice(where: str, details: dict[str, Any]) -> str:
             f"check {where}'s weights and the scale of its inputs"
         )
     if details.get("vae_role"):
-        return vae_advice(where.partition(".")[0], details.get("sd_vae", False), details.get("dtype"))
+        return _near_max_vae_advice(where, details)
     return "run this component in bfloat16 or float32, or upcast this module"
+
+
+def _near_max_vae_advice(where: str, details: dict[str, Any]) -> str:
+    """:func:`vae_advice` for the VAE-role module ``where`` whose output, in its weights' ``dtype``, came near the
+    max: the autocast it ran under (``vae_autocast``) is said where it computed in that dtype (a float16 VAE's
+    upcast alone would not leave float16 autocast), not where the module's output escaped it."""
+    dtype, autocast = details.get("dtype"), details.get("vae_autocast")
+    return vae_advice(
+        where.partition(".")[0], details.get("sd_vae", False), dtype, autocast if autocast == dtype else None
+    )
 
 
 def autocast_advice(where: str, weights_dtype: str) -> str:

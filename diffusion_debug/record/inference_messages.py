@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .advice import autocast_advice, near_max_advice, overflow_advice, vae_advice
+from .advice import autocast_advice, names_autocast, near_max_advice, overflow_advice, vae_advice
 from .messages import counted, follows, memory_source
 
 if TYPE_CHECKING:
@@ -173,9 +173,9 @@ def _nonfinite(anomaly: Anomaly) -> str:
             f"clipped it to {_clipped_to(d)}, so the output stayed finite but carries that clipped value, not the "
             "one computed" + (f"; {advice}." if autocast else f" ({advice}).")
         )
-    if d.get("vae_role") and not autocast:  # (a float32 VAE under autocast: its advice says the autocast, after "; ")
+    if d.get("vae_role") and not autocast:  # (a VAE under another dtype's autocast: its advice says it, after "; ")
         advice = vae_advice(component, d.get("sd_vae", False), d.get("vae_dtype"), d.get("vae_autocast"))
-        autocast = d.get("vae_dtype") == "float32" and d.get("vae_autocast")
+        autocast = names_autocast(d.get("vae_dtype"), d.get("vae_autocast"))
     own = "its own forward" if not anomaly.module else "its forward"
     if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)
         return (
@@ -294,29 +294,23 @@ def prompt_truncated(anomaly: Anomaly) -> str:
 
 
 def constant_image(anomaly: Anomaly) -> str:
+    """A flat image, advised by what its VAE computed in: its weights' dtype (``vae_dtype``; the decoded images',
+    ``decoded_dtype``, where the weights' is not known), or the autocast it ran under (``vae_autocast``,
+    :func:`~.advice.names_autocast`). Only a float16 one is "often" an fp16 VAE's."""
     d = anomaly.details
     flat = f"{len(d['flat_images'])} decoded image(s) are a single flat colour"
-    component, autocast = anomaly.component, d.get("vae_autocast")
-    if autocast == "float16":  # a float32 VAE decoded in float16 under autocast: the VAE's dtype is no fix
-        return (
-            f"{flat}; {component} decoded under float16 autocast (its weights are float32 already, so no float32 "
-            "VAE or force_upcast changes what it computes in): check the latents reaching it (the step table) and "
-            "its weights; if they are finite, autocast to bfloat16 instead (torch.autocast(..., "
-            f"dtype=torch.bfloat16)) or run {component} outside autocast."
-        )
-    if autocast:
-        return (
-            f"{flat}; {component} decoded under {autocast} autocast (its weights are float32), whose range is "
-            "float32's, so this is no half-precision overflow: check the latents reaching it (the step table), the "
-            "latents' scaling factor and its weights."
-        )
-    if d.get("vae_dtype") == "float32":  # no fp16 overflow: the decode ran in float32
-        return (
-            f"{flat}; {anomaly.component} decoded in float32, so this is no half-precision overflow: check the "
-            "latents reaching it (the step table), the latents' scaling factor and its weights."
-        )
-    advice = vae_advice(anomaly.component, d.get("sd_vae", False), d.get("vae_dtype"))
-    return f"{flat} (often a black image from an fp16 VAE: {advice})."
+    component, sd_vae = anomaly.component, d.get("sd_vae", False)
+    dtype, autocast = d.get("vae_dtype") or d.get("decoded_dtype"), d.get("vae_autocast")
+    if dtype == "float32" or names_autocast(dtype, autocast):  # no fp16 overflow, or not the VAE's dtype's
+        check = "the latents' scaling factor, the latents reaching it (the step table) and its weights"
+        ran = dict(subject=component, check=check, finite="the latents and weights")
+        return f"{flat}; {vae_advice(component, sd_vae, dtype, autocast, **ran)}."
+    advice = vae_advice(component, sd_vae, dtype, autocast)
+    return (
+        f"{flat} (often a black image from an fp16 VAE: {advice})."
+        if dtype in (None, "float16")
+        else f"{flat} ({advice})."
+    )
 
 
 def safety_blackout(anomaly: Anomaly) -> str:

@@ -100,8 +100,9 @@ register_kind(
         "A decoded image is one flat colour (often black) although no value was NaN: nothing of the picture survived."
     ),
     action=(
-        "Decode in float32 (force_upcast) or use the fp16-fix VAE; check the latents reaching the VAE (the "
-        "step table) and the latents' scaling factor."
+        "Decode in float32 (force_upcast) or use the fp16-fix VAE; under float16 autocast, which a float32 or "
+        "bfloat16 VAE computes in too, autocast to bfloat16 or decode outside it; check the latents reaching the VAE "
+        "(the step table) and the latents' scaling factor."
     ),
     message=inference_messages.constant_image,
 )

@@ -53,8 +53,9 @@ def test_a_nan_weight_of_a_float32_module_under_autocast_keeps_the_generic_advic
 
 
 VAE_FP16 = (
-    "it ran under float16 autocast (its weights are float32): check its weights and inputs; if they are finite, "
-    "autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast"
+    "it ran under float16 autocast (its weights are float32, so neither their dtype nor force_upcast changes what it "
+    "computes in): check its weights and inputs; if they are finite, autocast to bfloat16 instead "
+    "(torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast"
 )
 VAE_BF16 = (
     "it ran under bfloat16 autocast (its weights are float32), whose range is float32's, so this is no overflow of "

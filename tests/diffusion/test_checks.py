@@ -359,8 +359,8 @@ def test_vae_saturation_and_flat_images(pipes, tmp_path):
     # a float32 decode: no fp16 advice (before: "often a black image from an fp16 VAE: keep the VAE in float32...")
     assert constant.details["vae_dtype"] == "float32"
     assert constant.message == (
-        "1 decoded image(s) are a single flat colour; vae decoded in float32, so this is no half-precision "
-        "overflow: check the latents reaching it (the step table), the latents' scaling factor and its weights."
+        "1 decoded image(s) are a single flat colour; vae ran in float32, so this is no half-precision "
+        "overflow: check the latents' scaling factor, the latents reaching it (the step table) and its weights."
     )
 
 

@@ -684,13 +684,13 @@ def test_a_replay_in_another_dtype_than_the_users_autocast_neither_reads_nor_wri
 
 
 FLAT_UNDER_AUTOCAST = {
-    "float16": "1 decoded image(s) are a single flat colour; vae decoded under float16 autocast (its weights are "
-    "float32 already, so no float32 VAE or force_upcast changes what it computes in): check the latents reaching it "
-    "(the step table) and its weights; if they are finite, autocast to bfloat16 instead (torch.autocast(..., "
-    "dtype=torch.bfloat16)) or run vae outside autocast.",
-    "bfloat16": "1 decoded image(s) are a single flat colour; vae decoded under bfloat16 autocast (its weights are "
-    "float32), whose range is float32's, so this is no half-precision overflow: check the latents reaching it (the "
-    "step table), the latents' scaling factor and its weights.",
+    "float16": "1 decoded image(s) are a single flat colour; vae ran under float16 autocast (its weights are "
+    "float32, so neither their dtype nor force_upcast changes what it computes in): check the latents' scaling "
+    "factor, the latents reaching it (the step table) and its weights; if the latents and weights are finite, "
+    "autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast.",
+    "bfloat16": "1 decoded image(s) are a single flat colour; vae ran under bfloat16 autocast (its weights are "
+    "float32), whose range is float32's, so this is no overflow of a narrow dtype: check the latents' scaling "
+    "factor, the latents reaching it (the step table) and its weights.",
 }
 
 
@@ -710,7 +710,11 @@ def test_a_flat_image_a_float32_vae_decoded_under_autocast_names_the_autocast_no
             dbg.close()  # (the shared pipeline unhooked, whatever failed)
     (flat,) = [a for a in anomalies if a.kind == "constant_image"]
     name = str(dtype).removeprefix("torch.")
-    assert (flat.details["vae_dtype"], flat.details["vae_autocast"]) == (name, name)
+    assert (flat.details["vae_dtype"], flat.details["decoded_dtype"], flat.details["vae_autocast"]) == (
+        "float32",
+        name,
+        name,
+    )
     assert flat.message == FLAT_UNDER_AUTOCAST[name]
 
 
