@@ -645,9 +645,9 @@ class CallSiteHooks:
                     try:
                         if key in self.kept:  # a second call in the step (the unconditional pass)
                             held = self.earlier.setdefault(key, [])
-                            if len(held) >= self.held_calls - 1:  # the oldest goes (a slice from a negative
-                                del held[0]  # start would cut a short list's front: only 4 of 8 were held)
                             held.append((self.kept.pop(key), self.contexts.pop(key, None)))
+                            if len(held) >= self.held_calls:  # the oldest goes (a slice from a negative start
+                                del held[0]  # would cut a short list's front: only 4 of 8 were held)
                         self.kept[key] = kept_as_passed(args, kwargs, self._copies, state=state, positions=positions)
                         if stateful:  # its replay starts where the call did
                             found = self._found[id(module)] = found_hooks(module, self._found.get(id(module)))
@@ -818,7 +818,9 @@ class CallSiteHooks:
                         break
         for held in self.earlier.values():
             for index, (kept, context) in enumerate(held):
-                for value in (*kept[0], *kept[1].values()) if kept is not _UNKEPT else ():
+                if kept is _UNKEPT or kept[0] is _HALF:  # a half's, made from its VAE's method call: as above
+                    continue
+                for value in (*kept[0], *kept[1].values()):
                     if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
                         held[index] = (_cloned(kept, storage), context)
                         break
