@@ -226,5 +226,5 @@ def test_a_float32_combined_pipeline_under_float16_autocast_and_inference_mode_i
         dbg.close()
     assert [torch.equal(image, expected) for image in watched] == [True] * 3
     assert said(dbg) == []
-    truths = {"vae_saturation", "latent_divergence", "scheduler_config"}
+    truths = {"vae_saturation", "scheduler_config"}  # what a float32 run outside autocast says as well
     assert [(a.kind, a.component, a.module) for a in anomalies if a.kind not in truths] == []
