@@ -215,3 +215,66 @@ def test_an_encode_only_calls_nan_is_named_as_the_call_returns(tmp_path, call):
         handle.remove()
     dbg.close()
     assert held == 0 and found == [("nonfinite", "text_encoder", leaf)], found
+
+
+def _hooked_vae_calls(tmp_path, held_calls: int, compiled: bool):
+    """A tiny SD pipeline's call sites hooked on their own (every error raised), the VAE's ``decode``
+    compiled (``backend="eager"``) where ``compiled``: its decoder is then watched around it."""
+    import torch
+
+    from diffusion_debug.diffusion.components.call_sites import CallSiteHooks
+    from diffusion_debug.diffusion.components.inventory import find_components
+
+    def reraise(where, error):
+        raise error
+
+    pipe = tiny_pipeline("sd")
+    if compiled:
+        torch._dynamo.reset()
+        pipe.vae.decode = torch.compile(pipe.vae.decode, backend="eager")
+    calls = CallSiteHooks(find_components(pipe), cfg(tmp_path), held_calls=held_calls)
+    handle = calls.register(busy=lambda: False, failed=reraise, on_start=lambda *_: None, on_output=lambda *_: None)
+    return pipe, calls, handle
+
+
+def test_a_site_called_twice_in_a_step_with_one_held_call_keeps_the_last(tmp_path):
+    """``held_calls=1`` (the constructor's default: only the kept call, none before it): a second call
+    of a site in the step is kept in place of the first. The oldest held call was deleted before the new
+    one was added, from a list still empty: an IndexError, and the second call went unkept."""
+    import torch
+
+    from diffusion_debug.diffusion.components.call_sites import kept_arguments
+
+    pipe, calls, handle = _hooked_vae_calls(tmp_path, held_calls=1, compiled=False)
+    first, second = torch.zeros(1, 4, 8, 8), torch.ones(1, 4, 8, 8)
+    with torch.no_grad():
+        pipe.vae.decoder(first)
+        pipe.vae.decoder(second)
+    handle.remove()
+    module, args, kwargs = kept_arguments(calls, "vae", "decoder")
+    assert module is pipe.vae.decoder and torch.equal(args[0], second)
+    assert calls.earlier == {("vae", "decoder"): []}
+
+
+def test_a_compiled_decodes_call_made_the_halfs_and_then_held_is_kept_apart_from_the_latents(tmp_path):
+    """A VAE whose ``decode`` is compiled keeps its decoder's call as the method's until a use makes the
+    half's own arguments (a check, :func:`kept_arguments`); a second decode in the step then holds that call
+    among the earlier ones, and the scheduler step's :meth:`keep_apart` read it as ``(args, kwargs)``: a
+    TypeError (a ``debugger_error``, the step's kept calls not cloned apart from the latents). In the debugger
+    a VAE call's check drops its kept call as it ends, so only a check that failed after making them left one."""
+    import torch
+
+    from diffusion_debug.diffusion.components.call_sites import kept_arguments
+
+    pipe, calls, handle = _hooked_vae_calls(tmp_path, held_calls=3, compiled=True)
+    latents = torch.zeros(1, 4, 8, 8)
+    with torch.no_grad():
+        pipe.vae.decode(latents)
+        assert kept_arguments(calls, "vae", "decoder")[0] is pipe.vae.decoder  # the half's arguments made
+        pipe.vae.decode(latents + 1)
+        calls.keep_apart(latents)
+    handle.remove()
+    assert [len(held) for held in calls.earlier.values()] == [1]
+    module, args, kwargs = kept_arguments(calls, "vae", "decoder")
+    with torch.no_grad():  # the second decode's, as its decoder was passed them
+        assert module is pipe.vae.decoder and torch.equal(args[0], pipe.vae.post_quant_conv(latents + 1))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusion_helpers import dynamo_counts, inf_weight, warmed
 
-from diffusion_debug import DiffusionModelDebugger
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.components import cache_hooks
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
 from diffusion_debug.testing.features import HAS_CACHE_HOOKS, HAS_REPEATED_BLOCKS
@@ -76,6 +76,12 @@ def _first_block_cache(pipe):
     from diffusers import FirstBlockCacheConfig
 
     return FirstBlockCacheConfig(threshold=1e-9)  # every step's first block residual differs: all computed
+
+
+def _first_block_cache_skipping(pipe):
+    from diffusers import FirstBlockCacheConfig
+
+    return FirstBlockCacheConfig(threshold=0.5)  # the tiny Flux's later steps reuse the cached residual
 
 
 @pytest.mark.skipif(not HAS_CACHE_HOOKS, reason="this diffusers has no caching hooks (diffusers.hooks)")
@@ -203,3 +209,87 @@ def test_regionally_compiled_fp16_blocks_change_no_image_and_a_middle_blocks_inf
         same(run(pipe, steps=2), clean)
     assert dynamo_counts() == counts
     dbg.close()
+
+
+def _faster_cache(pipe):
+    from diffusers import FasterCacheConfig
+
+    return FasterCacheConfig(  # step 0 computes, 1 and 3 approximate
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 901),
+        current_timestep_callback=lambda: pipe.current_timestep,
+        is_guidance_distilled=True,
+    )
+
+
+def _mag_cache(pipe):
+    from diffusers import MagCacheConfig
+
+    return MagCacheConfig(mag_ratios=[1.0] * 4, num_inference_steps=4, threshold=0.5)
+
+
+def _cached_and_model_cpu_offload(cache):
+    def stack(pipe):
+        pipe.transformer.enable_cache(cache(pipe))
+        _model_cpu_offload(pipe)
+
+    return stack
+
+
+def _cached_and_block_offloaded(cache):
+    def stack(pipe):
+        pipe.transformer.enable_cache(cache(pipe))
+        cpu = torch.device("cpu")
+        pipe.transformer.enable_group_offload(
+            cpu, offload_device=cpu, offload_type="block_level", num_blocks_per_group=1
+        )
+
+    return stack
+
+
+def _cached_over_a_fused_adapter(cache):
+    def stack(pipe):
+        pipe.load_lora_weights(lora(pipe, 0), adapter_name="one")
+        pipe.fuse_lora(lora_scale=0.7)
+        pipe.transformer.enable_cache(cache(pipe))
+
+    return stack
+
+
+@pytest.mark.skipif(not HAS_CACHE_HOOKS, reason="this diffusers has no caching hooks (diffusers.hooks)")
+@pytest.mark.parametrize(
+    "dtype, stack, inference",
+    [
+        (torch.float16, _cached_and_model_cpu_offload(_first_block_cache_skipping), False),
+        (torch.bfloat16, _cached_and_model_cpu_offload(_taylor_seer), True),
+        (torch.bfloat16, _cached_and_block_offloaded(_mag_cache), False),
+        (torch.float16, _cached_over_a_fused_adapter(_faster_cache), True),
+    ],
+    ids=[
+        "fbc_model_offload_fp16",
+        "taylor_seer_model_offload_bf16_inference",
+        "mag_group_offload_bf16",
+        "faster_fused_lora_fp16_inference",
+    ],
+)
+def test_a_cache_with_offloading_or_a_fused_adapter_changes_no_image_and_stays_quiet(
+    dtype, stack, inference, tmp_path
+):
+    """Diffusers' caching hooks on a half-precision transformer with the stacks users put them with (accelerate's
+    model offload, block-level group offloading, a fused LoRA), some under ``torch.inference_mode``: a fresh
+    debugger's first call (full probes on the encoders and the VAE) and the next are bitwise the unwatched
+    call, and nothing is said."""
+    pytest.importorskip("peft")
+    pipe = flux(dtype)
+    stack(pipe)
+    around = torch.inference_mode if inference else torch.no_grad
+    with around():
+        clean = run(pipe)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    try:
+        for _ in range(2):
+            with dbg, around():
+                same(run(pipe), clean)
+        assert said(dbg) == []
+    finally:
+        dbg.close()

@@ -62,6 +62,20 @@ def said(dbg) -> list[tuple]:
     ]
 
 
+def kandinsky_combined(dtype: torch.dtype):
+    """A tiny KandinskyV22CombinedPipeline: the zoo's prior and decoder pipelines' components."""
+    from diffusers import KandinskyV22CombinedPipeline
+
+    prior = tiny_pipeline("kandinsky_prior", dtype=dtype)
+    decoder = tiny_pipeline("kandinsky_decoder", dtype=dtype)
+    parts = {"unet": decoder.unet, "scheduler": decoder.scheduler, "movq": decoder.movq}
+    parts.update({f"prior_{name}": getattr(prior, name) for name in ("prior", "image_encoder", "text_encoder")})
+    parts.update({f"prior_{name}": getattr(prior, name) for name in ("tokenizer", "scheduler", "image_processor")})
+    pipe = KandinskyV22CombinedPipeline(**parts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def runs(dbg) -> list[tuple[int, int]]:
     return [(row["run"], row["step"]) for row in dbg.report().steps]
 
@@ -165,15 +179,7 @@ def test_a_combined_pipeline_s_sub_pipelines_calls_are_its_own_run(tmp_path):
     inside its own call: one run of the combined pipeline's debugger (the decoder's 3 steps), not
     another pipeline's call; fp16 (the paced sentinels); the images as without the debugger; a NaN made
     by the decoder's UNet is named at its module, step and run."""
-    from diffusers import KandinskyV22CombinedPipeline
-
-    prior = tiny_pipeline("kandinsky_prior", dtype=torch.float16)
-    decoder = tiny_pipeline("kandinsky_decoder", dtype=torch.float16)
-    parts = {"unet": decoder.unet, "scheduler": decoder.scheduler, "movq": decoder.movq}
-    parts.update({f"prior_{name}": getattr(prior, name) for name in ("prior", "image_encoder", "text_encoder")})
-    parts.update({f"prior_{name}": getattr(prior, name) for name in ("tokenizer", "scheduler", "image_processor")})
-    pipe = KandinskyV22CombinedPipeline(**parts)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = kandinsky_combined(torch.float16)
     nan = {"on": False}
     pipe.unet.get_submodule("up_blocks.0").register_forward_hook(
         lambda module, args, output: torch.full_like(output, float("nan")) if nan["on"] else None
@@ -194,3 +200,31 @@ def test_a_combined_pipeline_s_sub_pipelines_calls_are_its_own_run(tmp_path):
         call()
     assert said(dbg) == [("nonfinite", "unet", "up_blocks.0", 0, 2)]
     dbg.close()
+
+
+def test_a_float32_combined_pipeline_under_float16_autocast_and_inference_mode_is_unchanged_and_quiet(tmp_path):
+    """KandinskyV22CombinedPipeline in float32 under ``torch.autocast(float16)`` and ``torch.inference_mode``, end to
+    end, the debugger attached outside the autocast region (its probes decided again as the run begins): its prior's
+    streams are float16 there (its ``proj_in`` runs under autocast; told at its first call, its block list's end then
+    read every step), its UNet paced as a UNet. Three calls under one attach are each bitwise the unwatched call, and
+    nothing is said but the tiny random MoVQ's truths (decoded pixels outside [-1, 1]; the latents' spread), which a
+    float32 run outside autocast says as well."""
+    pipe = kandinsky_combined(torch.float32)
+
+    def call() -> torch.Tensor:
+        kwargs = {"num_inference_steps": 2, "prior_num_inference_steps": 3, "height": 32, "width": 32}
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
+            return pipe("a cat", generator=torch.Generator().manual_seed(0), output_type="pt", **kwargs).images
+
+    expected = call()
+    dbg = debugger(pipe, tmp_path)
+    try:
+        with dbg:
+            watched = [call() for _ in range(3)]
+        anomalies = dbg.report().anomalies
+    finally:
+        dbg.close()
+    assert [torch.equal(image, expected) for image in watched] == [True] * 3
+    assert said(dbg) == []
+    truths = {"vae_saturation", "scheduler_config"}  # what a float32 run outside autocast says as well
+    assert [(a.kind, a.component, a.module) for a in anomalies if a.kind not in truths] == []

@@ -33,8 +33,8 @@ from ..components.autocast import (
 )
 from ..components.cache_hooks import hook_state_kept
 from ..components.cache_timestep import timestep_kept
-from ..components.call_sites import _OBJECT_DEPTH, _plain
 from ..components.compiled import eager_module, replay_readings
+from ..components.kept_calls import _OBJECT_DEPTH, _plain
 from .bundle_objects import made_object, own_classes
 from .copies import (
     context_fields,

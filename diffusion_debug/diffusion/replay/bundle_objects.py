@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ..components.call_sites import plain_class
+from ..components.kept_calls import plain_class
 
 
 def made_object(name: Any, attributes: Any, classes: dict[str, type]) -> Any:
@@ -38,7 +38,7 @@ def made_object(name: Any, attributes: Any, classes: dict[str, type]) -> Any:
 
 def own_classes(model: nn.Module) -> dict[str, type]:
     """The classes the module of ``model``'s class defines whose objects a bundle may hold (the plain objects
-    of :func:`~..components.call_sites.kept_as_passed`, :func:`~..components.call_sites.plain_class`: not a
+    of :func:`~..components.kept_calls.kept_as_passed`, :func:`~..components.kept_calls.plain_class`: not a
     module, a tensor, a container, an Enum, a callable (an attention processor), nor with ``__slots__`` or its
     own ``__new__``)."""
     where = type(model).__module__
