@@ -184,4 +184,9 @@ def test_a_reused_fp16_one_step_call_not_read_adds_pinned_python_and_c_calls(pip
     assert added["added_builtins"] <= C_CALLS, added
 
 
-FRAMES, C_CALLS = 222, 1006
+PINS = {(3, 11): (222, 1006), (3, 12): (215, 1016)}
+"""(frames, C calls) by Python version, counted on 3.11.7 (above) and 3.12.1. 3.12 runs a comprehension in its
+function's frame (PEP 709): 7 frames fewer, the same code; its C calls: the lengths' six ``sum`` calls
+(torch's tag reader there misses a clone: ``tree_tags.LENGTHS_TOO``) and 4 ``isinstance`` calls that 3.11's
+profiler does not report. Another version: 3.11's pins."""
+FRAMES, C_CALLS = PINS.get(sys.version_info[:2], PINS[3, 11])
