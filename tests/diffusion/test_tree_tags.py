@@ -240,6 +240,15 @@ def test_the_reader_tags_a_dict_when_first_read_from_python_3_12_and_when_made_b
     assert tree_tags.FIRST_READ_TAGS is tree_tags.LENGTHS_TOO is (sys.version_info >= (3, 12))
 
 
+def test_the_reader_is_not_used_on_python_3_13_0_whose_watcher_misses_a_module_attribute_set():
+    """CPython gh-125608 (3.13.0 only): an attribute set on an object whose ``__dict__`` shares its inline values
+    tells no watcher; ``_checked`` finds it (``setattr(module, ...)``) and every attach walks, as before the tags."""
+    guards = pytest.importorskip("torch._C._dynamo.guards")
+    if not hasattr(guards, "dict_version") or sys.implementation.name != "cpython":
+        pytest.skip("no dict version reader in this torch")
+    assert (tree_tags.READ is None) is (sys.version_info[:3] == (3, 13, 0))
+
+
 @NO_READER
 def test_a_reader_that_tags_at_first_read_tags_the_tree_after_its_second_walk_and_after_a_change(reader, walks):
     """On 3.12+ a tree's dicts never read before got tags newer than the walk, dropped as a write: one walk more

@@ -29,6 +29,8 @@ no tag to tell a write by, so the last walk's tree is read once before the walk 
 (below) and each tree took one walk more after each change before its tags held.
 Tags are dropped where one is newer than ``READ({})`` read before the walk: a write between the walk
 and the tags' read (another thread's), which the walk may have missed and the tags would hide.
+On 3.13.0 the watcher misses a module's attribute set (CPython gh-125608, fixed in 3.13.1): the check finds
+that, and every attach walks there.
 Only plain dicts are tagged: a tree with a dict of a subclass (an ``OrderedDict`` ``_modules``, as
 ``del module_list[i]`` leaves; its ``move_to_end`` reorders with no write) is walked at each attach.
 
