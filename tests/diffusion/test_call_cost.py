@@ -180,11 +180,18 @@ def test_a_reused_fp16_one_step_call_not_read_adds_pinned_python_and_c_calls(pip
     811 once a detach finds the places the last one parked as :func:`~.detached.revive` left them (the
     same objects, no dict written since: version tags) and parks them again as they are, not looked for
     one by one (``park``: ~205 C calls to 10; cost33); frames the same (the test inline in ``park``)."""
+    if sys.version_info[:2] not in PINS:
+        pytest.skip(f"counted on Python {', '.join('.'.join(map(str, v)) for v in PINS)} only")
+    frames, c_calls = PINS[sys.version_info[:2]]
     done = pipeline_forks.run(ROOT, dict(os.environ), [], code=FP16_NOT_READ, outputs=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     added = json.loads(done.stdout.splitlines()[-1])
-    assert added["added"] <= FRAMES, added
-    assert added["added_builtins"] <= C_CALLS, added
+    assert added["added"] <= frames, added
+    assert added["added_builtins"] <= c_calls, added
 
 
-FRAMES, C_CALLS = 222, 811
+PINS = {(3, 11): (222, 811), (3, 12): (215, 821)}
+"""(frames, C calls) by Python version, counted on 3.11.7 (above) and 3.12.1. 3.12 runs a comprehension in its
+function's frame (PEP 709): 7 frames fewer, the same code; its C calls: the lengths' six ``sum`` calls
+(torch's tag reader there misses a clone: ``tree_tags.LENGTHS_TOO``) and 4 ``isinstance`` calls that 3.11's
+profiler does not report. Not counted on another version (3.13.0 reads no tags, ``tree_tags``: every attach walks)."""

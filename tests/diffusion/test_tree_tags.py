@@ -6,6 +6,9 @@ it, and the lengths where the reader misses a clone)."""
 
 from __future__ import annotations
 
+import itertools
+import sys
+
 import pytest
 import torch
 from diffusion_helpers import run
@@ -145,7 +148,7 @@ def test_a_tree_with_an_ordered_dict_is_walked_at_every_refresh(walks):
 
 
 def test_a_reader_that_misses_a_write_is_not_used_and_one_that_misses_a_clone_adds_lengths(monkeypatch):
-    assert tree_tags._checked(lambda d: 0) == (None, False)
+    assert tree_tags._checked(lambda d: 0) == (None, False, False)
     monkeypatch.setattr(tree_tags, "READ", lambda found: 7)  # sees no write at all ...
     monkeypatch.setattr(tree_tags, "LENGTHS_TOO", True)  # ... but lengths are compared
     net = tree()
@@ -205,8 +208,67 @@ def test_a_hook_attribute_set_to_none_is_no_registry_as_the_walk_reads_it(where,
     assert memo.refresh([net]) is True and len(walks) == 5
 
 
+class FirstReadTags:
+    """torch's reader on Python 3.12+ (a dict watcher, :data:`tree_tags.FIRST_READ_TAGS`), on any Python: a dict
+    gets the next tag when first read, and again when read after a write this Python's reader saw."""
+
+    def __init__(self, read):
+        self.read, self.count, self.seen = read, itertools.count(1), {}
+
+    def __call__(self, found: dict) -> int:
+        version = self.read(found)
+        entry = self.seen.get(id(found))
+        if entry is None or entry[1] != version:
+            entry = self.seen[id(found)] = (found, version, next(self.count))  # (held: no id reused)
+        return entry[2]
+
+
+@pytest.fixture(params=["this Python's reader", "a reader that tags a dict at its first read"])
+def reader(request, monkeypatch):
+    if request.param != "this Python's reader":
+        monkeypatch.setattr(tree_tags, "READ", FirstReadTags(tree_tags.READ))
+        monkeypatch.setattr(tree_tags, "FIRST_READ_TAGS", True)
+    return request.param
+
+
 @NO_READER
-def test_a_write_between_the_walk_and_the_tags_read_is_not_hidden_by_the_tags(monkeypatch):
+def test_the_reader_tags_a_dict_when_first_read_from_python_3_12_and_when_made_before():
+    """torch's reader: ``ma_version_tag`` before 3.12 (set as a dict is made and at each write); from 3.12 a dict
+    watcher's map, a tag given at a dict's first read (which watches it from then on), blind to a clone."""
+    made_first, made_next = {}, {}
+    assert (tree_tags.READ(made_next) < tree_tags.READ(made_first)) is (sys.version_info >= (3, 12))
+    assert tree_tags.FIRST_READ_TAGS is tree_tags.LENGTHS_TOO is (sys.version_info >= (3, 12))
+
+
+def test_the_reader_is_not_used_on_python_3_13_0_whose_watcher_misses_a_module_attribute_set():
+    """CPython gh-125608 (3.13.0 only): an attribute set on an object whose ``__dict__`` shares its inline values
+    tells no watcher; ``_checked`` finds it (``setattr(module, ...)``) and every attach walks, as before the tags."""
+    guards = pytest.importorskip("torch._C._dynamo.guards")
+    if not hasattr(guards, "dict_version") or sys.implementation.name != "cpython":
+        pytest.skip("no dict version reader in this torch")
+    assert (tree_tags.READ is None) is (sys.version_info[:3] == (3, 13, 0))
+
+
+@NO_READER
+def test_a_reader_that_tags_at_first_read_tags_the_tree_after_its_second_walk_and_after_a_change(reader, walks):
+    """On 3.12+ a tree's dicts never read before got tags newer than the walk, dropped as a write: one walk more
+    before the tags held, at first and after each change (3 walks where 2, then 3 where 2). The last walk's tree is
+    read before the walk that builds the tags (``start_of_walk``): as many walks as before 3.12, changes all seen."""
+    net = tree()
+    memo = TreeMemo()
+    assert memo.refresh([net]) is True
+    assert memo.refresh([net]) is False and memo.refresh([net]) is False and memo.refresh([net]) is False
+    assert walks == ["Sequential"] * 2
+    net[0].inner.append(nn.Linear(2, 2))  # a module whose dicts were never read
+    assert memo.refresh([net]) is True
+    assert memo.refresh([net]) is False and memo.refresh([net]) is False
+    assert walks == ["Sequential"] * 4
+    net[0].inner[2].extra = nn.ReLU()  # a write to one of its dicts, read only since
+    assert memo.refresh([net]) is True and walks == ["Sequential"] * 5
+
+
+@NO_READER
+def test_a_write_between_the_walk_and_the_tags_read_is_not_hidden_by_the_tags(monkeypatch, reader):
     """Another thread's write after the walk and before the tags are read: tags read after it would say
     'unchanged' at every later attach, the memo keeping the tree as the walk saw it (its key stale for good)."""
     net = nn.Sequential(nn.Linear(2, 2))

@@ -501,6 +501,14 @@ def test_a_call_is_read_as_it_frees_its_models_only_where_it_returns_next():
             return (image,)
         return image
 
+    def denoises_in_a_with_block(self, latents, return_dict):  # 3.12 puts the block's handler after the last return
+        with self.progress_bar(total=1):
+            latents = [step for step in latents]  # (an inlined comprehension's handler too, on 3.12)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (latents,)
+        return ImagePipelineOutput(images=latents)  # noqa: F821
+
     def frees_at(code):  # the offset of each maybe_free_model_hooks call (the caller's f_lasti as it runs is in it)
         ops = list(dis.get_instructions(code))
         found = [i for i, op in enumerate(ops) if op.argval == "maybe_free_model_hooks"]
@@ -512,6 +520,7 @@ def test_a_call_is_read_as_it_frees_its_models_only_where_it_returns_next():
     assert returns_next(variation) is False
     assert [returns_next(variation, offset) for offset in frees_at(variation)] == [False, True]  # at its end: read
     assert [returns_next(f.__code__) for f in (frees_then_computes, frees_then_returns)] == [False, True]
+    assert returns_next(denoises_in_a_with_block.__code__) is True  # (3.12: the handlers were read as computing)
 
 
 def test_embeddings_the_user_called_encode_prompt_made_are_let_go_as_it_returns_and_still_name_the_encoder(

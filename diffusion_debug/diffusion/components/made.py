@@ -244,7 +244,7 @@ def returns_next(code: Any, offset: int | None = None) -> bool:
             at = [i for i in at if any(_holds(ops, j, offset) for j in range(i, min(i + 8, len(ops))))]
         calls = [i for i, op in enumerate(ops[at[0] :]) if op.opname.startswith("CALL")] if len(at) == 1 else []
         known, outputs = bool(calls), 0  # output classes loaded and not called yet
-        for op in ops[at[0] + calls[0] + 1 :] if calls else ():
+        for op in _run_after(ops, at[0] + calls[0] + 1) if calls else ():
             if op.opname == "LOAD_GLOBAL" and str(op.argval).endswith("Output"):
                 outputs += 1
             elif op.opname.startswith("CALL"):
@@ -254,6 +254,31 @@ def returns_next(code: Any, offset: int | None = None) -> bool:
                 known = False
         _RETURNS_NEXT[code, offset] = known
     return known
+
+
+_JUMPS = frozenset(dis.hasjrel + dis.hasjabs)
+_ENDS = frozenset(("RETURN_VALUE", "RETURN_CONST", "RERAISE", "RAISE_VARARGS"))
+_GOES = frozenset(("JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP"))
+
+
+def _run_after(ops: list, start: int) -> list:
+    """The instructions of ``ops`` a call can run from ``start`` on, by its jumps, in code order; not the
+    exception handlers' (Python 3.12 puts them after the last return: a ``with`` block's, an inlined
+    comprehension's), which run only for an error."""
+    where = {op.offset: index for index, op in enumerate(ops)}
+    found: set[int] = set()
+    todo = [start]
+    while todo:
+        index = todo.pop()
+        while index < len(ops) and index not in found:
+            found.add(index)
+            op = ops[index]
+            if op.opcode in _JUMPS and op.argval in where:
+                todo.append(where[op.argval])
+            if op.opname in _ENDS or op.opname in _GOES:
+                break
+            index += 1
+    return [ops[index] for index in sorted(found)]
 
 
 def _stack() -> list:

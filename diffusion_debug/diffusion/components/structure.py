@@ -226,7 +226,7 @@ class TreeMemo:
                 current[id(root)] = values[id(root)]
                 continue
             tagging = before is not None and id(root) in self._tags and tags_of.READ is not None
-            start = tags_of.READ({}) if tagging else 0  # newer than every tag now: one newer after the walk is a write
+            start = tags_of.start_of_walk(self._backoff.get(id(root)), before[1], tags, refresh) if tagging else 0
             key, kept, parameters = tree_key(root)
             old = before[0] if before is not None and before[1][0] is root else None
             same = (  # same_tree(old, key), inline (at every attach)

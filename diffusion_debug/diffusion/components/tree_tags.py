@@ -23,10 +23,14 @@ see (:func:`_reader`); where it is missing or sees less, every attach walks, as 
 3.12+ torch keeps the tags with a dict watcher, which is not told of an empty dict filled by
 ``update`` (a "clone"): where the check finds that, the dicts' total length is compared too (a
 clone only adds); that reader also puts its watcher on each dict it reads, as dynamo's guards do, and
-gives a dict its first tag at its first read: there a tree's first tags, all newer than the walk
-before them, are dropped as a write (below) and built after the next walk (one walk more, not run here).
+gives a dict its first tag at its first read (:data:`FIRST_READ_TAGS`): a dict never read before has
+no tag to tell a write by, so the last walk's tree is read once before the walk that builds tags
+(:func:`start_of_walk`); without that, its first tags, all newer than the walk, were dropped as a write
+(below) and each tree took one walk more after each change before its tags held.
 Tags are dropped where one is newer than ``READ({})`` read before the walk: a write between the walk
 and the tags' read (another thread's), which the walk may have missed and the tags would hide.
+On 3.13.0 the watcher misses a module's attribute set (CPython gh-125608, fixed in 3.13.1): the check finds
+that, and every attach walks there.
 Only plain dicts are tagged: a tree with a dict of a subclass (an ``OrderedDict`` ``_modules``, as
 ``del module_list[i]`` leaves; its ``move_to_end`` reorders with no write) is walked at each attach.
 
@@ -59,19 +63,20 @@ from typing import Any, Callable
 _MODULES, _PARAMETERS, _STATE = itemgetter("_modules"), itemgetter("_parameters"), attrgetter("__dict__")
 
 
-def _reader() -> tuple[Callable[[dict], int] | None, bool]:
-    """torch's tag reader, as :func:`_checked` finds it (``(None, False)`` where this torch has none)."""
+def _reader() -> tuple[Callable[[dict], int] | None, bool, bool]:
+    """torch's tag reader, as :func:`_checked` finds it (``(None, False, False)`` where this torch has none)."""
     try:
         from torch._C._dynamo.guards import dict_version
     except Exception:  # (no dynamo in this torch build)
-        return None, False
+        return None, False, False
     return _checked(dict_version)
 
 
-def _checked(read: Callable[[dict], int]) -> tuple[Callable[[dict], int] | None, bool]:
-    """``(read, lengths_too)``: ``read`` if it sees every write a tree can take (a set, a delete, a
-    pop, a clear, an update, a module's attribute set and deleted, a child added), else ``None``;
-    ``lengths_too``: it misses an empty dict filled by ``update`` (torch's watcher on 3.12+)."""
+def _checked(read: Callable[[dict], int]) -> tuple[Callable[[dict], int] | None, bool, bool]:
+    """``(read, lengths_too, first_read)``: ``read`` if it sees every write a tree can take (a set, a
+    delete, a pop, a clear, an update, a module's attribute set and deleted, a child added), else ``None``;
+    ``lengths_too``: it misses an empty dict filled by ``update``; ``first_read``: it gives a dict its
+    first tag when it first reads it, not when the dict is made (both torch's watcher, on 3.12+)."""
     from torch import nn
 
     def written(target: dict, write: Callable[[dict], Any]) -> bool:
@@ -95,13 +100,16 @@ def _checked(read: Callable[[dict], int]) -> tuple[Callable[[dict], int] | None,
             read({}) > read(state),  # a new value is greater than every value before it
         )
         clone = written({}, lambda d: d.update({"a": 1}))
+        made_first, made_next = {}, {}
+        first_read = read(made_next) < read(made_first)  # tagged as read, not as made
     except Exception:  # (a torch whose reader is not for this Python)
-        return None, False
-    return (read, not clone) if all(seen) else (None, False)
+        return None, False, False
+    return (read, not clone, first_read) if all(seen) else (None, False, False)
 
 
-READ, LENGTHS_TOO = _reader() if sys.implementation.name == "cpython" else (None, False)
-"""torch's dict version reader (None where it is missing or misses a write) and whether lengths are compared too."""
+READ, LENGTHS_TOO, FIRST_READ_TAGS = _reader() if sys.implementation.name == "cpython" else (None, False, False)
+"""torch's dict version reader (None where it is missing or misses a write), whether lengths are compared too,
+and whether it tags a dict at its first read (then :func:`start_of_walk` reads the tree before a walk)."""
 
 
 class TreeTags(tuple):
@@ -118,6 +126,20 @@ def tree_tags(kept: list[Any], since: int | None = None) -> TreeTags | None:
     write the walk may have missed, which these tags would hide at every later attach)."""
     if READ is None or not kept:
         return None
+    dicts = _dicts(kept)
+    root = _root_dicts(kept[0]) if dicts is not None else None
+    if root is None:
+        return None
+    newest = max(max(map(READ, root)), max(map(READ, dicts), default=0))
+    if since is not None and newest > since:
+        return None
+    length = sum(map(len, dicts)) + sum(map(len, root)) if LENGTHS_TOO else 0
+    return TreeTags((dicts, newest, length))
+
+
+def _dicts(kept: list[Any]) -> list[dict] | None:
+    """The dicts of the tree whose modules (its root first) are ``kept``, but the root's own; ``None`` where
+    one is not a plain dict or a module lacks its dicts."""
     try:
         states = list(map(_STATE, kept))
     except AttributeError:  # (a child registered as None: none)
@@ -131,16 +153,29 @@ def tree_tags(kept: list[Any], since: int | None = None) -> TreeTags | None:
         registry = state["_diffusers_hook"]
         if registry is not None:  # (``_diffusers_hook = None``: no registry, as tree_key reads it)
             dicts += (vars(registry), registry.hooks)
-    if set(map(type, dicts)) - {dict}:
-        return None
-    root = _root_dicts(kept[0])
-    if root is None:
-        return None
-    newest = max(max(map(READ, root)), max(map(READ, dicts), default=0))
-    if since is not None and newest > since:
-        return None
-    length = sum(map(len, dicts)) + sum(map(len, root)) if LENGTHS_TOO else 0
-    return TreeTags((dicts, newest, length))
+    return None if set(map(type, dicts)) - {dict} else dicts
+
+
+def start_of_walk(backoff: list[int] | None, last: list[Any], failed: TreeTags | None, refresh: int) -> int:
+    """``READ({})`` before the ``refresh``-th walk of a tree tagged before (the ``since`` of
+    :func:`tree_tags`: newer than every tag now). Where the reader tags a dict at its first read
+    (:data:`FIRST_READ_TAGS`) and tags are to be built after this walk if it finds the tree the same
+    (:func:`tags_after_walk`, from ``backoff`` and ``failed``), the dicts of ``last`` (the modules the last
+    walk kept) are read first: their tags, then older than the walk, are the ones read after it, which
+    tell a write since; a dict not read now (new in the tree) still gets a newer tag and drops the tags."""
+    if FIRST_READ_TAGS and _builds_if_same(backoff or [0, 0, 0], failed, refresh) and last:
+        dicts, root = _dicts(last), _root_dicts(last[0])
+        if dicts is not None and root is not None:
+            max(map(READ, dicts), default=0), max(map(READ, root))
+    return READ({})
+
+
+def _builds_if_same(backoff: list[int], failed: TreeTags | None, refresh: int) -> bool:
+    """Whether :func:`tags_after_walk` will build tags after this walk if it finds the tree the same."""
+    strikes, wait, built = backoff
+    if failed is not None and built == refresh - 1:  # a strike: the wait starts anew
+        wait = (1 << (min(strikes + 1, MAX_STRIKES) - 1)) - 1
+    return wait == 0
 
 
 MAX_STRIKES = 7
