@@ -921,3 +921,32 @@ def test_an_error_at_a_freed_errors_address_after_the_rank_moved_on_is_the_steps
         liveness.watcher.tick()
     published = rank1.read()[0]
     assert (published.phase, published.step, published.error) == ("raised", 4, "ValueError: another bad target")
+
+
+def test_an_error_leaving_a_phase_of_the_user_s_is_named_in_that_phase(tmp_path, monkeypatch):
+    """``with tdbg.phase("save"):`` left by an error: the rank was in its save, not back where it was before it
+    (after its optimizer step). Handled (a rank that waits in its ``except`` clause) or not caught (its process
+    ending), the other ranks read the error and the phase it left, at the phase's step."""
+    import sys
+
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness._last_step = 2
+    liveness.mark("before_forward", 3)  # after step 2's optimizer step
+    try:
+        with liveness.phase("save"):
+            raise OSError("disk full")
+    except OSError:
+        seen = liveness.watcher.unwinding.position(liveness.position, threading.current_thread())
+    assert (seen.phase, seen.step, seen.error, seen.raised_in) == ("raised", 2, "OSError: disk full", "save")
+    assert name_stall([seen, Position(1, "forward", 3)]).text == (
+        "rank 0 raised OSError: disk full in save at step 2; rank 1 waits in forward at step 3"
+    )
+    ended = threading.Thread(target=lambda: None)  # the error not caught: the finalizer closes the debugger at exit
+    ended.start()
+    ended.join()
+    liveness.watcher.thread = ended
+    monkeypatch.setattr(threading, "main_thread", lambda: ended)
+    monkeypatch.setattr(sys, "last_value", OSError("disk full"), raising=False)
+    liveness.close()
+    published = rank1.read()[0]
+    assert (published.phase, published.step, published.raised_in, published.uncaught) == ("raised", 2, "save", True)

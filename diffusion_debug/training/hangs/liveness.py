@@ -6,8 +6,9 @@ raised (``raised``, with the error: the rank left it while the others may wait i
 monitor's exchange (``monitor``), what follows it (``optimizer``) until the optimizer's step is done
 (``before_forward``, of the next step: a step post-hook on the optimizer given to the monitor), an
 optimizer step that holds collectives (``step``: DeepSpeed ZeRO's, wrapped on its optimizer), and the
-user's own phases (``with tdbg.phase("validation"):``); an error that left the step elsewhere is read by the
-watcher (``unwinding``), not marked. The watcher thread (``watcher``)
+user's own phases (``with tdbg.phase("validation"):``, left as it was before it, unless an error leaves it:
+the rank stays in it until its next mark); an error that left the step elsewhere is read by the watcher
+(``unwinding``), not marked. The watcher thread (``watcher``)
 publishes it through the store and names a stall; its verdict reaches this rank's record through
 :meth:`RankLiveness.record`.
 
@@ -133,10 +134,8 @@ class RankLiveness:
             raise DiffusionDebugError(f"A phase is a name such as 'validation' or 'save', not {name!r}.")
         before = (self.position.phase, self.position.step, self.position.error)
         self.mark(name, self._last_step if step is None else step)
-        try:
-            yield
-        finally:
-            self.mark(*before)
+        yield  # an error leaving the phase keeps it: where the rank was when it raised (read by ``unwinding``)
+        self.mark(*before)
 
     def _after_optimizer(self, *_: Any) -> None:
         if self.position.phase == "optimizer":  # the monitored step's update is done: on to the next forward
