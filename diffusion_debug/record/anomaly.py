@@ -264,18 +264,26 @@ def cause_key(anomaly: Anomaly) -> tuple:
 
 def cause_reference(cause: Anomaly) -> dict[str, Any]:
     """What a consequence in a later step keeps of its cause (``details["cause"]``): enough to
-    name it (``where``) and to find it again in a saved record (:func:`is_cause`)."""
-    return {"kind": cause.kind, "where": cause.where(), "place": cause.place(), "step": cause.step, "rank": cause.rank}
+    name it (``where``) and to find it again in a saved record (:func:`is_cause`); of a kind told apart at
+    one place by its details (:attr:`AnomalyKind.distinct_by`), those too (``distinct``)."""
+    reference = {"kind": cause.kind, "where": cause.where(), "place": cause.place(), "step": cause.step}
+    reference["rank"] = cause.rank
+    if kind_info(cause.kind).distinct_by:
+        reference["distinct"] = distinct_details(cause.kind, cause.details)
+    return reference
 
 
 def is_cause(anomaly: Anomaly, reference: Mapping[str, Any]) -> bool:
-    """Whether ``anomaly`` is the one ``reference`` names: same kind, rank and place, and the
-    referenced step within the steps it stands for (a repeat folded into it included)."""
+    """Whether ``anomaly`` is the one ``reference`` names: same kind, rank and place (and the details that
+    tell its kind apart there, where the reference has them), and the referenced step within the steps it
+    stands for (a repeat folded into it included)."""
     if (anomaly.kind, anomaly.rank, anomaly.place()) != (
         reference.get("kind"),
         reference.get("rank"),
         reference.get("place"),
     ):
+        return False
+    if "distinct" in reference and distinct_details(anomaly.kind, anomaly.details) != reference["distinct"]:
         return False
     step, first = reference.get("step"), anomaly.step
     if not isinstance(step, int) or not isinstance(first, int):
