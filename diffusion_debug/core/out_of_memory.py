@@ -9,7 +9,9 @@ own hooks already run around each watched call (the diffusion debugger's call si
 anomaly (kind ``out_of_memory``) says the component, module and step, what CUDA had allocated and
 reserved, the snapshot file written (on CUDA), and the remedies for that component; events.jsonl
 is flushed at once, since the process is likely to end. ``@debugger.watch`` and ``with debugger:``
-record an OOM raised outside any hooked module (a backward pass, the pipeline's own code).
+record an OOM raised outside any hooked module (a backward pass, the pipeline's own code). Given
+``other``, the same hooks hand it any other error leaving a hooked call (the training debugger
+records the step's error): no hook more.
 
 Limits: the policy does not act on it (the error itself goes on, unchanged, to the caller); the
 figures are read after the failed allocation (what was allocated is still held while the error
@@ -23,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from ..memory import memory_sample
@@ -101,9 +104,13 @@ class OutOfMemoryWatch:
         fallback: Watched,
         rank: int = 0,
         own: Callable[[], bool] | None = None,
+        other: "Callable[[BaseException, Watched, str], None] | None" = None,
     ):
         self.sink = sink
         self.own = own
+        self.other = other
+        """``other(error, target, module)``: any other ``Exception`` leaving a hooked call, the same hook
+        seeing it (training: the step's error); None: out of memory only."""
         self.targets = targets
         self.step = step
         self.fallback = fallback
@@ -122,7 +129,8 @@ class OutOfMemoryWatch:
         def register():
             for target in self.targets() if self.targets is not None else ():
                 if target.modules:
-                    config = CallErrorsConfig(self.reporter(target), on_start=self.forget_done)
+                    errors = (Exception,) if self.other is not None else (torch.OutOfMemoryError,)
+                    config = CallErrorsConfig(self.reporter(target), errors=errors, on_start=self.forget_done)
                     yield apply_call_errors(target.modules[0][1], config)
 
         return register_all(register)
@@ -158,6 +166,10 @@ class OutOfMemoryWatch:
             return
         self.last = error
         try:
+            if not isinstance(error, torch.OutOfMemoryError):
+                if self.other is not None and target is not None:
+                    self.other(error, target, module)
+                return
             self._record(error, target or self.fallback, module)
         except Exception as failure:  # the user's OOM must reach them, not ours
             try:
