@@ -60,7 +60,7 @@ from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
 from .ranks.processes import RankContext, environment_world_size, open_shared_run
 from .reporting import LIVE_ENDPOINTS, TrainingResults
-from .signatures import check_accelerator, check_loss, check_policy, check_trainable
+from .signatures import check_accelerator, check_loss, check_policy, check_trainable, unpassed_scaler
 from .step.state import Call, History
 from .watched_models import SWAP_CHECK_EVERY, ParameterSwaps, WatchedModels
 
@@ -358,6 +358,12 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             per_sample_loss = per_sample(per_sample_loss, timesteps)
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
             history.buckets = TimestepBuckets(self.config.timestep_buckets, num_train_timesteps(noise_scheduler))
+        if scaler is None:  # (two attribute reads a step: the scan runs once)
+            scaler = self._unpassed_scaler
+            if scaler is None and not self._scaler_looked:  # the first call: the loop's own, not passed?
+                self._scaler_looked = True
+                at = step + self.config.step_offset if isinstance(step, int) else None
+                self._unpassed_scaler = scaler = unpassed_scaler(self.sink, self.accelerator, optimizer, at, self._ctx)
         call = Call(
             loss,
             optimizer,
@@ -393,6 +399,9 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             self._steps.measurer.accumulated.reset()
             self._steps.samples.reset()
             return {"step": step, "monitored": False, "error": repr(error)}
+
+    _unpassed_scaler: Any = None
+    _scaler_looked = False
 
     def _parameters_replaced(self) -> None:
         """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and what was cached
