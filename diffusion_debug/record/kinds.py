@@ -429,7 +429,8 @@ register_kind(
     meaning=(
         "A torch.amp.GradScaler scales the loop's loss but was not passed to monitor_training_step (scaler=): its "
         "gradients read as they are would be its scale times too large, and the steps it skips NaN gradient errors. "
-        "Found in the loop's variables at the first monitored step, it is read as if passed."
+        "Found in the loop's variables at the first monitored step, it is read as if passed for that step's "
+        "optimizer."
     ),
     action="Pass it: tdbg.monitor_training_step(loss, optimizer=optimizer, scaler=scaler).",
     stage=0,

@@ -358,12 +358,12 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             per_sample_loss = per_sample(per_sample_loss, timesteps)
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
             history.buckets = TimestepBuckets(self.config.timestep_buckets, num_train_timesteps(noise_scheduler))
-        if scaler is None:  # (two attribute reads a step: the scan runs once)
-            scaler = self._unpassed_scaler
-            if scaler is None and not self._scaler_looked:  # the first call: the loop's own, not passed?
-                self._scaler_looked = True
+        if scaler is None:  # the loop's own GradScaler, not passed? Looked for once, then an attribute read a step
+            if self._unpassed is None:
                 at = step + self.config.step_offset if isinstance(step, int) else None
-                self._unpassed_scaler = scaler = unpassed_scaler(self.sink, self.accelerator, optimizer, at, self._ctx)
+                self._unpassed = (optimizer, unpassed_scaler(self.sink, self.accelerator, optimizer, at, self._ctx))
+            if optimizer is self._unpassed[0]:  # read for the optimizer it was found with only (a GAN's other: not)
+                scaler = self._unpassed[1]
         call = Call(
             loss,
             optimizer,
@@ -400,8 +400,8 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             self._steps.samples.reset()
             return {"step": step, "monitored": False, "error": repr(error)}
 
-    _unpassed_scaler: Any = None
-    _scaler_looked = False
+    _unpassed: tuple[Any, Any] | None = None
+    """The optimizer of the first call given no ``scaler=`` and the GradScaler found in the loop then (or None)."""
 
     def _parameters_replaced(self) -> None:
         """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and what was cached

@@ -3,11 +3,13 @@ right call: an ``accelerator=`` that is not an Accelerator, models with nothing 
 ``skip`` where the gradients cannot be zeroed (DeepSpeed ZeRO-3, Accelerate's DeepSpeed plugin), and a
 ``monitor_training_step`` whose first argument is not the loss (``(model, loss, step)``, the
 model-first guess, or neither a tensor nor a number). A ``GradScaler`` the loop scales its loss with but did not
-pass is found at the first call, read as passed and named (``scaler_not_passed``): read as they are, its gradients
-were its scale times too large and its skips NaN gradient errors.
+pass is found at the first call, read as passed for that call's optimizer and named (``scaler_not_passed``): read as
+they are, its gradients were its scale times too large and its skips NaN gradient errors.
 
 Limits: only the argument kinds are checked; a wrong but well-typed value (another batch's loss)
-is not detected.
+is not detected. A GradScaler not passed is looked for once, at the first call (it has scaled a loss by then), and
+only where that call's code or its callers' hold it (a variable, an attribute of ``self``); a second optimizer that
+scales with it (a GAN's, monitored later) is read unscaled, as before.
 """
 
 from __future__ import annotations
