@@ -361,7 +361,8 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         if scaler is None:  # the loop's own GradScaler, not passed? Looked for once, then an attribute read a step
             if self._unpassed is None:
                 at = step + self.config.step_offset if isinstance(step, int) else None
-                self._unpassed = (optimizer, unpassed_scaler(self.sink, self.accelerator, optimizer, at, self._ctx))
+                found = unpassed_scaler(self.sink, self.accelerator, optimizer, at, self._ctx)
+                self._unpassed = (optimizer if found is not None else None, found)
             if optimizer is self._unpassed[0]:  # read for the optimizer it was found with only (a GAN's other: not)
                 scaler = self._unpassed[1]
         call = Call(
