@@ -423,20 +423,6 @@ register_kind(
     message=messages.out_of_memory,
 )
 register_kind(
-    "scaler_not_passed",
-    severity="info",
-    colour="#e7cb94",
-    meaning=(
-        "A torch.amp.GradScaler scales the loop's loss but was not passed to monitor_training_step (scaler=): its "
-        "gradients read as they are would be its scale times too large, and the steps it skips NaN gradient errors. "
-        "Found in the loop's variables at the first monitored step, it is read as if passed for that step's "
-        "optimizer."
-    ),
-    action="Pass it: tdbg.monitor_training_step(loss, optimizer=optimizer, scaler=scaler).",
-    stage=0,
-    message=training_messages.scaler_not_passed,
-)
-register_kind(
     "step_error",
     severity="warning",
     colour="#ad494a",

@@ -761,12 +761,3 @@ def step_error(anomaly: Anomaly) -> str:
         f"The training {d.get('phase', 'forward')} raised {d['error']}{where}: the step did not finish (a loop that "
         "catches the error and goes on skips the step, seen nowhere else)."
     )
-
-
-def scaler_not_passed(anomaly: Anomaly) -> str:
-    """A GradScaler the loop scales its loss with, not given to the monitor (``training.measure.optimizer_state``)."""
-    return (
-        f"A GradScaler (scale {anomaly.details['scale']:.4g}) scales this loop's loss but monitor_training_step was "
-        "not given it: read without it, every gradient norm is that many times too large and every step it skips is "
-        "a NaN gradient error. It was found in the loop and is read as given; pass scaler=scaler."
-    )

@@ -60,7 +60,7 @@ from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
 from .ranks.processes import RankContext, environment_world_size, open_shared_run
 from .reporting import LIVE_ENDPOINTS, TrainingResults
-from .signatures import check_accelerator, check_loss, check_policy, check_trainable, unpassed_scaler
+from .signatures import check_accelerator, check_loss, check_policy, check_trainable
 from .step.state import Call, History
 from .watched_models import SWAP_CHECK_EVERY, ParameterSwaps, WatchedModels
 
@@ -358,13 +358,6 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             per_sample_loss = per_sample(per_sample_loss, timesteps)
         if noise_scheduler is not None and history.joined == 0 and not any(history.buckets.count):
             history.buckets = TimestepBuckets(self.config.timestep_buckets, num_train_timesteps(noise_scheduler))
-        if scaler is None:  # the loop's own GradScaler, not passed? Looked for once, then an attribute read a step
-            if self._unpassed is None:
-                at = step + self.config.step_offset if isinstance(step, int) else None
-                found = unpassed_scaler(self.sink, self.accelerator, optimizer, at, self._ctx)
-                self._unpassed = (optimizer if found is not None else None, found)
-            if optimizer is self._unpassed[0]:  # read for the optimizer it was found with only (a GAN's other: not)
-                scaler = self._unpassed[1]
         call = Call(
             loss,
             optimizer,
@@ -400,9 +393,6 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             self._steps.measurer.accumulated.reset()
             self._steps.samples.reset()
             return {"step": step, "monitored": False, "error": repr(error)}
-
-    _unpassed: tuple[Any, Any] | None = None
-    """The optimizer of the first call given no ``scaler=`` and the GradScaler found in the loop then (or None)."""
 
     def _parameters_replaced(self) -> None:
         """The parameters the model holds now, in the old ones' places (``ParameterSwaps``), and what was cached

@@ -2,32 +2,25 @@
 right call: an ``accelerator=`` that is not an Accelerator, models with nothing to train, policy
 ``skip`` where the gradients cannot be zeroed (DeepSpeed ZeRO-3, Accelerate's DeepSpeed plugin), and a
 ``monitor_training_step`` whose first argument is not the loss (``(model, loss, step)``, the
-model-first guess, or neither a tensor nor a number). A ``GradScaler`` the loop scales its loss with but did not
-pass is found at the first call, read as passed for that call's optimizer and named (``scaler_not_passed``): read as
-they are, its gradients were its scale times too large and its skips NaN gradient errors.
+model-first guess, or neither a tensor nor a number).
 
 Limits: only the argument kinds are checked; a wrong but well-typed value (another batch's loss)
-is not detected. A GradScaler not passed is looked for once, at the first call (it has scaled a loss by then), and
-only where that call's code or its callers' hold it (a variable, an attribute of ``self``); a second optimizer that
-scales with it (a GAN's, monitored later) is read unscaled, as before.
+is not detected.
 """
 
 from __future__ import annotations
 
 import decimal
 import numbers
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..core import AnomalySink
 from ..errors import ConfigError, DiffusionDebugError
-from ..record import make_anomaly
 from .measure.gradients import TrainableParameters
 from .measure.loss import NO_LOSS
-from .measure.optimizer_state import find_scaler, is_accelerator, scaler_in_frames
+from .measure.optimizer_state import is_accelerator
 from .measure.wrappers import unwrap_model
 from .watched_models import WatchedModels
 
@@ -74,17 +67,3 @@ def check_loss(loss: Any) -> None:
             f"monitor_training_step needs the loss (a tensor or a number), not {type(loss).__name__}; "
             f"call {MONITOR_CALL}."
         )
-
-
-def unpassed_scaler(sink: AnomalySink, accelerator: Any, optimizer: Any, step: Any, ctx: Any) -> Any:
-    """At the first ``monitor_training_step`` given no ``scaler=``, where neither Accelerate nor the optimizer gives
-    one: the GradScaler the loop scales its loss with (``scaler_in_frames``, from the caller), named
-    (``scaler_not_passed`` at ``step``), or None."""
-    with sink.guard("looking for a GradScaler not passed", step=step, rank=ctx.rank):
-        if find_scaler(accelerator, optimizer, None) is None and (found := scaler_in_frames(sys._getframe(1))):
-            details = {"scale": float(found.get_scale())}
-            sink.emit(
-                make_anomaly("scaler_not_passed", component="optimizer", step=step, rank=ctx.rank, details=details)
-            )
-            return found
-    return None

@@ -34,25 +34,6 @@ def find_scaler(accelerator: Any, optimizer: Any, scaler: Any) -> Any:
     return None
 
 
-def scaler_in_frames(frame: Any) -> Any:
-    """The one enabled ``torch.amp.GradScaler`` that has scaled a loss (its scale is set) among the variables of
-    ``frame`` and the frames that called it, outside this package (a loop's ``scaler``, a trainer's
-    ``self.scaler``), or None: none, or several (which scales this loss is not known). A look at a few frames'
-    variables, not a heap scan; asked once, of a run that passed no scaler. Limits: one kept elsewhere (a global
-    of another module, an attribute of an attribute) is not found."""
-    found: dict[int, Any] = {}
-    while frame is not None:
-        if not str(frame.f_globals.get("__name__", "")).startswith("diffusion_debug."):
-            values = list(frame.f_locals.values())
-            owner = frame.f_locals.get("self")
-            values += list(getattr(owner, "__dict__", {}).values()) if owner is not None else []
-            for value in values:
-                if isinstance(value, torch.amp.GradScaler) and value.is_enabled() and scale_tensor(value) is not None:
-                    found[id(value)] = value
-        frame = frame.f_back
-    return next(iter(found.values())) if len(found) == 1 else None
-
-
 def raw_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside Accelerate's AcceleratedOptimizer wrapper(s) (a subclass of
     ``torch.optim.Optimizer`` itself, unwrapped by its ``optimizer``: the one the GradScaler keys
