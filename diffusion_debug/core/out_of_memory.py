@@ -109,6 +109,9 @@ class OutOfMemoryWatch:
         self.sink = sink
         self.own = own
         self.other = other
+        self.other_seen = 0
+        """``id`` of the last other error handed to ``other`` in this call (not the error: its frames hold the
+        call's tensors)."""
         """``other(error, target, module)``: any other ``Exception`` leaving a hooked call, the same hook
         seeing it (training: the step's error); None: out of memory only."""
         self.targets = targets
@@ -152,6 +155,7 @@ class OutOfMemoryWatch:
         made inside the ``except`` block that caught it)."""
         if self.last is not None and sys.exc_info()[1] is not self.last:
             self.last = None
+        self.other_seen = 0
 
     def release(self) -> None:
         """Let go of the last error (its propagation is over as far as we watch)."""
@@ -164,12 +168,13 @@ class OutOfMemoryWatch:
         debugger's call's)."""
         if error is self.last or (self.own is not None and self.own()) or raised_by_debugger(error):
             return
-        self.last = error
         try:
-            if not isinstance(error, torch.OutOfMemoryError):
-                if self.other is not None and target is not None:
+            if not isinstance(error, torch.OutOfMemoryError):  # another error: its frames are not held
+                if self.other is not None and target is not None and id(error) != self.other_seen:
+                    self.other_seen = id(error)  # (its hook on an enclosing watched model: once)
                     self.other(error, target, module)
                 return
+            self.last = error
             self._record(error, target or self.fallback, module)
         except Exception as failure:  # the user's OOM must reach them, not ours
             try:
