@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..memory import memory_sample
-from ..probes import CallErrorsConfig, ProbeHandle, apply_call_errors, register_all
+from ..probes import CallErrorsConfig, ProbeHandle, apply_call_errors, in_backward, register_all
 from ..record import make_anomaly
 from .memory_files import cuda_in_use, write_memory_snapshot
 from .sink import AnomalySink, raised_by_debugger
@@ -109,11 +109,11 @@ class OutOfMemoryWatch:
         self.sink = sink
         self.own = own
         self.other = other
-        self.other_seen = 0
-        """``id`` of the last other error handed to ``other`` in this call (not the error: its frames hold the
-        call's tensors)."""
         """``other(error, target, module)``: any other ``Exception`` leaving a hooked call, the same hook
         seeing it (training: the step's error); None: out of memory only."""
+        self.other_seen: tuple[Any, ...] = ()
+        """The last other error handed to ``other`` in this call, as :func:`raised_at` tells it (not the error:
+        its frames hold the call's tensors)."""
         self.targets = targets
         self.step = step
         self.fallback = fallback
@@ -155,7 +155,7 @@ class OutOfMemoryWatch:
         made inside the ``except`` block that caught it)."""
         if self.last is not None and sys.exc_info()[1] is not self.last:
             self.last = None
-        self.other_seen = 0
+        self.other_seen = ()
 
     def release(self) -> None:
         """Let go of the last error (its propagation is over as far as we watch)."""
@@ -170,8 +170,13 @@ class OutOfMemoryWatch:
             return
         try:
             if not isinstance(error, torch.OutOfMemoryError):  # another error: its frames are not held
-                if self.other is not None and target is not None and id(error) != self.other_seen:
-                    self.other_seen = id(error)  # (its hook on an enclosing watched model: once)
+                if (
+                    self.other is not None
+                    and target is not None
+                    and not in_backward(error)
+                    and raised_at(error) != self.other_seen
+                ):
+                    self.other_seen = raised_at(error)  # (its hook on an enclosing watched model: once)
                     self.other(error, target, module)
                 return
             self.last = error
@@ -213,6 +218,16 @@ class OutOfMemoryWatch:
         # the error itself goes on to the caller: no policy acts on it (a repeat folds into the first)
         self.sink.errors = [e for e in self.sink.errors if e.kind != "out_of_memory"]
         self.sink.record.flush_to_disk()
+
+
+def raised_at(error: BaseException) -> tuple[Any, ...]:
+    """``error`` told from a later one at its freed address: its type and where it was raised (the last entry of
+    its traceback, the same in each hook it passes on its way out: the first grows with each frame it leaves),
+    never the error itself."""
+    raised = error.__traceback__
+    while raised is not None and raised.tb_next is not None:
+        raised = raised.tb_next
+    return (id(error), type(error), raised and raised.tb_frame.f_code, raised and raised.tb_lineno)
 
 
 def innermost_module(error: BaseException, names: dict[int, str]) -> str | None:

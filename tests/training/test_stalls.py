@@ -576,6 +576,18 @@ def test_phase_marks_leave_the_gradient_unchanged_and_skip_eval_forwards(mlp):
     assert not mlp._forward_pre_hooks and not mlp._forward_hooks
 
 
+def test_a_checkpoint_s_recompute_in_backward_is_neither_a_forward_nor_a_raised_forward(mlp):
+    """Non-reentrant checkpointing over the watched model: backward re-runs its forward and stops it with torch's
+    ``_StopRecomputationError``. The rank is in backward: no forward mark, and not marked ``raised``."""
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+    marks = (lambda: seen.append("forward"), lambda: seen.append("backward"))
+    with apply_phase_marks(mlp, *marks, on_error=lambda error: seen.append(type(error).__name__)):
+        checkpoint(mlp, torch.ones(2, 4), use_reentrant=False).sum().backward()
+    assert seen == ["forward", "backward"]
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

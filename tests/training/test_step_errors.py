@@ -107,3 +107,32 @@ def test_an_error_in_a_forward_without_grad_is_not_the_step_s(mlp, tmp_path):
         mlp(torch.ones(2, 4))
     tdbg.close()
     assert tdbg.report().anomalies == []
+
+
+def test_a_checkpointed_model_s_recompute_in_backward_is_not_a_step_error(mlp, tmp_path):
+    """Non-reentrant checkpointing over a watched model: backward re-runs its forward and stops it with an error of
+    torch's (``_StopRecomputationError``) once it has what it needs, with gradients on, in training mode. Not the
+    step's error: a clean run stays quiet; a real error in the checkpointed forward is still named, once."""
+    from torch.utils.checkpoint import checkpoint
+
+    head = torch.nn.Linear(1, 1)
+    tdbg = TrainingDebugger({"encoder": mlp, "head": head}, config=DebugConfig(output_dir=str(tmp_path)))
+    optimizer = torch.optim.SGD(list(mlp.parameters()) + list(head.parameters()), lr=1e-2)
+
+    def bad_batch(module, args):
+        raise ValueError("a bad batch")
+
+    for step in range(4):
+        try:
+            with mlp[2].register_forward_pre_hook(bad_batch) if step == 2 else contextlib.nullcontext():
+                loss = head(checkpoint(mlp, torch.randn(2, 4), use_reentrant=False)).pow(2).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+        except ValueError:
+            continue
+    tdbg.close()
+    assert [(a.kind, a.component, a.module, a.step, a.details["error"]) for a in tdbg.report().anomalies] == [
+        ("step_error", "encoder", "2", 2, "ValueError: a bad batch")
+    ]
