@@ -8,8 +8,11 @@ goes on unchanged, and no policy acts on it (a warning). No hook more, nothing m
 Limits: an OOM in backward or in the optimizer step is seen only through ``@tdbg.watch`` or
 ``with tdbg:`` (no forward hook is on its way out); an error raised outside the watched forward (the loss, backward,
 the optimizer step, the data) and caught is not seen (under several processes the stall watch reads one while the
-rank handles it: ``hangs.unwinding``); the step in progress is the last monitored step plus one, as the user's own
-numbering may skip.
+rank handles it: ``hangs.unwinding``); an error raised while backward recomputes a checkpointed forward is
+backward's (not recorded: non-reentrant checkpointing stops each recompute with an error of torch's); a
+``KeyboardInterrupt`` or ``SystemExit`` is not recorded (torch runs no ``always_call`` hook for a
+``BaseException``); a ``RuntimeError`` saying "out of memory" that is not a ``torch.OutOfMemoryError`` is a
+``step_error``; the step in progress is the last monitored step plus one, as the user's own numbering may skip.
 """
 
 from __future__ import annotations
