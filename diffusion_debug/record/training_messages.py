@@ -751,13 +751,13 @@ def step_error(anomaly: Anomaly) -> str:
     >>> from diffusion_debug.record import make_anomaly
     >>> print(make_anomaly("step_error", component="model", module="up_blocks.1", step=3,
     ...       details={"error": "ValueError: a bad batch", "phase": "forward"}).message)
-    The training forward raised ValueError: a bad batch in up_blocks.1 at step 3: the step did not finish (a loop that
-    catches the error and goes on skips the step, seen nowhere else).
+    The training forward raised ValueError: a bad batch in up_blocks.1 at step 3: the forward did not finish (a loop
+    that catches the error and goes on skips the step).
     """
     d = anomaly.details
     place = " ".join(p for p in (anomaly.component if anomaly.component != "model" else "", anomaly.module) if p)
     where = (f" in {place}" if place else "") + (f" at step {anomaly.step}" if anomaly.step is not None else "")
     return (
-        f"The training {d.get('phase', 'forward')} raised {d['error']}{where}: the step did not finish (a loop that "
-        "catches the error and goes on skips the step, seen nowhere else)."
+        f"The training {d.get('phase', 'forward')} raised {d['error']}{where}: the {d.get('phase', 'forward')} did "
+        "not finish (a loop that catches the error and goes on skips the step)."
     )

@@ -56,7 +56,7 @@ def training_oom_watch(
         model = target.modules[0][1]
         if not (model.training and torch.is_grad_enabled()) or isinstance(error, DiffusionDebugError):
             return  # not a training step's forward (validation, sampling), or the debugger's own (policy raise)
-        details = {"error": error_text(error), "phase": "forward"}
+        details = {"error": error_text(error), "error_type": type(error).__name__, "phase": "forward"}
         sink.emit(
             make_anomaly(
                 "step_error", component=target.component, module=module, step=step(), rank=rank, details=details

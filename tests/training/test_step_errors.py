@@ -70,8 +70,8 @@ def test_a_forward_error_the_loop_catches_and_goes_on_from_is_named_at_its_block
     )
     assert (found.details["error"], found.details["phase"]) == ("ValueError: a bad batch", "forward")
     assert found.message == (
-        "The training forward raised ValueError: a bad batch in up_blocks.1 at step 3: the step did not finish "
-        "(a loop that catches the error and goes on skips the step, seen nowhere else)."
+        "The training forward raised ValueError: a bad batch in up_blocks.1 at step 3: the forward did not finish "
+        "(a loop that catches the error and goes on skips the step)."
     )
     run_dir = report.save(html=False)
     assert load_json(run_dir / "summary.json")["headline"]["where"] == "model up_blocks.1, step 3"
@@ -136,3 +136,28 @@ def test_a_checkpointed_model_s_recompute_in_backward_is_not_a_step_error(mlp, t
     assert [(a.kind, a.component, a.module, a.step, a.details["error"]) for a in tdbg.report().anomalies] == [
         ("step_error", "encoder", "2", 2, "ValueError: a bad batch")
     ]
+
+
+def test_two_kinds_of_error_at_one_block_are_each_named(mlp, tmp_path):
+    """A bad batch at step 1, a device assert at step 3, both at the same block: two anomalies, each with its own
+    error and step (folded into the first, the second error was not shown anywhere); a repeat of one folds."""
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=1e-2)
+    planted = {1: ValueError("a bad batch"), 3: RuntimeError("device-side assert"), 4: ValueError("a bad batch")}
+    for step in range(5):
+
+        def fail(module, args, step=step):
+            raise planted[step]
+
+        try:
+            with mlp[2].register_forward_pre_hook(fail) if step in planted else contextlib.nullcontext():
+                loss = mlp(torch.randn(2, 4)).pow(2).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+        except Exception:
+            continue
+    tdbg.close()
+    found = [(a.module, a.step, a.details["error"], a.details.get("count")) for a in tdbg.report().anomalies]
+    assert found == [("2", 1, "ValueError: a bad batch", 2), ("2", 3, "RuntimeError: device-side assert", 1)]
