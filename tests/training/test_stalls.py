@@ -947,8 +947,9 @@ def test_an_error_leaving_a_phase_of_the_user_s_is_named_in_that_phase(tmp_path,
     try:
         with liveness.phase("save"):
             raise OSError("disk full")
-    except OSError:
+    except OSError as error:
         seen = liveness.watcher.unwinding.position(liveness.position, threading.current_thread())
+        uncaught = error  # (as if not caught: the interpreter's sys.last_value)
     assert (seen.phase, seen.step, seen.error, seen.raised_in) == ("raised", 2, "OSError: disk full", "save")
     assert name_stall([seen, Position(1, "forward", 3)]).text == (
         "rank 0 raised OSError: disk full in save at step 2; rank 1 waits in forward at step 3"
@@ -958,7 +959,28 @@ def test_an_error_leaving_a_phase_of_the_user_s_is_named_in_that_phase(tmp_path,
     ended.join()
     liveness.watcher.thread = ended
     monkeypatch.setattr(threading, "main_thread", lambda: ended)
-    monkeypatch.setattr(sys, "last_value", OSError("disk full"), raising=False)
+    monkeypatch.setattr(sys, "last_value", uncaught, raising=False)
     liveness.close()
     published = rank1.read()[0]
     assert (published.phase, published.step, published.raised_in, published.uncaught) == ("raised", 2, "save", True)
+    assert "left" not in liveness.position.to_dict() and liveness.position.left  # this rank's own: not published
+
+
+def test_a_rank_that_caught_an_error_leaving_a_phase_is_back_where_it_was_before_it():
+    """A save that raised, caught by the loop, which goes on to load the next batch: the rank is not in save any
+    more (it was, stale, until its next mark), and a later phase of the user's does not restore that stale save."""
+    liveness = RankLiveness(Position(0, "before_forward", 3))
+    liveness._last_step = 2
+    with pytest.raises(OSError):
+        with liveness.phase("save"):
+            raise OSError("disk full")
+    assert (liveness.position.phase, liveness.position.step) == ("before_forward", 3)
+    with liveness.phase("validation"):
+        pass
+    assert (liveness.position.phase, liveness.position.step) == ("before_forward", 3)
+    thread = threading.current_thread()
+    try:  # another error, handled later: read where the rank is, not in that save
+        raise ValueError("a bad target")
+    except ValueError:
+        seen = Unwinding(threading.Thread()).position(liveness.position, thread)
+    assert (seen.phase, seen.step, seen.raised_in) == ("raised", 3, "before_forward")

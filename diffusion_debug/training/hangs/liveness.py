@@ -6,8 +6,8 @@ raised (``raised``, with the error: the rank left it while the others may wait i
 monitor's exchange (``monitor``), what follows it (``optimizer``) until the optimizer's step is done
 (``before_forward``, of the next step: a step post-hook on the optimizer given to the monitor), an
 optimizer step that holds collectives (``step``: DeepSpeed ZeRO's, wrapped on its optimizer), and the
-user's own phases (``with tdbg.phase("validation"):``, left as it was before it, unless an error leaves it:
-the rank stays in it until its next mark); an error that left the step elsewhere is read by the watcher
+user's own phases (``with tdbg.phase("validation"):``, left as it was before it; an error leaving it is read
+in that phase while the rank handles it); an error that left the step elsewhere is read by the watcher
 (``unwinding``), not marked. The watcher thread (``watcher``)
 publishes it through the store and names a stall; its verdict reaches this rank's record through
 :meth:`RankLiveness.record`.
@@ -45,6 +45,7 @@ from torch import nn
 from ...config import DebugConfig
 from ...core import AnomalySink
 from ...core.instance_methods import StackedOnInstance
+from ...core.out_of_memory import raised_at
 from ...errors import DiffusionDebugError
 from ...probes import ProbeHandle, apply_phase_marks
 from ...record import Anomaly, make_anomaly
@@ -134,8 +135,13 @@ class RankLiveness:
             raise DiffusionDebugError(f"A phase is a name such as 'validation' or 'save', not {name!r}.")
         before = (self.position.phase, self.position.step, self.position.error)
         self.mark(name, self._last_step if step is None else step)
-        yield  # an error leaving the phase keeps it: where the rank was when it raised (read by ``unwinding``)
-        self.mark(*before)
+        try:
+            yield
+        except BaseException as error:  # where the rank was when it raised, while it handles it (``unwinding``)
+            self.position.left = (name, self.position.step, raised_at(error))
+            raise
+        finally:
+            self.mark(*before)
 
     def _after_optimizer(self, *_: Any) -> None:
         if self.position.phase == "optimizer":  # the monitored step's update is done: on to the next forward

@@ -139,9 +139,15 @@ class Position:
     """In phase ``raised``: the phase the error left ("": the watched model's forward, whose hook saw it)."""
     uncaught: bool = False
     """In phase ``raised``: no one caught the error: the process's main thread ended with it and it is exiting."""
+    left: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+    """This rank's own, not published: the phase of the user's the last error left, its step, and that error as
+    ``core.out_of_memory.raised_at`` tells it (never the error: its frames hold the step's tensors); read while
+    that error is handled (``hangs.unwinding``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["left"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Position":
