@@ -11,8 +11,9 @@ Two signs, read at each look (:meth:`Unwinding.position`):
   handlers run) while the process is not yet gone (an exit handler, a non-daemon thread joined at exit).
 
 The position published is then this rank's, in phase ``raised`` with the error and the phase it left
-(``Position.raised_in``; a phase of the user's that this very error left, and its step: ``Position.left``), as the forward's own hook marks an error leaving the watched forward; the training
-thread's position is not written (it moves on by itself once the rank does)::
+(``Position.raised_in``; a phase of the user's that this very error left, and its step: ``Position.left``), as
+the forward's own hook marks an error leaving the watched forward; the training thread's position is not written
+(it moves on by itself once the rank does)::
 
     >>> import threading
     >>> thread = threading.current_thread()
