@@ -296,8 +296,9 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
     """The anomalies in :func:`cause_key` order (stable): the first is the headline.
 
     An anomaly that names its cause in an earlier step (``details["cause"]``, see
-    :func:`cause_reference`) lends that cause its severity for the order: a warning that explains
-    a later error (a learning-rate jump before a NaN loss) comes before it.
+    :func:`cause_reference`), or in its own (``details["follows"]``), lends that cause its severity for the
+    order: a warning that explains a later error (a learning-rate jump before a NaN loss, a rank's forward
+    error before the stall it left the others in) comes before it.
 
     >>> a = Anomaly("nonfinite", "error", "NaN grads", step=5, rank=0)
     >>> b = Anomaly("nonfinite_loss", "error", "NaN loss", step=5, rank=1)
@@ -319,7 +320,7 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
     """
     anomalies = list(anomalies)
     severity = [severity_rank(a.severity) for a in anomalies]
-    links = _cause_links(anomalies)
+    links = _cause_links(anomalies) + _follows_links(anomalies)
     for _ in range(len(links)):  # a cause of a cause: each pass lends one link further
         changed = False
         for consequence, cause in links:

@@ -984,3 +984,30 @@ def test_a_rank_that_caught_an_error_leaving_a_phase_is_back_where_it_was_before
     except ValueError:
         seen = Unwinding(threading.Thread()).position(liveness.position, thread)
     assert (seen.phase, seen.step, seen.raised_in) == ("raised", 3, "before_forward")
+
+
+def test_a_stall_left_by_a_rank_s_forward_error_is_headed_by_that_error_at_its_block():
+    """Rank 1's forward raised at ``up_blocks.1`` (its ``step_error``) and rank 0 waits in the gradient all-reduce
+    (``rank_desync``, an error): one diagnosis, headed by the cause, which names the block; the stall is its
+    consequence, ahead of an error of a later step. An error that left elsewhere (a save) heads its stall itself."""
+    from diffusion_debug.record import folded, headline, make_anomaly
+
+    error = "ValueError: a bad batch"
+    details = {"error": error, "error_type": "ValueError", "phase": "forward"}
+    cause = make_anomaly("step_error", component="model", module="up_blocks.1", step=3, rank=1, details=details)
+    later = make_anomaly("nonfinite_loss", component="model", step=4, rank=0, details={"loss": math.nan})
+    stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=error)])
+    desync = stall_anomaly(stall, {"end": False, "by": 0})
+    top = headline([later, desync, cause], world_size=2)
+    assert (top["kind"], top["where"], top["consequences"]) == (
+        "step_error",
+        "model up_blocks.1, step 3, rank 1",
+        {"count": 1, "kinds": {"rank_desync": 1}},
+    )
+    assert [(a.kind, [b.kind for b in under]) for a, under in folded([later, desync, cause])] == [
+        ("step_error", ["rank_desync"]),
+        ("nonfinite_loss", []),
+    ]
+    saved = Position(1, "raised", 3, error="OSError: disk full", raised_in="save")
+    elsewhere = stall_anomaly(name_stall([Position(0, "backward", 3), saved]), {"end": False, "by": 0})
+    assert headline([elsewhere, cause], world_size=2)["kind"] == "rank_desync"

@@ -282,23 +282,23 @@ class _StepMark(StackedOnInstance):
 
 
 def stall_anomaly(stall: Stall, verdict: dict[str, Any]) -> Anomaly:
-    """``rank_desync`` on the first rank to look at, its message built from the stall."""
-    return make_anomaly(
-        "rank_desync",
-        component="model",
-        step=stall.step if isinstance(stall.step, int) else None,
-        rank=stall.ranks[0] if stall.ranks else 0,
-        details={
-            "stall": stall.to_dict(),
-            "pattern": stall.pattern,
-            "ranks": stall.ranks,
-            "waiting": stall.waiting,
-            "ended_job": bool(verdict["end"]),
-            "named_by": verdict["by"],
-            "stacks": "stacks-rank*.txt",
-            "at": time.time(),
-        },
-    )
+    """``rank_desync`` on the first rank to look at, its message built from the stall. An error that left that
+    rank's watched forward is its cause (``follows`` its ``step_error``, which names the block): the headline."""
+    rank = stall.ranks[0] if stall.ranks else 0
+    details = {
+        "stall": stall.to_dict(),
+        "pattern": stall.pattern,
+        "ranks": stall.ranks,
+        "waiting": stall.waiting,
+        "ended_job": bool(verdict["end"]),
+        "named_by": verdict["by"],
+        "stacks": "stacks-rank*.txt",
+        "at": time.time(),
+    }
+    if stall.pattern == "raised" and stall.raised_in == "":
+        details["follows"] = {"kind": "step_error", "rank": rank}
+    step = stall.step if isinstance(stall.step, int) else None
+    return make_anomaly("rank_desync", component="model", step=step, rank=rank, details=details)
 
 
 def _weak_save(owner: Any) -> Callable[[], Any]:
