@@ -1,7 +1,10 @@
 """Naming a stall from every rank's position (``training.stalls``), the watcher that judges them
 on a real store (``training.stall_watch`` over torch's in-process ``HashStore``), and this rank's
 marks (``training.liveness``, ``probes.phase_marks``). The 8-process launches are in
-test_stalls_multiprocess.py."""
+test_stalls_multiprocess.py.
+
+Long because the patterns, the watcher and the marks share their helpers (positions at a step, two ranks'
+liveness over one store) and are read together when a stall is misnamed."""
 
 import json
 import math
