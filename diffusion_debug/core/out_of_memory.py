@@ -9,7 +9,9 @@ own hooks already run around each watched call (the diffusion debugger's call si
 anomaly (kind ``out_of_memory``) says the component, module and step, what CUDA had allocated and
 reserved, the snapshot file written (on CUDA), and the remedies for that component; events.jsonl
 is flushed at once, since the process is likely to end. ``@debugger.watch`` and ``with debugger:``
-record an OOM raised outside any hooked module (a backward pass, the pipeline's own code).
+record an OOM raised outside any hooked module (a backward pass, the pipeline's own code). Given
+``other``, the same hooks hand it any other error leaving a hooked call (the training debugger
+records the step's error): no hook more.
 
 Limits: the policy does not act on it (the error itself goes on, unchanged, to the caller); the
 figures are read after the failed allocation (what was allocated is still held while the error
@@ -23,10 +25,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from ..memory import memory_sample
-from ..probes import CallErrorsConfig, ProbeHandle, apply_call_errors, register_all
+from ..probes import CallErrorsConfig, ProbeHandle, apply_call_errors, in_backward, register_all
 from ..record import make_anomaly
 from .memory_files import cuda_in_use, write_memory_snapshot
 from .sink import AnomalySink, raised_by_debugger
@@ -101,9 +104,16 @@ class OutOfMemoryWatch:
         fallback: Watched,
         rank: int = 0,
         own: Callable[[], bool] | None = None,
+        other: "Callable[[BaseException, Watched, str], None] | None" = None,
     ):
         self.sink = sink
         self.own = own
+        self.other = other
+        """``other(error, target, module)``: any other ``Exception`` leaving a hooked call, the same hook
+        seeing it (training: the step's error); None: out of memory only."""
+        self.other_seen: tuple[Any, ...] = ()
+        """The last other error handed to ``other`` in this call, as :func:`raised_at` tells it (not the error:
+        its frames hold the call's tensors)."""
         self.targets = targets
         self.step = step
         self.fallback = fallback
@@ -122,7 +132,8 @@ class OutOfMemoryWatch:
         def register():
             for target in self.targets() if self.targets is not None else ():
                 if target.modules:
-                    config = CallErrorsConfig(self.reporter(target), on_start=self.forget_done)
+                    errors = (Exception,) if self.other is not None else (torch.OutOfMemoryError,)
+                    config = CallErrorsConfig(self.reporter(target), errors=errors, on_start=self.forget_done)
                     yield apply_call_errors(target.modules[0][1], config)
 
         return register_all(register)
@@ -144,6 +155,7 @@ class OutOfMemoryWatch:
         made inside the ``except`` block that caught it)."""
         if self.last is not None and sys.exc_info()[1] is not self.last:
             self.last = None
+        self.other_seen = ()
 
     def release(self) -> None:
         """Let go of the last error (its propagation is over as far as we watch)."""
@@ -156,8 +168,18 @@ class OutOfMemoryWatch:
         debugger's call's)."""
         if error is self.last or (self.own is not None and self.own()) or raised_by_debugger(error):
             return
-        self.last = error
         try:
+            if not isinstance(error, torch.OutOfMemoryError):  # another error: its frames are not held
+                if (
+                    self.other is not None
+                    and target is not None
+                    and not in_backward(error)
+                    and raised_at(error) != self.other_seen
+                ):
+                    self.other_seen = raised_at(error)  # (its hook on an enclosing watched model: once)
+                    self.other(error, target, module)
+                return
+            self.last = error
             self._record(error, target or self.fallback, module)
         except Exception as failure:  # the user's OOM must reach them, not ours
             try:
@@ -196,6 +218,16 @@ class OutOfMemoryWatch:
         # the error itself goes on to the caller: no policy acts on it (a repeat folds into the first)
         self.sink.errors = [e for e in self.sink.errors if e.kind != "out_of_memory"]
         self.sink.record.flush_to_disk()
+
+
+def raised_at(error: BaseException) -> tuple[Any, ...]:
+    """``error`` told from a later one at its freed address: its type and where it was raised (the last entry of
+    its traceback, the same in each hook it passes on its way out: the first grows with each frame it leaves),
+    never the error itself."""
+    raised = error.__traceback__
+    while raised is not None and raised.tb_next is not None:
+        raised = raised.tb_next
+    return (id(error), type(error), raised and raised.tb_frame.f_code, raised and raised.tb_lineno)
 
 
 def innermost_module(error: BaseException, names: dict[int, str]) -> str | None:

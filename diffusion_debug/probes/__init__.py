@@ -43,7 +43,7 @@ from .readings import (
     readings_by_call,
     reset_probes,
 )
-from .tracing import compiling
+from .tracing import compiling, in_backward
 from .watched import GRANULARITIES, OVERFLOW_DTYPES, PASS_THROUGH, all_modules, sentinel_modules
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "buffers_kept",
     "call_hooks",
     "compiling",
+    "in_backward",
     "find_producer",
     "forward_hooks",
     "probe_call",

@@ -34,7 +34,8 @@ Limits: the callbacks are Python (they mark a position for the liveness side cha
 skipped while ``torch.compile`` traces the module (:func:`~.tracing.compiling`): attach to the
 outermost module (the one ``accelerator.prepare`` returned, or the ``torch.compile`` wrapper),
 whose hooks run eagerly around a compiled forward. An output without a tensor that requires a
-gradient gets no backward mark.
+gradient gets no backward mark. A forward autograd runs in backward (a checkpoint's recompute,
+which non-reentrant checkpointing stops with an error of torch's) is neither marked nor ``on_error``'s.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch import nn
 from ..stats import tensors_in
 from .call_args import raised_here
 from .handles import ProbeHandle, register_all
-from .tracing import compiling
+from .tracing import compiling, in_backward
 
 
 def apply_phase_marks(
@@ -61,14 +62,15 @@ def apply_phase_marks(
     calling the marks (see above)."""
 
     def before(mod: nn.Module, args: Any) -> None:
-        if mod.training and torch.is_grad_enabled() and not compiling():
+        if mod.training and torch.is_grad_enabled() and not compiling() and not in_backward():
             on_forward()
 
     def after(mod: nn.Module, args: Any, output: Any) -> None:
         if not (mod.training and torch.is_grad_enabled()) or compiling():
             return
-        if on_error is not None and sys.exc_info()[1] is not None and raised_here(mod, raised, (Exception,)):
-            return  # run by torch's except block: the forward raised, no output
+        if on_error is not None and (error := sys.exc_info()[1]) is not None:
+            if in_backward(error) or raised_here(mod, raised, (Exception,)):
+                return  # a checkpoint's recompute stopped in backward, or the forward raised: no output
         first = next((t for t in tensors_in(output) if t.requires_grad), None)
         if first is not None:
             first.register_hook(_backward_mark(on_backward))

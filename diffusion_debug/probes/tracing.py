@@ -29,6 +29,19 @@ def compiling() -> bool:
     return torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag
 
 
+_graph_task: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward(error: BaseException | None = None) -> bool:
+    """Whether autograd's backward runs the code calling this (a forward called there is a checkpoint's
+    recompute, not the step's forward; non-reentrant checkpointing stops it with torch's
+    ``_StopRecomputationError`` once it has what it needs). Without torch's graph task id (a private
+    name), whether ``error`` is that one."""
+    if _graph_task is not None:
+        return _graph_task() != -1
+    return error is not None and type(error).__name__ == "_StopRecomputationError"
+
+
 def compiled_in_place(module: nn.Module) -> bool:
     """Whether ``module.compile()`` was called on it (its hooks run inside compiled code)."""
     return vars(module).get("_compiled_call_impl") is not None

@@ -264,18 +264,26 @@ def cause_key(anomaly: Anomaly) -> tuple:
 
 def cause_reference(cause: Anomaly) -> dict[str, Any]:
     """What a consequence in a later step keeps of its cause (``details["cause"]``): enough to
-    name it (``where``) and to find it again in a saved record (:func:`is_cause`)."""
-    return {"kind": cause.kind, "where": cause.where(), "place": cause.place(), "step": cause.step, "rank": cause.rank}
+    name it (``where``) and to find it again in a saved record (:func:`is_cause`); of a kind told apart at
+    one place by its details (:attr:`AnomalyKind.distinct_by`), those too (``distinct``)."""
+    reference = {"kind": cause.kind, "where": cause.where(), "place": cause.place(), "step": cause.step}
+    reference["rank"] = cause.rank
+    if kind_info(cause.kind).distinct_by:
+        reference["distinct"] = distinct_details(cause.kind, cause.details)
+    return reference
 
 
 def is_cause(anomaly: Anomaly, reference: Mapping[str, Any]) -> bool:
-    """Whether ``anomaly`` is the one ``reference`` names: same kind, rank and place, and the
-    referenced step within the steps it stands for (a repeat folded into it included)."""
+    """Whether ``anomaly`` is the one ``reference`` names: same kind, rank and place (and the details that
+    tell its kind apart there, where the reference has them), and the referenced step within the steps it
+    stands for (a repeat folded into it included)."""
     if (anomaly.kind, anomaly.rank, anomaly.place()) != (
         reference.get("kind"),
         reference.get("rank"),
         reference.get("place"),
     ):
+        return False
+    if "distinct" in reference and distinct_details(anomaly.kind, anomaly.details) != reference["distinct"]:
         return False
     step, first = reference.get("step"), anomaly.step
     if not isinstance(step, int) or not isinstance(first, int):
@@ -288,8 +296,9 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
     """The anomalies in :func:`cause_key` order (stable): the first is the headline.
 
     An anomaly that names its cause in an earlier step (``details["cause"]``, see
-    :func:`cause_reference`) lends that cause its severity for the order: a warning that explains
-    a later error (a learning-rate jump before a NaN loss) comes before it.
+    :func:`cause_reference`), or in its own (``details["follows"]``), lends that cause its severity for the
+    order: a warning that explains a later error (a learning-rate jump before a NaN loss, a rank's forward
+    error before the stall it left the others in) comes before it.
 
     >>> a = Anomaly("nonfinite", "error", "NaN grads", step=5, rank=0)
     >>> b = Anomaly("nonfinite_loss", "error", "NaN loss", step=5, rank=1)
@@ -311,7 +320,7 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
     """
     anomalies = list(anomalies)
     severity = [severity_rank(a.severity) for a in anomalies]
-    links = _cause_links(anomalies)
+    links = _cause_links(anomalies) + _follows_links(anomalies)
     for _ in range(len(links)):  # a cause of a cause: each pass lends one link further
         changed = False
         for consequence, cause in links:

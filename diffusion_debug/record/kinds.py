@@ -424,6 +424,20 @@ register_kind(
     message=messages.out_of_memory,
 )
 register_kind(
+    "step_error",
+    severity="warning",
+    colour="#ad494a",
+    meaning=(
+        "A watched model's training forward raised (a bad batch, a shape mismatch): the forward did not finish. "
+        "Not caught, the run ended with it; caught by the loop (except Exception: continue), the step was skipped "
+        "unless the loop retried it. The error went on unchanged and no policy acts on it."
+    ),
+    action="Look at the batch of that step and the block named; skip a bad batch on purpose, saying so in the log.",
+    stage=2,
+    message=training_messages.step_error,
+    distinct_by=("error_type",),  # another error at that block is its own (a bad batch, then a device assert)
+)
+register_kind(
     "gradients_clipped",
     severity="info",
     colour="#6b6ecf",

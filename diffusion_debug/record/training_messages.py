@@ -743,3 +743,21 @@ def _input(follows: dict[str, Any]) -> str:
     """What a ``follows`` on a ``nonfinite_input`` names: the batch, or the frozen model that made it."""
     made_by = follows.get("component")
     return f"NaN/Inf output of {made_by}" if made_by else "non-finite input batch"
+
+
+def step_error(anomaly: Anomaly) -> str:
+    """An error leaving a watched model's training forward (``training.oom_watch``).
+
+    >>> from diffusion_debug.record import make_anomaly
+    >>> print(make_anomaly("step_error", component="model", module="up_blocks.1", step=3,
+    ...       details={"error": "ValueError: a bad batch", "phase": "forward"}).message)
+    The training forward raised ValueError: a bad batch in up_blocks.1 at step 3: the forward did not finish (a loop
+    that catches the error and goes on skips the step).
+    """
+    d = anomaly.details
+    place = " ".join(p for p in (anomaly.component if anomaly.component != "model" else "", anomaly.module) if p)
+    where = (f" in {place}" if place else "") + (f" at step {anomaly.step}" if anomaly.step is not None else "")
+    return (
+        f"The training {d.get('phase', 'forward')} raised {d['error']}{where}: the {d.get('phase', 'forward')} did "
+        "not finish (a loop that catches the error and goes on skips the step)."
+    )

@@ -470,5 +470,6 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
 
     def phase(self, name: str, step: int | None = None) -> contextlib.AbstractContextManager[None]:
         """``with tdbg.phase("validation"):`` marks where this rank is (also ``"save"``, any name) for
-        the stall watch of several processes (``stall_timeout``); nothing else, and free on one."""
+        the stall watch of several processes (``stall_timeout``); nothing else, and free on one. An error
+        leaving the phase keeps the rank in it: the others read where it raised, not where it was before."""
         return self._liveness.phase(name, step)

@@ -435,7 +435,8 @@ class ParameterSwaps:
 
 
 def _reference_key(reference: Mapping[str, Any]) -> tuple:
-    return tuple(reference.get(k) for k in ("kind", "place", "step", "rank"))
+    distinct = reference.get("distinct")  # (``record.cause_reference``: a kind told apart at one place by its details)
+    return (*(reference.get(k) for k in ("kind", "place", "step", "rank")), repr(distinct))
 
 
 def _cause_moved(anomaly: Anomaly, moved: dict[tuple, dict[str, Any]]) -> Anomaly:

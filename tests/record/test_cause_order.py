@@ -107,3 +107,17 @@ def test_a_rank_that_received_a_nan_through_the_reduction_comes_after_the_rank_t
     assert report.headline is made
     assert headline([received, made], world_size=2)["where"] == "model, step 12, rank 1"
     record.close()
+
+
+def test_a_cause_of_a_kind_told_apart_by_its_details_is_found_by_them():
+    """Two ``not_learning`` of one rank at one place and step, each of its own optimizer (``stalled_optimizer``,
+    the kind's ``distinct_by``): a reference to one names that one, not the other."""
+    from diffusion_debug.record import is_cause
+
+    generator, critic = (
+        _anomaly("not_learning", "warning", 7, component="optimizer", stalled_optimizer=f"SGD holding {name}.0.weight")
+        for name in ("generator", "critic")
+    )
+    assert [is_cause(a, cause_reference(critic)) for a in (generator, critic)] == [False, True]
+    assert cause_reference(critic)["distinct"] == {"stalled_optimizer": "SGD holding critic.0.weight"}
+    assert "distinct" not in cause_reference(_anomaly("lr_spike", "warning", 5, component="optimizer"))

@@ -132,7 +132,15 @@ def deepspeed_engine(monkeypatch):
 STALL_JOB = Path(__file__).with_name("stall_job.py")
 ROOT = Path(__file__).resolve().parents[2]
 EIGHT_TIMEOUT = 300  # seconds for one 8-process launch (8 processes starting on two shared cores take most of it)
-SHARED_EIGHT = ("nan_rank5", "clean_history10", "clean", "validation", "raise_rank1_backward", "skip_rank5")
+SHARED_EIGHT = (
+    "nan_rank5",
+    "clean_history10",
+    "clean",
+    "validation",
+    "raise_rank1_backward",
+    "raise_rank2_save",
+    "skip_rank5",
+)
 """The scenarios of the 8-process launch that test_multiprocess.py's and test_stalls_multiprocess.py's
 tests share: multiprocess_job.py's two, then the stalls' (skip_rank5's stall ends the job, last)."""
 

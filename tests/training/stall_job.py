@@ -15,6 +15,9 @@ raise_rank1_backward (6 steps; ``stall_action="wait"``: at step 3 a hook on rank
 outside the watched forward, while the others wait in the gradient all-reduce; rank 1 catches it and sleeps in its
 ``except`` clause, as a rank saving a checkpoint on a crash would, until every rank's watcher has named it and
 :data:`NAMED_MARGIN` s more, 7 s at most; then it computes the loss again from the same output: all go on) |
+raise_rank2_save (6 steps; ``stall_action="wait"``: after step 1's optimizer step rank 2's ``with tdbg.phase("save"):``
+raises; rank 2 handles it in its ``except`` clause, as raise_rank1_backward's rank 1, while the others wait in step
+2's gradient all-reduce; then all go on) |
 left_early_last_rank (uneven data: the last rank's loader is one batch shorter, it leaves the loop
 after step 4 and closes its debugger while the others wait in step 5's gradient all-reduce; ended.
 The last rank then sleeps, as a rank saving its last checkpoint would, before its own end of the job).
@@ -73,6 +76,8 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
                     raise
             optimizer.step()
             optimizer.zero_grad()
+            if scenario == "raise_rank2_save" and rank == 2 and step == 1:
+                save_raising_once(accelerator, tdbg, scenario)
             if scenario == "validation" and rank == 0 and step == 2:
                 with tdbg.phase("validation"):
                     run_dir, ranks = tdbg.record.run_dir, accelerator.num_processes
@@ -105,6 +110,19 @@ def backward_raising_once(accelerator: Accelerator, tdbg: TrainingDebugger, scen
     loss = ((pred - x.sum(1, keepdim=True)) ** 2).mean()  # again: it joins their all-reduce
     accelerator.backward(loss)
     return loss
+
+
+def save_raising_once(accelerator: Accelerator, tdbg: TrainingDebugger, scenario: str) -> None:
+    """raise_rank2_save's step 1 on rank 2: its save (``tdbg.phase("save")``) raises after the optimizer step while
+    the others go on to step 2's all-reduce; handled in the ``except`` clause until named, then training goes on."""
+    rank = accelerator.process_index
+    try:
+        with tdbg.phase("save"):
+            raise OSError("planted error in the save on rank 2")
+    except OSError as error:
+        say(scenario, f"RANK {rank} RAISED at step 1: {error}")
+        run_dir, ranks = tdbg.record.run_dir, accelerator.num_processes
+        sleep_until_stall_named(run_dir, ranks, margin=NAMED_MARGIN, most=7.0)  # handling the save's error
 
 
 def warm_up(accelerator: Accelerator) -> None:

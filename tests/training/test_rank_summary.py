@@ -187,3 +187,20 @@ def test_a_stall_alone_rides_in_the_anomalies_slot_and_asks_for_details_only_whe
         reduced({"stalled": True}, {"weights_moved": True}),  # withdrawn: no exchange
         reduced({"stalled": True}, {"anomalies": True, "weights_moved": True}),  # another rank's finding
     ] == [(False, False, False), (False, True, True), (False, True, False), (True, False, True)]
+
+
+def test_each_optimizer_s_stall_is_a_copy_only_of_the_same_optimizer_s_stall_on_other_ranks():
+    """``not_learning`` of one optimizer of several (``stalled_optimizer``, what tells two stalls at ``optimizer``
+    apart): rank 1's stall of the discriminator's optimizer is not a copy of rank 0's of the generator's, and is
+    logged as its own; rank 2's of the generator's is one of rank 0's."""
+
+    def stall(rank, optimizer):
+        details = {"reason": "lr_zero", "stalled_optimizer": optimizer}
+        return Anomaly("not_learning", "warning", "no update", "optimizer", step=7, rank=rank, details=details)
+
+    stalls = [stall(0, "SGD holding generator.0.weight"), stall(1, "SGD holding discriminator.0.weight")]
+    assert same_on_other_ranks(stalls) == set()
+    assert [a.details.get("also_on_ranks") for a in stalls] == [None, None]
+    stalls = [*stalls, stall(2, "SGD holding generator.0.weight")]
+    assert same_on_other_ranks(stalls) == {2}
+    assert [a.details.get("also_on_ranks") for a in stalls] == [[2], None, None]

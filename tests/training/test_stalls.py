@@ -1,7 +1,10 @@
 """Naming a stall from every rank's position (``training.stalls``), the watcher that judges them
 on a real store (``training.stall_watch`` over torch's in-process ``HashStore``), and this rank's
 marks (``training.liveness``, ``probes.phase_marks``). The 8-process launches are in
-test_stalls_multiprocess.py."""
+test_stalls_multiprocess.py.
+
+Long because the patterns, the watcher and the marks share their helpers (positions at a step, two ranks'
+liveness over one store) and are read together when a stall is misnamed."""
 
 import json
 import math
@@ -576,6 +579,18 @@ def test_phase_marks_leave_the_gradient_unchanged_and_skip_eval_forwards(mlp):
     assert not mlp._forward_pre_hooks and not mlp._forward_hooks
 
 
+def test_a_checkpoint_s_recompute_in_backward_is_neither_a_forward_nor_a_raised_forward(mlp):
+    """Non-reentrant checkpointing over the watched model: backward re-runs its forward and stops it with torch's
+    ``_StopRecomputationError``. The rank is in backward: no forward mark, and not marked ``raised``."""
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+    marks = (lambda: seen.append("forward"), lambda: seen.append("backward"))
+    with apply_phase_marks(mlp, *marks, on_error=lambda error: seen.append(type(error).__name__)):
+        checkpoint(mlp, torch.ones(2, 4), use_reentrant=False).sum().backward()
+    assert seen == ["forward", "backward"]
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -921,3 +936,81 @@ def test_an_error_at_a_freed_errors_address_after_the_rank_moved_on_is_the_steps
         liveness.watcher.tick()
     published = rank1.read()[0]
     assert (published.phase, published.step, published.error) == ("raised", 4, "ValueError: another bad target")
+
+
+def test_an_error_leaving_a_phase_of_the_user_s_is_named_in_that_phase(tmp_path, monkeypatch):
+    """``with tdbg.phase("save"):`` left by an error: the rank was in its save, not back where it was before it
+    (after its optimizer step). Handled (a rank that waits in its ``except`` clause) or not caught (its process
+    ending), the other ranks read the error and the phase it left, at the phase's step."""
+    import sys
+
+    liveness, rank1 = _two_rank_liveness(tmp_path)
+    liveness._last_step = 2
+    liveness.mark("before_forward", 3)  # after step 2's optimizer step
+    try:
+        with liveness.phase("save"):
+            raise OSError("disk full")
+    except OSError as error:
+        seen = liveness.watcher.unwinding.position(liveness.position, threading.current_thread())
+        uncaught = error  # (as if not caught: the interpreter's sys.last_value)
+    assert (seen.phase, seen.step, seen.error, seen.raised_in) == ("raised", 2, "OSError: disk full", "save")
+    assert name_stall([seen, Position(1, "forward", 3)]).text == (
+        "rank 0 raised OSError: disk full in save at step 2; rank 1 waits in forward at step 3"
+    )
+    ended = threading.Thread(target=lambda: None)  # the error not caught: the finalizer closes the debugger at exit
+    ended.start()
+    ended.join()
+    liveness.watcher.thread = ended
+    monkeypatch.setattr(threading, "main_thread", lambda: ended)
+    monkeypatch.setattr(sys, "last_value", uncaught, raising=False)
+    liveness.close()
+    published = rank1.read()[0]
+    assert (published.phase, published.step, published.raised_in, published.uncaught) == ("raised", 2, "save", True)
+    assert "left" not in liveness.position.to_dict() and liveness.position.left  # this rank's own: not published
+
+
+def test_a_rank_that_caught_an_error_leaving_a_phase_is_back_where_it_was_before_it():
+    """A save that raised, caught by the loop, which goes on to load the next batch: the rank is not in save any
+    more (it was, stale, until its next mark), and a later phase of the user's does not restore that stale save."""
+    liveness = RankLiveness(Position(0, "before_forward", 3))
+    liveness._last_step = 2
+    with pytest.raises(OSError):
+        with liveness.phase("save"):
+            raise OSError("disk full")
+    assert (liveness.position.phase, liveness.position.step) == ("before_forward", 3)
+    with liveness.phase("validation"):
+        pass
+    assert (liveness.position.phase, liveness.position.step) == ("before_forward", 3)
+    thread = threading.current_thread()
+    try:  # another error, handled later: read where the rank is, not in that save
+        raise ValueError("a bad target")
+    except ValueError:
+        seen = Unwinding(threading.Thread()).position(liveness.position, thread)
+    assert (seen.phase, seen.step, seen.raised_in) == ("raised", 3, "before_forward")
+
+
+def test_a_stall_left_by_a_rank_s_forward_error_is_headed_by_that_error_at_its_block():
+    """Rank 1's forward raised at ``up_blocks.1`` (its ``step_error``) and rank 0 waits in the gradient all-reduce
+    (``rank_desync``, an error): one diagnosis, headed by the cause, which names the block; the stall is its
+    consequence, ahead of an error of a later step. An error that left elsewhere (a save) heads its stall itself."""
+    from diffusion_debug.record import folded, headline, make_anomaly
+
+    error = "ValueError: a bad batch"
+    details = {"error": error, "error_type": "ValueError", "phase": "forward"}
+    cause = make_anomaly("step_error", component="model", module="up_blocks.1", step=3, rank=1, details=details)
+    later = make_anomaly("nonfinite_loss", component="model", step=4, rank=0, details={"loss": math.nan})
+    stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=error)])
+    desync = stall_anomaly(stall, {"end": False, "by": 0})
+    top = headline([later, desync, cause], world_size=2)
+    assert (top["kind"], top["where"], top["consequences"]) == (
+        "step_error",
+        "model up_blocks.1, step 3, rank 1",
+        {"count": 1, "kinds": {"rank_desync": 1}},
+    )
+    assert [(a.kind, [b.kind for b in under]) for a, under in folded([later, desync, cause])] == [
+        ("step_error", ["rank_desync"]),
+        ("nonfinite_loss", []),
+    ]
+    saved = Position(1, "raised", 3, error="OSError: disk full", raised_in="save")
+    elsewhere = stall_anomaly(name_stall([Position(0, "backward", 3), saved]), {"end": False, "by": 0})
+    assert headline([elsewhere, cause], world_size=2)["kind"] == "rank_desync"

@@ -1,7 +1,7 @@
 """Eight CPU processes through `accelerate launch` (gloo): hangs named by the liveness side channel
 (``stall_timeout`` 3 s) before any watchdog. Three launches, because a stall that no rank can leave
-ends the job: [clean, validation, raise_rank1_backward, skip_rank5] on 8 processes (after test_multiprocess.py's
-8-process scenarios, in the launch the two modules share: conftest.py's ``shared_eight``), then
+ends the job: [clean, validation, raise_rank1_backward, raise_rank2_save, skip_rank5] on 8 processes (after
+test_multiprocess.py's 8-process scenarios, in the launch the two modules share: conftest.py's ``shared_eight``), then
 [monitor_rank0_only] and [left_early_last_rank] on :data:`ENDING` processes each (see stall_job.py):
 the same patterns, named by the same code, with fewer processes starting (each ~3 CPU-s on two
 shared cores: a launch of 8 took ~24 CPU-s, of 4 ~12). Three are the fewest that keep a run of
@@ -29,8 +29,8 @@ LAST = ENDING - 1
 
 @pytest.fixture(scope="module")
 def launched(shared_eight):
-    """[clean, validation, raise_rank1_backward, skip_rank5]: the stall scenarios of the 8-process launch that
-    test_multiprocess.py's 8-process tests share (its scenarios run first, in the same processes)."""
+    """[clean, validation, raise_rank1_backward, raise_rank2_save, skip_rank5]: the stall scenarios of the 8-process
+    launch that test_multiprocess.py's 8-process tests share (its scenarios run first, in the same processes)."""
     return shared_eight
 
 
@@ -114,6 +114,25 @@ def test_a_rank_whose_backward_raised_is_named_with_its_error_while_the_others_w
     assert load_json(run_dir / "summary.json")["training"]["total_steps"] == 6
     stacks = (run_dir / "stacks-rank1.txt").read_text()
     assert f'stall_job.py", line {_line_of("most=7.0)  # handling it")}' in stacks
+
+
+def test_a_rank_whose_save_raised_is_named_in_its_save_while_the_others_wait_in_the_all_reduce(launched):
+    """Rank 2's ``with tdbg.phase("save"):`` raises after step 1's optimizer step and rank 2 handles the error while
+    the others wait in step 2's gradient all-reduce: the phase the error left was put back as it ended (after the
+    optimizer step, before step 2's forward), and rank 2 was named there. It is named in its save, at step 1."""
+    output_dir, stdout, stderr = launched
+    scenario = "raise_rank2_save"
+    run_dir = _run_dir(output_dir / scenario)
+    assert "RANK 2 RAISED at step 1: planted error in the save on rank 2" in stdout[scenario]
+    (stall,) = [a for a in _stalls(run_dir) if a["details"]["pattern"] == "raised"]
+    assert (stall["rank"], stall["step"], stall["details"]["waiting"]) == (2, 1, [0, 1, 3, 4, 5, 6, 7])
+    assert stall["message"].startswith(
+        "Rank 2 raised OSError: planted error in the save on rank 2 in save at step 1; ranks 0–1, 3–7 wait in "
+        "backward (the gradient all-reduce) at step 2. An error on some ranks only"
+    ), stall["message"]
+    assert "RANK 0 DONE" in stdout[scenario] and "RANK 7 DONE" in stdout[scenario]
+    stacks = (run_dir / "stacks-rank2.txt").read_text()
+    assert f'stall_job.py", line {_line_of("most=7.0)  # handling the save")}' in stacks
 
 
 def test_rank_skipping_a_step_is_named_and_the_job_ends(launched):

@@ -6,8 +6,9 @@ raised (``raised``, with the error: the rank left it while the others may wait i
 monitor's exchange (``monitor``), what follows it (``optimizer``) until the optimizer's step is done
 (``before_forward``, of the next step: a step post-hook on the optimizer given to the monitor), an
 optimizer step that holds collectives (``step``: DeepSpeed ZeRO's, wrapped on its optimizer), and the
-user's own phases (``with tdbg.phase("validation"):``); an error that left the step elsewhere is read by the
-watcher (``unwinding``), not marked. The watcher thread (``watcher``)
+user's own phases (``with tdbg.phase("validation"):``, left as it was before it; an error leaving it is read
+in that phase while the rank handles it); an error that left the step elsewhere is read by the watcher
+(``unwinding``), not marked. The watcher thread (``watcher``)
 publishes it through the store and names a stall; its verdict reaches this rank's record through
 :meth:`RankLiveness.record`.
 
@@ -44,6 +45,7 @@ from torch import nn
 from ...config import DebugConfig
 from ...core import AnomalySink
 from ...core.instance_methods import StackedOnInstance
+from ...core.out_of_memory import raised_at
 from ...errors import DiffusionDebugError
 from ...probes import ProbeHandle, apply_phase_marks
 from ...record import Anomaly, make_anomaly
@@ -135,6 +137,9 @@ class RankLiveness:
         self.mark(name, self._last_step if step is None else step)
         try:
             yield
+        except BaseException as error:  # where the rank was when it raised, while it handles it (``unwinding``)
+            self.position.left = (name, self.position.step, raised_at(error))
+            raise
         finally:
             self.mark(*before)
 
@@ -277,23 +282,23 @@ class _StepMark(StackedOnInstance):
 
 
 def stall_anomaly(stall: Stall, verdict: dict[str, Any]) -> Anomaly:
-    """``rank_desync`` on the first rank to look at, its message built from the stall."""
-    return make_anomaly(
-        "rank_desync",
-        component="model",
-        step=stall.step if isinstance(stall.step, int) else None,
-        rank=stall.ranks[0] if stall.ranks else 0,
-        details={
-            "stall": stall.to_dict(),
-            "pattern": stall.pattern,
-            "ranks": stall.ranks,
-            "waiting": stall.waiting,
-            "ended_job": bool(verdict["end"]),
-            "named_by": verdict["by"],
-            "stacks": "stacks-rank*.txt",
-            "at": time.time(),
-        },
-    )
+    """``rank_desync`` on the first rank to look at, its message built from the stall. An error that left that
+    rank's watched forward is its cause (``follows`` its ``step_error``, which names the block): the headline."""
+    rank = stall.ranks[0] if stall.ranks else 0
+    details = {
+        "stall": stall.to_dict(),
+        "pattern": stall.pattern,
+        "ranks": stall.ranks,
+        "waiting": stall.waiting,
+        "ended_job": bool(verdict["end"]),
+        "named_by": verdict["by"],
+        "stacks": "stacks-rank*.txt",
+        "at": time.time(),
+    }
+    if stall.pattern == "raised" and stall.raised_in == "":
+        details["follows"] = {"kind": "step_error", "rank": rank}
+    step = stall.step if isinstance(stall.step, int) else None
+    return make_anomaly("rank_desync", component="model", step=step, rank=rank, details=details)
 
 
 def _weak_save(owner: Any) -> Callable[[], Any]:

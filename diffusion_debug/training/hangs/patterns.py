@@ -139,9 +139,15 @@ class Position:
     """In phase ``raised``: the phase the error left ("": the watched model's forward, whose hook saw it)."""
     uncaught: bool = False
     """In phase ``raised``: no one caught the error: the process's main thread ended with it and it is exiting."""
+    left: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+    """This rank's own, not published: the phase of the user's the last error left, its step, and that error as
+    ``core.out_of_memory.raised_at`` tells it (never the error: its frames hold the step's tensors); read while
+    that error is handled (``hangs.unwinding``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["left"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Position":
@@ -160,6 +166,8 @@ class Stall:
     waiting: list[int] = field(default_factory=list)
     uncaught: bool = False
     """``raised``: every rank named is exiting with its error (``Position.uncaught``): none will come back."""
+    raised_in: str = ""
+    """``raised``: the phase the first rank named left with its error ("": the watched forward)."""
 
     @property
     def advice(self) -> str:
@@ -178,7 +186,8 @@ class Stall:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stall":
         waiting, uncaught = list(data.get("waiting", ())), bool(data.get("uncaught", False))
-        return cls(data["pattern"], list(data["ranks"]), data["step"], data["text"], waiting, uncaught)
+        raised_in = str(data.get("raised_in", ""))
+        return cls(data["pattern"], list(data["ranks"]), data["step"], data["text"], waiting, uncaught, raised_in)
 
 
 def rank_list(ranks: list[int]) -> str:
@@ -276,7 +285,7 @@ def _raised(positions: list[Position]) -> Stall | None:
     ]
     text = "; ".join([*clauses, _waiting_text(waiting)])
     ranks, uncaught = [p.rank for p in raised], all(p.uncaught for p in raised)
-    return Stall("raised", ranks, raised[0].step, text, [p.rank for p in waiting], uncaught)
+    return Stall("raised", ranks, raised[0].step, text, [p.rank for p in waiting], uncaught, raised[0].raised_in)
 
 
 def _raised_where(raised_in: str, ranks: int) -> str:

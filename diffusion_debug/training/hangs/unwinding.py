@@ -11,8 +11,9 @@ Two signs, read at each look (:meth:`Unwinding.position`):
   handlers run) while the process is not yet gone (an exit handler, a non-daemon thread joined at exit).
 
 The position published is then this rank's, in phase ``raised`` with the error and the phase it left
-(``Position.raised_in``), as the forward's own hook marks an error leaving the watched forward; the training
-thread's position is not written (it moves on by itself once the rank does)::
+(``Position.raised_in``; a phase of the user's that this very error left, and its step: ``Position.left``), as
+the forward's own hook marks an error leaving the watched forward; the training thread's position is not written
+(it moves on by itself once the rank does)::
 
     >>> import threading
     >>> thread = threading.current_thread()
@@ -58,6 +59,7 @@ import sys
 import threading
 from typing import Any
 
+from ...core.out_of_memory import raised_at
 from ...errors import DiffusionDebugError
 from .patterns import Position, error_text
 
@@ -104,8 +106,9 @@ class Unwinding:
         if found is None:
             return position
         error, uncaught = found
+        phase, step = position.left[:2] if _left(position, error) else (position.phase, position.step)
         return dataclasses.replace(
-            position, phase="raised", error=error_text(error), raised_in=position.phase, uncaught=uncaught
+            position, phase="raised", step=step, error=error_text(error), raised_in=phase, uncaught=uncaught
         )
 
     def unwinding(self, position: Position, thread: threading.Thread) -> tuple[BaseException, bool] | None:
@@ -119,6 +122,8 @@ class Unwinding:
             self._seen = {key: seen for key, seen in self._seen.items() if key in handled and seen[1] == generation}
             if error is None or id(error) in self._around or _identity(error) == self._at_forward:
                 return None
+            if _left(position, error):  # the error a phase of the user's left (its handler may follow that phase)
+                return (error, False) if _an_error(error) else None
             if self._seen.setdefault(id(error), (position.counter, generation))[0] != position.counter:
                 return None  # still handled after the rank moved on: its handler encloses the steps
             return (error, False) if _an_error(error) else None
@@ -126,6 +131,11 @@ class Unwinding:
             error = getattr(sys, "last_value", None)  # the uncaught error printed before the exit handlers
             return (error, True) if _an_error(error) and error is not self._stale else None
         return None
+
+
+def _left(position: Position, error: BaseException) -> bool:
+    """Whether ``error`` is the one that left a phase of the user's (``Position.left``: it was in that phase)."""
+    return bool(position.left) and position.left[2] == raised_at(error)
 
 
 def _identity(error: BaseException) -> tuple[Any, ...]:

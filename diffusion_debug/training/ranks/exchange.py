@@ -198,7 +198,8 @@ def one_per_step(anomalies: list[Anomaly]) -> list[Anomaly]:
 
 def same_on_other_ranks(anomalies: list[Anomaly]) -> set[int]:
     """Positions of the anomalies that repeat another one of the list on another rank (same
-    kind, severity, step and place: DDP averages one rank's NaN into every rank's gradients). The
+    kind, severity, step and place, and the details that tell its kind apart there: ``origin.copy_key``;
+    DDP averages one rank's NaN into every rank's gradients). The
     one of each group that the others follow (the rank that made it, ``ranks.origin``, also where
     every copy follows another kind's anomaly, as the gradients of a rank's NaN loss; else the
     first of the list, which is in cause order) gets ``details["also_on_ranks"]``, the ranks of its

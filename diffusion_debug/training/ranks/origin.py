@@ -32,12 +32,15 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from ...record import Anomaly, make_anomaly, rebuilt
+from ...record import Anomaly, distinct_details, make_anomaly, rebuilt
 
 
 def copy_key(anomaly: Anomaly) -> tuple:
-    """What makes two ranks' anomalies copies of one (DDP averages one rank's NaN into every rank's gradients)."""
-    return (anomaly.kind, anomaly.severity, anomaly.step, anomaly.component, anomaly.module, anomaly.parameter)
+    """What makes two ranks' anomalies copies of one (DDP averages one rank's NaN into every rank's gradients):
+    kind, severity, step and place, and the details that tell its kind apart at one place (``not_learning``'s
+    ``stalled_optimizer``: each optimizer's stall is a copy only of the same optimizer's on another rank)."""
+    place = (anomaly.kind, anomaly.severity, anomaly.step, anomaly.component, anomaly.module, anomaly.parameter)
+    return (*place, *distinct_details(anomaly.kind, anomaly.details).values())
 
 
 def name_origin(
