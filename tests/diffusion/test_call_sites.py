@@ -217,6 +217,24 @@ def test_an_encode_only_calls_nan_is_named_as_the_call_returns(tmp_path, call):
     assert held == 0 and found == [("nonfinite", "text_encoder", leaf)], found
 
 
+def _skip_where_a_compiled_decode_fails_unwatched():
+    """The floor stack (torch 2.5.1, diffusers 0.32.2) cannot compile ``vae.decode`` at all: dynamo raises
+    ``NameError: name 'torch' is not defined`` in diffusers' ``apply_forward_hook`` wrapper, with no
+    debugger. Tried on a pipeline of its own, so the test's pipeline is compiled only once."""
+    import torch
+
+    pipe = tiny_pipeline("sd")
+    torch._dynamo.reset()
+    decode = torch.compile(pipe.vae.decode, backend="eager")
+    try:
+        with torch.no_grad():
+            decode(torch.zeros(1, 4, 8, 8))
+    except Exception as error:  # noqa: BLE001 (whatever this stack's dynamo raises)
+        pytest.skip(f"this torch cannot compile vae.decode, unwatched too ({type(error).__name__}: {error})")
+    finally:
+        torch._dynamo.reset()
+
+
 def _hooked_vae_calls(tmp_path, held_calls: int, compiled: bool):
     """A tiny SD pipeline's call sites hooked on their own (every error raised), the VAE's ``decode``
     compiled (``backend="eager"``) where ``compiled``: its decoder is then watched around it."""
@@ -230,6 +248,7 @@ def _hooked_vae_calls(tmp_path, held_calls: int, compiled: bool):
 
     pipe = tiny_pipeline("sd")
     if compiled:
+        _skip_where_a_compiled_decode_fails_unwatched()
         torch._dynamo.reset()
         pipe.vae.decode = torch.compile(pipe.vae.decode, backend="eager")
     calls = CallSiteHooks(find_components(pipe), cfg(tmp_path), held_calls=held_calls)
