@@ -12,6 +12,30 @@ from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import load_json, read_jsonl
 
 
+def _caught_loop(tdbg, optimizer, block, forward, planted, steps, catch=Exception, **monitored):
+    """A plain loop whose ``block`` raises ``planted[step]`` at the steps ``planted`` names, under
+    ``except catch: continue``; ``forward()`` gives the step's loss, ``tdbg`` (None: unwatched) is given each
+    finished step (``monitored``: more of its arguments). The steps whose loss was computed, the errors caught."""
+    done, caught = [], []
+    for step in range(steps):
+
+        def fail(module, args, error=planted.get(step)):
+            raise error
+
+        try:
+            with block.register_forward_pre_hook(fail) if step in planted else contextlib.nullcontext():
+                loss = forward()
+            loss.backward()
+            if tdbg is not None:
+                tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, **monitored)
+            optimizer.step()
+            optimizer.zero_grad()
+            done.append(step)
+        except catch as error:
+            caught.append(error)
+    return done, caught
+
+
 def _unet_run(unet, tdbg, bad_step, steps=6):
     """A plain AdamW loop on one fixed batch of ``unet`` whose ``up_blocks.1`` raises at ``bad_step``, under
     ``except Exception: continue``; the steps whose loss was computed, and the error the loop caught."""
@@ -20,29 +44,13 @@ def _unet_run(unet, tdbg, bad_step, steps=6):
     sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
     context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
     noise = torch.randn(sample.shape, generator=generator)
-    timesteps, done, caught = torch.tensor([500]), [], []
+    timesteps = torch.tensor([500])
 
-    def bad_batch(module, args):
-        raise ValueError("a bad batch")
+    def forward():
+        return ((unet(sample, timesteps, context).sample - noise) ** 2).mean()
 
-    for step in range(steps):
-        try:
-            with (
-                unet.up_blocks[1].register_forward_pre_hook(bad_batch)
-                if step == bad_step
-                else contextlib.nullcontext()
-            ):
-                loss = ((unet(sample, timesteps, context).sample - noise) ** 2).mean()
-            loss.backward()
-            if tdbg is not None:
-                tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, timesteps=timesteps)
-            optimizer.step()
-            optimizer.zero_grad()
-            done.append(step)
-        except Exception as error:
-            caught.append(error)
-            continue
-    return done, caught
+    planted = {bad_step: ValueError("a bad batch")}
+    return _caught_loop(tdbg, optimizer, unet.up_blocks[1], forward, planted, steps, timesteps=timesteps)
 
 
 def test_a_forward_error_the_loop_catches_and_goes_on_from_is_named_at_its_block_and_step(_tiny_unet, tmp_path):
@@ -119,19 +127,10 @@ def test_a_checkpointed_model_s_recompute_in_backward_is_not_a_step_error(mlp, t
     tdbg = TrainingDebugger({"encoder": mlp, "head": head}, config=DebugConfig(output_dir=str(tmp_path)))
     optimizer = torch.optim.SGD(list(mlp.parameters()) + list(head.parameters()), lr=1e-2)
 
-    def bad_batch(module, args):
-        raise ValueError("a bad batch")
+    def forward():
+        return head(checkpoint(mlp, torch.randn(2, 4), use_reentrant=False)).pow(2).mean()
 
-    for step in range(4):
-        try:
-            with mlp[2].register_forward_pre_hook(bad_batch) if step == 2 else contextlib.nullcontext():
-                loss = head(checkpoint(mlp, torch.randn(2, 4), use_reentrant=False)).pow(2).mean()
-            loss.backward()
-            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
-            optimizer.step()
-            optimizer.zero_grad()
-        except ValueError:
-            continue
+    _caught_loop(tdbg, optimizer, mlp[2], forward, {2: ValueError("a bad batch")}, 4, catch=ValueError)
     tdbg.close()
     assert [(a.kind, a.component, a.module, a.step, a.details["error"]) for a in tdbg.report().anomalies] == [
         ("step_error", "encoder", "2", 2, "ValueError: a bad batch")
@@ -144,20 +143,7 @@ def test_two_kinds_of_error_at_one_block_are_each_named(mlp, tmp_path):
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path)))
     optimizer = torch.optim.SGD(mlp.parameters(), lr=1e-2)
     planted = {1: ValueError("a bad batch"), 3: RuntimeError("device-side assert"), 4: ValueError("a bad batch")}
-    for step in range(5):
-
-        def fail(module, args, step=step):
-            raise planted[step]
-
-        try:
-            with mlp[2].register_forward_pre_hook(fail) if step in planted else contextlib.nullcontext():
-                loss = mlp(torch.randn(2, 4)).pow(2).mean()
-            loss.backward()
-            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
-            optimizer.step()
-            optimizer.zero_grad()
-        except Exception:
-            continue
+    _caught_loop(tdbg, optimizer, mlp[2], lambda: mlp(torch.randn(2, 4)).pow(2).mean(), planted, 5)
     tdbg.close()
     found = [(a.module, a.step, a.details["error"], a.details.get("count")) for a in tdbg.report().anomalies]
     assert found == [("2", 1, "ValueError: a bad batch", 2), ("2", 3, "RuntimeError: device-side assert", 1)]
