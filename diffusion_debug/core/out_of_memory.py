@@ -170,14 +170,11 @@ class OutOfMemoryWatch:
             return
         try:
             if not isinstance(error, torch.OutOfMemoryError):  # another error: its frames are not held
-                if (
-                    self.other is not None
-                    and target is not None
-                    and not in_backward(error)
-                    and raised_at(error) != self.other_seen
-                ):
-                    self.other_seen = raised_at(error)  # (its hook on an enclosing watched model: once)
-                    self.other(error, target, module)
+                if self.other is not None and target is not None and not in_backward(error):
+                    where = raised_at(error)
+                    if where != self.other_seen:  # (its hook on an enclosing watched model: once)
+                        self.other_seen = where
+                        self.other(error, target, module)
                 return
             self.last = error
             self._record(error, target or self.fallback, module)
