@@ -413,8 +413,11 @@ def step_python_calls(
 
 
 def training_ops(model: torch.nn.Module, *, steps: int = 4, size: int = 8, output_dir: str | None = None) -> dict:
-    """Ops one ``monitor_training_step`` adds to a UNet training step (default config)."""
-    output_dir = output_dir or tempfile.mkdtemp(prefix="diffusion-debug-ops-")
+    """Ops one ``monitor_training_step`` adds to a UNet training step (default config), its run written
+    into ``output_dir`` or into a scratch folder removed after."""
+    if output_dir is None:
+        with tempfile.TemporaryDirectory(prefix="diffusion-debug-ops-") as scratch:
+            return training_ops(model, steps=steps, size=size, output_dir=scratch)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(2, model.config.in_channels, size, size, generator=g)
@@ -489,9 +492,9 @@ def training_python_calls(
     steps = training.accelerate_steps(
         twins, precision, device="cpu", size=8, context_len=77, max_grad_norm=max_grad_norm
     )
-    output_dir = tempfile.mkdtemp(prefix="diffusion-debug-calls-")
+    scratch = tempfile.TemporaryDirectory(prefix="diffusion-debug-calls-")
     debugger = TrainingDebugger(
-        steps[1].model, accelerator=steps[1].accelerator, config=DebugConfig(output_dir=output_dir)
+        steps[1].model, accelerator=steps[1].accelerator, config=DebugConfig(output_dir=scratch.name)
     )
     try:
         for i in range(warmup):
@@ -504,4 +507,5 @@ def training_python_calls(
     finally:
         debugger.close()
         training.reset_accelerate()
+        scratch.cleanup()
     return {"plain": plain, "watched": watched, "added": watched - plain, **ops}

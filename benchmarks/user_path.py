@@ -470,9 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the Markdown here")
     parser.add_argument("--json", help="also write the raw per-round times here")
     args = parser.parse_args(argv)
-    scratch = tempfile.mkdtemp(prefix="diffusion-debug-user-path-")
     selected = dict(parts=tuple(args.parts), dtypes=tuple(args.dtypes))
-    result = run(scratch, quick=args.quick, **selected, **(QUICK if args.quick else {}))
+    with tempfile.TemporaryDirectory(prefix="diffusion-debug-user-path-") as scratch:
+        result = run(scratch, quick=args.quick, **selected, **(QUICK if args.quick else {}))
     text = f"machine: {machine()}\n\n" + result.markdown() + "\n"
     print(text)
     if args.out:

@@ -11,6 +11,7 @@ import gc
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,20 @@ def pytest_configure(config):
         torch.set_num_threads(1)
     if pytest.version_tuple[:2] == (9, 1) and not config.option.pyargs:
         config.args[:] = sorted(config.args, key=lambda arg: _path_parts(config, arg))
+
+
+def pytest_sessionstart(session):
+    """Temporary files of this run (``tempfile``'s, in this process and in those it starts) go under the
+    run's pytest base folder, which pytest prunes to the last three runs: tests, the benchmarks they call and
+    the jobs they launch make folders with ``tempfile.mkdtemp`` (output folders, some at import) and nothing
+    removed them, ~1,000 folders left in /tmp by each run of the suite. Inductor's cache keeps its usual place
+    (its default is read from the temporary folder), so compiled tests stay warm from run to run."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    scratch = session.config._tmp_path_factory.getbasetemp() / "tempfiles"
+    scratch.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(scratch)
 
 
 def _path_parts(config, arg: str) -> tuple[str, ...]:
