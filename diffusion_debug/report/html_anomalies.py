@@ -16,7 +16,7 @@ from ..record import Anomaly, RunData, folded, kind_info, severity_rank
 from .html_env import format_value
 from .plots_common import kind_color, number
 from .rank_groups import OnRanks, rank_span, same_on_ranks
-from .text import HTML_MESSAGE_CHARS, cut
+from .text import HTML_MESSAGE_CHARS, cut, follow_label
 
 ANOMALY_CARDS_PER_KIND = 6
 ANOMALY_ROWS_PER_KIND = 300
@@ -112,19 +112,9 @@ def _card(cluster: Sequence[Anomaly], show_rank: bool, under: Sequence[Anomaly] 
         "again": again,
         "details": list(a.details.items()) if a.details else [],
         "consequences": _rows(under[:ANOMALY_ROWS_PER_KIND], show_rank, kind=True),
-        "consequences_label": _consequences_label(under),
+        "consequences_label": follow_label(under),
         "consequences_more": max(0, len(under) - ANOMALY_ROWS_PER_KIND),
     }
-
-
-def _consequences_label(under: Sequence[Anomaly]) -> str:
-    if not under:
-        return ""
-    kinds: dict[str, int] = {}
-    for b in under:
-        kinds[b.kind] = kinds.get(b.kind, 0) + 1
-    listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda i: -i[1]))
-    return f"{len(under)} anomal{'y follows' if len(under) == 1 else 'ies follow'} from it ({listed})"
 
 
 def _rows(members: Sequence[Anomaly], show_rank: bool, kind: bool = False) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
 from .columns import Column, pick, run_warnings
 from .rank_groups import same_on_ranks
-from .text import TERMINAL_MESSAGE_CHARS, cut
+from .text import TERMINAL_MESSAGE_CHARS, cut, follow_label
 
 # The terminal is narrow: a few of the report's step columns.
 INFERENCE_STEP_COLUMNS = pick(
@@ -272,10 +272,7 @@ def with_consequences(anomaly: Anomaly, under: Sequence[Anomaly]) -> Anomaly:
     """
     if not under:
         return anomaly
-    kinds = Counter(b.kind for b in under)
-    listed = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
-    word = "anomaly follows" if len(under) == 1 else "anomalies follow"
-    return dataclasses.replace(anomaly, message=f"{anomaly.message} {len(under)} {word} from it ({listed}).")
+    return dataclasses.replace(anomaly, message=f"{anomaly.message} {follow_label(under)}.")
 
 
 def render_terminal(run: RunData, width: int | None = None) -> str:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections import Counter
+from typing import Any, Sequence
 
 TERMINAL_MESSAGE_CHARS = 2000
 """The most of one message the terminal table wraps (a 50 MB message would take minutes)."""
@@ -39,3 +40,18 @@ def local_time(seconds: Any) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(seconds))
     except (OverflowError, OSError, ValueError):  # beyond time_t, or before what the C library takes
         return "unknown"
+
+
+def follow_label(under: Sequence[Any]) -> str:
+    """What follows from an anomaly (``record.folded``), counted by kind, most first: the terminal's row
+    and report.html's headline say it alike.
+
+    >>> from diffusion_debug.record import Anomaly
+    >>> b = Anomaly("loss_spike", "warning", "The loss jumped.", "model", step=11)
+    >>> follow_label([b, b]), follow_label([])
+    ('2 anomalies follow from it (2 loss_spike)', '')
+    """
+    if not under:
+        return ""
+    listed = ", ".join(f"{n} {kind}" for kind, n in Counter(b.kind for b in under).most_common())
+    return f"{len(under)} {'anomaly follows' if len(under) == 1 else 'anomalies follow'} from it ({listed})"
