@@ -49,7 +49,7 @@ from .measure.optimizer_state import (
     scale_tensor,
     tracking_enabled,
 )
-from .measure.pre_reduction import REDUCTIONS, engine_of
+from .measure.pre_reduction import REDUCTIONS, engine_of, fsdp_groups
 from .measure.shards import ShardNorms
 from .measure.step_measurer import StepMeasurer
 from .measure.step_row import SLOTS, LocalReadings, Measurement, StepRow, gathered_rows_to_host
@@ -107,6 +107,9 @@ class StepMonitor:
         self.exchange = RankExchange(ctx, strict=config.strict)
         self.sharded = params.sharded  # replicated: whole parameters on every rank (FSDP1's are shards)
         self.replicated = not self.sharded and not self.watched.flat_sharded()
+        found = [fsdp_groups(m) for m in self.watched.models.values() if self.sharded and isinstance(m, nn.Module)]
+        self.fsdp_groups = [group for groups in found for group in groups]
+        """FSDP2's parameter groups: a call while one reduces no gradient is a micro-step (``gradients_complete``)."""
         history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
         if ctx.distributed and not self.replicated:  # FSDP2, ZeRO, FSDP1: each rank's shards -> the whole
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
@@ -129,7 +132,7 @@ class StepMonitor:
         finally:
             if off is not None:
                 off.close()
-        if call.accumulating or not gradients_complete(self.accelerator, self.params.partitions):
+        if call.accumulating or not gradients_complete(self.accelerator, self.params.partitions, self.fsdp_groups):
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
             self.history.counts.micro_steps += 1
