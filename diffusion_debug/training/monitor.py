@@ -108,8 +108,10 @@ class StepMonitor:
         self.sharded = params.sharded  # replicated: whole parameters on every rank (FSDP1's are shards)
         self.replicated = not self.sharded and not self.watched.flat_sharded()
         found = [fsdp_groups(m) for m in self.watched.models.values() if self.sharded and isinstance(m, nn.Module)]
-        self.fsdp_groups = [group for groups in found for group in groups]
-        """FSDP2's parameter groups: a call while one reduces no gradient is a micro-step (``gradients_complete``)."""
+        groups = {id(group): group for listed in found for group in listed}  # fully_shard([a, b]): one group
+        self.fsdp_groups = [g for g in groups.values() if any(_trained(p) for p in g.fsdp_params)]
+        """FSDP2's parameter groups that train: a call while one reduces no gradient is a micro-step
+        (``gradients_complete``); a frozen group's sync, turned off, says nothing of the step."""
         history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
         if ctx.distributed and not self.replicated:  # FSDP2, ZeRO, FSDP1: each rank's shards -> the whole
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
@@ -525,3 +527,8 @@ class StepMonitor:
             step.late = error
             info["error"] = repr(error)
         return info
+
+
+def _trained(fsdp_param: Any) -> bool:
+    """Whether an FSDP2 parameter takes gradients (its sharded parameter's ``requires_grad``; not known: True)."""
+    return getattr(getattr(fsdp_param, "sharded_param", None), "requires_grad", True)
