@@ -49,7 +49,7 @@ from .measure.optimizer_state import (
     scale_tensor,
     tracking_enabled,
 )
-from .measure.pre_reduction import REDUCTIONS, engine_of
+from .measure.pre_reduction import REDUCTIONS, engine_of, fsdp_groups
 from .measure.shards import ShardNorms
 from .measure.step_measurer import StepMeasurer
 from .measure.step_row import SLOTS, LocalReadings, Measurement, StepRow, gathered_rows_to_host
@@ -107,6 +107,11 @@ class StepMonitor:
         self.exchange = RankExchange(ctx, strict=config.strict)
         self.sharded = params.sharded  # replicated: whole parameters on every rank (FSDP1's are shards)
         self.replicated = not self.sharded and not self.watched.flat_sharded()
+        found = [fsdp_groups(m) for m in self.watched.models.values() if self.sharded and isinstance(m, nn.Module)]
+        groups = {id(group): group for listed in found for group in listed}  # fully_shard([a, b]): one group
+        self.fsdp_groups = [g for g in groups.values() if any(_trained(p) for p in g.fsdp_params)]
+        """FSDP2's parameter groups that train: a call while one reduces no gradient is a micro-step
+        (``gradients_complete``); a frozen group's sync, turned off, says nothing of the step."""
         history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
         if ctx.distributed and not self.replicated:  # FSDP2, ZeRO, FSDP1: each rank's shards -> the whole
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
@@ -117,6 +122,9 @@ class StepMonitor:
         found it (``update()`` replaces it: the step's optimizer step ran, or was skipped) and its ``history.joined``,
         for :meth:`last_skip`. Replaced when the next step counts the skip (``_record_step``), not before: the live
         server's ``get_summary()`` during that step still counts it."""
+        self._taken: tuple[int, ...] | None = None
+        """A raw DeepSpeed engine's steps taken (``DeepSpeedSteps.steps_taken``) when the last step was monitored:
+        once they moved, its optimizer step ran, and a report judges its skip (None: no such engine)."""
         self._early: int | None = None
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
@@ -129,7 +137,7 @@ class StepMonitor:
         finally:
             if off is not None:
                 off.close()
-        if call.accumulating or not gradients_complete(self.accelerator, self.params.partitions):
+        if call.accumulating or not gradients_complete(self.accelerator, self.params.partitions, self.fsdp_groups):
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
             self.history.counts.micro_steps += 1
@@ -197,15 +205,19 @@ class StepMonitor:
         the run stopped or raised between the monitor and ``optimizer.step()``, when Accelerate's
         ``step_was_skipped`` is still the step before's: the GradScaler's ``update()`` had not
         replaced the per-step state the monitor found). Before close (``at`` a report's, policy ``raise``'s
-        inside the monitor among them) only a GradScaler's step is judged: only its state tells."""
+        inside the monitor among them) only a step known to have run is judged: a GradScaler's (its state tells) or a
+        raw DeepSpeed engine's (its ``global_steps`` moved since the monitor, skipped steps counted too)."""
         history, last = self.history, self._last
         if last is None or history.previous_step is None or last[3] == self._early:
             return None
         optimizer, scaler, states, _ = last
         scaler = find_scaler(self.accelerator, optimizer, scaler)
         ran = states is not None and getattr(scaler, "_per_optimizer_states", None) is not states
+        engines = self.params.deepspeed
+        if self._taken is not None and engines is not None and engines.steps_taken() != self._taken:
+            ran = True  # a raw DeepSpeed engine's step since the monitor: its overflow flag is that step's
         if not ran and (states is not None or at != "close"):
-            return None  # not run yet; a report judges only a GradScaler's step (no sign of the others' having run)
+            return None  # not run yet; a report judges only a step known to have run (no sign of the others')
         values = dict.fromkeys(SLOTS, math.nan)
         values.update(failed=0.0, accelerate_skipped=self.measurer.skipped(optimizer, last=True))
         if scaler is not None and scale_tensor(scaler) is not None:
@@ -478,6 +490,8 @@ class StepMonitor:
         info["anomalies"] = [a.kind for a in judged.anomalies] if judged.anomalies else []  # clean: no call
         found = step.last  # this step's, from now on (not before: the skip it counts is pending until here)
         self._last = (call.optimizer, call.scaler, None, history.joined) if found is None else (*found, history.joined)
+        engines = self.params.deepspeed
+        self._taken = engines.steps_taken() if engines is not None and not engines.capture else None
         recorded, skipped = judged.anomalies, judged.skipped
         if skipped and self._early == history.joined - 1:  # a report recorded it before this step read it
             recorded, skipped = [a for a in recorded if a.kind != "skipped_step"], []
@@ -513,3 +527,8 @@ class StepMonitor:
             step.late = error
             info["error"] = repr(error)
         return info
+
+
+def _trained(fsdp_param: Any) -> bool:
+    """Whether an FSDP2 parameter takes gradients (its sharded parameter's ``requires_grad``; not known: True)."""
+    return getattr(getattr(fsdp_param, "sharded_param", None), "requires_grad", True)

@@ -33,9 +33,12 @@ during backward, before the engine's all-reduce).
 
 zero3_nan_batch_rank1 (ZeRO-3, 4 steps: rank 1's batch holds a NaN at step 2) | fp16_inf_batch_rank1 (ZeRO-2 in
 fp16, the scale from ``2**STAGE0_SCALE_POWER``, which holds: rank 1's batch holds an Inf at step 2, DeepSpeed's
-loss scaler skips that step) | stall_before_step_rank1 (ZeRO-2, ``stall_action`` "wait": after step 6's monitor rank 1
-sleeps, as the main process saving a checkpoint would, until both ranks' watchers have named the stall and
-``NAMED_MARGIN`` s more, ``STALL_RESUMES`` s at most, while rank 0 waits in ``engine.step()``'s collectives).
+loss scaler skips that step) | fp16_accumulate_inf_last_rank1 (the same in ``gradient_accumulation_steps``
+2, each micro-step monitored, ``ACCUMULATE_STEPS`` steps: rank 1's batch holds an Inf in the first micro-step
+of the last, which DeepSpeed skips; the report is made before close) | stall_before_step_rank1 (ZeRO-2,
+``stall_action`` "wait": after step 6's monitor rank 1 sleeps, as the main process saving a checkpoint would,
+until both ranks' watchers have named the stall and ``NAMED_MARGIN`` s more, ``STALL_RESUMES`` s at most,
+while rank 0 waits in ``engine.step()``'s collectives).
 
 Every scenario prints, per rank and monitored step, the torch.distributed collectives the
 debugger called in it (``RANK r COLLECTIVES step s: all_reduce[n],...``, as multiprocess_job.py).
@@ -70,6 +73,7 @@ RANK0_PARAMETER = "up_blocks.0.resnets.0.conv1.weight"  # in rank 0's half
 FP16_SCALE_POWER = 19  # steps 0 and 1 overflow (the scale halves at the second), 2 and 3 do not
 STAGE0_STEPS, STAGE0_NAN_AT = 4, 2  # a clean step each side of the planted one, and the one after
 STAGE0_SCALE_POWER = 8  # fp16 without ZeRO: no overflow but the planted one
+ACCUMULATE_STEPS = 3  # fp16_accumulate_inf_last_rank1: two clean steps, then the skipped one last
 HTML = ("nan_grad_rank1_in_rank0_partition", "nan_loss_rank0")  # the others' tests read no report.html (seconds each)
 
 
@@ -91,6 +95,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     if stage == 0 and not fp16:
         precision = {"bf16": {"enabled": True}}
     nan_at = STAGE0_NAN_AT if stage == 0 else 12
+    micro_steps = 2 if kind.startswith("accumulate_") else 1
     engine, optimizer, _, _ = deepspeed.initialize(
         model=unet,
         optimizer=optimizer,
@@ -98,6 +103,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             "train_micro_batch_size_per_gpu": 2,
             "zero_optimization": {"stage": stage},
             "zero_allow_untested_optimizer": True,
+            "gradient_accumulation_steps": micro_steps,
             "steps_per_print": 10**6,
             **precision,
         },
@@ -127,11 +133,13 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         "nan_batch_rank1": 4,
         "inf_batch_rank1": 4,
         "stall_before_step_rank1": 8,
+        "accumulate_inf_last_rank1": ACCUMULATE_STEPS,
     }[kind]
     if stage == 0:  # DeepSpeed's mixed-precision optimizer around the AdamW
         say(scenario, f"RANK {rank} OPTIMIZER {type(optimizer).__name__}")
         steps = STAGE0_STEPS
-    for step in range(steps):
+    for call in range(steps * micro_steps):
+        step, micro = divmod(call, micro_steps)
         at[0] = step
         if kind == "stall_rank1" and rank == 1 and step == 6:  # the others wait in step 6's gradient reduce
             if action == "exit":
@@ -147,6 +155,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             latents, context = latents.bfloat16(), context.bfloat16()
         if kind in ("nan_batch_rank1", "inf_batch_rank1") and (rank, step) == (1, 2):
             latents[1, 0, 0, 0] = math.nan if kind == "nan_batch_rank1" else math.inf  # rank 1's batch alone
+        if kind == "accumulate_inf_last_rank1" and (rank, step, micro) == (1, steps - 1, 0):
+            latents[1, 0, 0, 0] = math.inf
         prediction = engine(latents, timesteps, encoder_hidden_states=context).sample
         loss = torch.nn.functional.mse_loss(prediction.float(), latents.float())
         if scenario == "nan_loss_rank0" and rank == 0 and step == 4:
@@ -164,7 +174,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             reference = math.sqrt(sum(float(safe_get_full_grad(p).double().square().sum()) for p in unet.parameters()))
             say(scenario, f"RANK {rank} GRAD_NORM {info['grad_norm']!r} REFERENCE {reference!r}")
         engine.step()
-        if fp16:  # DeepSpeed's own norm of the step, unscaled (inf where it overflowed)
+        if fp16 and micro == micro_steps - 1:  # DeepSpeed's own norm of the step, unscaled (inf where it overflowed)
             say(
                 scenario,
                 f"RANK {rank} FP16 step {step}: {info['grad_norm']!r} {float(engine.get_global_grad_norm())!r} "

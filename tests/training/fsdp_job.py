@@ -33,9 +33,15 @@ batch holds a NaN at step :data:`NAN_BATCH_AT`, the batch given as ``inputs=``: 
 ranks' shards are NaN) | raise_rank1_forward (6 steps, ``stall_action`` "wait"; at step :data:`RAISE_AT` rank 1's
 forward raises in ``conv_in``, after the root's all-gather, while rank 0 goes on to ``down_blocks.0``'s: rank 1
 catches it, sleeps until both watchers have named the stall and :data:`NAMED_MARGIN` s more (2.5 stall times
-at most), then runs the forward again, which joins rank 0's all-gather: both go on).
+at most), then runs the forward again, which joins rank 0's all-gather: both go on) |
+accumulate_checkpointed_nan_rank1 (:data:`ACCUMULATE_STEPS` optimizer steps of two micro-steps each, FSDP2's gradient
+accumulation: ``set_requires_gradient_sync(False)`` on the first micro-step, monitored after every backward with no
+``accumulating=``; each block's forward under non-reentrant activation checkpointing; rank 1's gradient of ``conv_in``
+is NaN in the first micro-step of step :data:`ACCUMULATE_NAN_AT`; at each clean step each rank prints the reported
+norm and ``torch.nn.utils.clip_grad_norm_``'s of the DTensor gradients: ``RANK r CLIP step s: <measured> <clip>``).
 """
 
+import functools
 import json
 import os
 import sys
@@ -72,6 +78,8 @@ STEPS = {
 }
 NAN_BATCH_AT, RAISE_AT = 2, 3
 """nan_batch_rank1's step whose batch holds a NaN on rank 1; raise_rank1_forward's step whose forward raises there."""
+ACCUMULATE_STEPS, ACCUMULATE_NAN_AT = 4, 2
+"""accumulate_checkpointed_nan_rank1's optimizer steps, and the one whose first micro-step makes rank 1's NaN."""
 NEW_ROW_UNTIL = 5
 """embedding_new_row: the steps before it train the table's last row alone; from it on no row."""
 
@@ -153,9 +161,58 @@ def embedding_new_row(output_dir: str, scenario: str) -> None:
         tdbg.close()
 
 
+def accumulate_checkpointed(output_dir: str, scenario: str) -> None:
+    """FSDP2's own gradient accumulation, as its docs write it: no reduce-scatter on the micro-steps
+    (``set_requires_gradient_sync(False)``), the debugger called after every backward as in a loop without
+    Accelerate (no ``accumulating=``), each block checkpointed (``torch.utils.checkpoint``, non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    rank = dist.get_rank()
+    unet = tiny_unet()
+    for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks):
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        fully_shard(block)
+    fully_shard(unet)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    tdbg = TrainingDebugger(unet, config=DebugConfig(output_dir=output_dir, stall_timeout=STALL_TIMEOUT))
+    at = [None]
+    unet.conv_in.register_full_backward_pre_hook(  # rank 1's own gradient, in a micro-step FSDP2 does not reduce
+        lambda module, grad_output: (
+            (grad_output[0] * float("nan"),) if (rank, at[0]) == (1, ACCUMULATE_NAN_AT) else None
+        )
+    )
+    generator = torch.Generator().manual_seed(100 + rank)
+    try:
+        for step in range(ACCUMULATE_STEPS):
+            for micro in range(2):
+                at[0] = step if micro == 0 else None
+                unet.set_requires_gradient_sync(micro == 1)
+                latents = torch.randn(2, 4, 8, 8, generator=generator)
+                noise = torch.randn(2, 4, 8, 8, generator=generator)
+                text = torch.randn(2, 3, 32, generator=generator)
+                timesteps = torch.randint(0, 1000, (2,), generator=generator)
+                sample = unet(latents + noise, timesteps, encoder_hidden_states=text).sample
+                loss = torch.nn.functional.mse_loss(sample, noise)
+                loss.backward()
+                info = tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            if step < ACCUMULATE_NAN_AT:
+                clipped = torch.nn.utils.clip_grad_norm_(unet.parameters(), float("inf"))  # a DTensor: the whole norm
+                say(scenario, f"RANK {rank} CLIP step {step}: {info['grad_norm']!r} {float(clipped.full_tensor())!r}")
+            optimizer.step()
+            optimizer.zero_grad()
+        if rank == 0:
+            say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
+        dist.barrier()
+        say(scenario, f"RANK {rank} DONE")
+    finally:
+        tdbg.close()
+
+
 def run_scenario(output_dir: str, scenario: str) -> None:
     if scenario == "embedding_new_row":
         return embedding_new_row(output_dir, scenario)
+    if scenario == "accumulate_checkpointed_nan_rank1":
+        return accumulate_checkpointed(output_dir, scenario)
     rank = dist.get_rank()
     fsdp1 = scenario == "fsdp1_nan_grad_rank1"
     flat = scenario == "fsdp1_flat_nan_grad_rank1"

@@ -9,6 +9,7 @@ Skipped, saying why, where DeepSpeed does not install or import (``pip install '
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ SCENARIOS = (
     "stage0_fp16_nan_grad_rank1_before_reduction",  # no ZeRO, fp16: 4 steps (~1 s)
     "zero3_nan_batch_rank1",
     "fp16_inf_batch_rank1",
+    "fp16_accumulate_inf_last_rank1",  # ZeRO-2, fp16, 2 micro-steps a step: 3 steps (~2 s)
     "stall_before_step_rank1",
     "stall_rank1",
 )
@@ -406,6 +408,41 @@ def test_zero_a_bad_batch_on_rank1_is_named_on_rank1_and_so_is_deepspeed_s_skip(
     assert received["details"]["follows"] == made["details"]["follows"] == {"kind": "nonfinite_loss", "rank": 1}
     assert (skipped["details"]["reason"], skipped["details"]["overflow_ranks"]) == ("deepspeed_overflow", [1])
     assert "(non-finite gradients of rank 1 before the reduction" in skipped["message"]
+
+
+def test_zero2_fp16_accumulating_a_skip_of_the_last_step_is_in_the_report_made_before_close(launched):
+    """ZeRO-2 in fp16 with ``gradient_accumulation_steps`` 2, each micro-step monitored: the clean steps are
+    quiet, each norm DeepSpeed's own (``get_global_grad_norm``, unscaled); rank 1's Inf in the first micro-step
+    of the last step makes DeepSpeed's loss scaler skip it, and the report made after that ``engine.step()``,
+    before close, says so: a ``skipped_step``, counted (DeepSpeed's ``skipped_steps`` 1), the gradients infos.
+    Before, a report judged only a GradScaler's last step (only its state told that it had run): the summary
+    saved counted no skip of a run whose last step DeepSpeed skipped."""
+    output_dir, stdout, stderr = launched
+    scenario = "fp16_accumulate_inf_last_rank1"
+    out = stdout[scenario]
+    assert "RANK 0 DONE skipped=1" in out and "RANK 1 DONE skipped=1" in out, out + stderr[-3000:]
+    norms = re.findall(r"RANK (\d) FP16 step (\d): (\S+) (\S+) (\d+)", out)
+    assert sorted((rank, step) for rank, step, *_ in norms) == [(r, s) for r in "01" for s in "012"], out
+    for _, step, measured, theirs, skipped in norms:
+        if step != "2":  # a float32 sum of fp16 gradients unscaled: rel 1e-5
+            assert float(measured) == pytest.approx(float(theirs), rel=1e-5) and skipped == "0", norms
+    summary = _summary(output_dir, scenario)
+    training = summary["training"]
+    assert (training["total_steps"], training["accumulating_micro_steps"], training["skipped_by_deepspeed"]) == (
+        3,
+        3,
+        1,
+    )
+    found = [(a["kind"], a["severity"], a["rank"], a["step"]) for a in summary["anomalies"]]
+    assert found == [
+        ("nonfinite_loss", "error", 1, 2),
+        ("nonfinite", "info", 0, 2),
+        ("nonfinite", "info", 1, 2),
+        ("skipped_step", "info", 0, 2),
+    ]
+    skipped = summary["anomalies"][-1]
+    assert (skipped["details"]["reason"], skipped["details"]["overflow_ranks"]) == ("deepspeed_overflow", [1])
+    assert summary["headline"]["where"] == "model, step 2, rank 1"
 
 
 def test_zero2_rank1_held_after_its_monitor_is_named_while_rank0_waits_in_the_optimizer_step(launched):

@@ -3,7 +3,8 @@ sharded per block, its planted faults named at their origin, stalls named and en
 and FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True and False) in the same launch.
 One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction,
 mixed_bf16_nan_grad_rank0_before_reduction, nan_loss_rank0, lr_jump_and_wait, fsdp1_nan_grad_rank1,
-fsdp1_flat_nan_grad_rank1, embedding_new_row, nan_batch_rank1, raise_rank1_forward, stall_rank1], the last ending
+fsdp1_flat_nan_grad_rank1, embedding_new_row, nan_batch_rank1, raise_rank1_forward, accumulate_checkpointed_nan_rank1,
+stall_rank1], the last ending
 the job (see fsdp_job.py). The clean check is the steps before each planted fault: no anomaly there."""
 
 import json
@@ -39,6 +40,7 @@ SCENARIOS = (
     "embedding_new_row",
     "nan_batch_rank1",
     "raise_rank1_forward",
+    "accumulate_checkpointed_nan_rank1",
     "stall_rank1",
 )
 STALL_TIMEOUT = 4.0  # fsdp_job.STALL_TIMEOUT
@@ -368,6 +370,39 @@ def test_a_rank_whose_forward_raised_is_named_with_its_error_while_the_other_wai
     stacks = {r: (run_dir / f"stacks-rank{r}.txt").read_text() for r in range(2)}
     assert "in foreach_all_gather" in stacks[0]  # down_blocks.0's all-gather
     assert f'fsdp_job.py", line {_line_of("sleep_until_stall_named(tdbg.record.run_dir, 2, margin")} in' in stacks[1]
+
+
+def test_fsdp2_gradient_accumulation_without_sync_is_quiet_and_names_rank1s_nan_made_in_a_micro_step(launched):
+    """FSDP2's own gradient accumulation: ``set_requires_gradient_sync(False)`` on each first micro-step, the
+    debugger called after every backward without ``accumulating=`` (FSDP2's flag says it), each block under
+    non-reentrant activation checkpointing. The micro-steps are micro-steps (4 optimizer steps, 4 micro-steps)
+    and the clean steps are quiet, each norm ``clip_grad_norm_``'s of the DTensor gradients; rank 1's NaN made
+    in the first micro-step of step 2, which FSDP2 reduces only at the second, is named there, at ``conv_in``,
+    rank 1. Before, every micro-step was read as a step whose sharded gradients (none until the reduce-scatter)
+    had norm 0: ``gradient_vanishing`` on both ranks at every step, and 8 steps counted."""
+    output_dir, stdout, stderr = launched
+    scenario = "accumulate_checkpointed_nan_rank1"
+    _finished(stdout, scenario)
+    clips = re.findall(r"RANK (\d) CLIP step (\d): (\S+) (\S+)", stdout[scenario])
+    assert sorted((rank, step) for rank, step, _, _ in clips) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    for _, _, measured, clipped in clips:  # the whole model's norm on each rank (a float32 sum: rel 1e-6)
+        assert float(measured) == pytest.approx(float(clipped), rel=1e-6), clips
+    summary = _summary(output_dir, scenario)
+    training = summary["training"]
+    assert (training["total_steps"], training["accumulating_micro_steps"]) == (4, 4)
+    assert [a for a in summary["anomalies"] if a["step"] < 2] == []
+    at2 = [(a["kind"], a["rank"], a["parameter"], a["module"]) for a in summary["anomalies"] if a["step"] == 2]
+    assert at2 == [("nonfinite", 0, "conv_in.weight", "conv_in"), ("nonfinite", 1, "conv_in.weight", "conv_in")]
+    headline = summary["headline"]
+    assert (headline["kind"], headline["where"]) == ("nonfinite", "model conv_in.weight, step 2, rank 1")
+    assert "non-finite in this rank's own gradients before the gradient reduce-scatter" in headline["message"]
+    received = next(a for a in summary["anomalies"] if (a["step"], a["rank"]) == (2, 0))
+    assert received["details"]["reduction"] == {
+        "origins": [1],
+        "made_here": False,
+        "through": "the gradient reduce-scatter",
+    }
+    assert not [a for a in summary["anomalies"] if a["kind"] == "gradient_vanishing"]
 
 
 def test_rank1_stalled_before_step6_is_named_and_the_job_ended(launched):

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import Anomaly, by_cause, folded, headline, rebuilt
 from diffusion_debug.testing.features import FSDP2_ON_CPU
+from diffusion_debug.training.measure.optimizer_state import gradients_complete
 from diffusion_debug.training.measure.pre_reduction import (
     REDUCTIONS,
     PreReductionCheck,
@@ -927,4 +928,31 @@ def test_the_update_ratio_is_judged_by_the_optimizer_a_zero_redundancy_one_holds
         optimizer.zero_grad()
     spikes = [(a.step, a.details["reason"]) for a in tdbg.report().anomalies if a.kind == "lr_spike"]
     assert spikes[:1] == ([(0, "update_ratio")] if inner == "SGD" else [])
+    tdbg.close()
+
+
+@NEEDS_FSDP2
+def test_an_fsdp2_micro_step_is_told_by_the_groups_that_train_each_listed_once(one_rank_group, tmp_path):
+    """FSDP2's accumulation turns a group's sync off (``set_requires_gradient_sync(False)``; HSDP's
+    ``set_requires_all_reduce(False)``): a call then is a micro-step. A frozen group's sync says nothing of the
+    step (else every call of a run that froze a block and turned its sync off would be a micro-step, and nothing
+    watched), and a group is listed once however many of its modules hold it."""
+    model = _model()
+    model[0].requires_grad_(False)
+    for module in (model[0], model[2], model):
+        _fully_shard(module)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    monitor = tdbg._steps
+    trained = [model[2]._get_fsdp_state()._fsdp_param_group]
+    assert [id(g) for g in monitor.fsdp_groups] == [id(g) for g in trained]
+    complete = lambda: gradients_complete(None, None, monitor.fsdp_groups)  # noqa: E731
+    model[0].set_requires_gradient_sync(False, recurse=False)
+    assert complete()
+    model[2].set_requires_gradient_sync(False, recurse=False)
+    assert not complete()
+    model[2].set_requires_gradient_sync(True, recurse=False)
+    model[2].set_requires_all_reduce(False, recurse=False)
+    assert not complete()
+    model[2].set_requires_all_reduce(True, recurse=False)
+    assert complete()
     tdbg.close()

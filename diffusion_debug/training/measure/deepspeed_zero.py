@@ -137,6 +137,7 @@ class DeepSpeedSteps:
     debuggers on one engine each wrap its ``step`` and remove only their own (:class:`_StepWrap`)."""
 
     params: list[torch.Tensor]
+    engines: list[Any]
     optimizers: list[Any]
     capture: bool
     _empty: torch.Tensor
@@ -173,6 +174,11 @@ class DeepSpeedSteps:
     def step_skipped(self, optimizer: Any) -> bool | None:
         """Whether the last ``step()`` skipped its update for non-finite gradients (None: unknown)."""
         raise NotImplementedError
+
+    def steps_taken(self) -> tuple[int, ...]:
+        """Each engine's ``global_steps``: it counts every optimizer step the engine took, those its
+        overflow check skipped too (a report tells by it whether the last monitored step's has run)."""
+        return tuple(int(getattr(engine, "global_steps", 0)) for engine in self.engines)
 
     def trained(self, optimizers: Iterable[Any]) -> tuple[set[int], list[torch.Tensor]]:
         """:func:`trained_copies` of the DeepSpeed optimizers among ``optimizers`` and the engines'."""
