@@ -2,7 +2,8 @@
 they call for, and what a replay names: :mod:`.replay.decide`), and the anomalies they make: lists of
 :class:`~diffusion_debug.record.Anomaly` (possibly empty), whose sentence the kind's builder writes from its
 details (``record/inference_messages.py``). They measure nothing and touch no live tensor: the debugger
-fetches the numbers (and replays), these decide.
+fetches the numbers (and replays), these decide. Long because every kind's anomaly is made beside the details its
+advice shares with the others' (``_vae_details``, ``_autocast_details``: what the VAE and autocast were), written once.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def nonfinite(
     origin: str | None = None,
     role: str = "",
     sd_vae: bool = False,
+    upcast: bool = False,
     dtype: str | None = None,
     near_max: tuple[ModuleReading, ModuleReading] | None = None,
     read_as: str | None = None,
@@ -159,7 +161,7 @@ def nonfinite(
     """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
     ``origin``: where the run's first NaN/Inf was (a consequence points at it); ``role``: the
     component's role (its checks' advice comes from it, not from the attribute name); ``sd_vae``:
-    it is Stable Diffusion's VAE (:func:`~.components.inventory.stable_diffusion_vae`); ``dtype``:
+    it is Stable Diffusion's VAE (``upcast``: in a pipeline that reads its ``force_upcast``); ``dtype``:
     the dtype the component computes in, when known (a float32 VAE is not told to keep to float32);
     ``near_max``: ``(the module that made the near-max values module overflowed on, module's reading)``
     (:func:`~.replay.near_max.near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s; ``read_as``: the dtype
@@ -167,14 +169,16 @@ def nonfinite(
     float16 autocast, whose advice differs, :func:`_autocast_details`; bfloat16, a NaN weight's: not autocast's);
     ``autocast``: the dtype an open autocast computed the component in (a float32 VAE's advice says it)."""
     if near_max is not None and not consequence:
-        kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, dtype=dtype)
-        return list(near_max_nonfinite(component, *near_max, details=details or {}, autocast=autocast, **kw))
+        kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, upcast=upcast)
+        return list(
+            near_max_nonfinite(component, *near_max, details=details or {}, dtype=dtype, autocast=autocast, **kw)
+        )
     if consequence:
         details = {**(details or {}), "passed_on": True, **({"origin": origin} if origin else {})}
     else:
         found = _autocast_details(dtype, read_as) if read_as == "float16" else {}  # (bfloat16's: no autocast advice)
         autocast_dtype, autocast = autocast, {**found, "dtype": "float16"} if found else {}
-        details = {**(details or {}), **_vae_details(role, sd_vae, dtype, autocast_dtype), **autocast}
+        details = {**(details or {}), **_vae_details(role, sd_vae, dtype, autocast_dtype, upcast), **autocast}
     return [
         make_anomaly(
             kind="nonfinite",
@@ -199,6 +203,7 @@ def near_max_nonfinite(
     details: dict[str, Any],
     role: str = "",
     sd_vae: bool = False,
+    upcast: bool = False,
     dtype: str | None = None,
     autocast: str | None = None,
 ) -> tuple[Anomaly, Anomaly]:
@@ -222,7 +227,7 @@ def near_max_nonfinite(
             "absmax": maker.output_absmax,
             "dtype": maker.dtype,
             "overflowed_in": overflowed.module,
-            **_vae_details(role, sd_vae, dtype, autocast),
+            **_vae_details(role, sd_vae, dtype, autocast, upcast),
             **_autocast_details(dtype, maker.dtype),
         },
     )
@@ -244,14 +249,15 @@ def near_max_nonfinite(
     return origin, consequence
 
 
-def _vae_details(role: str, sd_vae: bool, dtype: str | None = None, autocast: str | None = None) -> dict[str, Any]:
-    """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is Stable
-    Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there), the dtype its weights are in
+def _vae_details(role: str, sd_vae: bool, dtype: str | None, autocast: str | None, upcast: bool) -> dict[str, Any]:
+    """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is Stable Diffusion's
+    (in a pipeline that reads its ``force_upcast``: ``upcast``, said where true), the dtype its weights are in
     (``vae_dtype``, when known) and the ``autocast`` dtype it ran under (``vae_autocast``)."""
     if not has_check(role, "vae"):
         return {"vae_role": False}
-    ran_under = {"vae_autocast": autocast} if autocast else {}
-    return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {}), **ran_under}
+    ran = {"vae_autocast": autocast} if autocast else {}
+    ran |= {"reads_force_upcast": True} if sd_vae and upcast else {}
+    return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {}), **ran}
 
 
 # -- fp16 / bf16 overflow -------------------------------------------------------------------
@@ -292,6 +298,7 @@ def overflow_risk(
     localized_by: str,
     role: str = "",
     sd_vae: bool = False,
+    upcast: bool = False,
     between: dict[str, str] | None = None,
     compiled: bool = False,
     weights_dtype: str | None = None,
@@ -320,7 +327,7 @@ def overflow_risk(
                 "dtype": reading.dtype,
                 "threshold": fraction,
                 "localized_by": localized_by,
-                **_vae_details(role, sd_vae, weights_dtype, autocast),
+                **_vae_details(role, sd_vae, weights_dtype, autocast, upcast),
                 **(between or {}),
                 **({"compiled": True} if compiled else {}),
                 **_autocast_details(weights_dtype, reading.dtype),
@@ -463,6 +470,7 @@ def vae_saturation(
     step: int | None,
     component: str = "vae",
     sd_vae: bool = False,
+    upcast: bool = False,
     dtype: torch.dtype | None = None,
     ran: Callable[[], tuple[str | None, str | None]] | None = None,
 ) -> list[Anomaly]:
@@ -482,7 +490,7 @@ def vae_saturation(
                 details={
                     "flat_images": flat,
                     "image_ranges": image_ranges,
-                    **_vae_details("vae", sd_vae, weights, under),
+                    **_vae_details("vae", sd_vae, weights, under, upcast),
                     **({"decoded_dtype": dtype_name(dtype)} if dtype is not None else {}),
                 },
             )

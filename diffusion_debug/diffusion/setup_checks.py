@@ -15,7 +15,7 @@ from ..probes.tracing import compile_wrapper, compiled_in_place
 from ..record import Anomaly, make_anomaly
 from .checks import HALF_DTYPES
 from .components.compiled import HALF_METHODS, ORIG, called_through_halves
-from .components.inventory import Component, find_components
+from .components.inventory import Component, find_components, reads_force_upcast
 from .components.roles import has_check
 
 # -- prompts ----------------------------------------------------------------------------------
@@ -343,7 +343,11 @@ def dtype_mismatch(
                 kind="dtype_mismatch",
                 severity="warning",
                 component=vae_name,
-                details={"vae_dtype": "float16", "force_upcast": False},
+                details={
+                    "vae_dtype": "float16",
+                    "force_upcast": False,
+                    "reads_force_upcast": reads_force_upcast(pipe),
+                },
             )
         )
     halves = {name: d for name, d in dtypes.items() if d in HALF_DTYPES}

@@ -30,25 +30,39 @@ def vae_advice(
     dtype: str | None = None,
     autocast: str | None = None,
     *,
+    upcast: bool = False,
     subject: str = "it",
     check: str = "its weights and inputs",
     finite: str = "they",
 ) -> str:
-    """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
-    ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
-    ``details["sd_vae"]``); another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept
-    in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``, its weights'), and one not
-    called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE
-    under ``force_upcast`` too) is told so: no dtype advice fits it; but under a ``torch.autocast`` of another dtype
-    than its weights' (``autocast``: the dtype it computed in, :func:`names_autocast`) it did not: the autocast is
-    said, and float16's advice holds where its weights are finite, whatever their dtype (``force_upcast`` is said
-    where an SD VAE's float32 weights may be its doing). ``subject`` (what ran), ``check`` (what to check where the
-    dtype is no cause) and ``finite`` (what of it must be finite): a flat image's message says them its own way.
+    """How to keep the VAE-role ``component`` out of float16 overflow. ``force_upcast`` belongs to the AutoencoderKL
+    of Stable Diffusion and SDXL (``sd_vae``, read in ``details["sd_vae"]``) in a pipeline whose ``__call__`` reads
+    it (``upcast``: ``details["reads_force_upcast"]``, :func:`~diffusion_debug.diffusion.components.inventory.\
+reads_force_upcast`: SDXL's family, not SD 1.x/2.x's), as does the fp16-fixed VAE (SDXL's; another latent space
+    than SD 1.5's); where it is not read, the decode in float32 that such a pipeline makes is said as the user's own
+    (``pipe.vae.to(torch.float32)`` alone fails there: the pipeline hands it float16 latents). Another VAE (Flux's,
+    a video VAE such as ``AutoencoderKLWan``) is kept in float32 or bfloat16, and one not called ``vae``
+    (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE under ``force_upcast`` too)
+    or bfloat16 (float32's range: no wider dtype holds more) is told so: no dtype advice fits it; but under a
+    ``torch.autocast`` of another dtype than its weights' (``autocast``: the dtype it computed in,
+    :func:`names_autocast`) it did not: the autocast is said, and float16's advice holds where its weights are
+    finite, whatever their dtype (``force_upcast`` is said where an SD VAE's float32 weights may be its doing).
+    ``subject`` (what ran), ``check`` (what to check where the dtype is no cause) and ``finite`` (what of it must
+    be finite): a flat image's message says them its own way.
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
-    >>> vae_advice("vae", dtype="bfloat16")
-    'run the VAE in float32: pipe.vae.to(torch.float32)'
+    >>> vae_advice("vae", True, upcast=True)
+    'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
+the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix'
+    >>> print(vae_advice("vae", True))
+    decode in float32, as diffusers' SDXL pipelines upcast for the decode: this pipeline does not read \
+vae.config.force_upcast, and pipe.vae.to(torch.float32) alone fails on its float16 latents, so call it with \
+output_type="latent" and decode with pipe.vae.to(torch.float32).decode(latents.float() / \
+pipe.vae.config.scaling_factor)
+    >>> vae_advice("vae", True, dtype="bfloat16")
+    "it ran in bfloat16, whose range is float32's, so this is no overflow of a narrow dtype: check its weights and \
+inputs"
     >>> vae_advice("movq", dtype="float16")
     'keep movq in float32 (pipe.movq.to(torch.float32))'
     >>> vae_advice("movq", dtype="float32")
@@ -74,26 +88,34 @@ float32 movq in float16 too)'
                 f"{subject} ran under {autocast} autocast ({weights}), whose range is float32's, so this is no "
                 f"overflow of a narrow dtype: check {check}"
             )
-        upcast = "neither their dtype nor force_upcast changes" if sd_vae and dtype == "float32" else None
+        read = "neither their dtype nor force_upcast changes" if sd_vae and upcast and dtype == "float32" else None
         return (
-            f"{subject} ran under float16 autocast ({weights}, so {upcast or 'their dtype does not change'} what it "
+            f"{subject} ran under float16 autocast ({weights}, so {read or 'their dtype does not change'} what it "
             f"computes in): check {check}; if {finite} are finite, autocast to bfloat16 instead "
             f"(torch.autocast(..., dtype=torch.bfloat16)) or run {component} outside autocast"
         )
     if dtype == "float32":
         return f"{subject} ran in float32, so this is no half-precision overflow: check {check}"
+    if dtype == "bfloat16":  # (no autocast: one is named above) float32 holds no more than bfloat16
+        wide = "whose range is float32's, so this is no overflow of a narrow dtype"
+        return f"{subject} ran in bfloat16, {wide}: check {check}"
     outside, named = "", "VAE" if component == "vae" else component
     if autocast == "float16":  # its weights float16 too: upcast alone, it would still compute in float16
         outside = f", decoded outside the float16 autocast (which computes a float32 {named} in float16 too)"
     if component != "vae":
         return f"keep {component} in float32 (pipe.{component}.to(torch.float32)){outside}"
-    if dtype == "bfloat16":
-        return "run the VAE in float32: pipe.vae.to(torch.float32)"
     if not sd_vae:
         return f"keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32){outside}"
-    return (
-        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True){outside}"
-        f"{',' if outside else ''} or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
+    if upcast:
+        return (
+            "keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE "
+            f"and the latents){outside}, or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
+        )
+    return (  # SD 1.x/2.x: the upcast SDXL's pipelines make, made by the user
+        "decode in float32, as diffusers' SDXL pipelines upcast for the decode: this pipeline does not read "
+        "vae.config.force_upcast, and pipe.vae.to(torch.float32) alone fails on its float16 latents, so call it with "
+        'output_type="latent" and decode with pipe.vae.to(torch.float32).decode(latents.float() / '
+        f"pipe.vae.config.scaling_factor){outside}"
     )
 
 
@@ -164,9 +186,9 @@ def _near_max_vae_advice(where: str, details: dict[str, Any]) -> str:
     max: the autocast it ran under (``vae_autocast``) is said where it computed in that dtype (a float16 VAE's
     upcast alone would not leave float16 autocast), not where the module's output escaped it."""
     dtype, autocast = details.get("dtype"), details.get("vae_autocast")
-    return vae_advice(
-        where.partition(".")[0], details.get("sd_vae", False), dtype, autocast if autocast == dtype else None
-    )
+    under = autocast if autocast == dtype else None
+    upcast = details.get("reads_force_upcast", False)
+    return vae_advice(where.partition(".")[0], details.get("sd_vae", False), dtype, under, upcast=upcast)
 
 
 def autocast_advice(where: str, weights_dtype: str) -> str:

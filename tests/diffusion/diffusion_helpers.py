@@ -12,6 +12,21 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger
 
 PROMPT = "a photo of a cat"
 
+SD_FP16_VAE = (
+    "decode in float32, as diffusers' SDXL pipelines upcast for the decode: this pipeline does not read "
+    "vae.config.force_upcast, and pipe.vae.to(torch.float32) alone fails on its float16 latents, so call it with "
+    'output_type="latent" and decode with pipe.vae.to(torch.float32).decode(latents.float() / '
+    "pipe.vae.config.scaling_factor)"
+)
+"""The advice for a float16 SD 1.5 VAE: ``StableDiffusionPipeline`` reads no ``force_upcast``."""
+SDXL_FP16_VAE = (
+    "keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and "
+    "the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix"
+)
+"""The advice for a float16 SDXL VAE in a pipeline that reads its ``force_upcast``."""
+BF16_VAE = "it ran in bfloat16, whose range is float32's, so this is no overflow of a narrow dtype"
+"""What a bfloat16 VAE's NaN/Inf (no autocast) is told: float32 holds no more."""
+
 
 def run(pipe, steps: int = 3, **kwargs):
     kwargs.setdefault("output_type", "np")
