@@ -34,8 +34,9 @@ from . import checks, origins
 from . import step_values as rows
 from .components.call_sites import CallSiteHooks, kept_arguments
 from .components.computes_in import autocast_over, computes_in, weights_finite
-from .components.inventory import reads_force_upcast, role_of, stable_diffusion_vae
+from .components.inventory import role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
+from .components.upcast import reads_force_upcast
 from .replay.decide import (
     ALREADY_REPORTED,
     NOTHING,

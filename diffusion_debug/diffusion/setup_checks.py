@@ -15,8 +15,9 @@ from ..probes.tracing import compile_wrapper, compiled_in_place
 from ..record import Anomaly, make_anomaly
 from .checks import HALF_DTYPES
 from .components.compiled import HALF_METHODS, ORIG, called_through_halves
-from .components.inventory import Component, find_components, reads_force_upcast
+from .components.inventory import Component, find_components
 from .components.roles import has_check
+from .components.upcast import reads_force_upcast
 
 # -- prompts ----------------------------------------------------------------------------------
 

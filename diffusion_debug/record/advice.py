@@ -37,7 +37,7 @@ def vae_advice(
 ) -> str:
     """How to keep the VAE-role ``component`` out of float16 overflow. ``force_upcast`` belongs to the AutoencoderKL
     of Stable Diffusion and SDXL (``sd_vae``, read in ``details["sd_vae"]``) in a pipeline whose ``__call__`` reads
-    it (``upcast``: ``details["reads_force_upcast"]``, :func:`~diffusion_debug.diffusion.components.inventory.\
+    it (``upcast``: ``details["reads_force_upcast"]``, :func:`~diffusion_debug.diffusion.components.upcast.\
 reads_force_upcast`: SDXL's family, not SD 1.x/2.x's), as does the fp16-fixed VAE (SDXL's; another latent space
     than SD 1.5's); where it is not read, the decode in float32 that such a pipeline makes is said as the user's own
     (``pipe.vae.to(torch.float32)`` alone fails there: the pipeline hands it float16 latents). Another VAE (Flux's,

@@ -38,7 +38,7 @@ def test_whether_a_pipeline_reads_force_upcast_is_decided_by_the_call_its_class_
     taken as not reading it."""
     import diffusers
 
-    from diffusion_debug.diffusion.components import inventory
+    from diffusion_debug.diffusion.components import upcast
 
     class Kept(diffusers.StableDiffusionXLPipeline):
         pass
@@ -60,10 +60,10 @@ def test_whether_a_pipeline_reads_force_upcast_is_decided_by_the_call_its_class_
         made["Sourceless"]: False,
         object: False,
     }
-    inventory._call_reads_force_upcast.cache_clear()
+    upcast._call_reads_force_upcast.cache_clear()
     for _ in range(2):
-        assert {cls: inventory.reads_force_upcast(object.__new__(cls)) for cls in classes} == classes
-    assert inventory._call_reads_force_upcast.cache_info()[:2] == (len(classes), len(classes))  # hits, misses
+        assert {cls: upcast.reads_force_upcast(object.__new__(cls)) for cls in classes} == classes
+    assert upcast._call_reads_force_upcast.cache_info()[:2] == (len(classes), len(classes))  # hits, misses
 
 
 def test_an_sd15_fp16_vae_overflow_is_told_a_float32_decode_that_works_not_force_upcast(tmp_path):

@@ -24,8 +24,6 @@ other such component goes unwatched (a NaN it makes is the pipeline's code's).
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections import Counter
 from dataclasses import dataclass
 from operator import attrgetter
@@ -189,25 +187,6 @@ def stable_diffusion_vae(module: nn.Module | None) -> bool:
     module = module._modules.get("_orig_mod", module) if isinstance(module, nn.Module) else module
     config = getattr(module, "config", None)
     return type(module).__name__ == "AutoencoderKL" and getattr(config, "latent_channels", None) == 4
-
-
-def reads_force_upcast(pipe: Any) -> bool:
-    """Whether ``pipe``'s ``__call__`` reads ``vae.config.force_upcast`` (SDXL's family, Kolors, AuraFlow, SD upscale:
-    they upcast a float16 VAE and the latents for the decode); Stable Diffusion 1.x/2.x's pipelines never do, so
-    the flag is advice there that changes nothing. Decided once per class, from the source of the ``__call__`` it
-    runs (a subclass that keeps its parent's is its parent's). Limits: a read outside ``__call__`` (AnimateDiff
-    video2video's, in ``prepare_latents``: the encode alone), an override that defers to ``super().__call__``, a
-    Modular pipeline (read in a block) and a class whose source cannot be read count as not reading it: the advice
-    then says the fix that works without it."""
-    return _call_reads_force_upcast(type(pipe))
-
-
-@functools.lru_cache(maxsize=64)
-def _call_reads_force_upcast(cls: type) -> bool:
-    try:
-        return "config.force_upcast" in inspect.getsource(cls.__call__)
-    except (OSError, TypeError, AttributeError):  # no source (a built-in, a class made in a REPL or from a .pyc alone)
-        return False
 
 
 def _modules(pipe: Any) -> list[tuple[str, nn.Module]]:
