@@ -33,9 +33,8 @@ def errors_of(pipe, tmp_path, **call):
 
 def test_whether_a_pipeline_reads_force_upcast_is_decided_by_the_call_its_class_runs():
     """Read once per class from the source of the ``__call__`` it runs: SDXL's and SD upscale's read it, SD 1.5's
-    does not, nor AnimateDiff video2video's (read in ``prepare_latents``: the encode alone); a subclass keeping its
-    parent's ``__call__`` is its parent's, one overriding it (deferring to ``super()`` too) or without a source is
-    taken as not reading it."""
+    does not; a subclass keeping its parent's ``__call__`` is its parent's, one overriding it (deferring to
+    ``super()`` too) or without a source is taken as not reading it."""
     import diffusers
 
     from diffusion_debug.diffusion.components import upcast
@@ -54,7 +53,6 @@ def test_whether_a_pipeline_reads_force_upcast_is_decided_by_the_call_its_class_
         diffusers.StableDiffusionPipeline: False,
         diffusers.StableDiffusionXLPipeline: True,
         diffusers.StableDiffusionUpscalePipeline: True,
-        diffusers.AnimateDiffVideoToVideoPipeline: False,
         Kept: True,
         Deferring: False,
         made["Sourceless"]: False,

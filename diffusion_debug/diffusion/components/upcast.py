@@ -9,8 +9,9 @@ flag there is advice that changes nothing (``record/advice.py`` says the float32
 
 Decided once per class (cached), from the source of the ``__call__`` it runs: a subclass that keeps its parent's is
 its parent's. Limits: a read outside ``__call__`` (AnimateDiff video2video's, in ``prepare_latents``: the encode
-alone), an override that defers to ``super().__call__`` and a class whose source cannot be read (made in a REPL, a
-``.pyc`` alone) count as not reading it: the advice then says the fix that works without the flag.
+alone), an override that defers to ``super().__call__``, a class whose source cannot be read (made in a REPL, a
+``.pyc`` alone) and a Modular pipeline whose blocks are not under ``sub_blocks`` (an older diffusers') count as not
+reading it: the advice then says the fix that works without the flag.
 """
 
 from __future__ import annotations
