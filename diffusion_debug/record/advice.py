@@ -38,13 +38,13 @@ def vae_advice(
     """How to keep the VAE-role ``component`` out of float16 overflow. ``force_upcast`` belongs to the AutoencoderKL
     of Stable Diffusion and SDXL (``sd_vae``, read in ``details["sd_vae"]``) in a pipeline whose ``__call__`` reads
     it (``upcast``: ``details["reads_force_upcast"]``, :func:`~diffusion_debug.diffusion.components.upcast.\
-reads_force_upcast`: SDXL's family, not SD 1.x/2.x's), as does the fp16-fixed VAE (SDXL's; another latent space
-    than SD 1.5's); where it is not read, the decode in float32 that such a pipeline makes is said as the user's own
-    (``pipe.vae.to(torch.float32)`` alone fails there: the pipeline hands it float16 latents). Another VAE (Flux's,
-    a video VAE such as ``AutoencoderKLWan``) is kept in float32 or bfloat16, and one not called ``vae``
-    (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE under ``force_upcast`` too)
-    or bfloat16 (float32's range: no wider dtype holds more) is told so: no dtype advice fits it; but under a
-    ``torch.autocast`` of another dtype than its weights' (``autocast``: the dtype it computed in,
+reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``), as does the fp16-fixed VAE
+    (SDXL's; another latent space than SD 1.5's); where it is not read, the decode in float32 that such a pipeline
+    makes is said as the user's own (``pipe.vae.to(torch.float32)`` alone fails there: the pipeline hands it float16
+    latents). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 or bfloat16, and one
+    not called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE under
+    ``force_upcast`` too) or bfloat16 (float32's range: no wider dtype holds more) is told so: no dtype advice fits
+    it; but under a ``torch.autocast`` of another dtype than its weights' (``autocast``: the dtype it computed in,
     :func:`names_autocast`) it did not: the autocast is said, and float16's advice holds where its weights are
     finite, whatever their dtype (``force_upcast`` is said where an SD VAE's float32 weights may be its doing).
     ``subject`` (what ran), ``check`` (what to check where the dtype is no cause) and ``finite`` (what of it must
@@ -111,7 +111,7 @@ float32 movq in float16 too)'
             "keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE "
             f"and the latents){outside}, or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
         )
-    return (  # SD 1.x/2.x: the upcast SDXL's pipelines make, made by the user
+    return (  # SD 1.5's StableDiffusionPipeline and its kin: the upcast SDXL's pipelines make, made by the user
         "decode in float32, as diffusers' SDXL pipelines upcast for the decode: this pipeline does not read "
         "vae.config.force_upcast, and pipe.vae.to(torch.float32) alone fails on its float16 latents, so call it with "
         'output_type="latent" and decode with pipe.vae.to(torch.float32).decode(latents.float() / '

@@ -1,7 +1,8 @@
 """Whether a pipeline reads ``vae.config.force_upcast``: the flag upcasts a float16 VAE (and the latents) for the
 decode only in the pipelines whose call reads it (SDXL's family, Kolors, AuraFlow, SD upscale; a Modular SDXL
-pipeline's decode step); Stable Diffusion 1.x/2.x's ``StableDiffusionPipeline`` and its kin never do, so naming the
-flag there is advice that changes nothing (``record/advice.py`` says the float32 decode that works instead).
+pipeline's decode step); Stable Diffusion 1.5's ``StableDiffusionPipeline`` and its kin (img2img, inpaint,
+ControlNet) never do, so naming the flag there is advice that changes nothing (``record/advice.py`` says the float32
+decode that works instead).
 
 >>> from diffusion_debug.testing import tiny_pipeline
 >>> reads_force_upcast(tiny_pipeline("sd")), reads_force_upcast(tiny_pipeline("sdxl"))
