@@ -30,36 +30,40 @@ def vae_advice(
     dtype: str | None = None,
     autocast: str | None = None,
     *,
-    upcast: bool = False,
+    upcast: bool | None = None,
+    video: bool = False,
     subject: str = "it",
     check: str = "its weights and inputs",
     finite: str = "they",
 ) -> str:
     """How to keep the VAE-role ``component`` out of float16 overflow. ``force_upcast`` belongs to the AutoencoderKL
     of Stable Diffusion and SDXL (``sd_vae``, read in ``details["sd_vae"]``) in a pipeline whose ``__call__`` reads
-    it (``upcast``: ``details["reads_force_upcast"]``, :func:`~diffusion_debug.diffusion.components.upcast.\
-reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``), as does the fp16-fixed VAE
-    (SDXL's; another latent space than SD 1.5's); where it is not read, the decode in float32 that such a pipeline
-    makes is said as the user's own (``pipe.vae.to(torch.float32)`` alone fails there: the pipeline hands it float16
-    latents). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 or bfloat16, and one
-    not called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE under
-    ``force_upcast`` too) or bfloat16 (float32's range: no wider dtype holds more) is told so: no dtype advice fits
-    it; but under a ``torch.autocast`` of another dtype than its weights' (``autocast``: the dtype it computed in,
-    :func:`names_autocast`) it did not: the autocast is said, and float16's advice holds where its weights are
-    finite, whatever their dtype (``force_upcast`` is said where an SD VAE's float32 weights may be its doing).
-    ``subject`` (what ran), ``check`` (what to check where the dtype is no cause) and ``finite`` (what of it must
-    be finite): a flat image's message says them its own way.
+    it (``upcast``: ``details["reads_force_upcast"]``, :func:`~diffusion_debug.diffusion.components.vae_details.\
+reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``; None: not known, both said), as does
+    the fp16-fixed VAE (SDXL's; another latent space than SD 1.5's); where it is not read, the float32 decode is the
+    user's own (``pipe.vae.to(torch.float32)``, which may fail on float16 latents the pipeline does not cast: then
+    the latents decoded in float32; ``video``: with the pipeline's ``decode_latents``, 5-D video latents being no
+    ``vae.decode``'s). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 or bfloat16,
+    and one not called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE under
+    ``force_upcast`` too) or bfloat16 (float32's range: no wider dtype holds more) is told so: no dtype advice fits it;
+    but under a ``torch.autocast`` of another dtype than its weights' (``autocast``: the dtype it computed in,
+    :func:`names_autocast`) it did not: the autocast is said, and float16's advice holds where its weights are finite,
+    whatever their dtype (``force_upcast`` is said where an SD VAE's float32 weights may be its doing). ``subject``
+    (what ran), ``check`` (what to check where the dtype is no cause) and ``finite`` (what of it must be finite): a
+    flat image's message says them its own way.
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
     >>> vae_advice("vae", True, upcast=True)
     'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
 the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix'
+    >>> print(vae_advice("vae", True, upcast=False))
+    this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32), and where its \
+float16 latents then fail in the VAE, call it with output_type="latent" and decode the latents cast to float32
     >>> print(vae_advice("vae", True))
-    decode in float32, as diffusers' SDXL pipelines upcast for the decode: this pipeline does not read \
-vae.config.force_upcast, and pipe.vae.to(torch.float32) alone fails on its float16 latents, so call it with \
-output_type="latent" and decode with pipe.vae.to(torch.float32).decode(latents.float() / \
-pipe.vae.config.scaling_factor)
+    keep the VAE in float32 for the decode: vae.config.force_upcast=True where the pipeline reads it (SDXL's do), \
+otherwise pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with \
+output_type="latent" and decode the latents cast to float32
     >>> vae_advice("vae", True, dtype="bfloat16")
     "it ran in bfloat16, whose range is float32's, so this is no overflow of a narrow dtype: check its weights and \
 inputs"
@@ -111,12 +115,20 @@ float32 movq in float16 too)'
             "keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE "
             f"and the latents){outside}, or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
         )
-    return (  # SD 1.5's StableDiffusionPipeline and its kin: the upcast SDXL's pipelines make, made by the user
-        "decode in float32, as diffusers' SDXL pipelines upcast for the decode: this pipeline does not read "
-        "vae.config.force_upcast, and pipe.vae.to(torch.float32) alone fails on its float16 latents, so call it with "
-        'output_type="latent" and decode with pipe.vae.to(torch.float32).decode(latents.float() / '
-        f"pipe.vae.config.scaling_factor){outside}"
+    decode = "them with pipe.decode_latents(latents.float())" if video else "the latents cast to float32"
+    own = (  # the upcast SDXL's pipelines make, made by the user (SD 1.5's pipeline hands float16 latents to the VAE)
+        "pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with "
+        f'output_type="latent" and decode {decode}{outside}'
     )
+    if upcast is False:  # SD 1.5's StableDiffusionPipeline and its kin
+        return f"this pipeline does not read vae.config.force_upcast (SDXL's do): {own}"
+    flag = "vae.config.force_upcast=True where the pipeline reads it (SDXL's do)"
+    return f"keep the VAE in float32 for the decode: {flag}, otherwise {own}"
+
+
+def upcast_of(details: dict[str, Any]) -> dict[str, Any]:
+    """:func:`vae_advice`'s ``upcast`` and ``video``, read from an anomaly's details (not there: not known)."""
+    return {"upcast": details.get("reads_force_upcast"), "video": details.get("decode_latents", False)}
 
 
 def near_max_advice(where: str, details: dict[str, Any]) -> str:
@@ -187,8 +199,7 @@ def _near_max_vae_advice(where: str, details: dict[str, Any]) -> str:
     upcast alone would not leave float16 autocast), not where the module's output escaped it."""
     dtype, autocast = details.get("dtype"), details.get("vae_autocast")
     under = autocast if autocast == dtype else None
-    upcast = details.get("reads_force_upcast", False)
-    return vae_advice(where.partition(".")[0], details.get("sd_vae", False), dtype, under, upcast=upcast)
+    return vae_advice(where.partition(".")[0], details.get("sd_vae", False), dtype, under, **upcast_of(details))
 
 
 def autocast_advice(where: str, weights_dtype: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .advice import autocast_advice, names_autocast, near_max_advice, overflow_advice, vae_advice
+from .advice import autocast_advice, names_autocast, near_max_advice, overflow_advice, upcast_of, vae_advice
 from .messages import counted, follows, memory_source
 
 if TYPE_CHECKING:
@@ -174,9 +174,8 @@ def _nonfinite(anomaly: Anomaly) -> str:
             "one computed" + (f"; {advice}." if autocast else f" ({advice}).")
         )
     if d.get("vae_role") and not autocast:  # (a VAE under another dtype's autocast: its advice says it, after "; ")
-        upcast = d.get("reads_force_upcast", False)
         advice = vae_advice(
-            component, d.get("sd_vae", False), d.get("vae_dtype"), d.get("vae_autocast"), upcast=upcast
+            component, d.get("sd_vae", False), d.get("vae_dtype"), d.get("vae_autocast"), **upcast_of(d)
         )
         autocast = names_autocast(d.get("vae_dtype"), d.get("vae_autocast"))
     own = "its own forward" if not anomaly.module else "its forward"
@@ -303,13 +302,13 @@ def constant_image(anomaly: Anomaly) -> str:
     is float32's, as a float32 one is told it ran in float32."""
     d = anomaly.details
     flat = f"{len(d['flat_images'])} decoded image(s) are a single flat colour"
-    component, sd_vae, upcast = anomaly.component, d.get("sd_vae", False), d.get("reads_force_upcast", False)
+    component, sd_vae, upcast = anomaly.component, d.get("sd_vae", False), upcast_of(d)
     dtype, autocast = d.get("vae_dtype") or d.get("decoded_dtype"), d.get("vae_autocast")
     if dtype in ("float32", "bfloat16") or names_autocast(dtype, autocast):  # no fp16 overflow, or not its dtype's
         check = "the latents' scaling factor, the latents reaching it (the step table) and its weights"
         ran = dict(subject=component, check=check, finite="the latents and weights")
-        return f"{flat}; {vae_advice(component, sd_vae, dtype, autocast, upcast=upcast, **ran)}."
-    advice = vae_advice(component, sd_vae, dtype, autocast, upcast=upcast)
+        return f"{flat}; {vae_advice(component, sd_vae, dtype, autocast, **upcast, **ran)}."
+    advice = vae_advice(component, sd_vae, dtype, autocast, **upcast)
     fp16 = "often a black image from an fp16 VAE: " if dtype in (None, "float16") else ""
     return f"{flat} ({fp16}{advice})."
 
@@ -402,7 +401,7 @@ def dtype_mismatch(anomaly: Anomaly) -> str:
     if "vae_dtype" in d:
         return (
             "The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 (black or "
-            f"NaN images); {vae_advice(anomaly.component, sd_vae=True, upcast=d.get('reads_force_upcast', False))}."
+            f"NaN images); {vae_advice(anomaly.component, sd_vae=True, **upcast_of(d))}."
         )
     mixed = ", ".join(f"{k}={v}" for k, v in d["half_dtypes"].items())
     return (

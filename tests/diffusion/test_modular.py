@@ -441,7 +441,7 @@ def test_a_modular_sdxl_pipeline_reads_force_upcast_in_its_decode_step(parts):
     advice names the flag; blocks without that step (the text encoder's alone) do not read it."""
     from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
 
-    from diffusion_debug.diffusion.components.upcast import reads_force_upcast
+    from diffusion_debug.diffusion.components.vae_details import reads_force_upcast
 
     _, modular = parts
     text_only = StableDiffusionXLAutoBlocks().sub_blocks["text_encoder"].init_pipeline()
