@@ -209,3 +209,23 @@ def test_a_modular_sdxl_pipeline_watched_through_its_components_manager_is_not_t
     reads, advice = (None, ANY_FP16_VAE) if watched == "manager" else (True, SDXL_FP16_VAE)
     assert [(a.kind, a.module, a.details["reads_force_upcast"]) for a in errors] == [("nonfinite", CONV, reads)]
     assert errors[0].message == f"vae.{CONV} produced NaN/Inf from finite inputs ({advice})."
+
+
+def test_pixart_sigmas_vae_is_told_the_float32_vae_first_as_its_pipeline_casts_the_latents_to_it():
+    """PixArt-Sigma reads no ``force_upcast`` but decodes ``latents.to(self.vae.dtype)``:
+    ``pipe.vae.to(torch.float32)`` alone gives a finite image, which the advice said "fails on its float16 latents";
+    it says that may happen."""
+    from diffusion_debug.diffusion.components.vae_details import upcast_details
+    from diffusion_debug.record.advice import upcast_of, vae_advice
+    from diffusion_debug.testing.zoo_more import CALLS
+
+    pipe = tiny_pipeline("pixart_sigma", dtype=torch.float16)
+    details = upcast_details(pipe)
+    assert details == {"reads_force_upcast": False}
+    assert vae_advice("vae", True, "float16", **upcast_of(details)) == SD_FP16_VAE
+    call = CALLS["pixart_sigma"]
+    call = dict(call[0]() if isinstance(call, tuple) else call())
+    pipe.vae.to(torch.float32)  # the advice's first step, followed
+    with torch.no_grad():
+        images = pipe(**{**call, "num_inference_steps": 1, "output_type": "np"}).images
+    assert np.isfinite(images).all()
