@@ -606,6 +606,7 @@ class CallEvents:
                     sd_vae = site.component in self.localizer.sd_vaes
                     dtype = None if tensor is None else tensor.dtype  # what it decoded in (read on a flat image)
                     kw = dict(threshold=threshold, step=step, component=site.component, sd_vae=sd_vae, dtype=dtype)
+                    kw["upcast"] = self.localizer.upcast
                     kw["ran"] = lambda: self._decoded_under(site.component, dtype)  # (no C call made)
                     self.emit(rows.decoded_image_anomalies(values, **kw))
                 except Exception as error:
@@ -647,6 +648,7 @@ class CallEvents:
                 localized_by=COMPILED_OUTPUT if compiled else OUTPUT_CHECK,
                 role=self.localizer.roles.get(site.component, "other"),
                 sd_vae=site.component in self.localizer.sd_vaes,
+                upcast=self.localizer.upcast,
                 compiled=compiled,
                 weights_dtype=self.localizer.weights_dtype(site.component, site.prefix),
                 autocast=autocast_over(self.localizer.modules.get(site.component)),

@@ -2,7 +2,7 @@
 they call for, and what a replay names: :mod:`.replay.decide`), and the anomalies they make: lists of
 :class:`~diffusion_debug.record.Anomaly` (possibly empty), whose sentence the kind's builder writes from its
 details (``record/inference_messages.py``). They measure nothing and touch no live tensor: the debugger
-fetches the numbers (and replays), these decide.
+fetches the numbers (and replays), these decide (the details a VAE's advice shares: :mod:`.components.vae_details`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import torch
 from ..probes import ModuleReading, find_producer
 from ..record import Anomaly, make_anomaly
 from ..stats import TensorStats, dtype_name
-from .components.autocast import autocast_on
-from .components.roles import has_check
+from .components.vae_details import autocast_details, vae_details
 
 HALF_DTYPES = ("float16", "bfloat16")
 
@@ -151,6 +150,7 @@ def nonfinite(
     origin: str | None = None,
     role: str = "",
     sd_vae: bool = False,
+    upcast: dict[str, Any] | None = None,
     dtype: str | None = None,
     near_max: tuple[ModuleReading, ModuleReading] | None = None,
     read_as: str | None = None,
@@ -159,22 +159,24 @@ def nonfinite(
     """The anomaly for a NaN/Inf seen in ``component`` (produced by ``module`` when known);
     ``origin``: where the run's first NaN/Inf was (a consequence points at it); ``role``: the
     component's role (its checks' advice comes from it, not from the attribute name); ``sd_vae``:
-    it is Stable Diffusion's VAE (:func:`~.components.inventory.stable_diffusion_vae`); ``dtype``:
-    the dtype the component computes in, when known (a float32 VAE is not told to keep to float32);
+    it is Stable Diffusion's VAE (``upcast``: its pipeline's :func:`~.components.vae_details.upcast_details`);
+    ``dtype``: the dtype the component computes in, when known (a float32 VAE is not told to keep to float32);
     ``near_max``: ``(the module that made the near-max values module overflowed on, module's reading)``
     (:func:`~.replay.near_max.near_max_maker`): two anomalies, :func:`near_max_nonfinite`'s; ``read_as``: the dtype
     the module's output was read in, where known and its weights finite (float16 from float32 weights: it ran under
-    float16 autocast, whose advice differs, :func:`_autocast_details`; bfloat16, a NaN weight's: not autocast's);
+    float16 autocast, whose advice differs, :func:`autocast_details`; bfloat16, a NaN weight's: not autocast's);
     ``autocast``: the dtype an open autocast computed the component in (a float32 VAE's advice says it)."""
     if near_max is not None and not consequence:
-        kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, dtype=dtype)
-        return list(near_max_nonfinite(component, *near_max, details=details or {}, autocast=autocast, **kw))
+        kw = dict(step=step, timestep=timestep, localized_by=localized_by, role=role, sd_vae=sd_vae, upcast=upcast)
+        return list(
+            near_max_nonfinite(component, *near_max, details=details or {}, dtype=dtype, autocast=autocast, **kw)
+        )
     if consequence:
         details = {**(details or {}), "passed_on": True, **({"origin": origin} if origin else {})}
     else:
-        found = _autocast_details(dtype, read_as) if read_as == "float16" else {}  # (bfloat16's: no autocast advice)
+        found = autocast_details(dtype, read_as) if read_as == "float16" else {}  # (bfloat16's: no autocast advice)
         autocast_dtype, autocast = autocast, {**found, "dtype": "float16"} if found else {}
-        details = {**(details or {}), **_vae_details(role, sd_vae, dtype, autocast_dtype), **autocast}
+        details = {**(details or {}), **vae_details(role, sd_vae, dtype, autocast_dtype, upcast), **autocast}
     return [
         make_anomaly(
             kind="nonfinite",
@@ -199,6 +201,7 @@ def near_max_nonfinite(
     details: dict[str, Any],
     role: str = "",
     sd_vae: bool = False,
+    upcast: dict[str, Any] | None = None,
     dtype: str | None = None,
     autocast: str | None = None,
 ) -> tuple[Anomaly, Anomaly]:
@@ -222,8 +225,8 @@ def near_max_nonfinite(
             "absmax": maker.output_absmax,
             "dtype": maker.dtype,
             "overflowed_in": overflowed.module,
-            **_vae_details(role, sd_vae, dtype, autocast),
-            **_autocast_details(dtype, maker.dtype),
+            **vae_details(role, sd_vae, dtype, autocast, upcast),
+            **autocast_details(dtype, maker.dtype),
         },
     )
     follows = {"kind": "nonfinite", "rank": origin.rank, "module": maker.module}
@@ -242,16 +245,6 @@ def near_max_nonfinite(
         },
     )
     return origin, consequence
-
-
-def _vae_details(role: str, sd_vae: bool, dtype: str | None = None, autocast: str | None = None) -> dict[str, Any]:
-    """What the advice of a VAE-role component's anomaly needs: whether it is one, whether it is Stable
-    Diffusion's (``force_upcast`` and the fp16-fixed VAE apply only there), the dtype its weights are in
-    (``vae_dtype``, when known) and the ``autocast`` dtype it ran under (``vae_autocast``)."""
-    if not has_check(role, "vae"):
-        return {"vae_role": False}
-    ran_under = {"vae_autocast": autocast} if autocast else {}
-    return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {}), **ran_under}
 
 
 # -- fp16 / bf16 overflow -------------------------------------------------------------------
@@ -276,12 +269,6 @@ def overflow_producer(readings: Iterable[ModuleReading], fraction: float) -> Mod
     return None
 
 
-def _autocast_details(weights_dtype: str | None, dtype: str | None) -> dict[str, str]:
-    """``weights_dtype`` where the module's weights are not of the ``dtype`` its output came in while an autocast
-    region is open (:func:`overflow_risk`); the message then advises about autocast, not the weights' dtype."""
-    return {"weights_dtype": weights_dtype} if weights_dtype not in (None, dtype) and autocast_on(dtype) else {}
-
-
 def overflow_risk(
     component: str,
     reading: ModuleReading,
@@ -292,6 +279,7 @@ def overflow_risk(
     localized_by: str,
     role: str = "",
     sd_vae: bool = False,
+    upcast: dict[str, Any] | None = None,
     between: dict[str, str] | None = None,
     compiled: bool = False,
     weights_dtype: str | None = None,
@@ -320,10 +308,10 @@ def overflow_risk(
                 "dtype": reading.dtype,
                 "threshold": fraction,
                 "localized_by": localized_by,
-                **_vae_details(role, sd_vae, weights_dtype, autocast),
+                **vae_details(role, sd_vae, weights_dtype, autocast, upcast),
                 **(between or {}),
                 **({"compiled": True} if compiled else {}),
-                **_autocast_details(weights_dtype, reading.dtype),
+                **autocast_details(weights_dtype, reading.dtype),
             },
         )
     ]
@@ -463,6 +451,7 @@ def vae_saturation(
     step: int | None,
     component: str = "vae",
     sd_vae: bool = False,
+    upcast: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     ran: Callable[[], tuple[str | None, str | None]] | None = None,
 ) -> list[Anomaly]:
@@ -482,7 +471,7 @@ def vae_saturation(
                 details={
                     "flat_images": flat,
                     "image_ranges": image_ranges,
-                    **_vae_details("vae", sd_vae, weights, under),
+                    **vae_details("vae", sd_vae, weights, under, upcast),
                     **({"decoded_dtype": dtype_name(dtype)} if dtype is not None else {}),
                 },
             )

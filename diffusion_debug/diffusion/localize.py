@@ -36,6 +36,7 @@ from .components.call_sites import CallSiteHooks, kept_arguments
 from .components.computes_in import autocast_over, computes_in, weights_finite
 from .components.inventory import role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
+from .components.vae_details import upcast_details
 from .replay.decide import (
     ALREADY_REPORTED,
     NOTHING,
@@ -96,6 +97,7 @@ class Localizer:
         """Each component's role (its checks' advice comes from it); ``other`` for one not known."""
         self.sd_vaes = {name for name, module in modules.items() if stable_diffusion_vae(module)}
         """The components that are Stable Diffusion's VAE (the fp16-fixed VAE is advice for them only)."""
+        self.upcast: dict = {}  # whether the pipeline reads vae.config.force_upcast (new_run: a new pipe's)
         self.levels = levels if levels is not None else {}
         """Probe level per component (``full`` readings name the module without a replay); updated at every attach."""
         self.inputs = origins.RunInputs()  # what the user passed to this run (see new_run)
@@ -132,8 +134,8 @@ class Localizer:
     def new_run(self, inputs: origins.RunInputs | None = None, *, same_call: bool = False) -> None:
         """``same_call``: a run in the run before's call (FreeInit) keeps its NaN/Inf origin and replays' memory."""
         self.inputs = inputs if inputs is not None else origins.RunInputs()
-        if self.inputs.pipe is not None:
-            self.made.pipe = self.inputs.pipe
+        if self.inputs.pipe is not None and self.inputs.pipe is not self.made.pipe:  # (a new pipe's class read once)
+            self.made.pipe, self.upcast = self.inputs.pipe, upcast_details(self.inputs.pipe)
         if self.made.pending:  # a method that made a NaN/Inf in the run before: what it returned, kept weakly
             self.made.settle()
         if not same_call:
@@ -354,6 +356,7 @@ class Localizer:
             origin=self.origin.where() if self.origin is not None else None,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
+            upcast=self.upcast,
             dtype=self.weights_dtype(component, module),
             near_max=near_max,
             read_as=read_as if read_as != "float16" or weights_finite(self.modules.get(component), module) else None,
@@ -447,6 +450,7 @@ class Localizer:
             localized_by=how,
             role=self.roles.get(component, "other"),
             sd_vae=component in self.sd_vaes,
+            upcast=self.upcast,
             between=plan.between,
             weights_dtype=self.weights_dtype(component, reading.module),  # (a warning's)
             autocast=autocast_over(self.modules.get(component)),

@@ -17,6 +17,7 @@ from .checks import HALF_DTYPES
 from .components.compiled import HALF_METHODS, ORIG, called_through_halves
 from .components.inventory import Component, find_components
 from .components.roles import has_check
+from .components.vae_details import upcast_details
 
 # -- prompts ----------------------------------------------------------------------------------
 
@@ -343,7 +344,7 @@ def dtype_mismatch(
                 kind="dtype_mismatch",
                 severity="warning",
                 component=vae_name,
-                details={"vae_dtype": "float16", "force_upcast": False},
+                details={"vae_dtype": "float16", "force_upcast": False, **upcast_details(pipe)},
             )
         )
     halves = {name: d for name, d in dtypes.items() if d in HALF_DTYPES}

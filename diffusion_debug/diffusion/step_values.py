@@ -385,29 +385,12 @@ def build_row(step: int, values: StepValues, *, time_s: float, denoiser_calls: i
     return row
 
 
-def decoded_image_anomalies(
-    values: CallValues,
-    *,
-    threshold: float,
-    step: int | None,
-    component: str = "vae",
-    sd_vae: bool = False,
-    dtype: torch.dtype | None = None,
-    ran: Callable[[], tuple[str | None, str | None]] | None = None,
-) -> list[tuple[Anomaly, tuple]]:
-    """``vae_saturation`` and ``constant_image`` (with their fold keys) for decoded images (none for other calls)."""
+def decoded_image_anomalies(values: CallValues, **vae: Any) -> list[tuple[Anomaly, tuple]]:
+    """``vae_saturation`` and ``constant_image`` (with their fold keys) for decoded images (none for other calls);
+    ``vae``: :func:`~.checks.vae_saturation`'s keywords (the threshold, the step, the VAE and what it ran in)."""
     if values.outside_fraction is None:
         return []
-    found = checks.vae_saturation(
-        values.outside_fraction,
-        values.image_ranges,
-        threshold=threshold,
-        step=step,
-        component=component,
-        sd_vae=sd_vae,
-        dtype=dtype,
-        ran=ran,
-    )
+    found = checks.vae_saturation(values.outside_fraction, values.image_ranges, **vae)
     return [(a, (a.kind,)) for a in found]
 
 

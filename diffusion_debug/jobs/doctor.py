@@ -60,8 +60,9 @@ class ComponentCheck:
     max_abs: float | None  # largest finite |value| of any module output of the component
     dtype_max: float
     time_s: float | None
-    sd_vae: bool = False
-    """Stable Diffusion's VAE: the fp16-fixed SDXL VAE is advice for it (not for a Wan or Flux VAE)."""
+    sdxl_vae: bool = False
+    """SDXL's VAE (:func:`sdxl_vae`): the fp16-fixed SDXL VAE is advice for it only (not SD 1.5's, SD x4 upscale's,
+    another latent space each, nor a Wan or Flux VAE)."""
 
     @property
     def range_fraction(self) -> float | None:
@@ -219,7 +220,7 @@ def _one_run(
             max_abs=peak,
             dtype_max=dtype_max,
             time_s=info.get("total_time_s"),
-            sd_vae=stable_diffusion_vae(components.get(name)),
+            sdxl_vae=sdxl_vae(components.get(name)),
         )
     if image is not None:
         import numpy as np
@@ -303,12 +304,18 @@ def _run_dict(run: DoctorRun) -> dict[str, Any]:
     return data
 
 
+def sdxl_vae(module: Any) -> bool:
+    """Whether ``module`` is SDXL's ``AutoencoderKL`` (its scaling factor 0.13025), the VAE of the fp16-fixed one."""
+    config = getattr(module, "config", None)
+    return stable_diffusion_vae(module) and getattr(config, "scaling_factor", None) == 0.13025
+
+
 def recommend(runs: list[DoctorRun]) -> str:
     """One sentence: the cheapest dtype each component ran clean in (finite, below half the
     dtype's max), and why the others were not chosen.
 
     >>> ok = ComponentCheck(True, None, 10.0, 65504.0, 0.1)
-    >>> bad = ComponentCheck(False, "decoder.up_blocks.0", None, 65504.0, 0.1, sd_vae=True)
+    >>> bad = ComponentCheck(False, "decoder.up_blocks.0", None, 65504.0, 0.1, sdxl_vae=True)
     >>> fp32 = ComponentCheck(True, None, 1e5, 3.4e38, 0.1)
     >>> runs = [DoctorRun("float32", components={"unet": fp32, "vae": fp32}),
     ...         DoctorRun("float16", components={"unet": ok, "vae": bad})]
@@ -343,8 +350,8 @@ def recommend(runs: list[DoctorRun]) -> str:
                 why.append(f"{dtype}: non-finite at {check.first_nonfinite or name}")
             else:
                 why.append(f"{dtype}: |x| reaches {check.range_fraction:.0%} of its max")
-        sd_vae = any(check.sd_vae for run in plain for check in [run.components.get(name)] if check)
-        if sd_vae and any(text.startswith("float16") for text in why):
+        sdxl = any(check.sdxl_vae for run in plain for check in [run.components.get(name)] if check)
+        if sdxl and any(text.startswith("float16") for text in why):
             why.append("or the fp16-fix VAE")
         parts.append(f"{name} {choice}" + (f" ({'; '.join(why)})" if why else ""))
     return ", ".join(parts)

@@ -30,25 +30,43 @@ def vae_advice(
     dtype: str | None = None,
     autocast: str | None = None,
     *,
+    upcast: bool | None = None,
+    video: bool = False,
     subject: str = "it",
     check: str = "its weights and inputs",
     finite: str = "they",
 ) -> str:
-    """How to keep the VAE-role ``component`` out of float16 overflow. The fp16-fixed VAE and
-    ``force_upcast`` belong to the AutoencoderKL of Stable Diffusion and SDXL (``sd_vae``, read in
-    ``details["sd_vae"]``); another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept
-    in float32 or bfloat16 (float32 when it runs in bfloat16 already: ``dtype``, its weights'), and one not
-    called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE
-    under ``force_upcast`` too) is told so: no dtype advice fits it; but under a ``torch.autocast`` of another dtype
-    than its weights' (``autocast``: the dtype it computed in, :func:`names_autocast`) it did not: the autocast is
-    said, and float16's advice holds where its weights are finite, whatever their dtype (``force_upcast`` is said
-    where an SD VAE's float32 weights may be its doing). ``subject`` (what ran), ``check`` (what to check where the
-    dtype is no cause) and ``finite`` (what of it must be finite): a flat image's message says them its own way.
+    """How to keep the VAE-role ``component`` out of float16 overflow. ``force_upcast`` belongs to the AutoencoderKL
+    of Stable Diffusion and SDXL (``sd_vae``, read in ``details["sd_vae"]``) in a pipeline whose ``__call__`` reads
+    it (``upcast``: ``details["reads_force_upcast"]``, :func:`~diffusion_debug.diffusion.components.vae_details.\
+reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``; None: not known, both said), as does
+    the fp16-fixed VAE (SDXL's; another latent space than SD 1.5's); where it is not read, the float32 decode is the
+    user's own (``pipe.vae.to(torch.float32)``, which may fail on float16 latents the pipeline does not cast: then
+    the latents decoded in float32; ``video``: with the pipeline's ``decode_latents``, 5-D video latents being no
+    ``vae.decode``'s). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 or bfloat16,
+    and one not called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE under
+    ``force_upcast`` too) or bfloat16 (float32's range: no wider dtype holds more) is told so: no dtype advice fits it;
+    but under a ``torch.autocast`` of another dtype than its weights' (``autocast``: the dtype it computed in,
+    :func:`names_autocast`) it did not: the autocast is said, and float16's advice holds where its weights are finite,
+    whatever their dtype (``force_upcast`` is said where an SD VAE's float32 weights may be its doing). ``subject``
+    (what ran), ``check`` (what to check where the dtype is no cause) and ``finite`` (what of it must be finite): a
+    flat image's message says them its own way.
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
-    >>> vae_advice("vae", dtype="bfloat16")
-    'run the VAE in float32: pipe.vae.to(torch.float32)'
+    >>> vae_advice("vae", True, upcast=True)
+    'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
+the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix'
+    >>> print(vae_advice("vae", True, upcast=False))
+    this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32), and where its \
+float16 latents then fail in the VAE, call it with output_type="latent" and decode the latents cast to float32
+    >>> print(vae_advice("vae", True))
+    keep the VAE in float32 for the decode: vae.config.force_upcast=True where the pipeline reads it (SDXL's do), \
+otherwise pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with \
+output_type="latent" and decode the latents cast to float32
+    >>> vae_advice("vae", True, dtype="bfloat16")
+    "it ran in bfloat16, whose range is float32's, so this is no overflow of a narrow dtype: check its weights and \
+inputs"
     >>> vae_advice("movq", dtype="float16")
     'keep movq in float32 (pipe.movq.to(torch.float32))'
     >>> vae_advice("movq", dtype="float32")
@@ -74,27 +92,43 @@ float32 movq in float16 too)'
                 f"{subject} ran under {autocast} autocast ({weights}), whose range is float32's, so this is no "
                 f"overflow of a narrow dtype: check {check}"
             )
-        upcast = "neither their dtype nor force_upcast changes" if sd_vae and dtype == "float32" else None
+        read = "neither their dtype nor force_upcast changes" if sd_vae and upcast and dtype == "float32" else None
         return (
-            f"{subject} ran under float16 autocast ({weights}, so {upcast or 'their dtype does not change'} what it "
+            f"{subject} ran under float16 autocast ({weights}, so {read or 'their dtype does not change'} what it "
             f"computes in): check {check}; if {finite} are finite, autocast to bfloat16 instead "
             f"(torch.autocast(..., dtype=torch.bfloat16)) or run {component} outside autocast"
         )
     if dtype == "float32":
         return f"{subject} ran in float32, so this is no half-precision overflow: check {check}"
+    if dtype == "bfloat16":  # (no autocast: one is named above) float32 holds no more than bfloat16
+        wide = "whose range is float32's, so this is no overflow of a narrow dtype"
+        return f"{subject} ran in bfloat16, {wide}: check {check}"
     outside, named = "", "VAE" if component == "vae" else component
     if autocast == "float16":  # its weights float16 too: upcast alone, it would still compute in float16
         outside = f", decoded outside the float16 autocast (which computes a float32 {named} in float16 too)"
     if component != "vae":
         return f"keep {component} in float32 (pipe.{component}.to(torch.float32)){outside}"
-    if dtype == "bfloat16":
-        return "run the VAE in float32: pipe.vae.to(torch.float32)"
     if not sd_vae:
         return f"keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32){outside}"
-    return (
-        f"keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True){outside}"
-        f"{',' if outside else ''} or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
+    if upcast:
+        return (
+            "keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE "
+            f"and the latents){outside}, or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
+        )
+    decode = "them with pipe.decode_latents(latents.float())" if video else "the latents cast to float32"
+    own = (  # the upcast SDXL's pipelines make, made by the user (SD 1.5's pipeline hands float16 latents to the VAE)
+        "pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with "
+        f'output_type="latent" and decode {decode}{outside}'
     )
+    if upcast is False:  # SD 1.5's StableDiffusionPipeline and its kin
+        return f"this pipeline does not read vae.config.force_upcast (SDXL's do): {own}"
+    flag = "vae.config.force_upcast=True where the pipeline reads it (SDXL's do)"
+    return f"keep the VAE in float32 for the decode: {flag}, otherwise {own}"
+
+
+def upcast_of(details: dict[str, Any]) -> dict[str, Any]:
+    """:func:`vae_advice`'s ``upcast`` and ``video``, read from an anomaly's details (not there: not known)."""
+    return {"upcast": details.get("reads_force_upcast"), "video": details.get("decode_latents", False)}
 
 
 def near_max_advice(where: str, details: dict[str, Any]) -> str:
@@ -164,9 +198,8 @@ def _near_max_vae_advice(where: str, details: dict[str, Any]) -> str:
     max: the autocast it ran under (``vae_autocast``) is said where it computed in that dtype (a float16 VAE's
     upcast alone would not leave float16 autocast), not where the module's output escaped it."""
     dtype, autocast = details.get("dtype"), details.get("vae_autocast")
-    return vae_advice(
-        where.partition(".")[0], details.get("sd_vae", False), dtype, autocast if autocast == dtype else None
-    )
+    under = autocast if autocast == dtype else None
+    return vae_advice(where.partition(".")[0], details.get("sd_vae", False), dtype, under, **upcast_of(details))
 
 
 def autocast_advice(where: str, weights_dtype: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .advice import autocast_advice, names_autocast, near_max_advice, overflow_advice, vae_advice
+from .advice import autocast_advice, names_autocast, near_max_advice, overflow_advice, upcast_of, vae_advice
 from .messages import counted, follows, memory_source
 
 if TYPE_CHECKING:
@@ -174,7 +174,9 @@ def _nonfinite(anomaly: Anomaly) -> str:
             "one computed" + (f"; {advice}." if autocast else f" ({advice}).")
         )
     if d.get("vae_role") and not autocast:  # (a VAE under another dtype's autocast: its advice says it, after "; ")
-        advice = vae_advice(component, d.get("sd_vae", False), d.get("vae_dtype"), d.get("vae_autocast"))
+        advice = vae_advice(
+            component, d.get("sd_vae", False), d.get("vae_dtype"), d.get("vae_autocast"), **upcast_of(d)
+        )
         autocast = names_autocast(d.get("vae_dtype"), d.get("vae_autocast"))
     own = "its own forward" if not anomaly.module else "its forward"
     if d.get("before") and d.get("after"):  # made by its own code between two of its modules (decide.between_modules)
@@ -296,21 +298,19 @@ def prompt_truncated(anomaly: Anomaly) -> str:
 def constant_image(anomaly: Anomaly) -> str:
     """A flat image, advised by what its VAE computed in: its weights' dtype (``vae_dtype``; the decoded images',
     ``decoded_dtype``, where the weights' is not known), or the autocast it ran under (``vae_autocast``,
-    :func:`~.advice.names_autocast`). Only a float16 one is "often" an fp16 VAE's."""
+    :func:`~.advice.names_autocast`). Only a float16 one is "often" an fp16 VAE's; a bfloat16 one is told its range
+    is float32's, as a float32 one is told it ran in float32."""
     d = anomaly.details
     flat = f"{len(d['flat_images'])} decoded image(s) are a single flat colour"
-    component, sd_vae = anomaly.component, d.get("sd_vae", False)
+    component, sd_vae, upcast = anomaly.component, d.get("sd_vae", False), upcast_of(d)
     dtype, autocast = d.get("vae_dtype") or d.get("decoded_dtype"), d.get("vae_autocast")
-    if dtype == "float32" or names_autocast(dtype, autocast):  # no fp16 overflow, or not the VAE's dtype's
+    if dtype in ("float32", "bfloat16") or names_autocast(dtype, autocast):  # no fp16 overflow, or not its dtype's
         check = "the latents' scaling factor, the latents reaching it (the step table) and its weights"
         ran = dict(subject=component, check=check, finite="the latents and weights")
-        return f"{flat}; {vae_advice(component, sd_vae, dtype, autocast, **ran)}."
-    advice = vae_advice(component, sd_vae, dtype, autocast)
-    return (
-        f"{flat} (often a black image from an fp16 VAE: {advice})."
-        if dtype in (None, "float16")
-        else f"{flat} ({advice})."
-    )
+        return f"{flat}; {vae_advice(component, sd_vae, dtype, autocast, **upcast, **ran)}."
+    advice = vae_advice(component, sd_vae, dtype, autocast, **upcast)
+    fp16 = "often a black image from an fp16 VAE: " if dtype in (None, "float16") else ""
+    return f"{flat} ({fp16}{advice})."
 
 
 def safety_blackout(anomaly: Anomaly) -> str:
@@ -401,7 +401,7 @@ def dtype_mismatch(anomaly: Anomaly) -> str:
     if "vae_dtype" in d:
         return (
             "The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 (black or "
-            f"NaN images); {vae_advice(anomaly.component, sd_vae=True)}."
+            f"NaN images); {vae_advice(anomaly.component, sd_vae=True, **upcast_of(d))}."
         )
     mixed = ", ".join(f"{k}={v}" for k, v in d["half_dtypes"].items())
     return (

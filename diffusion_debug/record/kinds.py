@@ -60,10 +60,11 @@ register_kind(
     colour="#ff7f0e",
     meaning="An activation came close to the largest value its dtype can hold; one more step up and it becomes Inf.",
     action=(  # the message's advice, by the dtype it ran in (advice.overflow_advice)
-        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE); "
-        "under float16 autocast (float32 weights): autocast to bfloat16 instead, or run it outside autocast; "
-        "in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and the "
-        "scale of its inputs."
+        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE; SD 1.5's "
+        "pipeline reads no force_upcast: decode in float32 yourself); under float16 autocast, which computes float32 "
+        "weights in float16 too, an upcast helps only with the decode run outside the autocast: autocast to bfloat16 "
+        "instead, or run that component outside autocast; in bfloat16, whose range is float32's, no dtype holds "
+        "more: check the named module's weights and the scale of its inputs."
     ),
     stable=True,
     fold_key=lambda a: (a.kind, a.component, a.module),  # one a module, whatever the step
@@ -88,7 +89,10 @@ register_kind(
     severity="warning",
     colour="#8c564b",
     meaning="Many decoded pixels sit at the edge of the output range: the image is clipped, black or white.",
-    action="Decode in float32 (force_upcast) or use a VAE fixed for fp16; check the latents' scaling factor.",
+    action=(
+        "Decode in float32 (force_upcast where the pipeline reads it, SDXL's family; SD 1.5's does not: decode the "
+        "latents yourself in float32) or use a VAE fixed for fp16; check the latents' scaling factor."
+    ),
     stable=True,
     message=inference_messages.vae_saturation,
 )
@@ -100,9 +104,10 @@ register_kind(
         "A decoded image is one flat colour (often black) although no value was NaN: nothing of the picture survived."
     ),
     action=(
-        "Decode in float32 (force_upcast) or use the fp16-fix VAE; under float16 autocast, which a float32 or "
-        "bfloat16 VAE computes in too, autocast to bfloat16 or decode outside it; check the latents reaching the VAE "
-        "(the step table) and the latents' scaling factor."
+        "Decode in float32 (force_upcast where the pipeline reads it, SDXL's family; SD 1.5's does not: decode the "
+        "latents yourself in float32) or use the fp16-fix VAE; a bfloat16 VAE has float32's range, so no dtype helps; "
+        "under float16 autocast, which a float32 or bfloat16 VAE computes in too, autocast to bfloat16 or decode "
+        "outside it; check the latents reaching the VAE (the step table) and the latents' scaling factor."
     ),
     message=inference_messages.constant_image,
 )

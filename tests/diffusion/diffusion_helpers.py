@@ -12,6 +12,25 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger
 
 PROMPT = "a photo of a cat"
 
+SD_FP16_VAE = (
+    "this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32), and where its "
+    'float16 latents then fail in the VAE, call it with output_type="latent" and decode the latents cast to float32'
+)
+"""The advice for a float16 SD 1.5 VAE: ``StableDiffusionPipeline`` reads no ``force_upcast``."""
+ANY_FP16_VAE = (
+    "keep the VAE in float32 for the decode: vae.config.force_upcast=True where the pipeline reads it (SDXL's do), "
+    "otherwise pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with "
+    'output_type="latent" and decode the latents cast to float32'
+)
+"""The advice for a float16 SD VAE where whether its pipeline reads ``force_upcast`` is not known."""
+SDXL_FP16_VAE = (
+    "keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and "
+    "the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix"
+)
+"""The advice for a float16 SDXL VAE in a pipeline that reads its ``force_upcast``."""
+BF16_VAE = "it ran in bfloat16, whose range is float32's, so this is no overflow of a narrow dtype"
+"""What a bfloat16 VAE's NaN/Inf (no autocast) is told: float32 holds no more."""
+
 
 def run(pipe, steps: int = 3, **kwargs):
     kwargs.setdefault("output_type", "np")

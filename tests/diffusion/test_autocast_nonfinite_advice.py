@@ -53,15 +53,16 @@ def test_a_nan_weight_of_a_float32_module_under_autocast_keeps_the_generic_advic
 
 
 VAE_FP16 = (
-    "it ran under float16 autocast (its weights are float32, so neither their dtype nor force_upcast changes what it "
-    "computes in): check its weights and inputs; if they are finite, autocast to bfloat16 instead "
+    "it ran under float16 autocast (its weights are float32, so their dtype does not change what it computes in): "
+    "check its weights and inputs; if they are finite, autocast to bfloat16 instead "
     "(torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast"
 )
 VAE_BF16 = (
     "it ran under bfloat16 autocast (its weights are float32), whose range is float32's, so this is no overflow of "
     "a narrow dtype: check its weights and inputs"
 )
-"""A float32 VAE's advice under autocast where no float16 overflow of its module was read (a NaN weight)."""
+"""A float32 VAE's advice under autocast where no float16 overflow of its module was read (a NaN weight); SD 1.5's
+pipeline reads no ``force_upcast``, so its float32 weights are not said to be that flag's doing."""
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])

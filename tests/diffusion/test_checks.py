@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusion_helpers import plant, run
+from diffusion_helpers import SD_FP16_VAE, SDXL_FP16_VAE, plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import checks, setup_checks
@@ -51,7 +51,7 @@ def test_planted_fp16_vae_overflow_is_named_with_vae_advice(fp16_sd, tmp_path):
     risks = kinds(dbg.report(), "overflow_risk")
     assert [(a.component, a.module) for a in risks] == [("vae", name)]
     assert risks[0].details["absmax"] == pytest.approx(40000, rel=1e-3)
-    assert "float32" in risks[0].message and "sdxl-vae-fp16-fix" in risks[0].message
+    assert risks[0].message.endswith(f"; {SD_FP16_VAE}.")  # SD 1.5 reads no force_upcast: not named
 
 
 BF16_ADVICE = (
@@ -104,10 +104,11 @@ def test_the_report_guide_next_to_an_overflow_risk_advises_by_dtype_as_its_messa
     from diffusion_debug.record import kind_info
 
     assert kind_info("overflow_risk").action == (
-        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE); "
-        "under float16 autocast (float32 weights): autocast to bfloat16 instead, or run it outside autocast; "
-        "in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and the "
-        "scale of its inputs."
+        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE; SD 1.5's "
+        "pipeline reads no force_upcast: decode in float32 yourself); under float16 autocast, which computes float32 "
+        "weights in float16 too, an upcast helps only with the decode run outside the autocast: autocast to bfloat16 "
+        "instead, or run that component outside autocast; in bfloat16, whose range is float32's, no dtype holds "
+        "more: check the named module's weights and the scale of its inputs."
     )
 
 
@@ -300,7 +301,11 @@ def test_dtype_mismatch_fp16_sdxl_vae_without_upcast():
         pipe, {"unet": "float16", "vae": "float16", "text_encoder": "bfloat16"}, "unet"
     )
     assert [a.component for a in found] == ["vae", "unet"]
-    assert "force_upcast" in found[0].message
+    assert found[0].details["reads_force_upcast"] is True  # StableDiffusionXLPipeline.__call__ reads it
+    assert found[0].message == (
+        "The SDXL VAE is float16 with force_upcast=False, and the stock SDXL VAE overflows in float16 (black or NaN "
+        f"images); {SDXL_FP16_VAE}."
+    )
 
 
 def test_an_sdxl_fp16_vae_nan_is_advised_by_the_dtype_of_the_module_that_made_it_not_the_vaes_most(tmp_path):
@@ -333,10 +338,8 @@ def test_an_sdxl_fp16_vae_nan_is_advised_by_the_dtype_of_the_module_that_made_it
         "decoder.up_blocks.0.resnets.0.conv2",
         "float32",
     )
-    assert mid.message == (
-        "vae.decoder.mid_block.resnets.0.conv1 produced NaN/Inf from finite inputs (keep the VAE in float32 "
-        "(pipe.vae.to(torch.float32) or vae.config.force_upcast=True) or use an fp16-fixed VAE such as "
-        "madebyollin/sdxl-vae-fp16-fix)."
+    assert (
+        mid.message == f"vae.decoder.mid_block.resnets.0.conv1 produced NaN/Inf from finite inputs ({SDXL_FP16_VAE})."
     )
     # the up block ran in float32 (before: "try float32 or bfloat16", to a VAE that ran in float32)
     assert up.message == (

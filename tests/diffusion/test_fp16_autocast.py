@@ -685,9 +685,9 @@ def test_a_replay_in_another_dtype_than_the_users_autocast_neither_reads_nor_wri
 
 FLAT_UNDER_AUTOCAST = {
     "float16": "1 decoded image(s) are a single flat colour; vae ran under float16 autocast (its weights are "
-    "float32, so neither their dtype nor force_upcast changes what it computes in): check the latents' scaling "
-    "factor, the latents reaching it (the step table) and its weights; if the latents and weights are finite, "
-    "autocast to bfloat16 instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast.",
+    "float32, so their dtype does not change what it computes in): check the latents' scaling factor, the latents "
+    "reaching it (the step table) and its weights; if the latents and weights are finite, autocast to bfloat16 "
+    "instead (torch.autocast(..., dtype=torch.bfloat16)) or run vae outside autocast.",
     "bfloat16": "1 decoded image(s) are a single flat colour; vae ran under bfloat16 autocast (its weights are "
     "float32), whose range is float32's, so this is no overflow of a narrow dtype: check the latents' scaling "
     "factor, the latents reaching it (the step table) and its weights.",

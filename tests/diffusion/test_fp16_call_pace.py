@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusion_helpers import run
+from diffusion_helpers import SD_FP16_VAE, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.components.sentinel_pace import SENTINEL_EVERY
@@ -104,7 +104,7 @@ def test_a_reused_debugger_reads_the_vae_and_text_encoder_sentinels_at_runs_of_t
     assert [(a.component, a.module, a.details.get("run")) for a in risks] == [("vae", name, r) for r in warned], risks
     assert warned[0] - 3 <= SENTINEL_EVERY - 1
     assert risks[0].details["localized_by"] == REPLAYED
-    assert "sdxl-vae-fp16-fix" in risks[0].message
+    assert risks[0].message.endswith(f"; {SD_FP16_VAE}.")  # SD 1.5's: no force_upcast read
     dbg.close()
 
 
@@ -157,7 +157,7 @@ def test_a_nonfinite_at_a_run_the_sentinels_do_not_read_is_named_at_its_module_b
     ], errors
     assert errors[0].details["localized_by"] == OUTPUT_REPLAYED
     if make is past_fp16:
-        assert "force_upcast=True" in errors[0].message and "sdxl-vae-fp16-fix" in errors[0].message
+        assert errors[0].message.endswith(f" ({SD_FP16_VAE}).")  # SD 1.5's: no force_upcast read
     assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
     found = [a for a in dbg.report().anomalies if a.kind in ("nonfinite", "overflow_risk")]
     assert {a.details.get("run") for a in found} == {4}, found

@@ -11,7 +11,7 @@ import copy
 import diffusion_helpers as helpers
 import pytest
 import torch
-from diffusion_helpers import plant, run
+from diffusion_helpers import BF16_VAE, SD_FP16_VAE, plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion.components.sentinel_pace import reads
@@ -215,7 +215,8 @@ def test_the_fp16_vae_black_image_after_the_first_call_is_named_at_its_module_wi
     assert torch.from_numpy(images).isnan().all()
     (error,) = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
     assert (error.component, error.module, error.details["localized_by"]) == ("vae", name, REPLAYED)
-    assert "force_upcast=True" in error.message and "sdxl-vae-fp16-fix" in error.message
+    # SD 1.5's pipeline reads no force_upcast: the decode in float32 it would make is said as the user's own
+    assert error.message == f"vae.{name} produced NaN/Inf from finite inputs ({SD_FP16_VAE})."
     dbg.close()
 
 
@@ -229,7 +230,7 @@ def test_an_fp16_vae_near_overflow_after_the_first_call_is_named_at_its_module_w
     (risk,) = later_run(dbg, "overflow_risk")
     assert (risk.component, risk.module, risk.details["localized_by"]) == ("vae", name, REPLAYED)
     assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
-    assert "float32" in risk.message and "sdxl-vae-fp16-fix" in risk.message
+    assert risk.message.endswith(f"; {SD_FP16_VAE}.")
     assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["vae"]
     dbg.close()
 
@@ -255,7 +256,7 @@ def test_an_fp16_near_overflow_at_an_end_module_after_the_first_call_is_flagged_
     assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
     assert risk.message.startswith(f"{component}.{site} output" if site else f"{component} output reached 61%")
     if component == "vae":
-        assert "sdxl-vae-fp16-fix" in risk.message
+        assert risk.message.endswith(f"; {SD_FP16_VAE}.")
     else:
         assert "run this component in bfloat16 or float32" in risk.message
     dbg.close()
@@ -543,10 +544,9 @@ def test_a_nan_weight_in_a_bf16_vae_decoder_module_on_a_later_call_is_named_at_i
     (error,) = [a for a in later_run(dbg, "nonfinite") if a.severity == "error"]
     assert (error.component, error.module, error.step) == ("vae", name, None)
     assert error.details["localized_by"] == "output check -> replay with full probes"
-    # a bf16 VAE is told float32, not "float32 or bfloat16" nor the fp16-fixed VAE (before: fp16's advice)
+    # a bf16 VAE is told its range is float32's, not fp16's advice nor "run the VAE in float32", which holds no more
     assert (
-        error.message
-        == f"vae.{name} produced NaN/Inf from finite inputs (run the VAE in float32: pipe.vae.to(torch.float32))."
+        error.message == f"vae.{name} produced NaN/Inf from finite inputs ({BF16_VAE}: check its weights and inputs)."
     )
     dbg.close()
 
@@ -585,7 +585,7 @@ def test_fp8_stored_weights_computing_in_bf16_take_the_bf16_path_and_a_later_nan
     # it computes in bf16, advised as a bf16 VAE (before: vae_dtype float8_e4m3fn, its storage, and fp16's advice)
     assert (error.details["vae_dtype"], error.message) == (
         "bfloat16",
-        f"vae.{name} produced NaN/Inf from finite inputs (run the VAE in float32: pipe.vae.to(torch.float32)).",
+        f"vae.{name} produced NaN/Inf from finite inputs ({BF16_VAE}: check its weights and inputs).",
     )
     dbg.close()
 

@@ -434,3 +434,15 @@ def test_a_guider_that_reshapes_the_guidance_on_fp16_components_leaves_the_image
     dbg, image = watched(pipes[1], tmp_path)
     assert np.array_equal(plain, image) and np.array_equal(call(pipes[1]), plain)
     assert [a for a in dbg.report().anomalies if a.kind != "scheduler_config"] == []
+
+
+def test_a_modular_sdxl_pipeline_reads_force_upcast_in_its_decode_step(parts):
+    """A ``ModularPipeline``'s own ``__call__`` reads no ``force_upcast``; its SDXL decode step does, so its VAE's
+    advice names the flag; blocks without that step (the text encoder's alone) do not read it."""
+    from diffusers.modular_pipelines.stable_diffusion_xl import StableDiffusionXLAutoBlocks
+
+    from diffusion_debug.diffusion.components.vae_details import reads_force_upcast
+
+    _, modular = parts
+    text_only = StableDiffusionXLAutoBlocks().sub_blocks["text_encoder"].init_pipeline()
+    assert (reads_force_upcast(modular()), reads_force_upcast(text_only)) == (True, False)

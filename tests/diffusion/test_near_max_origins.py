@@ -11,7 +11,7 @@ import contextlib
 import diffusion_helpers as helpers
 import pytest
 import torch
-from diffusion_helpers import changed_weight, run
+from diffusion_helpers import BF16_VAE, SD_FP16_VAE, changed_weight, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import checks
@@ -138,7 +138,7 @@ def test_a_nan_weight_in_a_bf16_norm_is_still_named_at_the_norm(bf16_sd, tmp_pat
     assert (error.component, error.module, error.details["localized_by"]) == ("vae", NORM, REPLAYED)
     assert "overflowed_in" not in error.details and "near_max_from" not in error.details
     assert error.message == (
-        f"vae.{NORM} produced NaN/Inf from finite inputs (run the VAE in float32: pipe.vae.to(torch.float32))."
+        f"vae.{NORM} produced NaN/Inf from finite inputs ({BF16_VAE}: check its weights and inputs)."
     )
     assert [a.module for a in later(dbg, "nonfinite")] == [NORM]
     dbg.close()
@@ -181,10 +181,7 @@ def test_an_fp16_module_that_overflows_on_near_max_inputs_is_named_after_their_m
     ]
     how = "full probes" if first_call else "sentinel -> replay with full probes"
     assert found[0].details["localized_by"] == how
-    assert found[0].message.endswith(  # fp16: the SD VAE's advice
-        "keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True) or use an "
-        "fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix."
-    )
+    assert found[0].message.endswith(f"; {SD_FP16_VAE}.")  # fp16: SD 1.5's VAE's advice (no force_upcast read)
     dbg.close()
 
 

@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 import torch
-from diffusion_helpers import plant, run
+from diffusion_helpers import BF16_VAE, SD_FP16_VAE, plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 
@@ -44,10 +44,9 @@ def anomalies_of(pipe, tmp_path, weights, autocast, module, make):
 
 
 OUTSIDE_FP16_AUTOCAST = (
-    "keep the VAE in float32 (pipe.vae.to(torch.float32) or vae.config.force_upcast=True), decoded outside the "
-    "float16 autocast (which computes a float32 VAE in float16 too), or use an fp16-fixed VAE such as "
-    "madebyollin/sdxl-vae-fp16-fix"
+    f"{SD_FP16_VAE}, decoded outside the float16 autocast (which computes a float32 VAE in float16 too)"
 )
+"""SD 1.5's (no force_upcast read) fp16 VAE advice under float16 autocast."""
 
 FLAT = {
     "bfloat16": "1 decoded image(s) are a single flat colour; vae ran under float16 autocast (its weights are "
@@ -253,17 +252,22 @@ def test_a_bfloat16_vae_under_bfloat16_autocast_is_told_bfloat16s_range_not_an_f
         ("vae", False, "float32", "float16", "its weights are float32, so their dtype does not change"),
         ("movq", False, "float32", "float16", "its weights are float32, so their dtype does not change"),
         ("vae", True, "bfloat16", "float16", "its weights are bfloat16, so their dtype does not change"),
-        ("vae", True, "float32", "float16", "its weights are float32, so neither their dtype nor force_upcast"),
-        ("vae", True, "bfloat16", None, "(run the VAE in float32: pipe.vae.to(torch.float32))"),
+        ("vae", "upcast", "float32", "float16", "its weights are float32, so neither their dtype nor force_upcast"),
+        ("vae", True, "float32", "float16", "its weights are float32, so their dtype does not change"),
+        ("vae", True, "bfloat16", None, BF16_VAE.removeprefix("it ")),
+        ("vae", "upcast", "bfloat16", None, BF16_VAE.removeprefix("it ")),
     ],
 )
 def test_force_upcast_and_the_fp16_vae_are_said_only_where_they_apply(component, sd_vae, weights, autocast, said):
-    """``force_upcast`` casts only Stable Diffusion's float16 VAE (float32 as it decodes): a Flux or Wan VAE, movq, a
-    bfloat16 VAE were told "neither their dtype nor force_upcast changes what it computes in"; a bfloat16 VAE's flat
-    image opened with "often a black image from an fp16 VAE"."""
+    """``force_upcast`` casts only Stable Diffusion's float16 VAE (float32 as it decodes), and only in a pipeline
+    that reads it (``sd_vae`` "upcast": ``reads_force_upcast``, SDXL's; SD 1.5's reads none): a Flux or Wan VAE,
+    movq, a bfloat16 VAE were told "neither their dtype nor force_upcast changes what it computes in", as was SD
+    1.5's float32 VAE; a bfloat16 VAE's flat image opened with "often a black image from an fp16 VAE", and with no
+    autocast it and its NaN were told "run the VAE in float32", whose range is bfloat16's."""
     from diffusion_debug.record import make_anomaly
 
-    details = {"flat_images": [0], "image_ranges": [0.0], "vae_role": True, "sd_vae": sd_vae, "vae_dtype": weights}
+    details = {"flat_images": [0], "image_ranges": [0.0], "vae_role": True, "sd_vae": bool(sd_vae)}
+    details |= {"vae_dtype": weights, **({"reads_force_upcast": True} if sd_vae == "upcast" else {})}
     flat = make_anomaly("constant_image", component=component, details={**details, "vae_autocast": autocast})
     nan = make_anomaly(
         "nonfinite",

@@ -452,7 +452,8 @@ def test_an_fp16_vae_overflow_is_fixed_by_the_vae_upcast(pipe, tmp_path):
     result = explain_bundle(bundle, vae)
     assert result.module == "decoder.conv_in" and result.fix == "vae upcast (float32)"
     assert result.verdict == (
-        "smallest fix: upcast the VAE to float32 (force_upcast) (vae upcast (float32)) makes vae finite "
+        "smallest fix: upcast the VAE to float32 for the decode (force_upcast where the pipeline reads it, SDXL's) "
+        "(vae upcast (float32)) makes vae finite "
         "(also finite: bfloat16)"
     )
 

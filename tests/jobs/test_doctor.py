@@ -81,15 +81,23 @@ def test_the_recommendation_keeps_the_vae_out_of_float16(doctor):
     assert "unet float16" in text
     assert "vae bfloat16" in text
     assert f"float16: non-finite at {VAE_MODULE}" in text
-    assert "fp16-fix VAE" in text
+    assert "fp16-fix VAE" not in text  # (SD 1.5's VAE, scaling factor 0.18215: the SDXL fix is another latent space)
 
 
-def test_the_fp16_fixed_vae_is_recommended_for_stable_diffusions_vae_only():
-    # a Wan or QwenImage VAE (or Flux's 16-channel AutoencoderKL) has no fp16-fixed version
+def test_the_fp16_fixed_vae_is_recommended_for_sdxls_vae_only():
+    """Keyed on the VAE being SDXL's (scaling factor 0.13025): SD 1.5's (0.18215) and SD x4 upscale's (0.08333) are
+    other latent spaces; a Wan or QwenImage VAE (or Flux's 16-channel AutoencoderKL) has no fp16-fixed version."""
+    from diffusers import AutoencoderKL
+
+    from diffusion_debug.jobs.doctor import sdxl_vae
+
+    tiny = dict(block_out_channels=(8,), norm_num_groups=8, latent_channels=4)
+    factors = {0.13025: True, 0.18215: False, 0.08333: False}
+    assert {f: sdxl_vae(AutoencoderKL(scaling_factor=f, **tiny)) for f in factors} == factors
     fp32 = ComponentCheck(True, None, 1e5, 3.4e38, 0.1)
     runs = [DoctorRun("float32", components={"vae": fp32}), DoctorRun("float16", components={})]
-    for sd_vae, advice in ((True, "; or the fp16-fix VAE"), (False, "")):
-        runs[1].components["vae"] = ComponentCheck(False, "decoder.conv_out", None, 65504.0, 0.1, sd_vae=sd_vae)
+    for sdxl, advice in ((True, "; or the fp16-fix VAE"), (False, "")):
+        runs[1].components["vae"] = ComponentCheck(False, "decoder.conv_out", None, 65504.0, 0.1, sdxl_vae=sdxl)
         assert recommend(runs) == f"vae float32 (float16: non-finite at decoder.conv_out{advice})"
 
 

@@ -108,7 +108,8 @@ def dtype_factor(name: str, *, vae: bool = False) -> Factor:
         return Variant(copied, map_tensors(call.args, cast), map_tensors(call.kwargs, cast), live=False)
 
     if vae and name == "float32":
-        return Factor("vae upcast (float32)", "upcast the VAE to float32 (force_upcast)", 50, build)
+        change = "upcast the VAE to float32 for the decode (force_upcast where the pipeline reads it, SDXL's)"
+        return Factor("vae upcast (float32)", change, 50, build)  # (a bundle's call: its pipeline class not known)
     return Factor(name, "run {component} in " + name, 50 if name == "float32" else 60, build)
 
 
