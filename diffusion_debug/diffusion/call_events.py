@@ -49,6 +49,7 @@ from .components.call_sites import CallSite
 from .components.computes_in import autocast_over, computes_in
 from .components.inventory import call_phase, is_loop_role
 from .components.roles import role
+from .replay.decide import overflow_replayed
 
 _OUTPUT_MAX = {torch.float16: float(torch.finfo(torch.float16).max)}
 """The output dtypes whose near-overflow a text encoder or VAE call's output check flags."""
@@ -59,7 +60,10 @@ MAX_ENCODED = 8
 loop of ``encode_prompt`` calls with no other call between holds no more than this."""
 OUTPUT_CHECK = "output check (the call's output; no probe reading named a module)"
 COMPILED_OUTPUT = "output check (a compiled component: nothing inside it is read)"
-"""How a near-overflow output is found (:meth:`CallEvents.output_overflow`): a compiled component's apart."""
+OUTPUT_REPLAYED = "output check -> replay with full probes"
+REMEMBERED = "output check -> the first full read (memory)"
+"""How a near-overflow output is found (:meth:`CallEvents.output_overflow`): a compiled component's apart; an eager
+one's named by a replay, or by what the pipeline's first full read of it named (kept in its tree memo)."""
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
@@ -596,9 +600,12 @@ class CallEvents:
             near = None if tensor is None else _OUTPUT_MAX.get(tensor.dtype)
             if near is not None and site.role == "denoiser" and site.component not in self.probes.compiled:
                 near = None
-            if near is not None and finite and seen.overflow is None and values.output_absmax is not None:
-                if values.output_absmax >= near * self.config.overflow_fraction:
-                    self.output_overflow(site, values.output_absmax, step)
+            absmax = values.output_absmax
+            if near is not None and finite and absmax is not None and absmax >= near * self.config.overflow_fraction:
+                if seen.overflow is None:
+                    self.output_overflow(site, absmax, step, phase=phase)
+                elif self.probes.levels.get(site.component) == "full":  # a first full read: what made it, kept
+                    self.first_read_output(site, readings)
             # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
             if decoded and values.outside_fraction is not None and finite:
                 threshold = self.config.vae_saturation_fraction
@@ -631,27 +638,61 @@ class CallEvents:
         under = autocast_over(root)
         return weights, under if under == decoded else None
 
-    def output_overflow(self, site: CallSite, absmax: float, step: int | None, timestep: float | None = None) -> None:
-        """``overflow_risk`` at the call's output (a text encoder's, a VAE half's, a compiled component's):
-        the module that made it is not named (a compiled one's inside is not read: said so), the advice
-        (upcast, the VAE's own) is the component's."""
+    def output_overflow(
+        self, site: CallSite, absmax: float, step: int | None, timestep: float | None = None, phase: str = ""
+    ) -> None:
+        """``overflow_risk`` at the call's output (a text encoder's, a VAE half's, a compiled component's), which no
+        probe reading named: an eager component's is named at the module that made it, as the pipeline's first full
+        read of the component (in the dtype it computes in now) named it (:meth:`first_read_output`, kept in the
+        tree memo: a debugger made per call names it with no replay), else by one replay of the kept call with full
+        probes (DESIGN: a near-overflow output is localised by a replay; what it names is kept the same way). A
+        compiled one's inside is not read (said so); the advice (upcast, the VAE's own) is the component's."""
         with self.guard("overflow_risk"):
             compiled = site.component in self.probes.compiled
             reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
+            known = None if compiled else self.probes.output_named(site.component, site.prefix)
+            if known is None and not compiled:  # one replay of the kept call, with full probes
+                seen = checks.Suspects(None, None, reading)
+                found = self.localizer.check(
+                    site.component, [reading], seen, True, step, timestep, phase, site.prefix, OUTPUT_CHECK
+                )
+                for anomaly, _ in found:  # a module inside the site, named by the replay: kept
+                    named = anomaly.module not in ("", site.prefix)
+                    if (
+                        named
+                        and anomaly.kind == "overflow_risk"
+                        and anomaly.details["localized_by"] == OUTPUT_REPLAYED
+                    ):
+                        self.probes.keep_output_named(site.component, site.prefix, anomaly.module)
+                self.emit(found)
+                return
+            if known is not None:
+                reading = reading._replace(module=known)
             found = checks.overflow_risk(
                 site.component,
                 reading,
                 step=step,
                 timestep=timestep,
                 fraction=self.config.overflow_fraction,
-                localized_by=COMPILED_OUTPUT if compiled else OUTPUT_CHECK,
+                localized_by=COMPILED_OUTPUT if compiled else OUTPUT_CHECK if known is None else REMEMBERED,
                 role=self.localizer.roles.get(site.component, "other"),
                 sd_vae=site.component in self.localizer.sd_vaes,
                 compiled=compiled,
-                weights_dtype=self.localizer.weights_dtype(site.component, site.prefix),
+                weights_dtype=self.localizer.weights_dtype(site.component, reading.module),
                 autocast=autocast_over(self.localizer.modules.get(site.component)),
             )
             self.emit([(anomaly, None) for anomaly in found])
+
+    def first_read_output(self, site: CallSite, readings: list[ModuleReading]) -> None:
+        """At a component's first full read, the module that made its near-max output at ``site`` (what a replay
+        of the call would name: :func:`~.replay.decide.overflow_replayed` of its readings inside the site), kept in
+        the pipeline's tree memo for the output checks of later calls (:meth:`output_overflow`)."""
+        with self.guard("overflow_risk"):
+            prefix = site.prefix + "." if site.prefix else ""
+            inside = [r for r in readings if r.module.startswith(prefix)]
+            shown = overflow_replayed(inside, site.prefix, self.config.overflow_fraction, clean=True)
+            if shown.made is not None and shown.made.module:
+                self.probes.keep_output_named(site.component, site.prefix, shown.made.module)
 
     def compiled_output_overflow(
         self, values: rows.StepValues, makers: list[str | None], expert: str | None, step: int
