@@ -430,7 +430,7 @@ class Localizer:
         reading, how = plan.reading, by or ("full probes" if self.full(component) else "sentinel")
         if plan.known is not None:  # (a reading of its own, "": where its own forward built the values)
             reading, how = plan.known, f"{'output check' if by else 'sentinel'} -> replay with full probes"
-        if plan.skip or not reading.module:  # brought by the call's arguments, before its first module
+        if plan.skip or not (by or reading.module):  # brought by the call's arguments, before its first module
             passed = self.inputs.near_max(fraction)  # the user's (a host read, on a near-overflow only)
             if passed:
                 if plan.key is not None:  # the user's values this run, not where the block's own forward builds them

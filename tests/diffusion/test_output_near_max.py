@@ -19,6 +19,7 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 CONV_OUT = "decoder.conv_out"
 REPLAYED = "output check -> replay with full probes"
 REMEMBERED = "output check -> the first full read (memory)"
+OUTPUT_CHECK = "output check (the call's output; no probe reading named a module)"
 
 
 def debugger(pipe, tmp_path, **config) -> DiffusionModelDebugger:
@@ -133,3 +134,23 @@ def test_a_planted_nan_at_conv_out_after_a_remembered_near_max_is_still_named_by
     assert replays(dbg) == ["vae"] and not risks(dbg)
     for d in (first, dbg):
         d.close()
+
+
+def test_a_text_encoder_near_max_output_no_replay_names_is_not_blamed_on_near_max_inputs(tmp_path):
+    """A text encoder's call site has no prefix (its reading's module is ``""``): where no replay names the module
+    (here: localisation off), its near-max output is the component's, flagged at its output as
+    before, not the user's near-max latents (which it never received)."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    with debugger(pipe, tmp_path / "clean"):
+        run(pipe, steps=1)
+    shape = pipe.unet.config.sample_size
+    latents = torch.full((1, pipe.unet.config.in_channels, shape, shape), 0.7 * FP16_MAX, dtype=torch.float16)
+    name = clip_name("final_layer_norm")
+    with plant_overflow(pipe.text_encoder.get_submodule(name), fraction=0.61):
+        with debugger(pipe, tmp_path / "dbg", localize=False) as dbg:
+            run(pipe, steps=1, latents=latents)
+    found = [(a.component, a.module, a.details["localized_by"]) for a in risks(dbg, "text_encoder")]
+    assert found == [("text_encoder", "", OUTPUT_CHECK)]
+    assert not [a for a in dbg.report().anomalies if a.component == "input" and a.kind == "overflow_risk"]
+    assert replays(dbg) == []
+    dbg.close()
