@@ -7,11 +7,14 @@ replay; images are bitwise equal."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from diffusion_helpers import plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components import structure
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
 from diffusion_debug.testing.features import clip_name
 
@@ -62,6 +65,15 @@ def test_a_vae_near_max_at_conv_out_is_named_there_by_a_second_and_a_per_call_de
     assert replays(first) == replays(second) == replays(per_call) == []
     for dbg in (first, second, per_call):
         dbg.close()
+    del first, second, per_call, dbg
+    gc.collect()  # no debugger holds the memo: parked (its entries, strings, kept), revived by the next
+    assert structure._SHARED[id(pipe)].parked
+    with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=value / FP16_MAX):
+        with debugger(pipe, tmp_path / "parked") as parked:
+            assert (run(pipe, steps=1) == planted).all()
+    assert [(a.module, a.details["localized_by"]) for a in risks(parked)] == [(CONV_OUT, REMEMBERED)]
+    assert replays(parked) == []
+    parked.close()
 
 
 @pytest.mark.parametrize("component, module", [("vae", CONV_OUT), ("text_encoder", "final_layer_norm")])
