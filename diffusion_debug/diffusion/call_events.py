@@ -62,8 +62,10 @@ OUTPUT_CHECK = "output check (the call's output; no probe reading named a module
 COMPILED_OUTPUT = "output check (a compiled component: nothing inside it is read)"
 OUTPUT_REPLAYED = "output check -> replay with full probes"
 REMEMBERED = "output check -> the first full read (memory)"
+EARLIER_REPLAY = "output check -> an earlier call's replay (memory)"
 """How a near-overflow output is found (:meth:`CallEvents.output_overflow`): a compiled component's apart; an eager
-one's named by a replay, or by what the pipeline's first full read of it named (kept in its tree memo)."""
+one's named by a replay, by what the pipeline's first full read of it named (kept in its tree memo), or (no memo:
+``probes="off"``) by the debugger's earlier replay."""
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
@@ -652,18 +654,16 @@ class CallEvents:
             reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
             known = None if compiled else self.probes.output_named(site.component, site.prefix)
             if known is None and not compiled:  # one replay of the kept call, with full probes
-                seen = checks.Suspects(None, None, reading)
+                seen, spent = checks.Suspects(None, None, reading), self.localizer.memory.seconds
                 found = self.localizer.check(
                     site.component, [reading], seen, True, step, timestep, phase, site.prefix, OUTPUT_CHECK
                 )
                 for anomaly, _ in found:  # a module inside the site, named by the replay: kept
-                    named = anomaly.module not in ("", site.prefix)
-                    if (
-                        named
-                        and anomaly.kind == "overflow_risk"
-                        and anomaly.details["localized_by"] == OUTPUT_REPLAYED
-                    ):
+                    replayed = anomaly.kind == "overflow_risk" and anomaly.details["localized_by"] == OUTPUT_REPLAYED
+                    if replayed and anomaly.module not in ("", site.prefix):
                         self.probes.keep_output_named(site.component, site.prefix, anomaly.module)
+                        if self.localizer.memory.seconds == spent:  # no replay now: an earlier call's (probes="off")
+                            anomaly.details["localized_by"] = EARLIER_REPLAY
                 self.emit(found)
                 return
             if known is not None:

@@ -166,3 +166,19 @@ def test_a_text_encoder_near_max_output_no_replay_names_is_not_blamed_on_near_ma
     assert not [a for a in dbg.report().anomalies if a.component == "input" and a.kind == "overflow_risk"]
     assert replays(dbg) == []
     dbg.close()
+
+
+def test_with_probes_off_a_reused_debugger_replays_once_and_says_later_calls_are_named_from_memory(tmp_path):
+    """No probe, no full read, no tree-memo entry (``probes="off"``): the first call's output check replays the VAE
+    once; the later calls name the module from the debugger's memory of that replay and say so (before: "replay")."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    dbg = debugger(pipe, tmp_path, probes="off")
+    with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=0.61):
+        for _ in range(3):
+            with dbg:
+                run(pipe, steps=1)
+    found = [(a.module, a.details.get("run"), a.details["localized_by"]) for a in risks(dbg)]
+    earlier = "output check -> an earlier call's replay (memory)"
+    assert found == [(CONV_OUT, 1, REPLAYED), (CONV_OUT, 2, earlier), (CONV_OUT, 3, earlier)]
+    assert replays(dbg) == ["vae"]
+    dbg.close()
