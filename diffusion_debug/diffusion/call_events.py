@@ -49,7 +49,6 @@ from .components.call_sites import CallSite
 from .components.computes_in import autocast_over, computes_in
 from .components.inventory import call_phase, is_loop_role
 from .components.roles import role
-from .replay.decide import overflow_replayed
 
 _OUTPUT_MAX = {torch.float16: float(torch.finfo(torch.float16).max)}
 """The output dtypes whose near-overflow a text encoder or VAE call's output check flags."""
@@ -61,11 +60,9 @@ loop of ``encode_prompt`` calls with no other call between holds no more than th
 OUTPUT_CHECK = "output check (the call's output; no probe reading named a module)"
 COMPILED_OUTPUT = "output check (a compiled component: nothing inside it is read)"
 OUTPUT_REPLAYED = "output check -> replay with full probes"
-REMEMBERED = "output check -> the first full read (memory)"
-EARLIER_REPLAY = "output check -> an earlier call's replay (memory)"
+EARLIER_REPLAY = "output check -> an earlier call's replay"
 """How a near-overflow output is found (:meth:`CallEvents.output_overflow`): a compiled component's apart; an eager
-one's named by a replay, by what the pipeline's first full read of it named (kept in its tree memo), or (no memo:
-``probes="off"``) by the debugger's earlier replay."""
+one's named by a replay, or by the same debugger's earlier replay of it (its replay memory: once per debugger)."""
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
@@ -603,11 +600,9 @@ class CallEvents:
             if near is not None and site.role == "denoiser" and site.component not in self.probes.compiled:
                 near = None
             absmax = values.output_absmax
-            if near is not None and finite and absmax is not None and absmax >= near * self.config.overflow_fraction:
-                if seen.overflow is None:
+            if near is not None and finite and seen.overflow is None and absmax is not None:
+                if absmax >= near * self.config.overflow_fraction:
                     self.output_overflow(site, absmax, step, phase=phase)
-                elif self.probes.levels.get(site.component) == "full":  # a first full read: what made it, kept
-                    self.first_read_output(site, readings)
             # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
             if decoded and values.outside_fraction is not None and finite:
                 threshold = self.config.vae_saturation_fraction
@@ -644,55 +639,40 @@ class CallEvents:
         self, site: CallSite, absmax: float, step: int | None, timestep: float | None = None, phase: str = ""
     ) -> None:
         """``overflow_risk`` at the call's output (a text encoder's, a VAE half's, a compiled component's), which no
-        probe reading named: an eager component's is named at the module that made it, as the pipeline's first full
-        read of the component (in the dtype it computes in now) named it (:meth:`first_read_output`, kept in the
-        tree memo: a debugger made per call names it with no replay), else by one replay of the kept call with full
-        probes (DESIGN: a near-overflow output is localised by a replay; what it names is kept the same way). A
-        compiled one's inside is not read (said so); the advice (upcast, the VAE's own) is the component's."""
+        probe reading named: an eager component's is named at the module that made it by one replay of the kept call
+        with full probes (DESIGN: a near-overflow output is localised by a replay). The debugger's replay memory
+        makes it once per debugger (its later calls: :data:`EARLIER_REPLAY`); a debugger made per call replays once
+        per call while the near-max persists, the price of a name that is right after the inputs or the weights
+        changed (on the warning path only). A compiled one's inside is not read (said so); the advice (upcast, the
+        VAE's own) is the component's."""
         with self.guard("overflow_risk"):
             compiled = site.component in self.probes.compiled
             reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
-            known = None if compiled else self.probes.output_named(site.component, site.prefix)
-            if known is None and not compiled:  # one replay of the kept call, with full probes
+            if not compiled:  # one replay of the kept call, with full probes
                 seen, spent = checks.Suspects(None, None, reading), self.localizer.memory.seconds
                 found = self.localizer.check(
                     site.component, [reading], seen, True, step, timestep, phase, site.prefix, OUTPUT_CHECK
                 )
-                for anomaly, _ in found:  # a module inside the site, named by the replay: kept
+                for anomaly, _ in found:  # no replay now: named by this debugger's earlier call's
                     replayed = anomaly.kind == "overflow_risk" and anomaly.details["localized_by"] == OUTPUT_REPLAYED
-                    if replayed and anomaly.module not in ("", site.prefix):
-                        self.probes.keep_output_named(site.component, site.prefix, anomaly.module)
-                        if self.localizer.memory.seconds == spent:  # no replay now: an earlier call's (probes="off")
-                            anomaly.details["localized_by"] = EARLIER_REPLAY
+                    if replayed and self.localizer.memory.seconds == spent:
+                        anomaly.details["localized_by"] = EARLIER_REPLAY
                 self.emit(found)
                 return
-            if known is not None:
-                reading = reading._replace(module=known)
             found = checks.overflow_risk(
                 site.component,
                 reading,
                 step=step,
                 timestep=timestep,
                 fraction=self.config.overflow_fraction,
-                localized_by=COMPILED_OUTPUT if compiled else OUTPUT_CHECK if known is None else REMEMBERED,
+                localized_by=COMPILED_OUTPUT,
                 role=self.localizer.roles.get(site.component, "other"),
                 sd_vae=site.component in self.localizer.sd_vaes,
                 compiled=compiled,
-                weights_dtype=self.localizer.weights_dtype(site.component, reading.module),
+                weights_dtype=self.localizer.weights_dtype(site.component, site.prefix),
                 autocast=autocast_over(self.localizer.modules.get(site.component)),
             )
             self.emit([(anomaly, None) for anomaly in found])
-
-    def first_read_output(self, site: CallSite, readings: list[ModuleReading]) -> None:
-        """At a component's first full read, the module that made its near-max output at ``site`` (what a replay
-        of the call would name: :func:`~.replay.decide.overflow_replayed` of its readings inside the site), kept in
-        the pipeline's tree memo for the output checks of later calls (:meth:`output_overflow`)."""
-        with self.guard("overflow_risk"):
-            prefix = site.prefix + "." if site.prefix else ""
-            inside = [r for r in readings if r.module.startswith(prefix)]
-            shown = overflow_replayed(inside, site.prefix, self.config.overflow_fraction, clean=True)
-            if shown.made is not None and shown.made.module:
-                self.probes.keep_output_named(site.component, site.prefix, shown.made.module)
 
     def compiled_output_overflow(
         self, values: rows.StepValues, makers: list[str | None], expert: str | None, step: int

@@ -394,31 +394,6 @@ class ComponentProbes:
         elif name in probes:
             reset_probes((probes[name],))
 
-    def output_named(self, name: str, site: str) -> str | None:
-        """The module that made a near-max output of ``name``'s call at ``site``, as the pipeline's first full read
-        of it in the dtype it computes in now named it (or the output check's replay since: :meth:`keep_output_named`),
-        looked up in the tree memo's ``read_fully`` set as it is asked (None: none kept)."""
-        read = self._reads.get(name)
-        if read is None:
-            return None
-        done, dtype = read
-        for entry in done:
-            if type(entry) is tuple and entry[:3] == (_NAMED, site, dtype):
-                return entry[3]
-        return None
-
-    def keep_output_named(self, name: str, site: str, module: str) -> None:
-        """Keep ``module`` as what made ``name``'s near-max output at ``site`` in the dtype it computes in now, in the
-        pipeline's tree memo (its ``read_fully`` set, strings alone: nothing of the component held; parked with the
-        memo, gone with a changed tree or :meth:`forget_reads`): every debugger of the pipeline names it so, with no
-        replay (a debugger made per call finds the first one's)."""
-        read = self._reads.get(name)
-        if read is None or self.level != "sentinel":
-            return
-        done, dtype = read
-        done.difference_update([e for e in done if type(e) is tuple and e[:3] == (_NAMED, site, dtype)])
-        done.add((_NAMED, site, dtype, module))
-
     def forget_reads(self) -> None:
         """Read the next call of every component called once per image with full probes again."""
         for done, _ in self._reads.values():
@@ -433,11 +408,6 @@ class ComponentProbes:
         for probe in self.probes.values():
             probe.errors.clear()
         self.probes = {}
-
-
-_NAMED = "near_max_output"
-"""Marks an entry of the memo's ``read_fully`` set (its dtypes read fully) that says what made a near-max output
-at a site: ``(_NAMED, site, dtype, module)`` (:meth:`ComponentProbes.output_named`)."""
 
 
 class _StreamDtype:
