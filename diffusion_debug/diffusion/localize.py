@@ -216,11 +216,10 @@ class Localizer:
         site: str = "",
         output: str | None = None,
     ) -> list[Finding]:
-        """``nonfinite`` and ``overflow_risk`` for one component call (or step) whose readings show
-        ``seen`` (:func:`~.checks.suspects`, read once by the caller): every replay they call for decided
-        at once (:func:`~.replay.decide.decide`), then run, then the findings. ``site``: the call site's
-        prefix (the VAE's ``decoder``), where a replay starts when no reading names a block. ``output``: the
-        reading is the call's output (how it was found; its replay names the module inside)."""
+        """``nonfinite`` and ``overflow_risk`` for one component call (or step) whose readings show ``seen``
+        (:func:`~.checks.suspects`, read once by the caller): every replay they call for decided at once
+        (:func:`~.replay.decide.decide`), then run, then the findings. ``site``: the call site's prefix (the VAE's
+        ``decoder``), where a replay starts when no reading names a block; ``output``: the reading is the output's."""
         found: list[Finding] = []
         plan = NOTHING
         with self.guard("nonfinite").at(step):
@@ -411,7 +410,9 @@ class Localizer:
         return [n for n in bad if n not in state], [n for n in bad if n in state]
 
     # -- overflow risk ------------------------------------------------------------------------------
-    def overflow(self, component: str, plan: Overflow, *, step, timestep, phase: str, by=None) -> list[Finding]:
+    def overflow(
+        self, component: str, plan: Overflow, *, step: int | None, timestep, phase: str, by: str | None = None
+    ) -> list[Finding]:
         """``overflow_risk`` for the module whose output came close to its dtype's maximum (``plan``:
         :func:`~.replay.decide.decide`'s; a block's is replayed to find the module inside).
 
