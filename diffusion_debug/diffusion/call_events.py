@@ -59,7 +59,10 @@ MAX_ENCODED = 8
 loop of ``encode_prompt`` calls with no other call between holds no more than this."""
 OUTPUT_CHECK = "output check (the call's output; no probe reading named a module)"
 COMPILED_OUTPUT = "output check (a compiled component: nothing inside it is read)"
-"""How a near-overflow output is found (:meth:`CallEvents.output_overflow`): a compiled component's apart."""
+OUTPUT_REPLAYED = "output check -> replay with full probes"
+EARLIER_REPLAY = "output check -> an earlier call's replay"
+"""How a near-overflow output is found (:meth:`CallEvents.output_overflow`): a compiled component's apart; an eager
+one's named by a replay, or by the same debugger's earlier replay of it (its replay memory: once per debugger)."""
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
 
 
@@ -596,9 +599,10 @@ class CallEvents:
             near = None if tensor is None else _OUTPUT_MAX.get(tensor.dtype)
             if near is not None and site.role == "denoiser" and site.component not in self.probes.compiled:
                 near = None
-            if near is not None and finite and seen.overflow is None and values.output_absmax is not None:
-                if values.output_absmax >= near * self.config.overflow_fraction:
-                    self.output_overflow(site, values.output_absmax, step)
+            absmax = values.output_absmax
+            if near is not None and finite and seen.overflow is None and absmax is not None:
+                if absmax >= near * self.config.overflow_fraction:
+                    self.output_overflow(site, absmax, step, phase=phase)
             # a non-finite image is the NaN/Inf's consequence, already named at its origin: not saturation
             if decoded and values.outside_fraction is not None and finite:
                 threshold = self.config.vae_saturation_fraction
@@ -632,20 +636,37 @@ class CallEvents:
         under = autocast_over(root)
         return weights, under if under == decoded else None
 
-    def output_overflow(self, site: CallSite, absmax: float, step: int | None, timestep: float | None = None) -> None:
-        """``overflow_risk`` at the call's output (a text encoder's, a VAE half's, a compiled component's):
-        the module that made it is not named (a compiled one's inside is not read: said so), the advice
-        (upcast, the VAE's own) is the component's."""
+    def output_overflow(
+        self, site: CallSite, absmax: float, step: int | None, timestep: float | None = None, phase: str = ""
+    ) -> None:
+        """``overflow_risk`` at the call's output (a text encoder's, a VAE half's, a compiled component's), which no
+        probe reading named: an eager component's is named at the module that made it by one replay of the kept call
+        with full probes (DESIGN: a near-overflow output is localised by a replay). The debugger's replay memory
+        makes it once per debugger (its later calls: :data:`EARLIER_REPLAY`); a debugger made per call replays once
+        per call while the near-max persists, the price of a name that is right after the inputs or the weights
+        changed (on the warning path only). A compiled one's inside is not read (said so); the advice (upcast, the
+        VAE's own) is the component's."""
         with self.guard("overflow_risk"):
             compiled = site.component in self.probes.compiled
             reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
+            if not compiled:  # one replay of the kept call, with full probes
+                seen, spent = checks.Suspects(None, None, reading), self.localizer.memory.seconds
+                found = self.localizer.check(
+                    site.component, [reading], seen, True, step, timestep, phase, site.prefix, OUTPUT_CHECK
+                )
+                for anomaly, _ in found:  # no replay now: named by this debugger's earlier call's
+                    replayed = anomaly.kind == "overflow_risk" and anomaly.details["localized_by"] == OUTPUT_REPLAYED
+                    if replayed and self.localizer.memory.seconds == spent:
+                        anomaly.details["localized_by"] = EARLIER_REPLAY
+                self.emit(found)
+                return
             found = checks.overflow_risk(
                 site.component,
                 reading,
                 step=step,
                 timestep=timestep,
                 fraction=self.config.overflow_fraction,
-                localized_by=COMPILED_OUTPUT if compiled else OUTPUT_CHECK,
+                localized_by=COMPILED_OUTPUT,
                 role=self.localizer.roles.get(site.component, "other"),
                 sd_vae=site.component in self.localizer.sd_vaes,
                 upcast=self.localizer.upcast,

@@ -216,11 +216,12 @@ class Localizer:
         timestep: float | None,
         phase: str,
         site: str = "",
+        output: str | None = None,
     ) -> list[Finding]:
-        """``nonfinite`` and ``overflow_risk`` for one component call (or step) whose readings show
-        ``seen`` (:func:`~.checks.suspects`, read once by the caller): every replay they call for decided
-        at once (:func:`~.replay.decide.decide`), then run, then the findings. ``site``: the call site's
-        prefix (the VAE's ``decoder``), where a replay starts when no reading names a block."""
+        """``nonfinite`` and ``overflow_risk`` for one component call (or step) whose readings show ``seen``
+        (:func:`~.checks.suspects`, read once by the caller): every replay they call for decided at once
+        (:func:`~.replay.decide.decide`), then run, then the findings. ``site``: the call site's prefix (the VAE's
+        ``decoder``), where a replay starts when no reading names a block; ``output``: the reading is the output's."""
         found: list[Finding] = []
         plan = NOTHING
         with self.guard("nonfinite").at(step):
@@ -251,7 +252,7 @@ class Localizer:
             if plan.failed and "overflow_risk" in plan.failed:  # (its NaN/Inf named above all the same)
                 raise plan.failed["overflow_risk"]
             if plan.overflow is not None:
-                risks = self.overflow(component, plan.overflow, step=step, timestep=timestep, phase=phase)
+                risks = self.overflow(component, plan.overflow, step=step, timestep=timestep, phase=phase, by=output)
                 named = {a.module for a, _ in found if "overflowed_in" in a.details}  # a NaN/Inf's cause: said once
                 found += [risk for risk in risks if risk[0].module not in named] if named else risks
         return found
@@ -412,14 +413,17 @@ class Localizer:
         return [n for n in bad if n not in state], [n for n in bad if n in state]
 
     # -- overflow risk ------------------------------------------------------------------------------
-    def overflow(self, component: str, plan: Overflow, *, step: int | None, timestep, phase: str) -> list[Finding]:
+    def overflow(
+        self, component: str, plan: Overflow, *, step: int | None, timestep, phase: str, by: str | None = None
+    ) -> list[Finding]:
         """``overflow_risk`` for the module whose output came close to its dtype's maximum (``plan``:
         :func:`~.replay.decide.decide`'s; a block's is replayed to find the module inside).
 
         A block whose replay shows a module that made an Inf the block then clipped to the dtype's
         largest value (diffusers' Flux blocks clip their fp16 streams to +-65504) is a ``nonfinite``
         error at that module instead (:meth:`_clipped_inf`). A block at the max (or 1000 below) is replayed once
-        a run even where an earlier run's overflow was localised there: a clip hides an Inf that way."""
+        a run even where an earlier run's overflow was localised there: a clip hides an Inf that way. ``by``:
+        :meth:`check`'s ``output`` (the call's output at its site, ``""`` a text encoder's: not the user's inputs)."""
         fraction = self.config.overflow_fraction
         if plan.replay is not None:
             replayed = self.replay(component, plan.replay, step)
@@ -427,10 +431,10 @@ class Localizer:
             plan = self.memory.overflow_shown(plan, shown, len(replayed or ()))
         if plan.clipped is not None:  # (its replay's; where the replay showed none, as the sentinel read it: plan.how)
             return self._clipped_inf(component, plan.clipped, plan.how, plan.replayed, step, timestep, phase)
-        reading, how = plan.reading, "full probes" if self.full(component) else "sentinel"
+        reading, how = plan.reading, by or ("full probes" if self.full(component) else "sentinel")
         if plan.known is not None:  # (a reading of its own, "": where its own forward built the values)
-            reading, how = plan.known, "sentinel -> replay with full probes"
-        if plan.skip or not reading.module:  # brought by the call's arguments, or before its first module
+            reading, how = plan.known, f"{'output check' if by else 'sentinel'} -> replay with full probes"
+        if plan.skip or not (by or reading.module):  # brought by the call's arguments, before its first module
             passed = self.inputs.near_max(fraction)  # the user's (a host read, on a near-overflow only)
             if passed:
                 if plan.key is not None:  # the user's values this run, not where the block's own forward builds them

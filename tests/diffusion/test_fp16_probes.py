@@ -236,29 +236,31 @@ def test_an_fp16_vae_near_overflow_after_the_first_call_is_named_at_its_module_w
 
 
 @pytest.mark.parametrize(
-    "component, module, site",
-    [("vae", "decoder.conv_out", "decoder"), ("text_encoder", clip_name("final_layer_norm"), "")],
+    "component, module", [("vae", "decoder.conv_out"), ("text_encoder", clip_name("final_layer_norm"))]
 )
-def test_an_fp16_near_overflow_at_an_end_module_after_the_first_call_is_flagged_at_the_output(
-    fp16_sd, tmp_path, component, module, site
+def test_an_fp16_near_overflow_at_an_end_module_after_the_first_call_is_named_by_one_replay_from_the_output(
+    fp16_sd, tmp_path, component, module
 ):
     """The sentinel leaves out the single modules at either end of a VAE or text encoder: a finite
-    near-overflow one of them makes is flagged at the call's output, from the abs-max the output
-    check measures anyway (no added op), with the component's upcast advice; no module named."""
+    near-overflow one of them makes is seen at the call's output, from the abs-max the output check
+    measures anyway (no added op), and named at its module by one replay of the kept call with full
+    probes (DESIGN), with the component's upcast advice (before: at the output, no module named)."""
     dbg = warmed(fp16_sd, tmp_path)
     target = getattr(fp16_sd, component)
-    with plant_overflow(target.get_submodule(suffixed(target, module)), fraction=0.61), dbg:
+    module = suffixed(target, module)
+    with plant_overflow(target.get_submodule(module), fraction=0.61), dbg:
         run(fp16_sd, steps=2)
     risks = [a for a in later_run(dbg, "overflow_risk") if a.component == component]
-    assert [(a.component, a.module, a.step) for a in risks] == [(component, site, None)]
+    assert [(a.component, a.module, a.step) for a in risks] == [(component, module, None)]
     (risk,) = risks
-    assert risk.details["localized_by"].startswith("output check")
+    assert risk.details["localized_by"] == OUTPUT_REPLAYED
     assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
-    assert risk.message.startswith(f"{component}.{site} output" if site else f"{component} output reached 61%")
+    assert risk.message.startswith(f"{component}.{module} output reached 61%")
     if component == "vae":
         assert risk.message.endswith(f"; {SD_FP16_VAE}.")
     else:
         assert "run this component in bfloat16 or float32" in risk.message
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
     dbg.close()
 
 

@@ -1,0 +1,239 @@
+"""An fp16 near-overflow that no probe reading names, flagged at a VAE's or text encoder's output (the sentinel
+leaves out the single modules at either end of the stack), is named at its module by ONE replay of the kept call
+with full probes (DESIGN: a near-overflow output is localised by a replay): once per debugger (its replay memory);
+a debugger made per call replays once per call, so that the name stays right when the weights or the inputs change
+(nothing of a finding is kept with the pipeline). Images are bitwise equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusion_helpers import plant, run
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.testing import plant_overflow, tiny_pipeline
+from diffusion_debug.testing.features import clip_name
+
+FP16_MAX = float(torch.finfo(torch.float16).max)
+CONV_OUT = "decoder.conv_out"
+REPLAYED = "output check -> replay with full probes"
+EARLIER = "output check -> an earlier call's replay"
+OUTPUT_CHECK = "output check (the call's output; no probe reading named a module)"
+
+
+def debugger(pipe, tmp_path, **config) -> DiffusionModelDebugger:
+    return DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", **config))
+
+
+def risks(dbg, component="vae"):
+    return [a for a in dbg.report().anomalies if a.kind == "overflow_risk" and a.component == component]
+
+
+def replays(dbg):
+    return [e["component"] for e in dbg.record.events if e["type"] == "replay"]
+
+
+@pytest.mark.parametrize("value", [60000.0, 65000.0])
+def test_a_vae_near_max_at_conv_out_is_named_there_by_one_replay_per_debugger(tmp_path, value):
+    """The first full read names it as read; that debugger's later call, a second debugger and one made per call
+    each name it by one replay (before: 0 replays, from a memory kept with the pipeline, wrong once inputs or
+    weights changed)."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    plain = run(pipe, steps=1)
+    with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=value / FP16_MAX):
+        planted = run(pipe, steps=1)
+        first = debugger(pipe, tmp_path / "first")
+        with first:  # the pipeline's first read of its fp16 VAE: full probes name it as read
+            images = [run(pipe, steps=1)]
+        with first:  # its own later calls: its sentinel, the output check, one replay
+            images.append(run(pipe, steps=1))
+        with first:
+            images.append(run(pipe, steps=1))
+        second = debugger(pipe, tmp_path / "second")
+        with second:
+            images.append(run(pipe, steps=1))
+        with debugger(pipe, tmp_path / "per_call") as per_call:
+            images.append(run(pipe, steps=1))
+    assert all((image == planted).all() for image in images)
+    assert not (plain == planted).all()  # (the plant changed the image: the check is not vacuous)
+    found = [(a.module, a.details.get("run"), a.details["localized_by"]) for a in risks(first)]
+    at_max = value >= FP16_MAX - 1000  # (a module at the max is replayed once a run: a clip hides an Inf that way)
+    assert found == [
+        (CONV_OUT, 1, "full probes"),
+        (CONV_OUT, 2, REPLAYED),
+        (CONV_OUT, 3, REPLAYED if at_max else EARLIER),
+    ]
+    for dbg in (second, per_call):
+        (risk,) = risks(dbg)
+        assert (risk.module, risk.details["localized_by"]) == (CONV_OUT, REPLAYED)
+        assert risk.details["dtype_max_fraction"] == pytest.approx(value / FP16_MAX, abs=2e-3)
+        assert "sdxl-vae-fp16-fix" in risk.message
+    assert replays(first) == ["vae"] * (2 if at_max else 1)
+    assert replays(second) == replays(per_call) == ["vae"]
+    for dbg in (first, second, per_call):
+        dbg.close()
+
+
+@pytest.mark.parametrize("component, module", [("vae", CONV_OUT), ("text_encoder", "final_layer_norm")])
+def test_a_near_max_at_an_end_module_the_first_read_did_not_see_is_named_by_one_replay_per_debugger(
+    tmp_path, component, module
+):
+    """Planted after the pipeline's first full read: the output check's replay names it, once per debugger (a later
+    per-call debugger replays again: before, it named it from a memory with none)."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    with debugger(pipe, tmp_path / "clean") as clean:
+        run(pipe, steps=1)
+    target = getattr(pipe, component)
+    name = clip_name(module) if component == "text_encoder" else module
+    with plant_overflow(target.get_submodule(name), fraction=0.61):
+        planted = run(pipe, steps=1)
+        with debugger(pipe, tmp_path / "replayed") as replayed:
+            first = run(pipe, steps=1)
+        with debugger(pipe, tmp_path / "again") as again_dbg:
+            again = run(pipe, steps=1)
+    assert (first == planted).all() and (again == planted).all()
+    assert not risks(clean, component)
+    (risk,) = risks(replayed, component)
+    assert (risk.module, risk.details["localized_by"]) == (name, REPLAYED)
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+    assert replays(replayed) == [component]
+    (risk,) = risks(again_dbg, component)
+    assert (risk.module, risk.details["localized_by"]) == (name, REPLAYED)
+    assert replays(again_dbg) == [component]
+    for dbg in (clean, replayed, again_dbg):
+        dbg.close()
+
+
+def test_a_vae_cast_to_float32_and_back_is_named_again_by_a_replay(tmp_path):
+    """Cast to float32, its output is not near its max (no finding, no replay); cast back to float16, a new
+    debugger's output check names it by one replay."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=0.61):
+        with debugger(pipe, tmp_path / "fp16") as fp16:
+            run(pipe, steps=1)
+        pipe.to(torch.float32)
+        with debugger(pipe, tmp_path / "fp32") as fp32:
+            run(pipe, steps=1)
+        pipe.to(torch.float16)
+        with debugger(pipe, tmp_path / "again") as again:
+            run(pipe, steps=1)
+    assert [(a.module, a.details["localized_by"]) for a in risks(fp16)] == [(CONV_OUT, "full probes")]
+    assert not risks(fp32) and replays(fp32) == []
+    assert [(a.module, a.details["localized_by"]) for a in risks(again)] == [(CONV_OUT, REPLAYED)]
+    assert replays(again) == ["vae"]
+    for dbg in (fp16, fp32, again):
+        dbg.close()
+
+
+def test_a_planted_nan_at_conv_out_after_a_named_near_max_is_still_named_by_its_replay(tmp_path):
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=0.61):
+        with debugger(pipe, tmp_path / "first") as first:
+            run(pipe, steps=1)
+    handle = plant(pipe.vae.get_submodule(CONV_OUT), 0)
+    try:
+        with debugger(pipe, tmp_path / "nan") as dbg:
+            run(pipe, steps=1)
+    finally:
+        handle.remove()
+    errors = [a for a in dbg.report().anomalies if a.kind == "nonfinite" and a.severity == "error"]
+    assert [(a.component, a.module, a.details["localized_by"]) for a in errors] == [
+        ("vae", CONV_OUT, "sentinel -> replay with full probes")
+    ]
+    assert replays(dbg) == ["vae"] and not risks(dbg)
+    for d in (first, dbg):
+        d.close()
+
+
+def test_a_text_encoder_near_max_output_no_replay_names_is_not_blamed_on_near_max_inputs(tmp_path):
+    """A text encoder's call site has no prefix (its reading's module is ``""``): where no replay names the module
+    (here: localisation off), its near-max output is the component's, flagged at its output as
+    before, not the user's near-max latents (which it never received)."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    with debugger(pipe, tmp_path / "clean"):
+        run(pipe, steps=1)
+    shape = pipe.unet.config.sample_size
+    latents = torch.full((1, pipe.unet.config.in_channels, shape, shape), 0.7 * FP16_MAX, dtype=torch.float16)
+    name = clip_name("final_layer_norm")
+    with plant_overflow(pipe.text_encoder.get_submodule(name), fraction=0.61):
+        with debugger(pipe, tmp_path / "dbg", localize=False) as dbg:
+            run(pipe, steps=1, latents=latents)
+    found = [(a.component, a.module, a.details["localized_by"]) for a in risks(dbg, "text_encoder")]
+    assert found == [("text_encoder", "", OUTPUT_CHECK)]
+    assert not [a for a in dbg.report().anomalies if a.component == "input" and a.kind == "overflow_risk"]
+    assert replays(dbg) == []
+    dbg.close()
+
+
+def test_with_probes_off_a_reused_debugger_replays_once_and_says_later_calls_are_named_by_that_replay(tmp_path):
+    """No probe, no full read, no tree-memo entry (``probes="off"``): the first call's output check replays the VAE
+    once; the later calls name the module as that replay did and say so (before: "replay")."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    dbg = debugger(pipe, tmp_path, probes="off")
+    with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=0.61):
+        for _ in range(3):
+            with dbg:
+                run(pipe, steps=1)
+    found = [(a.module, a.details.get("run"), a.details["localized_by"]) for a in risks(dbg)]
+    assert found == [(CONV_OUT, 1, REPLAYED), (CONV_OUT, 2, EARLIER), (CONV_OUT, 3, EARLIER)]
+    assert replays(dbg) == ["vae"]
+    dbg.close()
+
+
+def rewire(pipe, fraction: float, gain: float = 1.0) -> None:
+    """Edit the VAE's weights in place (its tree unchanged, as ``load_state_dict``, ``p.data`` edits or a fused
+    LoRA do): ``decoder.conv_norm_out`` scaled so its output reaches ``fraction`` of the fp16 max, ``conv_out``
+    passing on ``gain`` times its largest channel: the module that makes the near-max is ``conv_norm_out`` now."""
+    decoder, got = pipe.vae.decoder, {}
+    hook = decoder.conv_norm_out.register_forward_hook(lambda m, a, o: got.__setitem__("o", o.detach().float()))
+    try:
+        run(pipe, steps=1)
+    finally:
+        hook.remove()
+    channel, scale = int(got["o"].amax(dim=(0, 2, 3)).argmax()), fraction * FP16_MAX / got["o"].abs().amax().item()
+    with torch.no_grad():
+        decoder.conv_out.weight.zero_()
+        decoder.conv_out.bias.zero_()
+        decoder.conv_out.weight[0, channel, 1, 1] = gain
+        decoder.conv_norm_out.weight.mul_(scale)
+        decoder.conv_norm_out.bias.mul_(scale)
+
+
+def test_a_near_max_moved_to_conv_norm_out_by_weights_edited_in_place_is_named_at_conv_norm_out(tmp_path):
+    """A first debugger named ``conv_out`` (planted); the weights then edited in place make ``conv_norm_out`` the
+    maker: a later debugger names ``decoder.conv_norm_out`` by its replay (failed before: a memory kept with the
+    pipeline named ``decoder.conv_out``; the parameters' ``_version`` does not see ``.data`` edits)."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=0.61):
+        with debugger(pipe, tmp_path / "first") as first:
+            run(pipe, steps=1)
+    rewire(pipe, 0.62)
+    with debugger(pipe, tmp_path / "later") as later:
+        run(pipe, steps=1)
+    assert [(a.module, a.details["localized_by"]) for a in risks(first)] == [(CONV_OUT, "full probes")]
+    (risk,) = risks(later)
+    assert (risk.module, risk.details["localized_by"]) == ("decoder.conv_norm_out", REPLAYED)
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.62, abs=2e-3)
+    assert replays(later) == ["vae"]
+    for dbg in (first, later):
+        dbg.close()
+
+
+def test_a_near_max_that_a_larger_image_moves_to_conv_norm_out_is_named_at_conv_norm_out(tmp_path):
+    """At the default size ``conv_out`` makes the near-max (its gain on ``conv_norm_out``'s 47%); at 3x the resolution
+    ``conv_norm_out``'s own output reaches 76%: a later debugger names it there, at its fraction (failed before: a
+    memory of the first read named ``decoder.conv_out`` at 56%)."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    rewire(pipe, 0.47, gain=1.3)
+    with debugger(pipe, tmp_path / "first") as first:
+        run(pipe, steps=1)
+    size = 3 * pipe.unet.config.sample_size * pipe.vae_scale_factor
+    with debugger(pipe, tmp_path / "larger") as larger:
+        run(pipe, steps=1, height=size, width=size)
+    assert [(a.module, a.details["localized_by"]) for a in risks(first)] == [(CONV_OUT, "full probes")]
+    (risk,) = risks(larger)
+    assert (risk.module, risk.details["localized_by"]) == ("decoder.conv_norm_out", REPLAYED)
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.762, abs=5e-3)
+    assert replays(larger) == ["vae"]
+    for dbg in (first, larger):
+        dbg.close()
