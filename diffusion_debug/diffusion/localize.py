@@ -1,23 +1,21 @@
-"""Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` takes a call's
-sentinel readings once (:func:`~.checks.suspects`; a step's, every component's in one pass:
-:func:`~.checks.step_plan`, then :meth:`Localizer.step_findings`), decides every replay they call for
-at once (:func:`~.replay.decide.decide`), replays the call with full probes
-(:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) where they only name a block, and settles
-each NaN/Inf against the run's origin (:meth:`Localizer.settle`). Values in, findings out (anomalies
-with their fold keys); the caller emits them.
+"""Name the module that made a NaN/Inf (or a near-overflow): :class:`Localizer` takes a call's sentinel readings once
+(:func:`~.checks.suspects`; a step's, every component's in one pass: :func:`~.checks.step_plan`, then
+:meth:`Localizer.step_findings`), decides every replay they call for at once (:func:`~.replay.decide.decide`), replays
+the call with full probes (:meth:`~.components.call_sites.CallSiteHooks.replay_kept`) where they only name a block, and
+settles each NaN/Inf against the run's origin (:meth:`Localizer.settle`). Values in, findings out (anomalies with their
+fold keys); the caller emits them.
 
-The replay runs the same module on the same arguments under ``torch.no_grad()`` with every
-module probed, with the torch RNG state saved and restored around it, and returns the readings.
-An overflow's replay that shows a module whose output was Inf, which its block then clipped to the
-dtype's largest value (diffusers' Flux blocks clip their fp16 streams to +-65504), names that module
-as the ``nonfinite`` error (the origin), not the block's near-overflow.
+The replay runs the same module on the same arguments under ``torch.no_grad()`` with every module probed, with the
+torch RNG state saved and restored around it, and returns the readings. An overflow's replay that shows a module whose
+output was Inf, which its block then clipped to the dtype's largest value (diffusers' Flux blocks clip their fp16
+streams to +-65504), names that module as the ``nonfinite`` error (the origin), not the block's near-overflow.
 
-A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBroadcast, FasterCache...) is
-replayed in the watched call's cache context from the hooks' state as that call began, and every hook's
-state is put back afterwards (:mod:`~.components.cache_hooks`), so the image and later calls do not change.
+A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBroadcast, FasterCache...) is replayed in
+the watched call's cache context from the hooks' state as that call began, and every hook's state is put back
+afterwards (:mod:`~.components.cache_hooks`), so the image and later calls do not change.
 
-Limits: other hidden state that changes per call (a stateful attention processor) sees one
-extra call; a replay only happens after something went wrong.
+Limits: other hidden state that changes per call (a stateful attention processor) sees one extra call; a replay only
+happens after something went wrong.
 """
 
 from __future__ import annotations
@@ -166,12 +164,11 @@ class Localizer:
         run: rows.RunState,
         holder: Any,
     ) -> list[Finding]:
-        """What one denoising step's values show (:class:`~.step_values.StepValues`), in one pass: each
-        component that ``plan`` checks (:func:`~.checks.step_plan`; None: a clean step), in execution
-        order (:meth:`check`: its replays decided at once), then the latents' divergence, non-finite
-        latents after their origin (from the step's ``scheduler.step`` arguments ``inputs``). ``run``:
-        the run's state (its ``init_noise_sigma``; ``previous_l2`` moved on here); ``holder``: whose
-        ``scheduler`` stepped."""
+        """What one denoising step's values show (:class:`~.step_values.StepValues`), in one pass: each component that
+        ``plan`` checks (:func:`~.checks.step_plan`; None: a clean step), in execution order (:meth:`check`: its
+        replays decided at once), then the latents' divergence, non-finite latents after their origin (from the step's
+        ``scheduler.step`` arguments ``inputs``). ``run``: the run's state (its ``init_noise_sigma``; ``previous_l2``
+        moved on here); ``holder``: whose ``scheduler`` stepped."""
         found: list[Finding] = []
         timestep = values.scalars["timestep"]
         if plan is not None:
@@ -341,11 +338,10 @@ class Localizer:
     def _nonfinite_at(
         self, component, module, how: str, consequence: bool, details, step, timestep, near_max=None, read_as=None
     ) -> list[Finding]:
-        """The ``nonfinite`` anomaly at ``module`` (``how``: what localised it; a ``consequence`` points
-        at the run's origin; ``read_as``: the dtype its output was read in), settled against the origin (the run's
-        first error becomes it). ``near_max``:
-        :attr:`~.replay.decide.Source.near_max` (the error is at the module that made those values, ``module``'s
-        NaN/Inf a warning that follows it, with a fold key of its own: no repeat of the error)."""
+        """The ``nonfinite`` anomaly at ``module`` (``how``: what localised it; a ``consequence`` points at the run's
+        origin; ``read_as``: the dtype its output was read in), settled against the origin (the run's first error
+        becomes it). ``near_max``: :attr:`~.replay.decide.Source.near_max` (the error is at the module that made those
+        values, ``module``'s NaN/Inf a warning that follows it, with a fold key of its own: no repeat of the error)."""
         made = checks.nonfinite(
             component,
             module,
@@ -402,9 +398,8 @@ class Localizer:
         return bool(self._nonfinite_arguments(component, site)[0])
 
     def _nonfinite_arguments(self, component: str, site: str) -> tuple[list[str], list[str]]:
-        """The names of the kept call's arguments (at ``site``, the call being checked) that held
-        NaN/Inf as passed: ``(received, own state)``, its own state being what it gets back from its
-        earlier calls (``feat_cache``)."""
+        """The names of the kept call's arguments (at ``site``, the call being checked) that held NaN/Inf as passed:
+        ``(received, own state)``, its own state being what it gets back from its earlier calls (``feat_cache``)."""
         kept = kept_arguments(self.calls, component, site)
         if kept is None:
             return [], []
