@@ -23,6 +23,7 @@ import gc
 import os
 import sys
 import tempfile
+import types
 from collections import Counter
 from typing import Any, Callable, Iterator
 
@@ -157,6 +158,58 @@ def call_ops(pipe: Any, config: DebugConfig, *, steps: int = 1) -> dict[str, Any
     }
 
 
+def qualname(code: Any) -> str:
+    """``code``'s qualified name: its ``co_qualname`` (3.11+); on 3.10, which has none, that of the package's
+    function made from it, found once among the loaded modules of ``diffusion_debug`` (a nested function's by
+    its maker's code: ``Probe._reader.<locals>.hook``), else its ``co_name``."""
+    found = getattr(code, "co_qualname", None)
+    if found is None:
+        found = _QUALNAMES.get(code)
+        if found is None and len(sys.modules) != _QUALNAMES.get("modules"):  # (a module imported since)
+            _QUALNAMES.clear()
+            _QUALNAMES.update(_package_qualnames(), modules=len(sys.modules))
+            found = _QUALNAMES.get(code)
+    return found or code.co_name
+
+
+_QUALNAMES: dict[Any, Any] = {}
+
+
+def _package_qualnames() -> dict[Any, str]:
+    """The qualified names of the code objects of ``diffusion_debug``'s loaded modules (Python 3.10)."""
+    found: dict[Any, str] = {}
+    functions, seen = [], set()
+    todo = [module for name, module in list(sys.modules.items()) if name.split(".")[0] == "diffusion_debug"]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        for value in list(vars(item).values()):
+            value = getattr(value, "__func__", value)  # (a staticmethod's or classmethod's function)
+            if isinstance(value, property):
+                functions += [f for f in (value.fget, value.fset, value.fdel) if f is not None]
+            elif isinstance(value, type) and value.__module__.startswith("diffusion_debug"):
+                todo.append(value)
+            elif isinstance(value, types.FunctionType):
+                functions.append(value)
+                while hasattr(value, "__wrapped__"):  # (functools.wraps: the wrapped function too)
+                    value = value.__wrapped__
+                    functions.append(value)
+    codes = [(f.__code__, f.__qualname__) for f in functions if isinstance(f, types.FunctionType)]
+    found.update(codes)
+    while codes:  # nested functions, lambdas and comprehensions, named by the code that makes them
+        code, name = codes.pop()
+        # (as CPython's compiler names them: ``<locals>`` under a function's or a lambda's code, not under a
+        # comprehension's nor a class body's, which is not optimized)
+        function = code.co_flags & 1 and code.co_name not in ("<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>")
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType) and const not in found:
+                found[const] = f"{name}{'.<locals>' if function else ''}.{const.co_name}"
+                codes.append((const, found[const]))
+    return found
+
+
 READINGS = "probe readings"
 """The key under which :func:`hook_calls` counts the probes' readings of module calls."""
 
@@ -182,10 +235,10 @@ def hook_calls(run: Callable[[], Any]) -> Counter[str]:
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and not collecting[0] and frame.f_code.co_filename.startswith(package):
-            caller, name = frame.f_back, frame.f_code.co_qualname
+            caller, name = frame.f_back, qualname(frame.f_code)
             if caller is not None and caller.f_code.co_filename == module_call:
                 counts[name] += 1
-            if name in reads and (caller is None or caller.f_code.co_qualname not in handing):
+            if name in reads and (caller is None or qualname(caller.f_code) not in handing):
                 counts[READINGS] += 1
             elif name == armed and (here := frame.f_locals)["get"](id(here["module"])) is not None:
                 counts[READINGS] += 1  # a watched module's call (the hook passes others on)
@@ -270,7 +323,7 @@ def python_calls(run: Callable[[], Any], sites: Counter[str] | None = None, buil
         if event == "call":
             calls[0] += 1
             code = frame.f_code
-            sites[f"{code.co_filename}:{code.co_firstlineno}:{getattr(code, 'co_qualname', code.co_name)}"] += 1
+            sites[f"{code.co_filename}:{code.co_firstlineno}:{qualname(code)}"] += 1
         elif event == "c_call":
             c_calls[0] += 1
 

@@ -102,3 +102,11 @@ def test_the_demo_exits_0_and_names_its_planted_unet_fault(tmp_path, monkeypatch
     out, err = capsys.readouterr()
     assert code == 0, err[-2000:]
     assert "first non-finite value: unet up_blocks.1.resnets.0.conv2 (step 0" in out
+
+
+def test_the_lowest_python_classifier_is_the_declared_floor():
+    """``requires-python`` admits no Python the classifiers (the versions the tests ran on) leave out below."""
+    text = (ROOT / "pyproject.toml").read_text()
+    floor = re.search(r'^requires-python = ">=(3\.\d+)"', text, re.M).group(1)
+    listed = re.findall(r'"Programming Language :: Python :: (3\.\d+)"', text)
+    assert listed and min(listed, key=_release) == floor, (floor, listed)

@@ -887,3 +887,18 @@ def test_a_float32_flux_under_fp16_autocast_costs_a_step_what_it_costs_on_main()
     assert "_StreamDtype._seen" not in hooks["by_hook"], hooks
     assert ops["added_ops_per_step"] == 11, ops
     assert "aten._to_copy.default" not in ops["added_by_op"], ops
+
+
+def test_the_hook_counts_name_a_function_as_its_qualified_name_on_every_python():
+    """:func:`op_counts.qualname`: the names the hook counts are keyed by, ``co_qualname`` from Python 3.11; 3.10 has
+    none (every hook count there failed with an AttributeError), so they are read from the package's functions and
+    the code objects nested in them. Where ``co_qualname`` exists the two agree, for every code of the package."""
+    import diffusion_debug.probes.readings  # noqa: F401  (the probes' hooks among the codes named)
+
+    named = op_counts._package_qualnames()
+    ours = {code: name for code, name in named.items() if "diffusion_debug" in code.co_filename}
+    assert "Probe._reader.<locals>.hook" in ours.values() and "Probe._read_output" in ours.values()
+    if sys.version_info >= (3, 11):
+        assert {code: code.co_qualname for code in ours} == ours
+    hook = next(code for code, name in ours.items() if name == "Probe._reader.<locals>.hook")
+    assert op_counts.qualname(hook) == "Probe._reader.<locals>.hook"

@@ -221,6 +221,7 @@ _RETURNING = frozenset(
         "NOT_TAKEN",
         "POP_TOP",
         "TO_BOOL",
+        "EXTENDED_ARG",  # (3.10: a jump's argument over 255)
     )
     + ("RETURN_VALUE", "RETURN_CONST", "JUMP_FORWARD", "POP_JUMP_IF_TRUE", "POP_JUMP_IF_FALSE")
     + ("POP_JUMP_FORWARD_IF_TRUE", "POP_JUMP_FORWARD_IF_FALSE")

@@ -226,7 +226,7 @@ class TreeMemo:
                 current[id(root)] = values[id(root)]
                 continue
             tagging = before is not None and id(root) in self._tags and tags_of.READ is not None
-            start = tags_of.start_of_walk(self._backoff.get(id(root)), before[1], tags, refresh) if tagging else 0
+            start = tags_of.start_of_walk(self._backoff.get(id(root)), before[1], tags, refresh) if tagging else None
             key, kept, parameters = tree_key(root)
             old = before[0] if before is not None and before[1][0] is root else None
             same = (  # same_tree(old, key), inline (at every attach)

@@ -28,7 +28,9 @@ no tag to tell a write by, so the last walk's tree is read once before the walk 
 (:func:`start_of_walk`); without that, its first tags, all newer than the walk, were dropped as a write
 (below) and each tree took one walk more after each change before its tags held.
 Tags are dropped where one is newer than ``READ({})`` read before the walk: a write between the walk
-and the tags' read (another thread's), which the walk may have missed and the tags would hide.
+and the tags' read (another thread's), which the walk may have missed and the tags would hide; where lengths
+are compared, also where the dicts' total length read before the walk is not the tags' (a clone, which no tag
+tells, between the walk and the tags' read).
 On 3.13.0 the watcher misses a module's attribute set (CPython gh-125608, fixed in 3.13.1): the check finds
 that, and every attach walks there.
 Only plain dicts are tagged: a tree with a dict of a subclass (an ``OrderedDict`` ``_modules``, as
@@ -119,11 +121,12 @@ class TreeTags(tuple):
     __slots__ = ()
 
 
-def tree_tags(kept: list[Any], since: int | None = None) -> TreeTags | None:
+def tree_tags(kept: list[Any], since: int | None = None, length: int | None = None) -> TreeTags | None:
     """The tags of the tree whose modules (its root first) are ``kept``, read now (just after a walk
     of it); ``None`` where they cannot tell a write (no reader, a dict of a subclass) or where a dict
     of it was written after ``since`` (``READ({})``, read before the walk: a tag newer than it is a
-    write the walk may have missed, which these tags would hide at every later attach)."""
+    write the walk may have missed, which these tags would hide at every later attach), or, lengths
+    compared, where their total is not ``length`` (read before the walk: a clone since, no tag newer)."""
     if READ is None or not kept:
         return None
     dicts = _dicts(kept)
@@ -133,8 +136,10 @@ def tree_tags(kept: list[Any], since: int | None = None) -> TreeTags | None:
     newest = max(max(map(READ, root)), max(map(READ, dicts), default=0))
     if since is not None and newest > since:
         return None
-    length = sum(map(len, dicts)) + sum(map(len, root)) if LENGTHS_TOO else 0
-    return TreeTags((dicts, newest, length))
+    found = sum(map(len, dicts)) + sum(map(len, root)) if LENGTHS_TOO else 0
+    if length is not None and found != length:
+        return None
+    return TreeTags((dicts, newest, found))
 
 
 def _dicts(kept: list[Any]) -> list[dict] | None:
@@ -156,18 +161,27 @@ def _dicts(kept: list[Any]) -> list[dict] | None:
     return None if set(map(type, dicts)) - {dict} else dicts
 
 
-def start_of_walk(backoff: list[int] | None, last: list[Any], failed: TreeTags | None, refresh: int) -> int:
-    """``READ({})`` before the ``refresh``-th walk of a tree tagged before (the ``since`` of
-    :func:`tree_tags`: newer than every tag now). Where the reader tags a dict at its first read
-    (:data:`FIRST_READ_TAGS`) and tags are to be built after this walk if it finds the tree the same
-    (:func:`tags_after_walk`, from ``backoff`` and ``failed``), the dicts of ``last`` (the modules the last
-    walk kept) are read first: their tags, then older than the walk, are the ones read after it, which
-    tell a write since; a dict not read now (new in the tree) still gets a newer tag and drops the tags."""
-    if FIRST_READ_TAGS and _builds_if_same(backoff or [0, 0, 0], failed, refresh) and last:
+def start_of_walk(
+    backoff: list[int] | None, last: list[Any], failed: TreeTags | None, refresh: int
+) -> tuple[int, int | None]:
+    """``(since, length)`` before the ``refresh``-th walk of a tree tagged before (:func:`tree_tags`'s):
+    ``READ({})``, newer than every tag now, and where tags are to be built after this walk if it finds the
+    tree the same (:func:`tags_after_walk`, from ``backoff`` and ``failed``) and lengths are compared
+    (:data:`LENGTHS_TOO`), the total length of the dicts of ``last`` (the modules the last walk kept), else
+    ``None``: a clone after it (no tag tells one) changes it, and the tags built after the walk are dropped;
+    without it a clone after the walk, before the tags' read, was read into their length, hidden for good.
+    Where the reader tags a dict at its first read (:data:`FIRST_READ_TAGS`), those dicts are read first: their
+    tags, then older than the walk, are the ones read after it, which tell a write since; a dict not read now
+    (new in the tree) still gets a newer tag and drops the tags."""
+    length = None
+    if (FIRST_READ_TAGS or LENGTHS_TOO) and _builds_if_same(backoff or [0, 0, 0], failed, refresh) and last:
         dicts, root = _dicts(last), _root_dicts(last[0])
         if dicts is not None and root is not None:
-            max(map(READ, dicts), default=0), max(map(READ, root))
-    return READ({})
+            if FIRST_READ_TAGS:
+                max(map(READ, dicts), default=0), max(map(READ, root))
+            if LENGTHS_TOO:
+                length = sum(map(len, dicts)) + sum(map(len, root))
+    return READ({}), length
 
 
 def _builds_if_same(backoff: list[int], failed: TreeTags | None, refresh: int) -> bool:
@@ -185,7 +199,7 @@ left unchanged after it is tagged again within 64 walks."""
 
 
 def tags_after_walk(
-    backoff: list[int], kept: list[Any], same: bool, failed: TreeTags | None, since: int, refresh: int
+    backoff: list[int], kept: list[Any], same: bool, failed: TreeTags | None, start: tuple, refresh: int
 ) -> TreeTags | None:
     """The tags to keep after the ``refresh``-th walk of a tree whose modules are ``kept`` (``same``: it
     found the tree the walk before had; ``failed``: the tags that sent it through the walk, if any), or
@@ -194,7 +208,7 @@ def tags_after_walk(
     leaves the tree: ``set_adapters`` alternated, ``enable_lora``/``disable_lora``); after ``k`` in a row
     tags are built once in ``2 ** (k - 1)`` walks (a build costs ~0.2 ms, about a walk), not after each;
     tags read unchanged once before they failed set the strikes back to 0. A changed tree: no tags
-    (built after the next walk that finds it the same)."""
+    (built after the next walk that finds it the same). ``start``: :func:`start_of_walk`'s, before the walk."""
     strikes, wait, built = backoff
     if failed is not None and built != refresh - 1:  # read unchanged at least once: a hit
         strikes = 0
@@ -206,7 +220,7 @@ def tags_after_walk(
         if wait:
             wait -= 1
         else:
-            found, built = tree_tags(kept, since), refresh
+            found, built = tree_tags(kept, *start), refresh
     backoff[:] = strikes, wait, built
     return found
 
