@@ -514,8 +514,16 @@ def test_a_call_is_read_as_it_frees_its_models_only_where_it_returns_next():
         found = [i for i, op in enumerate(ops) if op.argval == "maybe_free_model_hooks"]
         return [next(op.offset for op in ops[i:] if op.opname.startswith("CALL")) for i in found]
 
-    names = ["StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline"]
-    assert [returns_next(code(getattr(diffusers, name))) for name in names] == [True, True, True]
+    def returns_a_local_a_closure_holds(self, latents, return_dict):  # (Marigold's, before 3.12: LOAD_DEREF)
+        scaled = [lambda: latents]
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (latents, scaled)
+        return ImagePipelineOutput(images=latents)  # noqa: F821
+
+    names = ["StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline", "MarigoldDepthPipeline"]
+    assert [returns_next(code(getattr(diffusers, name))) for name in names] == [True, True, True, True]
+    assert returns_next(returns_a_local_a_closure_holds.__code__) is True
     variation = code(diffusers.StableDiffusionImageVariationPipeline)
     assert returns_next(variation) is False
     assert [returns_next(variation, offset) for offset in frees_at(variation)] == [False, True]  # at its end: read

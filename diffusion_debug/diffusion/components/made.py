@@ -251,10 +251,16 @@ def returns_next(code: Any, offset: int | None = None) -> bool:
             elif op.opname.startswith("CALL"):
                 outputs -= 1
                 known = known and outputs >= 0  # only an output class is called
-            elif not (op.opname.startswith("LOAD_FAST") or op.opname in _RETURNING):
+            elif not (op.opname.startswith("LOAD_FAST") or op.opname in _RETURNING or _cell_local(op, code)):
                 known = False
         _RETURNS_NEXT[code, offset] = known
     return known
+
+
+def _cell_local(op: Any, code: Any) -> bool:
+    """Whether ``op`` loads a local of ``code`` that a closure holds (a cell: ``LOAD_DEREF`` before 3.12 inlined
+    comprehensions; Marigold's pipelines return their ``prediction`` so)."""
+    return op.opname == "LOAD_DEREF" and op.argval in code.co_cellvars
 
 
 _JUMPS = frozenset(dis.hasjrel + dis.hasjabs)
