@@ -524,6 +524,8 @@ def test_a_call_is_read_as_it_frees_its_models_only_where_it_returns_next():
     names = ["StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline", "MarigoldDepthPipeline"]
     assert [returns_next(code(getattr(diffusers, name))) for name in names] == [True, True, True, True]
     assert returns_next(returns_a_local_a_closure_holds.__code__) is True
+    if hasattr(diffusers, "LTX2ImageToVideoPipeline"):  # its output class's name index past 255: an EXTENDED_ARG first
+        assert returns_next(code(diffusers.LTX2ImageToVideoPipeline)) is True
     variation = code(diffusers.StableDiffusionImageVariationPipeline)
     assert returns_next(variation) is False
     assert [returns_next(variation, offset) for offset in frees_at(variation)] == [False, True]  # at its end: read
