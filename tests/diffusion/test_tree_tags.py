@@ -273,23 +273,7 @@ def test_a_reader_that_tags_at_first_read_tags_the_tree_after_its_second_walk_an
 def test_a_write_between_the_walk_and_the_tags_read_is_not_hidden_by_the_tags(monkeypatch, reader):
     """Another thread's write after the walk and before the tags are read: tags read after it would say
     'unchanged' at every later attach, the memo keeping the tree as the walk saw it (its key stale for good)."""
-    net = nn.Sequential(nn.Linear(2, 2))
-    memo = TreeMemo()
-    memo.refresh([net])
-    walk, walked = structure.tree_key, []
-
-    def racing(root):
-        found = walk(root)
-        walked.append(1)
-        if len(walked) == 1:  # the write lands after the walk, before the tags are read
-            root.append(nn.Linear(2, 2))
-        return found
-
-    monkeypatch.setattr(structure, "tree_key", racing)
-    assert memo.refresh([net]) is False  # the walk found the first's tree; tags would be built here
-    assert memo.refresh([net]) is True and len(walked) == 2  # not tagged: walked, the child seen
-    assert len(memo._trees[id(net)][1]) == 3 == len(list(net.modules()))
-    assert memo.refresh([net]) is False and memo.refresh([net]) is False and len(walked) == 3  # then tagged
+    racing_write(monkeypatch, lambda net: net.append(nn.Linear(2, 2)))
 
 
 @pytest.mark.parametrize("blind", [False, True], ids=["this Python's reader", "a blind reader, lengths read"])
@@ -303,6 +287,12 @@ def test_a_clone_between_the_walk_and_the_tags_read_is_not_hidden_by_the_lengths
         monkeypatch.setattr(tree_tags, "LENGTHS_TOO", True)
     elif tree_tags.READ is None or not tree_tags.LENGTHS_TOO:
         pytest.skip("this Python's reader tells a clone by its tag (before 3.12): the since test finds it")
+    racing_write(monkeypatch, lambda net: net[0]._modules.update({"x": nn.ReLU()}))  # a clone
+
+
+def racing_write(monkeypatch, write):
+    """``write`` (one more module) lands on a one-layer net after the memo's second walk and before the tags are read:
+    the memo must see it at the next refresh (walked again, three modules), then tag the tree."""
     net = nn.Sequential(nn.Linear(2, 2))
     memo = TreeMemo()
     memo.refresh([net])
@@ -311,8 +301,8 @@ def test_a_clone_between_the_walk_and_the_tags_read_is_not_hidden_by_the_lengths
     def racing(root):
         found = walk(root)
         walked.append(1)
-        if len(walked) == 1:  # the clone lands after the walk, before the tags are read
-            net[0]._modules.update({"x": nn.ReLU()})
+        if len(walked) == 1:  # the write lands after the walk, before the tags are read
+            write(net)
         return found
 
     monkeypatch.setattr(structure, "tree_key", racing)
