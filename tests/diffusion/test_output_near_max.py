@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusion_helpers import plant, run
+from diffusion_helpers import SD_FP16_VAE, plant, run
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_overflow, tiny_pipeline
@@ -67,7 +67,7 @@ def test_a_vae_near_max_at_conv_out_is_named_there_by_one_replay_per_debugger(tm
         (risk,) = risks(dbg)
         assert (risk.module, risk.details["localized_by"]) == (CONV_OUT, REPLAYED)
         assert risk.details["dtype_max_fraction"] == pytest.approx(value / FP16_MAX, abs=2e-3)
-        assert "sdxl-vae-fp16-fix" in risk.message
+        assert SD_FP16_VAE in risk.message  # (the advice of its pipeline: SD 1.5 reads no force_upcast)
     assert replays(first) == ["vae"] * (2 if at_max else 1)
     assert replays(second) == replays(per_call) == ["vae"]
     for dbg in (first, second, per_call):
