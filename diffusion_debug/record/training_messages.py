@@ -138,6 +138,16 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
     return text + _localized(d) + "."
 
 
+def scaler_not_passed(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    return (
+        f"A {d.get('scaler', 'GradScaler')} (scale {_fmt(d['grad_scale'])}) steps the optimizer of step "
+        f"{anomaly.step} but was not passed: its gradients read {_fmt(d['grad_scale'])}x too large, each overflow "
+        "it skips a NaN. Pass it: monitor_training_step(loss, optimizer=optimizer, scaler=scaler); read unscaled "
+        "from this step on."
+    )
+
+
 def lr_spike(anomaly: Anomaly) -> str:
     d = anomaly.details
     if d["reason"] == "lr_jump":

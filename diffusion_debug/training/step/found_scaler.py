@@ -1,0 +1,164 @@
+"""A GradScaler the script uses but did not pass (``monitor_training_step(scaler=...)``, no Accelerate): found,
+put on trial, and once confirmed read as if passed, with one ``scaler_not_passed`` warning.
+
+Without it the scaled gradients read as they are: a 65536x norm is a ``gradient_explosion`` (and an
+``lr_spike`` of SGD's foretold update), each overflow the scaler skips a ``nonfinite`` error, which policy
+``raise`` stops a healthy run at. So, at an optimizer's first step that looks scaled (its norm above
+``grad_explosion_threshold``, or non-finite) with no scaler known, one walk of the garbage collector's list
+finds the enabled ``torch.amp.GradScaler``\\ s alive (none on trial for another optimizer). Each goes on trial,
+with the per-optimizer state it holds then (``scaler.step`` writes this optimizer's stage into it; ``update()``
+replaces it). A clean step costs one comparison; an optimizer is searched once (keyed by a weak reference:
+a later optimizer at a reused id is searched again).
+
+The suspicious step's verdict waits for the next monitored step (or close): only then can the trial be
+decided. Held, nothing of it is emitted, counted or acted on. At the next step a scaler whose held state says
+``scaler.step`` stepped this optimizer is confirmed: the held step's anomalies are read unscaled (an explosion
+still named where its norm over the scale passes the threshold, a non-finite gradient an info), its skip
+counted (``found_inf`` of that state), and from then on its gradients are measured under that scaler. A trial
+not confirmed (a stale scaler nobody steps, or another optimizer's) is dropped: the held anomalies are emitted
+as read, with their own step, and the policy acts on them then, one monitored step late. Nothing is divided by
+an unconfirmed scale. Limits: one process only (a held verdict would split the ranks' collectives); the held
+step's recorded row keeps its scaled norm; at close a pending trial is decided the same way, with no policy
+after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import weakref
+from typing import Any
+
+import torch
+
+from ...record import Anomaly, make_anomaly
+from ...record.anomaly import rebuilt
+from ..measure.optimizer_state import raw_optimizer, scale_tensor
+
+
+@dataclasses.dataclass
+class Trial:
+    """A suspicious step's verdict held while its scalers are tried (see the module docstring)."""
+
+    optimizer: weakref.ref
+    key: int
+    candidates: list[tuple[weakref.ref, Any, float]]
+    """Each scaler, the per-optimizer state it held at the step and its scale then."""
+    step: Any
+    held: list[Anomaly]
+
+
+class FoundScalers:
+    """The scalers found for optimizers the script monitored without ``scaler=`` (see the module docstring)."""
+
+    def __init__(self, explosion: float, update_ratio: float) -> None:
+        self.explosion = explosion
+        self.update_ratio = update_ratio
+        self.trial: Trial | None = None
+        self.any_confirmed = False
+        """Whether any is confirmed: a step that asks for its optimizer's reads no dictionary before."""
+        self._searched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._confirmed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._warned = False
+        self._skip_read: Any = None
+        """The per-optimizer state whose skip was counted: one ``update()`` skips every optimizer it found Inf in
+        (a GAN's two), counted once, as the scale's fall counts it for a scaler passed."""
+
+    def scaler_for(self, optimizer: Any) -> Any:
+        """The scaler confirmed for ``optimizer``, or None."""
+        ref = self._confirmed.get(raw_optimizer(optimizer))
+        scaler = None if ref is None else ref()
+        return scaler if scaler is not None and scaler.is_enabled() else None
+
+    def hold(self, optimizer: Any, step: Any, anomalies: list[Anomaly]) -> bool:
+        """At a step that looks scaled with no scaler known: search once for ``optimizer``; True when scalers
+        went on trial (``anomalies``, the step's verdict as read, are then held)."""
+        raw = raw_optimizer(optimizer)
+        if self.trial is not None or raw in self._searched:
+            return False
+        self._searched[raw] = True
+        candidates = []
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.amp.GradScaler) and obj.is_enabled() and scale_tensor(obj) is not None:
+                candidates.append((weakref.ref(obj), obj._per_optimizer_states, float(obj.get_scale())))
+        if not candidates:
+            return False
+        self.trial = Trial(weakref.ref(raw), id(raw), candidates, step, list(anomalies))
+        return True
+
+    def resolve(self, optimizer: Any, at: Any) -> tuple[list[Anomaly], list[Anomaly]] | None:
+        """Decide the trial at a monitored step ``at`` of ``optimizer`` (None: close): the held step's
+        anomalies to emit and its ``skipped_step`` (one or none); None while it still waits (another
+        optimizer's step before the held one's ``scaler.step``: a loop that monitors both, then steps both)."""
+        trial = self.trial
+        raw = trial.optimizer()
+        now = None if optimizer is None else raw_optimizer(optimizer)
+        waiting = False
+        for ref, states, scale in trial.candidates:
+            scaler = ref()
+            entry = states.get(trial.key) if raw is not None and scaler is not None else None
+            if entry is None or getattr(entry.get("stage"), "name", "") != "STEPPED":
+                # not stepped by it yet: dropped once updated since, or at the held optimizer's next step
+                waiting = waiting or (scaler is not None and scaler._per_optimizer_states is states)
+                continue
+            self.trial = None
+            self._confirmed[raw], self.any_confirmed = ref, True
+            found_inf = sum(float(v.sum()) for v in entry.get("found_inf_per_device", {}).values())
+            skipped = [] if states is self._skip_read else self._skip(trial, scale, scaler, found_inf, at)
+            if skipped:
+                self._skip_read = states
+            return self._unscaled(trial, scale, scaler), skipped
+        if waiting and raw is not None and now is not None and now is not raw:
+            return None
+        self.trial = None
+        return trial.held, []
+
+    def _unscaled(self, trial: Trial, scale: float, scaler: Any) -> list[Anomaly]:
+        out = []
+        for a in trial.held:
+            if a.kind == "nonfinite":
+                a = rebuilt(a, severity="info", details={**a.details, "grad_scale": scale})
+            elif a.kind == "gradient_explosion":
+                norm = a.details["grad_norm"] / scale
+                if not norm > self.explosion:
+                    continue
+                a = rebuilt(a, details={**a.details, "grad_norm": norm, "grad_scale": scale})
+            elif a.kind == "lr_spike" and a.details.get("reason") == "update_ratio":
+                ratio = a.details["update_to_weight_ratio"] / scale
+                if not ratio > self.update_ratio:
+                    continue
+                a = rebuilt(a, details={**a.details, "update_to_weight_ratio": ratio, "grad_scale": scale})
+            out.append(a)
+        if not self._warned:
+            self._warned = True
+            out.insert(0, _not_passed(trial, scale, scaler))
+        return out
+
+    @staticmethod
+    def _skip(trial: Trial, scale: float, scaler: Any, found_inf: float, at: Any) -> list[Anomaly]:
+        if not found_inf > 0:
+            return []
+        after = float(scaler.get_scale())
+        details = {
+            "scale_before": scale,
+            "scale_after": after if math.isfinite(after) else None,
+            "detected_at_step": at,
+            "reason": "grad_scaler",
+        }
+        return [
+            make_anomaly(kind="skipped_step", severity="info", component="model", step=trial.step, details=details)
+        ]
+
+
+def _not_passed(trial: Trial, scale: float, scaler: Any) -> Anomaly:
+    rank = trial.held[0].rank if trial.held else 0
+    details = {"grad_scale": scale, "scaler": type(scaler).__name__}
+    return make_anomaly(
+        kind="scaler_not_passed",
+        severity="warning",
+        component="optimizer",
+        step=trial.step,
+        rank=rank,
+        details=details,
+    )

@@ -1,0 +1,243 @@
+"""A GradScaler the script uses but does not pass to ``monitor_training_step`` (a plain loop, no Accelerate):
+found at the optimizer's first step that looks scaled, confirmed by its ``scaler.step`` of that optimizer, then
+read as if passed, with one ``scaler_not_passed`` warning (``training.step.found_scaler``). Before, the scaled
+gradients read as they were: each overflow the scaler skips a ``nonfinite`` error (policy ``raise`` stopped a
+healthy run at step 0), no skip counted. A scaler not confirmed (a stale one alive in the process, another
+optimizer's) changes nothing but when the held step's verdict is given: at the next monitored step.
+
+Each test freezes the objects alive before it (``only_the_tests_objects``): the scaler search walks the
+garbage collector's list, which then holds the test's own scalers only."""
+
+import math
+
+import pytest
+import torch
+
+from diffusion_debug import DebugConfig, TrainingDebugger
+
+pytestmark = [
+    pytest.mark.usefixtures("only_the_tests_objects"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning"),
+]
+
+
+def _model(seed: int = 0, width: int = 32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+
+
+def _fp16_loop(config, pass_scaler: bool, steps: int = 10, watched: bool = True):
+    """Autocast fp16 (on the CPU) and a GradScaler at 65536: its first steps overflow and are skipped while
+    the scale falls. Returns each step's monitored result, the scale at each step, the weights, the debugger."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    tdbg = TrainingDebugger(model, config=config) if watched else None
+    data = torch.Generator().manual_seed(1)
+    results, scales = [], []
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=data) * 4
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x) - 3).square().mean()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        if tdbg is not None:
+            passed = scaler if pass_scaler else None
+            results.append(tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, scaler=passed))
+        scales.append(float(scaler.get_scale()))
+        scaler.step(optimizer)
+        scaler.update()
+    if tdbg is not None:
+        tdbg.close()
+    return results, scales, [p.detach().clone() for p in model.parameters()], tdbg
+
+
+def _read(anomalies) -> list[tuple[str, object, str]]:
+    return sorted((a.kind, a.step, a.severity) for a in anomalies)
+
+
+def test_a_scaler_not_passed_reads_as_passed_with_one_warning(tmp_path):
+    """The loop's 3 skipped steps counted (the scale 65536 -> 8192), no ``nonfinite`` error, no explosion, no
+    ``lr_spike``; every anomaly and every norm from step 1 on those of the run that passes its scaler, plus one
+    ``scaler_not_passed`` at step 0, the headline. Weights bitwise those of the loop without the debugger.
+    Before: 3 ``nonfinite`` errors, no skip counted."""
+    *_, plain, _ = _fp16_loop(None, False, watched=False)
+    passed, scales, _, passing = _fp16_loop(DebugConfig(output_dir=str(tmp_path / "passed")), True)
+    found, _, weights, tdbg = _fp16_loop(DebugConfig(output_dir=str(tmp_path / "found")), False)
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain))
+    skips = sum(after < before for before, after in zip(scales, scales[1:]))
+    assert skips == 3
+    anomalies = tdbg.report().anomalies
+    assert [a for a in anomalies if a.severity == "error" or a.kind in ("gradient_explosion", "lr_spike")] == []
+    assert _read(a for a in anomalies if a.kind != "scaler_not_passed") == _read(passing.report().anomalies)
+    warned = [a for a in anomalies if a.kind == "scaler_not_passed"]
+    assert [(a.step, a.severity, a.details["grad_scale"]) for a in warned] == [(0, "warning", 65536.0)]
+    summary = tdbg.get_summary()
+    assert tdbg.report().summary["headline"]["kind"] == "scaler_not_passed"
+    assert summary["skipped_steps"] == passing.get_summary()["skipped_steps"] == skips
+    assert [r["grad_norm"] for r in found[1:]] == [r["grad_norm"] for r in passed[1:]]
+
+
+def test_policy_raise_does_not_stop_a_healthy_run_whose_scaler_was_not_passed(tmp_path):
+    """Before: its step 0's overflow was a ``nonfinite`` error that policy ``raise`` raised at."""
+    results, *_, tdbg = _fp16_loop(DebugConfig(output_dir=str(tmp_path), policy="raise"), False)
+    assert len(results) == 10 and not tdbg.should_stop
+    assert [a.kind for a in tdbg.report().anomalies if a.severity == "error"] == []
+
+
+def _gan(config, pass_scaler: bool, iterations: int = 4):
+    """A GAN in fp16 whose two optimizers one GradScaler steps (``scaler.update()`` once an iteration)."""
+    generator, critic = _model(0, 16), _model(1, 16)
+    generator[2] = torch.nn.Linear(16, 8)
+    opt_g = torch.optim.Adam(generator.parameters(), lr=1e-4)
+    opt_d = torch.optim.Adam(critic.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    tdbg = TrainingDebugger({"generator": generator, "critic": critic}, config=config)
+    data = torch.Generator().manual_seed(1)
+    results = []
+    for it in range(iterations):
+        real, noise = torch.randn(16, 8, generator=data) + 2, torch.randn(16, 8, generator=data)
+        passed = scaler if pass_scaler else None
+        with torch.autocast("cpu", dtype=torch.float16):
+            fake = generator(noise)
+            loss_d = torch.nn.functional.softplus(-critic(real)).mean() + critic(fake.detach()).mean()
+        opt_d.zero_grad()
+        scaler.scale(loss_d).backward()
+        results.append(tdbg.monitor_training_step(loss_d, optimizer=opt_d, step=2 * it, scaler=passed))
+        scaler.step(opt_d)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_g = torch.nn.functional.softplus(-critic(fake)).mean()
+        opt_g.zero_grad()
+        scaler.scale(loss_g).backward()
+        results.append(tdbg.monitor_training_step(loss_g, optimizer=opt_g, step=2 * it + 1, scaler=passed))
+        scaler.step(opt_g)
+        scaler.update()
+    tdbg.close()
+    return results, tdbg
+
+
+def test_a_gan_whose_one_scaler_steps_both_optimizers(tmp_path):
+    """Each optimizer's scaler found and confirmed in turn (the critic's at step 0, the generator's at step 1):
+    norms from step 2 on those of the run that passes it, one warning, no error or explosion, the one skipped
+    update counted once (named at the critic's step 0, the first it skipped; a scaler passed names the step
+    before the update, 1). Before: ``nonfinite`` errors at steps 0 and 1, no skip counted."""
+    passed, passing = _gan(DebugConfig(output_dir=str(tmp_path / "passed")), True)
+    found, tdbg = _gan(DebugConfig(output_dir=str(tmp_path / "found")), False)
+    anomalies = tdbg.report().anomalies
+    assert [(a.kind, a.step) for a in anomalies if a.kind == "scaler_not_passed"] == [("scaler_not_passed", 0)]
+    assert [a for a in anomalies if a.severity == "error" or a.kind == "gradient_explosion"] == []
+    expected = _read(passing.report().anomalies)
+    assert _read(a for a in anomalies if a.kind != "scaler_not_passed") == sorted(
+        (kind, 0 if kind == "skipped_step" else step, severity) for kind, step, severity in expected
+    )
+    assert tdbg.get_summary()["skipped_steps"] == passing.get_summary()["skipped_steps"] == 1
+    assert [r["grad_norm"] for r in found[2:]] == [r["grad_norm"] for r in passed[2:]]
+
+
+def test_a_critic_whose_unscaled_norm_explodes_is_still_named(tmp_path):
+    """fp32 gradients scaled by 65536 (no overflow), a critic whose own norm passes the threshold at step 0: its
+    ``gradient_explosion`` named at step 0 with the unscaled norm (the naive norm over the scale), after the
+    warning; the later steps' norms unscaled. Before: every step an explosion of the scaled norm."""
+    critic = _model(2)
+    optimizer = torch.optim.SGD(critic.parameters(), lr=1e-9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    tdbg = TrainingDebugger(critic, config=DebugConfig(output_dir=str(tmp_path)))
+    data, naive, measured = torch.Generator().manual_seed(3), [], []
+    for step in range(3):
+        loss = critic(torch.randn(16, 8, generator=data)).mean() * (2e4 if step == 0 else 1.0)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        naive.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in critic.parameters()]))))
+        measured.append(tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)["grad_norm"])
+        scaler.step(optimizer)
+        scaler.update()
+    tdbg.close()
+    anomalies = tdbg.report().anomalies
+    assert sorted((a.kind, a.step) for a in anomalies) == [("gradient_explosion", 0), ("scaler_not_passed", 0)]
+    anomalies = sorted(anomalies, key=lambda a: a.kind)
+    assert anomalies[0].details["grad_norm"] == pytest.approx(naive[0] / 65536.0, rel=1e-6)
+    assert anomalies[0].details["grad_norm"] > 1e3
+    assert measured[1:] == pytest.approx([n / 65536.0 for n in naive[1:]], rel=1e-6)
+
+
+def _fp32_run(config, explode_at: int = 3, nan_at: int = 5, steps: int = 8):
+    """A plain fp32 loop (no scaler of its own) with a real explosion and a real NaN gradient: the monitor's
+    results until the policy raised, and what it raised."""
+    model = _model(4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tdbg = TrainingDebugger(model, config=config)
+    data, results = torch.Generator().manual_seed(5), []
+    try:
+        for step in range(steps):
+            loss = (model(torch.randn(16, 8, generator=data)) - 1).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            if step == explode_at:
+                model[0].weight.grad.mul_(1e6)
+            if step == nan_at:
+                model[2].weight.grad[0, 3] = math.nan
+            results.append(tdbg.monitor_training_step(loss, optimizer=optimizer, step=step))
+            optimizer.step()
+    except Exception as error:
+        return results, str(error).split(" (run directory")[0], tdbg
+    finally:
+        tdbg.close()
+    return results, None, tdbg
+
+
+def test_a_stale_scaler_alive_in_the_process_changes_no_verdict_of_an_fp32_run(tmp_path):
+    """An earlier GradScaler, enabled and updated, still alive: the fp32 run's explosion at step 3 puts it on
+    trial, dropped at step 4 (nothing stepped this optimizer with it); the explosion is named at step 3 as read
+    (given at step 4), the NaN at step 5 raised at step 5 with main's error, no ``scaler_not_passed``. The same
+    as the run with no scaler alive."""
+    control, control_error, control_tdbg = _fp32_run(DebugConfig(output_dir=str(tmp_path / "c"), policy="raise"))
+    earlier = _model(6)
+    stale, old = torch.amp.GradScaler("cpu"), torch.optim.SGD(earlier.parameters(), lr=0.1)
+    stale.scale(earlier(torch.ones(2, 8)).sum()).backward()
+    stale.step(old)
+    stale.update()
+    results, error, tdbg = _fp32_run(DebugConfig(output_dir=str(tmp_path / "s"), policy="raise"))
+    assert stale.is_enabled()  # alive until here
+    assert len(results) == len(control) == 5 and control_error is not None
+    assert error == control_error
+    assert "step 5" in str(error)
+    assert [r["grad_norm"] for r in results] == [r["grad_norm"] for r in control]
+    assert _read(tdbg.report().anomalies) == _read(control_tdbg.report().anomalies)
+    assert ("gradient_explosion", 3, "warning") in _read(tdbg.report().anomalies)
+    assert "gradient_explosion" not in results[3]["anomalies"]  # held at step 3 while the stale scaler was tried
+    assert "gradient_explosion" in results[4]["anomalies"]  # step 3's, given at step 4
+
+
+def test_a_plain_optimizer_next_to_a_scaler_on_trial_for_another_is_read_as_it_is(tmp_path):
+    """Two models: one in fp16 with a GradScaler not passed (on trial from its step 0), one plain fp32 whose
+    real explosion comes at its step 0, monitored before the scaler steps: it is not searched while the other's
+    trial stands, so its explosion is named at its own step, in its own result; the scaled one confirmed."""
+    scaled, plain = _model(7), _model(8)
+    opt_s, opt_p = torch.optim.SGD(scaled.parameters(), lr=1e-3), torch.optim.SGD(plain.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    tdbg = TrainingDebugger({"scaled": scaled, "plain": plain}, config=DebugConfig(output_dir=str(tmp_path)))
+    data, results = torch.Generator().manual_seed(9), []
+    for it in range(3):
+        x = torch.randn(16, 8, generator=data)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_s = (scaled(x * 4) - 3).square().mean()
+        loss_p = (plain(x) - 1).square().mean()
+        opt_s.zero_grad()
+        opt_p.zero_grad()
+        scaler.scale(loss_s).backward()
+        loss_p.backward()
+        if it == 0:
+            plain[0].weight.grad.mul_(1e6)
+        results.append(tdbg.monitor_training_step(loss_s, optimizer=opt_s, step=2 * it))
+        results.append(tdbg.monitor_training_step(loss_p, optimizer=opt_p, step=2 * it + 1))
+        scaler.step(opt_s)
+        opt_p.step()
+        scaler.update()
+    tdbg.close()
+    assert "gradient_explosion" in results[1]["anomalies"]
+    anomalies = tdbg.report().anomalies
+    assert [(a.kind, a.step, a.component, a.module) for a in anomalies if a.kind == "gradient_explosion"] == [
+        ("gradient_explosion", 1, "plain", "0")
+    ]
+    assert [(a.kind, a.step) for a in anomalies if a.kind == "scaler_not_passed"] == [("scaler_not_passed", 0)]
+    assert [a for a in anomalies if a.severity == "error"] == []
