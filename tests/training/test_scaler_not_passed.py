@@ -160,7 +160,7 @@ def test_a_critic_whose_unscaled_norm_explodes_is_still_named(tmp_path):
     assert measured[1:] == pytest.approx([n / 65536.0 for n in naive[1:]], rel=1e-6)
 
 
-def _fp32_run(config, explode_at: int = 3, nan_at: int = 5, steps: int = 8):
+def _fp32_run(config, explode_at: int | None = 3, nan_at: int = 5, steps: int = 8):
     """A plain fp32 loop (no scaler of its own) with a real explosion and a real NaN gradient: the monitor's
     results until the policy raised, and what it raised."""
     model = _model(4)
@@ -241,3 +241,35 @@ def test_a_plain_optimizer_next_to_a_scaler_on_trial_for_another_is_read_as_it_i
     ]
     assert [(a.kind, a.step) for a in anomalies if a.kind == "scaler_not_passed"] == [("scaler_not_passed", 0)]
     assert [a for a in anomalies if a.severity == "error"] == []
+
+
+def test_a_nan_at_the_first_suspicious_step_with_a_stale_scaler_is_raised_one_step_late(tmp_path):
+    """The limit of the held verdict: a real NaN gradient at step 5, the run's first step that looks scaled,
+    with a stale GradScaler alive: held while it is tried, dropped at the optimizer's next step (6), where the
+    policy raises main's error, naming step 5. Main raises it at step 5, before ``optimizer.step()``; here that
+    step applied the NaN first (its ``nonfinite_update`` follows)."""
+    control, control_error, _ = _fp32_run(DebugConfig(output_dir=str(tmp_path / "c"), policy="raise"), None)
+    earlier = _model(6)
+    stale, old = torch.amp.GradScaler("cpu"), torch.optim.SGD(earlier.parameters(), lr=0.1)
+    stale.scale(earlier(torch.ones(2, 8)).sum()).backward()
+    stale.step(old)
+    stale.update()
+    results, error, tdbg = _fp32_run(DebugConfig(output_dir=str(tmp_path / "s"), policy="raise"), None)
+    assert stale.is_enabled()
+    assert (len(control), len(results)) == (5, 6)
+    assert error == control_error and "step 5" in error
+    assert results[5]["anomalies"] == []  # held
+    errors = [(a.kind, a.step) for a in tdbg.report().anomalies if a.severity == "error"]
+    assert errors[0] == ("nonfinite", 5) and ("nonfinite_update", 5) in errors
+
+
+def test_a_run_closed_right_after_its_first_scaled_step_decides_the_trial_at_close(tmp_path):
+    """One step: the held step's verdict is decided at close (its scaler.step and update ran): the warning and
+    the skip, no error."""
+    *_, tdbg = _fp16_loop(DebugConfig(output_dir=str(tmp_path)), False, steps=1)
+    assert _read(tdbg.report().anomalies) == [
+        ("nonfinite", 0, "info"),
+        ("scaler_not_passed", 0, "warning"),
+        ("skipped_step", 0, "info"),
+    ]
+    assert tdbg.get_summary()["skipped_steps"] == 1

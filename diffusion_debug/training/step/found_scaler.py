@@ -10,16 +10,20 @@ with the per-optimizer state it holds then (``scaler.step`` writes this optimize
 replaces it). A clean step costs one comparison; an optimizer is searched once (keyed by a weak reference:
 a later optimizer at a reused id is searched again).
 
-The suspicious step's verdict waits for the next monitored step (or close): only then can the trial be
-decided. Held, nothing of it is emitted, counted or acted on. At the next step a scaler whose held state says
-``scaler.step`` stepped this optimizer is confirmed: the held step's anomalies are read unscaled (an explosion
-still named where its norm over the scale passes the threshold, a non-finite gradient an info), its skip
-counted (``found_inf`` of that state), and from then on its gradients are measured under that scaler. A trial
-not confirmed (a stale scaler nobody steps, or another optimizer's) is dropped: the held anomalies are emitted
-as read, with their own step, and the policy acts on them then, one monitored step late. Nothing is divided by
-an unconfirmed scale. Limits: one process only (a held verdict would split the ranks' collectives); the held
-step's recorded row keeps its scaled norm; at close a pending trial is decided the same way, with no policy
-after it.
+The suspicious step's verdict waits until the trial can be decided: at a later monitored step once the held
+state shows the scaler stepped this optimizer (a GAN's next step, of the other optimizer), else at this
+optimizer's next step or once the scaler updated without stepping it, or at close. Held, nothing of it is
+emitted, counted or acted on. A scaler whose held state says ``scaler.step`` stepped this optimizer is
+confirmed: the held step's anomalies are read unscaled (an explosion still named where its norm over the scale
+passes the threshold, a non-finite gradient an info), its skip counted (``found_inf`` of that state), and from
+then on its gradients are measured under that scaler. A trial not confirmed (a stale scaler nobody steps, or
+another optimizer's) is dropped: the held anomalies are emitted as read, with their own step, and the policy
+acts on them then, a monitored step late. Nothing is divided by an unconfirmed scale. So a real NaN at a run's
+first step that looks scaled, with an enabled GradScaler alive that does not step it, is raised by policy
+``raise`` at the optimizer's next step, after ``optimizer.step()`` applied it (the trade for never stopping a
+healthy scaled run at its first overflow). Limits: one process only (a held verdict would split the ranks'
+collectives); the held step's recorded row keeps its scaled norm; at close a pending trial is decided the same
+way, with no policy after it.
 """
 
 from __future__ import annotations
