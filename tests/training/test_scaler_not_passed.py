@@ -273,3 +273,21 @@ def test_a_run_closed_right_after_its_first_scaled_step_decides_the_trial_at_clo
         ("skipped_step", 0, "info"),
     ]
     assert tdbg.get_summary()["skipped_steps"] == 1
+
+
+def test_under_an_installed_registry_nothing_is_walked(tmp_path, monkeypatch):
+    """Where ``launch``'s LiveObjects is installed (its patched ``GradScaler.scale`` passes the scalers), the
+    search walks no heap: a scaler not passed reads as main reads it (a guard, which main passes too)."""
+    import gc
+
+    from diffusion_debug.training.judges.live_objects import LiveObjects
+
+    walks = []
+    get_objects = gc.get_objects
+    monkeypatch.setattr(gc, "get_objects", lambda *a: walks.append(1) or get_objects(*a))
+    with LiveObjects().install():
+        *_, tdbg = _fp16_loop(DebugConfig(output_dir=str(tmp_path)), False, steps=2)
+    assert walks == []
+    anomalies = tdbg.report().anomalies
+    assert ("nonfinite", 0, "error") in _read(anomalies)
+    assert "scaler_not_passed" not in [a.kind for a in anomalies]

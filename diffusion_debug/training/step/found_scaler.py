@@ -8,7 +8,8 @@ Without it the scaled gradients read as they are: a 65536x norm is a ``gradient_
 finds the enabled ``torch.amp.GradScaler``\\ s alive (none on trial for another optimizer). Each goes on trial,
 with the per-optimizer state it holds then (``scaler.step`` writes this optimizer's stage into it; ``update()``
 replaces it). A clean step costs one comparison; an optimizer is searched once (keyed by a weak reference:
-a later optimizer at a reused id is searched again).
+a later optimizer at a reused id is searched again). Under ``launch`` nothing is walked (it notes what the
+script makes, and its patched ``GradScaler.scale`` passes the scaler of every loss it scaled).
 
 The suspicious step's verdict waits until the trial can be decided: at a later monitored step once the held
 state shows the scaler stepped this optimizer (a GAN's next step, of the other optimizer), else at this
@@ -38,6 +39,7 @@ import torch
 
 from ...record import Anomaly, make_anomaly
 from ...record.anomaly import rebuilt
+from ..judges.live_objects import noting
 from ..measure.optimizer_state import raw_optimizer, scale_tensor
 
 
@@ -79,8 +81,8 @@ class FoundScalers:
         """At a step that looks scaled with no scaler known: search once for ``optimizer``; True when scalers
         went on trial (``anomalies``, the step's verdict as read, are then held)."""
         raw = raw_optimizer(optimizer)
-        if self.trial is not None or raw in self._searched:
-            return False
+        if self.trial is not None or noting() or raw in self._searched:
+            return False  # (launch walks no heap: its patched GradScaler.scale passes every scaler it saw)
         self._searched[raw] = True
         candidates = []
         for obj in gc.get_objects():
