@@ -141,10 +141,10 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
 def scaler_not_passed(anomaly: Anomaly) -> str:
     d = anomaly.details
     return (
-        f"A {d.get('scaler', 'GradScaler')} (scale {_fmt(d['grad_scale'])}) steps the optimizer of step "
-        f"{anomaly.step} but was not passed: its gradients read {_fmt(d['grad_scale'])}x too large, each overflow "
-        "it skips a NaN. Pass it: monitor_training_step(loss, optimizer=optimizer, scaler=scaler); read unscaled "
-        "from this step on."
+        f"A {d.get('scaler', 'GradScaler')} (scale {_fmt(d['grad_scale'])}) stepped the optimizer of step "
+        f"{anomaly.step} but was not passed to monitor_training_step: its gradients were {_fmt(d['grad_scale'])}x "
+        "their size and each overflow it skips read as a NaN error; read unscaled from this step on. Pass it: "
+        "monitor_training_step(loss, optimizer=optimizer, scaler=scaler)."
     )
 
 

@@ -72,6 +72,12 @@ def test_a_scaler_not_passed_reads_as_passed_with_one_warning(tmp_path):
     assert _read(a for a in anomalies if a.kind != "scaler_not_passed") == _read(passing.report().anomalies)
     warned = [a for a in anomalies if a.kind == "scaler_not_passed"]
     assert [(a.step, a.severity, a.details["grad_scale"]) for a in warned] == [(0, "warning", 65536.0)]
+    assert warned[0].message == (
+        "A GradScaler (scale 6.554e+04) stepped the optimizer of step 0 but was not passed to "
+        "monitor_training_step: its gradients were 6.554e+04x their size and each overflow it skips read as a NaN "
+        "error; read unscaled from this step on. Pass it: monitor_training_step(loss, optimizer=optimizer, "
+        "scaler=scaler)."
+    )
     summary = tdbg.get_summary()
     assert tdbg.report().summary["headline"]["kind"] == "scaler_not_passed"
     assert summary["skipped_steps"] == passing.get_summary()["skipped_steps"] == skips
