@@ -152,8 +152,11 @@ class StepMonitor:
             if off is not None:
                 off.close()
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
-        if not own.grad_norm <= self.config.grad_explosion_threshold:  # a clean step: this comparison alone
+        # a GradScaler not passed (step.found_scaler); a clean step: this comparison and a set look-up
+        if not own.grad_norm <= self.config.grad_explosion_threshold:
             self._hold_if_scaled(step, judged, call)
+        elif id(call.optimizer) not in self.found.clean_ids:  # its first clean step: never searched after it
+            self.found.clean(call.optimizer)
         if released is not None:  # a held step's verdict, emitted and acted on with this step's
             self._release(judged, *released)
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
@@ -186,8 +189,8 @@ class StepMonitor:
         exchange brings, is recorded then). Under Accelerate's DeepSpeed plugin, the flag its step
         left after the last monitor (``DeepSpeedSteps.last_skip``)."""
         step, last = self.history.previous_step, self._last
-        if at == "close" and self.found.trial is not None:  # a held step's verdict, with no step after it
-            released = self._decide_trial(None, "close")
+        if self.found.trial is not None:  # a held step's verdict, with no step after it (or in the report)
+            released = self._decide_trial(None, at)
             if released is not None:
                 for anomaly in released[0] + released[1]:
                     self.sink.emit(anomaly, log=self.ctx.is_main)

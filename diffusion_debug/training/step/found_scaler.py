@@ -3,13 +3,15 @@ put on trial, and once confirmed read as if passed, with one ``scaler_not_passed
 
 Without it the scaled gradients read as they are: a 65536x norm is a ``gradient_explosion`` (and an
 ``lr_spike`` of SGD's foretold update), each overflow the scaler skips a ``nonfinite`` error, which policy
-``raise`` stops a healthy run at. So, at an optimizer's first step that looks scaled (its norm above
-``grad_explosion_threshold``, or non-finite) with no scaler known, one walk of the garbage collector's list
-finds the enabled ``torch.amp.GradScaler``\\ s alive (none on trial for another optimizer). Each goes on trial,
-with the per-optimizer state it holds then (``scaler.step`` writes this optimizer's stage into it; ``update()``
-replaces it). A clean step costs one comparison; an optimizer is searched once (keyed by a weak reference:
-a later optimizer at a reused id is searched again). Under ``launch`` nothing is walked (it notes what the
-script makes, and its patched ``GradScaler.scale`` passes the scaler of every loss it scaled).
+``raise`` stops a healthy run at. So, where an optimizer's first monitored step looks scaled (its norm above
+``grad_explosion_threshold``, or non-finite: a scaler scales from its first step) with no scaler known, one
+walk of the garbage collector's list finds the enabled ``torch.amp.GradScaler``\\ s alive (none on trial for
+another optimizer). Each goes on trial, with the per-optimizer state it holds then (``scaler.step`` writes
+this optimizer's stage into it; ``update()`` replaces it). A clean step costs a comparison and a set look-up;
+an optimizer is searched once, never after a step of it read clean (a later NaN, with a stale scaler alive, is
+read at its own step) (keyed by a weak reference: a later optimizer at a reused id is searched again). Under
+``launch`` nothing is walked (it notes what the script makes, and its patched ``GradScaler.scale`` passes the
+scaler of every loss it scaled).
 
 The suspicious step's verdict waits until the trial can be decided: at a later monitored step once the held
 state shows the scaler stepped this optimizer (a GAN's next step, of the other optimizer), else at this
@@ -24,7 +26,8 @@ first step that looks scaled, with an enabled GradScaler alive that does not ste
 ``raise`` at the optimizer's next step, after ``optimizer.step()`` applied it (the trade for never stopping a
 healthy scaled run at its first overflow). Limits: one process only (a held verdict would split the ranks'
 collectives); the held step's recorded row keeps its scaled norm; at close a pending trial is decided the same
-way, with no policy after it.
+way, with no policy after it; a report before the trial can be decided gives the held step as read (its
+optimizer searched again at its next step that looks scaled).
 """
 
 from __future__ import annotations
@@ -65,6 +68,11 @@ class FoundScalers:
         self.any_confirmed = False
         """Whether any is confirmed: a step that asks for its optimizer's reads no dictionary before."""
         self._searched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """The optimizers searched, and those whose step read clean before any looked scaled (not searched: a
+        scaler scales from its first step; a later NaN with a stale scaler alive is read at its own step)."""
+        self.clean_ids: set[int] = set()
+        """The ids of the optimizers marked clean: each marked once (a GAN's alternate; the weak keys above, not
+        these ids, say what was searched: a later optimizer at a reused id is not taken for a dead one)."""
         self._confirmed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned = False
         self._skip_read: Any = None
@@ -77,11 +85,18 @@ class FoundScalers:
         scaler = None if ref is None else ref()
         return scaler if scaler is not None and scaler.is_enabled() else None
 
+    def clean(self, optimizer: Any) -> None:
+        """``optimizer``'s step read clean (not searched from now on)."""
+        raw = raw_optimizer(optimizer)
+        self.clean_ids.add(id(optimizer))
+        if raw is not None:
+            self._searched.setdefault(raw, True)
+
     def hold(self, optimizer: Any, step: Any, anomalies: list[Anomaly]) -> bool:
         """At a step that looks scaled with no scaler known: search once for ``optimizer``; True when scalers
         went on trial (``anomalies``, the step's verdict as read, are then held)."""
         raw = raw_optimizer(optimizer)
-        if self.trial is not None or noting() or raw in self._searched:
+        if raw is None or self.trial is not None or noting() or raw in self._searched:
             return False  # (launch walks no heap: its patched GradScaler.scale passes every scaler it saw)
         self._searched[raw] = True
         candidates = []
@@ -118,6 +133,8 @@ class FoundScalers:
         if waiting and raw is not None and now is not None and now is not raw:
             return None
         self.trial = None
+        if waiting and raw is not None and now is None and at != "close":  # a report's: searched again later
+            self._searched.pop(raw, None)
         return trial.held, []
 
     def _unscaled(self, trial: Trial, scale: float, scaler: Any) -> list[Anomaly]:
