@@ -140,6 +140,15 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
 
 def scaler_not_passed(anomaly: Anomaly) -> str:
     d = anomaly.details
+    if "undecided" in d:  # closed before its scaler.step: the step's findings neither confirmed nor ruled out
+        found = ", ".join(d["undecided"]) or "nothing"
+        return (
+            f"A {d.get('scaler', 'GradScaler')} (scale {_fmt(d['grad_scale'])}) alive but not passed to "
+            f"monitor_training_step was never seen stepping the optimizer of step {anomaly.step} before the run "
+            f"closed: that step's gradients may have been {_fmt(d['grad_scale'])}x their size, so what it read "
+            f"({found}) is not reported as an error. Pass the scaler: "
+            "monitor_training_step(loss, optimizer=optimizer, scaler=scaler)."
+        )
     return (
         f"A {d.get('scaler', 'GradScaler')} (scale {_fmt(d['grad_scale'])}) stepped the optimizer of step "
         f"{anomaly.step} but was not passed to monitor_training_step: its gradients were {_fmt(d['grad_scale'])}x "

@@ -255,6 +255,7 @@ class StepMonitor:
         with self.sink.guard("trying a GradScaler not passed", step=trial.step, rank=self.ctx.rank):
             return self.found.resolve(optimizer, at)
         self.found.trial = None  # failed (recorded): nothing held is lost
+        trial.end()
         return trial.held, []
 
     def _release(self, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]) -> None:
@@ -265,11 +266,11 @@ class StepMonitor:
         self._count_released([], skipped)
 
     def _count_released(self, anomalies: list[Anomaly], skipped: list[Anomaly]) -> None:
-        """At close: the held step's anomaly step; a released skip always (its step's row marked)."""
-        if any(a.severity != "info" for a in anomalies):
-            self.history.counts.anomaly_steps += 1
+        """At close: the held step counted as a step is (its anomaly step, explosion, NaN gradients); a released
+        skip always (its step's row marked). At a later step its anomalies are counted with that step's."""
+        nonfinite = any(a.kind == "nonfinite" and a.severity == "error" for a in anomalies)
+        self.history.counts.add_step(anomalies, step_checks.StepFlags(nonfinite=nonfinite), skipped)
         for a in skipped:
-            self.history.counts.add_skip([a])
             self.sink.record.mark_skipped(a.step, "grad_scaler")
 
     def _pre_reduction_failed(self, step: MonitoredStep) -> None:

@@ -295,3 +295,137 @@ def test_under_an_installed_registry_nothing_is_walked(tmp_path, monkeypatch):
     anomalies = tdbg.report().anomalies
     assert ("nonfinite", 0, "error") in _read(anomalies)
     assert "scaler_not_passed" not in [a.kind for a in anomalies]
+
+
+def _crashing_fp16_step(config, report: bool):
+    """One fp16 step at 65536 (it overflows) whose script fails between the monitor and ``scaler.step``
+    (``report``: it saves a report there first); the debugger closed in the script's ``finally``."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    tdbg = TrainingDebugger(model, config=config)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)) * 4
+    reported = None
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x) - 3).square().mean()
+        scaler.scale(loss).backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=0)
+        if report:
+            reported = _read(tdbg.report().anomalies)
+        raise RuntimeError("the script's own bug")
+    except RuntimeError:
+        pass
+    finally:
+        tdbg.close()
+    return tdbg, reported, scaler
+
+
+def test_a_crash_before_scaler_step_leaves_the_held_step_undecided_not_an_error(tmp_path):
+    """Closed before the scaler was seen stepping the optimizer (the script failed in between): the held step
+    is neither confirmed nor read as it is; one ``scaler_not_passed`` warning says so, no ``nonfinite`` error,
+    nothing counted as a NaN step or a skip. Before: a ``nonfinite`` error at step 0 (a healthy scaled step)."""
+    tdbg, _, scaler = _crashing_fp16_step(DebugConfig(output_dir=str(tmp_path)), report=False)
+    anomalies = tdbg.report().anomalies
+    assert _read(anomalies) == [("scaler_not_passed", 0, "warning")]
+    assert anomalies[0].details["undecided"] == ["nonfinite"]
+    assert anomalies[0].message == (
+        "A GradScaler (scale 6.554e+04) alive but not passed to monitor_training_step was never seen stepping the "
+        "optimizer of step 0 before the run closed: that step's gradients may have been 6.554e+04x their size, so "
+        "what it read (nonfinite) is not reported as an error. Pass the scaler: "
+        "monitor_training_step(loss, optimizer=optimizer, scaler=scaler)."
+    )
+    summary = tdbg.get_summary()
+    assert (summary["nonfinite_steps"], summary["skipped_steps"], summary["anomaly_steps"]) == (0, 0, 1)
+    assert float(scaler.get_scale()) == 65536.0  # the debugger stepped nothing
+
+
+def test_a_report_before_scaler_step_leaves_the_trial_pending(tmp_path):
+    """A report between the monitor and ``scaler.step`` lacks the held step (not yet decided) and does not
+    decide it: the run's read is then the one without the report (the warning, the skips, no error). Before:
+    the report read the held step as it was, a ``nonfinite`` error at step 0 and its skip lost."""
+    *_, control = _fp16_loop(DebugConfig(output_dir=str(tmp_path / "c")), False, steps=4)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path / "r")))
+    data, reported = torch.Generator().manual_seed(1), None
+    for step in range(4):
+        x = torch.randn(16, 8, generator=data) * 4
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x) - 3).square().mean()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        if step == 0:
+            reported = _read(tdbg.report().anomalies)
+        scaler.step(optimizer)
+        scaler.update()
+    tdbg.close()
+    assert reported == []
+    assert _read(tdbg.report().anomalies) == _read(control.report().anomalies)
+    assert ("scaler_not_passed", 0, "warning") in _read(control.report().anomalies)
+    assert tdbg.get_summary()["skipped_steps"] == control.get_summary()["skipped_steps"] == 3
+
+
+@pytest.mark.parametrize("fault", ["explosion", "nan"])
+def test_a_held_step_released_at_close_is_counted_as_a_step_is(tmp_path, fault):
+    """A one-step fp32 run with a stale scaler alive: its held step, released at close as read, counts its
+    explosion or NaN step as the run with no scaler alive does (before: only its anomaly step)."""
+    explode_at, nan_at = (0, 99) if fault == "explosion" else (None, 0)
+    *_, control = _fp32_run(DebugConfig(output_dir=str(tmp_path / "c")), explode_at, nan_at, steps=1)
+    earlier = _model(6)
+    stale, old = torch.amp.GradScaler("cpu"), torch.optim.SGD(earlier.parameters(), lr=0.1)
+    stale.scale(earlier(torch.ones(2, 8)).sum()).backward()
+    stale.step(old)
+    stale.update()
+    results, _, tdbg = _fp32_run(DebugConfig(output_dir=str(tmp_path / "s")), explode_at, nan_at, steps=1)
+    assert results[0]["anomalies"] == []  # held
+    keys = ("anomaly_steps", "gradient_explosions", "nonfinite_steps")
+    counts = {k: tdbg.get_summary()[k] for k in keys}
+    assert counts == {k: control.get_summary()[k] for k in keys}
+    assert counts == (
+        {**dict.fromkeys(keys, 1), "nonfinite_steps": 0}
+        if fault == "explosion"
+        else {**dict.fromkeys(keys, 1), "gradient_explosions": 0}
+    )
+    assert _read(tdbg.report().anomalies) == _read(control.report().anomalies)
+
+
+def test_an_optimizer_not_weakly_referable_is_not_searched():
+    """A ``__slots__`` optimizer without ``__weakref__``: read clean, searched, asked for its scaler, none
+    raises (before: ``clean`` raised the WeakKeyDictionary's TypeError out of the monitored step)."""
+    from diffusion_debug.training.step.found_scaler import FoundScalers
+
+    class Slotted:
+        __slots__ = ("param_groups",)
+
+    scaler = torch.amp.GradScaler("cpu")  # an enabled scaler alive: hold would try it
+    scaler.scale(torch.ones((), requires_grad=True))
+    found, optimizer = FoundScalers(1e3, 1.0), Slotted()
+    found.clean(optimizer)
+    assert found.hold(optimizer, 0, []) is False and found.trial is None
+    assert found.scaler_for(optimizer) is None
+
+
+def test_a_stale_scaler_that_stepped_an_optimizer_at_a_reused_id_confirms_nothing(tmp_path):
+    """A stale scaler whose state says it stepped the optimizer at this id (an earlier run stopped between
+    ``scaler.step`` and ``update``; the id reused): not tried, so the fp32 run's real NaN at step 0 is raised
+    at step 0 as with no scaler alive (before: confirmed, the NaN read as a scaler's overflow, an info)."""
+    control, control_error, _ = _fp32_run(DebugConfig(output_dir=str(tmp_path / "c"), policy="raise"), None, 0)
+    earlier = _model(6)
+    stale, old = torch.amp.GradScaler("cpu"), torch.optim.SGD(earlier.parameters(), lr=0.1)
+    stale.scale(earlier(torch.ones(2, 8)).sum()).backward()
+    stale.step(old)  # no update(): its state for `old` says STEPPED
+    model = _model(4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    stale._per_optimizer_states[id(optimizer)] = stale._per_optimizer_states[id(old)]  # as at a reused id
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path / "s"), policy="raise"))
+    loss = (model(torch.randn(16, 8, generator=torch.Generator().manual_seed(5))) - 1).square().mean()
+    loss.backward()
+    model[2].weight.grad[0, 3] = math.nan
+    with pytest.raises(Exception) as raised:
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=0)
+    tdbg.close()
+    assert str(raised.value).split(" (run directory")[0] == control_error
+    assert "scaler_not_passed" not in [a.kind for a in tdbg.report().anomalies]

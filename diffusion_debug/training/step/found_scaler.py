@@ -26,8 +26,11 @@ first step that looks scaled, with an enabled GradScaler alive that does not ste
 ``raise`` at the optimizer's next step, after ``optimizer.step()`` applied it (the trade for never stopping a
 healthy scaled run at its first overflow). Limits: one process only (a held verdict would split the ranks'
 collectives); the held step's recorded row keeps its scaled norm; at close a pending trial is decided the same
-way, with no policy after it; a report before the trial can be decided gives the held step as read (its
-optimizer searched again at its next step that looks scaled).
+way, with no policy after it, except where the optimizer has not stepped since (the script failed between the
+monitor and ``scaler.step``): undecided, its anomalies give way to one ``scaler_not_passed`` warning naming
+their kinds (neither a NaN error nor an overflow); a report before the trial can be decided leaves it pending
+(the report lacks that one step). A scaler whose state says it stepped the optimizer already at the
+suspicious step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ class Trial:
     """Each scaler, the per-optimizer state it held at the step and its scale then."""
     step: Any
     held: list[Anomaly]
+    ran: list = dataclasses.field(default_factory=list)
+    """Not empty once ``optimizer.step()`` ran after the held step (its step hook): a loop that went on."""
+    hook: Any = None
+
+    def end(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
 
 
 class FoundScalers:
@@ -81,7 +91,10 @@ class FoundScalers:
 
     def scaler_for(self, optimizer: Any) -> Any:
         """The scaler confirmed for ``optimizer``, or None."""
-        ref = self._confirmed.get(raw_optimizer(optimizer))
+        try:
+            ref = self._confirmed.get(raw_optimizer(optimizer))
+        except TypeError:  # not weakly referable: never searched, never confirmed
+            return None
         scaler = None if ref is None else ref()
         return scaler if scaler is not None and scaler.is_enabled() else None
 
@@ -90,7 +103,10 @@ class FoundScalers:
         raw = raw_optimizer(optimizer)
         self.clean_ids.add(id(optimizer))
         if raw is not None:
-            self._searched.setdefault(raw, True)
+            try:
+                self._searched.setdefault(raw, True)
+            except TypeError:  # not weakly referable (``__slots__`` without ``__weakref__``): never searched
+                pass
 
     def hold(self, optimizer: Any, step: Any, anomalies: list[Anomaly]) -> bool:
         """At a step that looks scaled with no scaler known: search once for ``optimizer``; True when scalers
@@ -98,14 +114,22 @@ class FoundScalers:
         raw = raw_optimizer(optimizer)
         if raw is None or self.trial is not None or noting() or raw in self._searched:
             return False  # (launch walks no heap: its patched GradScaler.scale passes every scaler it saw)
-        self._searched[raw] = True
+        try:
+            self._searched[raw] = True
+        except TypeError:  # not weakly referable: not searched (read as it is)
+            return False
         candidates = []
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.amp.GradScaler) and obj.is_enabled() and scale_tensor(obj) is not None:
+                if _stepped(obj._per_optimizer_states.get(id(raw))):
+                    continue  # stepped already before this step (a stale one's, at a reused id): proves nothing
                 candidates.append((weakref.ref(obj), obj._per_optimizer_states, float(obj.get_scale())))
         if not candidates:
             return False
-        self.trial = Trial(weakref.ref(raw), id(raw), candidates, step, list(anomalies))
+        self.trial = trial = Trial(weakref.ref(raw), id(raw), candidates, step, list(anomalies))
+        if hasattr(raw, "register_step_post_hook"):  # (the list alone in its closure: no cycle to the optimizer)
+            ran = trial.ran
+            trial.hook = raw.register_step_post_hook(lambda *_: ran.append(True))
         return True
 
     def resolve(self, optimizer: Any, at: Any) -> tuple[list[Anomaly], list[Anomaly]] | None:
@@ -119,23 +143,32 @@ class FoundScalers:
         for ref, states, scale in trial.candidates:
             scaler = ref()
             entry = states.get(trial.key) if raw is not None and scaler is not None else None
-            if entry is None or getattr(entry.get("stage"), "name", "") != "STEPPED":
+            if not _stepped(entry):
                 # not stepped by it yet: dropped once updated since, or at the held optimizer's next step
                 waiting = waiting or (scaler is not None and scaler._per_optimizer_states is states)
                 continue
             self.trial = None
+            trial.end()
             self._confirmed[raw], self.any_confirmed = ref, True
             found_inf = sum(float(v.sum()) for v in entry.get("found_inf_per_device", {}).values())
             skipped = [] if states is self._skip_read else self._skip(trial, scale, scaler, found_inf, at)
             if skipped:
                 self._skip_read = states
             return self._unscaled(trial, scale, scaler), skipped
-        if waiting and raw is not None and now is not None and now is not raw:
-            return None
+        if waiting and raw is not None and now is not raw and at != "close":
+            return None  # another optimizer's step, or a report's (the report lacks the held step until decided)
         self.trial = None
-        if waiting and raw is not None and now is None and at != "close":  # a report's: searched again later
-            self._searched.pop(raw, None)
+        trial.end()
+        if waiting and raw is not None and now is None and not trial.ran:  # close with no step since: a crash
+            return self._undecided(trial), []
         return trial.held, []
+
+    def _undecided(self, trial: Trial) -> list[Anomaly]:
+        """At close, a trial never decided: the held step neither confirmed scaled nor read as it is, one
+        ``scaler_not_passed`` warning in place of its anomalies (their kinds in its details)."""
+        live = [(ref(), scale) for ref, _, scale in trial.candidates if ref() is not None]
+        scaler, scale = live[0] if live else (None, trial.candidates[0][2])
+        return [_not_passed(trial, scale, scaler, undecided=sorted({a.kind for a in trial.held}))]
 
     def _unscaled(self, trial: Trial, scale: float, scaler: Any) -> list[Anomaly]:
         out = []
@@ -174,9 +207,19 @@ class FoundScalers:
         ]
 
 
-def _not_passed(trial: Trial, scale: float, scaler: Any) -> Anomaly:
+def _stepped(entry: Any) -> bool:
+    """Whether a GradScaler's per-optimizer state says ``scaler.step`` stepped that optimizer."""
+    return entry is not None and getattr(entry.get("stage"), "name", "") == "STEPPED"
+
+
+def _not_passed(trial: Trial, scale: float, scaler: Any, undecided: list[str] | None = None) -> Anomaly:
     rank = trial.held[0].rank if trial.held else 0
-    details = {"grad_scale": scale, "scaler": type(scaler).__name__}
+    details: dict[str, Any] = {
+        "grad_scale": scale,
+        "scaler": type(scaler).__name__ if scaler is not None else "GradScaler",
+    }
+    if undecided is not None:  # never seen stepping it: the kinds held, neither confirmed nor ruled out
+        details["undecided"] = undecided
     return make_anomaly(
         kind="scaler_not_passed",
         severity="warning",
