@@ -245,7 +245,7 @@ register_kind(
     meaning=(
         "A GradScaler alive in the process stepped this optimizer but was not passed to monitor_training_step: "
         "found at its first scaled-looking step and confirmed by its scaler.step, its gradients are read unscaled "
-        "(closed before its scaler.step, a script that failed: that step left undecided, not an error)."
+        "(closed before its scaler.step, a script that failed: that step reported as read, said maybe scaled)."
     ),
     action="Pass the scaler: tdbg.monitor_training_step(loss, optimizer=optimizer, scaler=scaler).",
     stage=4,

@@ -145,8 +145,8 @@ def scaler_not_passed(anomaly: Anomaly) -> str:
         return (
             f"A {d.get('scaler', 'GradScaler')} (scale {_fmt(d['grad_scale'])}) alive but not passed to "
             f"monitor_training_step was never seen stepping the optimizer of step {anomaly.step} before the run "
-            f"closed: that step's gradients may have been {_fmt(d['grad_scale'])}x their size, so what it read "
-            f"({found}) is not reported as an error. Pass the scaler: "
+            f"closed: what that step read ({found}) is reported as read, though its gradients may have been "
+            f"{_fmt(d['grad_scale'])}x their size. Pass the scaler: "
             "monitor_training_step(loss, optimizer=optimizer, scaler=scaler)."
         )
     return (

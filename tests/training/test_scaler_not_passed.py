@@ -321,22 +321,24 @@ def _crashing_fp16_step(config, report: bool):
     return tdbg, reported, scaler
 
 
-def test_a_crash_before_scaler_step_leaves_the_held_step_undecided_not_an_error(tmp_path):
-    """Closed before the scaler was seen stepping the optimizer (the script failed in between): the held step
-    is neither confirmed nor read as it is; one ``scaler_not_passed`` warning says so, no ``nonfinite`` error,
-    nothing counted as a NaN step or a skip. Before: a ``nonfinite`` error at step 0 (a healthy scaled step)."""
+def test_a_crash_before_scaler_step_reports_the_held_step_as_read_said_maybe_scaled(tmp_path):
+    """Closed before the scaler was seen stepping the optimizer (the script failed in between, maybe for the NaN
+    itself): the held step is reported as read, a real NaN never hidden, with one ``scaler_not_passed`` warning
+    saying it may be scaled. (A first version reported only the warning: a stale scaler alive then turned a plain
+    fp32 run's real NaN, the one that stopped the script, into a warning.)"""
     tdbg, _, scaler = _crashing_fp16_step(DebugConfig(output_dir=str(tmp_path)), report=False)
     anomalies = tdbg.report().anomalies
-    assert _read(anomalies) == [("scaler_not_passed", 0, "warning")]
-    assert anomalies[0].details["undecided"] == ["nonfinite"]
-    assert anomalies[0].message == (
+    assert sorted(_read(anomalies)) == [("nonfinite", 0, "error"), ("scaler_not_passed", 0, "warning")]
+    (warning,) = [a for a in anomalies if a.kind == "scaler_not_passed"]
+    assert warning.details["undecided"] == ["nonfinite"]
+    assert warning.message == (
         "A GradScaler (scale 6.554e+04) alive but not passed to monitor_training_step was never seen stepping the "
-        "optimizer of step 0 before the run closed: that step's gradients may have been 6.554e+04x their size, so "
-        "what it read (nonfinite) is not reported as an error. Pass the scaler: "
+        "optimizer of step 0 before the run closed: what that step read (nonfinite) is reported as read, though its "
+        "gradients may have been 6.554e+04x their size. Pass the scaler: "
         "monitor_training_step(loss, optimizer=optimizer, scaler=scaler)."
     )
     summary = tdbg.get_summary()
-    assert (summary["nonfinite_steps"], summary["skipped_steps"], summary["anomaly_steps"]) == (0, 0, 1)
+    assert (summary["nonfinite_steps"], summary["skipped_steps"]) == (1, 0)
     assert float(scaler.get_scale()) == 65536.0  # the debugger stepped nothing
 
 
@@ -429,3 +431,31 @@ def test_a_stale_scaler_that_stepped_an_optimizer_at_a_reused_id_confirms_nothin
     tdbg.close()
     assert str(raised.value).split(" (run directory")[0] == control_error
     assert "scaler_not_passed" not in [a.kind for a in tdbg.report().anomalies]
+
+
+def test_a_report_after_the_optimizer_stepped_alone_reads_the_held_step_as_it_is(tmp_path):
+    """A stale scaler alive, a plain fp32 NaN gradient at step 0, ``optimizer.step()`` run (no scaler stepped it:
+    the step was unscaled), then a report with no monitored step after: the report has the NaN error as a run with
+    no scaler alive has it (a first version left the trial pending there: a report and no close lost the error)."""
+    reads = []
+    for alive in (False, True):
+        earlier = _model(6)
+        stale, old = torch.amp.GradScaler("cpu"), torch.optim.SGD(earlier.parameters(), lr=0.1)
+        if alive:
+            stale.scale(earlier(torch.ones(2, 8)).sum()).backward()
+            stale.step(old)
+            stale.update()
+        model = _model(4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path / str(alive))))
+        loss = (model(torch.randn(16, 8, generator=torch.Generator().manual_seed(5))) - 1).square().mean()
+        loss.backward()
+        model[2].weight.grad[0, 3] = math.nan
+        held = tdbg.monitor_training_step(loss, optimizer=optimizer, step=0)["anomalies"]
+        optimizer.step()
+        reads.append((held, _read(tdbg.report().anomalies)))
+        tdbg.close()
+        assert stale.is_enabled()
+    (plain_held, plain), (stale_held, with_stale) = reads
+    assert (plain_held, stale_held) == (["nonfinite"], [])  # held where the stale scaler was alive
+    assert with_stale == plain and ("nonfinite", 0, "error") in plain

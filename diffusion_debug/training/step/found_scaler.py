@@ -27,9 +27,10 @@ first step that looks scaled, with an enabled GradScaler alive that does not ste
 healthy scaled run at its first overflow). Limits: one process only (a held verdict would split the ranks'
 collectives); the held step's recorded row keeps its scaled norm; at close a pending trial is decided the same
 way, with no policy after it, except where the optimizer has not stepped since (the script failed between the
-monitor and ``scaler.step``): undecided, its anomalies give way to one ``scaler_not_passed`` warning naming
-their kinds (neither a NaN error nor an overflow); a report before the trial can be decided leaves it pending
-(the report lacks that one step). A scaler whose state says it stepped the optimizer already at the
+monitor and ``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real NaN stays
+an error) with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can be decided
+leaves it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler stepping it (then
+the step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already at the
 suspicious step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
 """
 
@@ -126,10 +127,11 @@ class FoundScalers:
                 candidates.append((weakref.ref(obj), obj._per_optimizer_states, float(obj.get_scale())))
         if not candidates:
             return False
-        self.trial = trial = Trial(weakref.ref(raw), id(raw), candidates, step, list(anomalies))
-        if hasattr(raw, "register_step_post_hook"):  # (the list alone in its closure: no cycle to the optimizer)
-            ran = trial.ran
-            trial.hook = raw.register_step_post_hook(lambda *_: ran.append(True))
+        trial = Trial(weakref.ref(raw), id(raw), candidates, step, list(anomalies))
+        if hasattr(raw, "register_step_post_hook"):  # (the list alone in its closure: no cycle to the optimizer;
+            ran = trial.ran  # one entry at most, should a debugger never closed leave the hook on)
+            trial.hook = raw.register_step_post_hook(lambda *_: ran or ran.append(True))
+        self.trial = trial  # (after the hook: a hook that failed to register leaves nothing held)
         return True
 
     def resolve(self, optimizer: Any, at: Any) -> tuple[list[Anomaly], list[Anomaly]] | None:
@@ -155,20 +157,21 @@ class FoundScalers:
             if skipped:
                 self._skip_read = states
             return self._unscaled(trial, scale, scaler), skipped
-        if waiting and raw is not None and now is not raw and at != "close":
+        if waiting and raw is not None and now is not raw and at != "close" and not trial.ran:
             return None  # another optimizer's step, or a report's (the report lacks the held step until decided)
-        self.trial = None
+        self.trial = None  # (ran with no scaler stepping it: optimizer.step() ran alone, the step was unscaled)
         trial.end()
-        if waiting and raw is not None and now is None and not trial.ran:  # close with no step since: a crash
-            return self._undecided(trial), []
+        if waiting and raw is not None and now is None and not trial.ran and trial.hook is not None:
+            return [*trial.held, self._undecided(trial)], []  # close with no step since: a crash (maybe the NaN's)
         return trial.held, []
 
-    def _undecided(self, trial: Trial) -> list[Anomaly]:
-        """At close, a trial never decided: the held step neither confirmed scaled nor read as it is, one
-        ``scaler_not_passed`` warning in place of its anomalies (their kinds in its details)."""
+    def _undecided(self, trial: Trial) -> Anomaly:
+        """At close, a trial never decided: the held step's anomalies go out as read (a real NaN stays an error,
+        the error that may have stopped the script) with one ``scaler_not_passed`` warning saying they may be
+        scaled (their kinds in its details)."""
         live = [(ref(), scale) for ref, _, scale in trial.candidates if ref() is not None]
         scaler, scale = live[0] if live else (None, trial.candidates[0][2])
-        return [_not_passed(trial, scale, scaler, undecided=sorted({a.kind for a in trial.held}))]
+        return _not_passed(trial, scale, scaler, undecided=sorted({a.kind for a in trial.held}))
 
     def _unscaled(self, trial: Trial, scale: float, scaler: Any) -> list[Anomaly]:
         out = []
