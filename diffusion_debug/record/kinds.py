@@ -244,6 +244,19 @@ register_kind(
     message=training_messages.skipped_step,
 )
 register_kind(
+    "scaler_not_passed",
+    severity="warning",
+    colour="#c49c94",
+    meaning=(
+        "A GradScaler alive in the process stepped this optimizer but was not passed to monitor_training_step: "
+        "found at its first scaled-looking step and confirmed by its scaler.step, its gradients are read unscaled "
+        "(closed before its scaler.step, a script that failed: that step reported as read, said maybe scaled)."
+    ),
+    action="Pass the scaler: tdbg.monitor_training_step(loss, optimizer=optimizer, scaler=scaler).",
+    stage=4,
+    message=training_messages.scaler_not_passed,
+)
+register_kind(
     "memory_growth",
     severity="warning",
     colour="#bcbd22",

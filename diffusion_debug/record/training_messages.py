@@ -138,6 +138,25 @@ def nonfinite_loss(anomaly: Anomaly) -> str:
     return text + _localized(d) + "."
 
 
+def scaler_not_passed(anomaly: Anomaly) -> str:
+    d = anomaly.details
+    if "undecided" in d:  # closed before its scaler.step: the step's findings neither confirmed nor ruled out
+        found = ", ".join(d["undecided"]) or "nothing"
+        return (
+            f"A {d.get('scaler', 'GradScaler')} (scale {_fmt(d['grad_scale'])}) alive but not passed to "
+            f"monitor_training_step was never seen stepping the optimizer of step {anomaly.step} before the run "
+            f"closed: what that step read ({found}) is reported as read, though its gradients may have been "
+            f"{_fmt(d['grad_scale'])}x their size. Pass the scaler: "
+            "monitor_training_step(loss, optimizer=optimizer, scaler=scaler)."
+        )
+    return (
+        f"A {d.get('scaler', 'GradScaler')} (scale {_fmt(d['grad_scale'])}) stepped the optimizer of step "
+        f"{anomaly.step} but was not passed to monitor_training_step: its gradients were {_fmt(d['grad_scale'])}x "
+        "their size and each overflow it skips read as a NaN error; read unscaled from this step on. Pass it: "
+        "monitor_training_step(loss, optimizer=optimizer, scaler=scaler)."
+    )
+
+
 def lr_spike(anomaly: Anomaly) -> str:
     d = anomaly.details
     if d["reason"] == "lr_jump":

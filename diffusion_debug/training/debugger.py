@@ -305,7 +305,9 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
         batch) lets a non-finite step be replayed under autograd anomaly mode to name the
         backward op; ``per_sample_loss`` (one value per sample, or the loss before reduction,
         ``[batch, ...]`` with ``timesteps``: each sample's mean) makes timestep buckets exact;
-        ``scaler`` is a GradScaler used without Accelerate. ``inputs`` (the batch: a tensor or a
+        ``scaler`` is a GradScaler used without Accelerate (one not passed is found at the first step
+        that looks scaled and, once its ``scaler.step`` confirms it, read as passed: ``scaler_not_passed``).
+        ``inputs`` (the batch: a tensor or a
         dict / list / tuple of them) is checked for NaN/Inf on the device (``nonfinite_input``,
         named before the NaN loss it causes). ``max_grad_norm`` (the ``max_norm`` you clip with)
         sets the step's ``grad_norm_clipped``; if you clip *before* monitoring, pass what

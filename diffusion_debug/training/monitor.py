@@ -57,6 +57,7 @@ from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
 from .step.coverage import COVERAGE_EVERY, CoverageWatch
+from .step.found_scaler import FoundScalers
 from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
@@ -129,6 +130,8 @@ class StepMonitor:
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
+        self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
+        """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
 
     def monitor(self, call: Call) -> dict[str, Any]:
         off = outside_autocast() if ANY_AUTOCAST() else None  # (entered as made; no Python call without one)
@@ -143,6 +146,7 @@ class StepMonitor:
             self.history.counts.micro_steps += 1
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         step = self._begin(call.step, failure)
+        released = self._decide_trial(call.optimizer, step.index) if self.found.trial is not None else None
         if not self.history.coverage_checked:
             self.coverage.check(step.index, call.optimizer)
         elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
@@ -156,6 +160,13 @@ class StepMonitor:
             if off is not None:
                 off.close()
         judged = self._judge(step, own, local, call, measured)  # this rank's own row; never raises
+        # a GradScaler not passed (step.found_scaler); a clean step: this comparison and a set look-up
+        if not own.grad_norm <= self.config.grad_explosion_threshold:
+            self._hold_if_scaled(step, judged, call)
+        elif id(call.optimizer) not in self.found.clean_ids:  # its first clean step: never searched after it
+            self.found.clean(call.optimizer)
+        if released is not None:  # a held step's verdict, emitted and acted on with this step's
+            self._release(judged, *released)
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
         if self.ctx.distributed:
             rows = self._exchange(step, own, judged, info, measured, call)
@@ -186,6 +197,12 @@ class StepMonitor:
         exchange brings, is recorded then). Under Accelerate's DeepSpeed plugin, the flag its step
         left after the last monitor (``DeepSpeedSteps.last_skip``)."""
         step, last = self.history.previous_step, self._last
+        if self.found.trial is not None:  # a held step's verdict, with no step after it (or in the report)
+            released = self._decide_trial(None, at)
+            if released is not None:
+                for anomaly in released[0] + released[1]:
+                    self.sink.emit(anomaly, log=self.ctx.is_main)
+                self._count_released(*released)
         with self.sink.guard("judging the last step's skip", step=step, rank=self.ctx.rank):
             skipped = self.last_skip(at)
             if at == "close":  # the optimizer is not held past close
@@ -231,6 +248,42 @@ class StepMonitor:
         if history.overflowed is not None:  # the ranks whose own gradients overflowed, as the next detail step names
             skipped = name_overflow(skipped, *history.overflowed)
         return skipped
+
+    def _hold_if_scaled(self, step: MonitoredStep, judged: Judgement, call: Call) -> None:
+        """A step that looks scaled (no scaler known; one process; no NaN loss, which no scaling makes): its
+        verdict held while the GradScalers alive are tried (``step.found_scaler``), once for its optimizer."""
+        if step.last is None or step.last[1] is not None or self.ctx.distributed or judged.flags.nonfinite_loss:
+            return
+        with self.sink.guard("looking for a GradScaler not passed", step=step.index, rank=self.ctx.rank):
+            own = [a for a in judged.anomalies if a.kind != "skipped_step"]
+            if self.found.hold(call.optimizer, step.index, own):
+                judged.anomalies = [a for a in judged.anomalies if a.kind == "skipped_step"]
+                judged.flags.nonfinite = judged.flags.explosion = False  # counted when released
+
+    def _decide_trial(self, optimizer: Any, at: Any) -> tuple[list[Anomaly], list[Anomaly]] | None:
+        """The held step's anomalies (unscaled where its scaler is confirmed, else as read) and its skip;
+        None while the trial waits for the held optimizer's ``scaler.step``."""
+        trial = self.found.trial
+        with self.sink.guard("trying a GradScaler not passed", step=trial.step, rank=self.ctx.rank):
+            return self.found.resolve(optimizer, at)
+        self.found.trial = None  # failed (recorded): nothing held is lost
+        trial.end()
+        return trial.held, []
+
+    def _release(self, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]) -> None:
+        judged.anomalies = anomalies + skipped + judged.anomalies
+        judged.flags.nonfinite = judged.flags.nonfinite or any(
+            a.kind == "nonfinite" and a.severity == "error" for a in anomalies
+        )
+        self._count_released([], skipped)
+
+    def _count_released(self, anomalies: list[Anomaly], skipped: list[Anomaly]) -> None:
+        """At close: the held step counted as a step is (its anomaly step, explosion, NaN gradients); a released
+        skip always (its step's row marked). At a later step its anomalies are counted with that step's."""
+        nonfinite = any(a.kind == "nonfinite" and a.severity == "error" for a in anomalies)
+        self.history.counts.add_step(anomalies, step_checks.StepFlags(nonfinite=nonfinite), skipped)
+        for a in skipped:
+            self.sink.record.mark_skipped(a.step, "grad_scaler")
 
     def _pre_reduction_failed(self, step: MonitoredStep) -> None:
         """A failure of the check inside the engine's hook (the reduction still ran): recorded
@@ -291,6 +344,8 @@ class StepMonitor:
             if step.failure is not None:
                 raise step.failure
             scaler = find_scaler(self.accelerator, call.optimizer, call.scaler)
+            if scaler is None and self.found.any_confirmed:  # one the script did not pass (step.found_scaler)
+                scaler = self.found.scaler_for(call.optimizer)
             step.last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
             measured = self.measurer.measure(
                 scaler=scaler,

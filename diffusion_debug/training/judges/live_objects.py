@@ -43,6 +43,11 @@ _INSTALLED: list[LiveObjects] = []
 """The registries installed, the last one answering :func:`live_objects`."""
 
 
+def noting() -> bool:
+    """Whether a :class:`LiveObjects` is installed (``launch``'s: a process whose heap nothing walks)."""
+    return bool(_INSTALLED)
+
+
 def live_objects(kind: type | tuple[type, ...]) -> list[Any]:
     """Every object of ``kind`` alive in the process: the installed :class:`LiveObjects`' (in the
     order they were made), else a walk of the garbage collector's list (no collection first). By

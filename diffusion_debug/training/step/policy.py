@@ -4,6 +4,11 @@ the anomalies every rank received alike, so every rank takes the same branch; th
 ``strict=True``, the step's failures raised once the policy's collectives (its barrier) are done:
 a failed measurement on every rank, any other failure on its own. Without ``strict``, a failure
 while recording is recorded first, before a ``raise`` saves the report.
+
+``skip`` zeroes the gradients of the step it acts at. A step held while a GradScaler not passed is tried
+(``step.found_scaler``) is acted on when released, a monitored step late: a real NaN at an optimizer's first
+step, with a stale enabled scaler alive that does not step it, was applied by that ``optimizer.step()`` before
+(acting early would zero a scaled fp16 step's gradients, which its scaler skips anyway).
 """
 
 from __future__ import annotations

@@ -1,0 +1,233 @@
+"""A GradScaler the script uses but did not pass (``monitor_training_step(scaler=...)``, no Accelerate): found,
+put on trial, and once confirmed read as if passed, with one ``scaler_not_passed`` warning.
+
+Without it the scaled gradients read as they are: a 65536x norm is a ``gradient_explosion`` (and an
+``lr_spike`` of SGD's foretold update), each overflow the scaler skips a ``nonfinite`` error, which policy
+``raise`` stops a healthy run at. So, where an optimizer's first monitored step looks scaled (its norm above
+``grad_explosion_threshold``, or non-finite: a scaler scales from its first step) with no scaler known, one
+walk of the garbage collector's list finds the enabled ``torch.amp.GradScaler``\\ s alive (none on trial for
+another optimizer). Each goes on trial, with the per-optimizer state it holds then (``scaler.step`` writes
+this optimizer's stage into it; ``update()`` replaces it). A clean step costs a comparison and a set look-up;
+an optimizer is searched once, never after a step of it read clean (a later NaN, with a stale scaler alive, is
+read at its own step) (keyed by a weak reference: a later optimizer at a reused id is searched again). Under
+``launch`` nothing is walked (it notes what the script makes, and its patched ``GradScaler.scale`` passes the
+scaler of every loss it scaled).
+
+The suspicious step's verdict waits until the trial can be decided: at a later monitored step once the held
+state shows the scaler stepped this optimizer (a GAN's next step, of the other optimizer), else at this
+optimizer's next step or once the scaler updated without stepping it, or at close. Held, nothing of it is
+emitted, counted or acted on. A scaler whose held state says ``scaler.step`` stepped this optimizer is
+confirmed: the held step's anomalies are read unscaled (an explosion still named where its norm over the scale
+passes the threshold, a non-finite gradient an info), its skip counted (``found_inf`` of that state), and from
+then on its gradients are measured under that scaler. A trial not confirmed (a stale scaler nobody steps, or
+another optimizer's) is dropped: the held anomalies are emitted as read, with their own step, and the policy
+acts on them then, a monitored step late. Nothing is divided by an unconfirmed scale. So a real NaN at a run's
+first step that looks scaled, with an enabled GradScaler alive that does not step it, is raised by policy
+``raise`` at the optimizer's next step, after ``optimizer.step()`` applied it (the trade for never stopping a
+healthy scaled run at its first overflow). Limits: one process only (a held verdict would split the ranks'
+collectives); the held step's recorded row keeps its scaled norm; at close a pending trial is decided the same
+way, with no policy after it, except where the optimizer has not stepped since (the script failed between the
+monitor and ``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real NaN stays
+an error) with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can be decided
+leaves it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler stepping it (then
+the step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already at the
+suspicious step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import weakref
+from typing import Any
+
+import torch
+
+from ...record import Anomaly, make_anomaly
+from ...record.anomaly import rebuilt
+from ..judges.live_objects import noting
+from ..measure.optimizer_state import raw_optimizer, scale_tensor
+
+
+@dataclasses.dataclass
+class Trial:
+    """A suspicious step's verdict held while its scalers are tried (see the module docstring)."""
+
+    optimizer: weakref.ref
+    key: int
+    candidates: list[tuple[weakref.ref, Any, float]]
+    """Each scaler, the per-optimizer state it held at the step and its scale then."""
+    step: Any
+    held: list[Anomaly]
+    ran: list = dataclasses.field(default_factory=list)
+    """Not empty once ``optimizer.step()`` ran after the held step (its step hook): a loop that went on."""
+    hook: Any = None
+
+    def end(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+
+
+class FoundScalers:
+    """The scalers found for optimizers the script monitored without ``scaler=`` (see the module docstring)."""
+
+    def __init__(self, explosion: float, update_ratio: float) -> None:
+        self.explosion = explosion
+        self.update_ratio = update_ratio
+        self.trial: Trial | None = None
+        self.any_confirmed = False
+        """Whether any is confirmed: a step that asks for its optimizer's reads no dictionary before."""
+        self._searched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """The optimizers searched, and those whose step read clean before any looked scaled (not searched: a
+        scaler scales from its first step; a later NaN with a stale scaler alive is read at its own step)."""
+        self.clean_ids: set[int] = set()
+        """The ids of the optimizers marked clean: each marked once (a GAN's alternate; the weak keys above, not
+        these ids, say what was searched: a later optimizer at a reused id is not taken for a dead one)."""
+        self._confirmed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._warned = False
+        self._skip_read: Any = None
+        """The per-optimizer state whose skip was counted: one ``update()`` skips every optimizer it found Inf in
+        (a GAN's two), counted once, as the scale's fall counts it for a scaler passed."""
+
+    def scaler_for(self, optimizer: Any) -> Any:
+        """The scaler confirmed for ``optimizer``, or None."""
+        try:
+            ref = self._confirmed.get(raw_optimizer(optimizer))
+        except TypeError:  # not weakly referable: never searched, never confirmed
+            return None
+        scaler = None if ref is None else ref()
+        return scaler if scaler is not None and scaler.is_enabled() else None
+
+    def clean(self, optimizer: Any) -> None:
+        """``optimizer``'s step read clean (not searched from now on)."""
+        raw = raw_optimizer(optimizer)
+        self.clean_ids.add(id(optimizer))
+        if raw is not None:
+            try:
+                self._searched.setdefault(raw, True)
+            except TypeError:  # not weakly referable (``__slots__`` without ``__weakref__``): never searched
+                pass
+
+    def hold(self, optimizer: Any, step: Any, anomalies: list[Anomaly]) -> bool:
+        """At a step that looks scaled with no scaler known: search once for ``optimizer``; True when scalers
+        went on trial (``anomalies``, the step's verdict as read, are then held)."""
+        raw = raw_optimizer(optimizer)
+        if raw is None or self.trial is not None or noting() or raw in self._searched:
+            return False  # (launch walks no heap: its patched GradScaler.scale passes every scaler it saw)
+        try:
+            self._searched[raw] = True
+        except TypeError:  # not weakly referable: not searched (read as it is)
+            return False
+        candidates = []
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.amp.GradScaler) and obj.is_enabled() and scale_tensor(obj) is not None:
+                if _stepped(obj._per_optimizer_states.get(id(raw))):
+                    continue  # stepped already before this step (a stale one's, at a reused id): proves nothing
+                candidates.append((weakref.ref(obj), obj._per_optimizer_states, float(obj.get_scale())))
+        if not candidates:
+            return False
+        trial = Trial(weakref.ref(raw), id(raw), candidates, step, list(anomalies))
+        if hasattr(raw, "register_step_post_hook"):  # (the list alone in its closure: no cycle to the optimizer;
+            ran = trial.ran  # one entry at most, should a debugger never closed leave the hook on)
+            trial.hook = raw.register_step_post_hook(lambda *_: ran or ran.append(True))
+        self.trial = trial  # (after the hook: a hook that failed to register leaves nothing held)
+        return True
+
+    def resolve(self, optimizer: Any, at: Any) -> tuple[list[Anomaly], list[Anomaly]] | None:
+        """Decide the trial at a monitored step ``at`` of ``optimizer`` (None: close): the held step's
+        anomalies to emit and its ``skipped_step`` (one or none); None while it still waits (another
+        optimizer's step before the held one's ``scaler.step``: a loop that monitors both, then steps both)."""
+        trial = self.trial
+        raw = trial.optimizer()
+        now = None if optimizer is None else raw_optimizer(optimizer)
+        waiting = False
+        for ref, states, scale in trial.candidates:
+            scaler = ref()
+            entry = states.get(trial.key) if raw is not None and scaler is not None else None
+            if not _stepped(entry):
+                # not stepped by it yet: dropped once updated since, or at the held optimizer's next step
+                waiting = waiting or (scaler is not None and scaler._per_optimizer_states is states)
+                continue
+            self.trial = None
+            trial.end()
+            self._confirmed[raw], self.any_confirmed = ref, True
+            found_inf = sum(float(v.sum()) for v in entry.get("found_inf_per_device", {}).values())
+            skipped = [] if states is self._skip_read else self._skip(trial, scale, scaler, found_inf, at)
+            if skipped:
+                self._skip_read = states
+            return self._unscaled(trial, scale, scaler), skipped
+        if waiting and raw is not None and now is not raw and at != "close" and not trial.ran:
+            return None  # another optimizer's step, or a report's (the report lacks the held step until decided)
+        self.trial = None  # (ran with no scaler stepping it: optimizer.step() ran alone, the step was unscaled)
+        trial.end()
+        if waiting and raw is not None and now is None and not trial.ran and trial.hook is not None:
+            return [*trial.held, self._undecided(trial)], []  # close with no step since: a crash (maybe the NaN's)
+        return trial.held, []
+
+    def _undecided(self, trial: Trial) -> Anomaly:
+        """At close, a trial never decided: the held step's anomalies go out as read (a real NaN stays an error,
+        the error that may have stopped the script) with one ``scaler_not_passed`` warning saying they may be
+        scaled (their kinds in its details)."""
+        live = [(ref(), scale) for ref, _, scale in trial.candidates if ref() is not None]
+        scaler, scale = live[0] if live else (None, trial.candidates[0][2])
+        return _not_passed(trial, scale, scaler, undecided=sorted({a.kind for a in trial.held}))
+
+    def _unscaled(self, trial: Trial, scale: float, scaler: Any) -> list[Anomaly]:
+        out = []
+        for a in trial.held:
+            if a.kind == "nonfinite":
+                a = rebuilt(a, severity="info", details={**a.details, "grad_scale": scale})
+            elif a.kind == "gradient_explosion":
+                norm = a.details["grad_norm"] / scale
+                if not norm > self.explosion:
+                    continue
+                a = rebuilt(a, details={**a.details, "grad_norm": norm, "grad_scale": scale})
+            elif a.kind == "lr_spike" and a.details.get("reason") == "update_ratio":
+                ratio = a.details["update_to_weight_ratio"] / scale
+                if not ratio > self.update_ratio:
+                    continue
+                a = rebuilt(a, details={**a.details, "update_to_weight_ratio": ratio, "grad_scale": scale})
+            out.append(a)
+        if not self._warned:
+            self._warned = True
+            out.insert(0, _not_passed(trial, scale, scaler))
+        return out
+
+    @staticmethod
+    def _skip(trial: Trial, scale: float, scaler: Any, found_inf: float, at: Any) -> list[Anomaly]:
+        if not found_inf > 0:
+            return []
+        after = float(scaler.get_scale())
+        details = {
+            "scale_before": scale,
+            "scale_after": after if math.isfinite(after) else None,
+            "detected_at_step": at,
+            "reason": "grad_scaler",
+        }
+        return [
+            make_anomaly(kind="skipped_step", severity="info", component="model", step=trial.step, details=details)
+        ]
+
+
+def _stepped(entry: Any) -> bool:
+    """Whether a GradScaler's per-optimizer state says ``scaler.step`` stepped that optimizer."""
+    return entry is not None and getattr(entry.get("stage"), "name", "") == "STEPPED"
+
+
+def _not_passed(trial: Trial, scale: float, scaler: Any, undecided: list[str] | None = None) -> Anomaly:
+    rank = trial.held[0].rank if trial.held else 0
+    details: dict[str, Any] = {
+        "grad_scale": scale,
+        "scaler": type(scaler).__name__ if scaler is not None else "GradScaler",
+    }
+    if undecided is not None:  # never seen stepping it: the kinds held, neither confirmed nor ruled out
+        details["undecided"] = undecided
+    return make_anomaly(
+        kind="scaler_not_passed",
+        severity="warning",
+        component="optimizer",
+        step=trial.step,
+        rank=rank,
+        details=details,
+    )
