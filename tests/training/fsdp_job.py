@@ -153,12 +153,17 @@ def embedding_new_row(output_dir: str, scenario: str) -> None:
                 rows = table.weight.to_local()
                 trained = 1 if rank == dist.get_world_size() - 1 and step < NEW_ROW_UNTIL else 0
                 rows[: len(rows) - trained] = kept[: len(rows) - trained]
-        if rank == 0:
-            say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
-        dist.barrier()
-        say(scenario, f"RANK {rank} DONE")
+        _saved(tdbg, scenario, rank)
     finally:
         tdbg.close()
+
+
+def _saved(tdbg: TrainingDebugger, scenario: str, rank: int) -> None:
+    """Rank 0 saves the run (its directory said), then every rank says it is done, after the others."""
+    if rank == 0:
+        say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
+    dist.barrier()
+    say(scenario, f"RANK {rank} DONE")
 
 
 def accumulate_checkpointed(output_dir: str, scenario: str) -> None:
@@ -200,10 +205,7 @@ def accumulate_checkpointed(output_dir: str, scenario: str) -> None:
                 say(scenario, f"RANK {rank} CLIP step {step}: {info['grad_norm']!r} {float(clipped.full_tensor())!r}")
             optimizer.step()
             optimizer.zero_grad()
-        if rank == 0:
-            say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
-        dist.barrier()
-        say(scenario, f"RANK {rank} DONE")
+        _saved(tdbg, scenario, rank)
     finally:
         tdbg.close()
 
@@ -318,10 +320,7 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             held = tdbg._swaps.check[2]  # each module and parameter the names walk to (None: not found)
             found = sum(h is not None for h in held)
             say(scenario, f"RANK {rank} SWAP CHECK: {refreshes[0]} refreshes, {len(held)} entries, {found} found")
-        if rank == 0:
-            say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
-        dist.barrier()
-        say(scenario, f"RANK {rank} DONE")
+        _saved(tdbg, scenario, rank)
     finally:
         tdbg.close()
 
