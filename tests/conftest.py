@@ -38,7 +38,10 @@ def pytest_sessionstart(session):
     the jobs they launch make folders with ``tempfile.mkdtemp`` (output folders, some at import) and nothing
     removed them, ~1,000 folders left in /tmp by each run of the suite. Inductor's cache keeps its usual place
     (its default is read from the temporary folder), so compiled tests stay warm from run to run."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # torch before 2.6 (the floor's 2.5.1)
+        from torch._inductor.runtime.runtime_utils import default_cache_dir
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     scratch = session.config._tmp_path_factory.getbasetemp() / "tempfiles"
