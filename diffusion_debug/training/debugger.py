@@ -384,7 +384,7 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             if self._order_hooks.attached and getattr(loss, "grad_fn", None) is not None:  # recorded now
                 self._order.compiled = accumulates_compiled(loss)  # a compiled backward's order is not used
             with self._liveness.monitoring(step, exchange=complete, optimizer=optimizer):
-                info = self._steps.monitor(call)
+                info = self._steps.monitor(call, complete)
             self._pace_order_hooks()
             return info
         except DiffusionDebugError:

@@ -44,7 +44,6 @@ from .judges.samples import SampleAccumulator, judge_samples
 from .measure.gradients import TrainableParameters
 from .measure.optimizer_state import (
     find_scaler,
-    gradients_complete,
     learning_rates,
     scale_tensor,
     tracking_enabled,
@@ -133,14 +132,17 @@ class StepMonitor:
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
         """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
 
-    def monitor(self, call: Call) -> dict[str, Any]:
+    def monitor(self, call: Call, complete: bool) -> dict[str, Any]:
+        """One ``monitor_training_step`` call; ``complete``: the caller's
+        :func:`~.measure.optimizer_state.gradients_complete` of it (False: a micro-step of gradient accumulation,
+        the user's ``accumulating`` among them), read once a call."""
         off = outside_autocast() if ANY_AUTOCAST() else None  # (entered as made; no Python call without one)
         try:
             failure = self._accumulate(call)
         finally:
             if off is not None:
                 off.close()
-        if call.accumulating or not gradients_complete(self.accelerator, self.params.partitions, self.fsdp_groups):
+        if not complete:
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
             self.history.counts.micro_steps += 1
