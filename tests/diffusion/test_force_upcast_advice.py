@@ -229,3 +229,30 @@ def test_pixart_sigmas_vae_is_told_the_float32_vae_first_as_its_pipeline_casts_t
     with torch.no_grad():
         images = pipe(**{**call, "num_inference_steps": 1, "output_type": "np"}).images
     assert np.isfinite(images).all()
+
+
+def test_sd_upscales_vae_is_told_force_upcast_which_works_but_not_sdxls_fp16_fixed_vae(tmp_path):
+    """SD x4 upscale's pipeline reads ``force_upcast``, but its VAE (scaling factor 0.08333) is no SDXL VAE: it was
+    offered madebyollin/sdxl-vae-fp16-fix, another latent space. Told the flag alone, which, set, decodes the same
+    latents to a finite image equal to the float32 VAE's within 1e-3."""
+    from diffusion_debug.testing.zoo_more import CALLS
+
+    pipe = tiny_pipeline("sd_upscale", dtype=torch.float16)
+    pipe.vae.register_to_config(force_upcast=False)
+    call = CALLS["sd_upscale"][0]()
+    with plant(pipe.vae.get_submodule(CONV), 0, past_fp16):
+        images, errors = errors_of(pipe, tmp_path / "off", **call)
+        assert np.isnan(images).all()
+        assert [(a.kind, a.module, a.details["reads_force_upcast"]) for a in errors] == [("nonfinite", CONV, True)]
+        assert "sdxl_vae" not in errors[0].details
+        assert errors[0].message == (
+            f"vae.{CONV} produced NaN/Inf from finite inputs (keep the VAE in float32 for the decode "
+            "(vae.config.force_upcast=True: this pipeline then upcasts the VAE and the latents))."
+        )
+        pipe.vae.config.force_upcast = True  # the advice, followed
+        images, errors = errors_of(pipe, tmp_path / "on", **call)
+        assert np.isfinite(images).all() and not errors
+        pipe.vae.to(torch.float32)  # the reference: the VAE float32 throughout (this pipeline casts its latents)
+        reference = run(pipe, steps=1, **call)
+    assert np.abs(images - reference).max() < 1e-3
+
