@@ -28,6 +28,7 @@ import torch
 
 from .components.compiled import eager
 from .components.inventory import module_dtype
+from .components.vae_details import sdxl_scaling
 
 # Rows: latent channels; columns: R, G, B.
 SD_FACTORS = (
@@ -43,14 +44,13 @@ SDXL_FACTORS = (
     (-0.3165, -0.2492, -0.2188),
 )
 SDXL_BIAS = (0.1084, -0.0175, -0.0011)
-SDXL_SCALING = 0.13025
 
 
 def latent_space(channels: int, scaling_factor: float | None) -> str:
     """``"sd"``, ``"sdxl"`` or ``"generic"``."""
     if channels != 4:
         return "generic"
-    return "sdxl" if scaling_factor is not None and abs(scaling_factor - SDXL_SCALING) < 1e-6 else "sd"
+    return "sdxl" if sdxl_scaling(scaling_factor) else "sd"
 
 
 MAX_FRAMES = 8  # frames side by side in a video preview

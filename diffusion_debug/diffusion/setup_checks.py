@@ -17,7 +17,7 @@ from .checks import HALF_DTYPES
 from .components.compiled import HALF_METHODS, ORIG, called_through_halves
 from .components.inventory import Component, find_components
 from .components.roles import has_check
-from .components.vae_details import upcast_details
+from .components.vae_details import sdxl_scaling, upcast_details
 
 # -- prompts ----------------------------------------------------------------------------------
 
@@ -336,7 +336,7 @@ def dtype_mismatch(
     vae_name, vae = vae_component(find_components(pipe) if components is None else components)
     vae_config = getattr(vae, "config", {}) or {}
     is_sdxl_vae = (
-        vae_config.get("scaling_factor") == 0.13025 or hasattr(pipe, "upcast_vae") and "XL" in type(pipe).__name__
+        sdxl_scaling(vae_config.get("scaling_factor")) or hasattr(pipe, "upcast_vae") and "XL" in type(pipe).__name__
     )
     if dtypes.get(vae_name) == "float16" and is_sdxl_vae and not vae_config.get("force_upcast", False):
         out.append(

@@ -40,6 +40,7 @@ from ..config import DebugConfig
 from ..diffusion import DiffusionModelDebugger
 from ..diffusion.components.compiled import compile_state
 from ..diffusion.components.inventory import stable_diffusion_vae
+from ..diffusion.components.vae_details import sdxl_scaling
 from ..probes import ProbeConfig, apply_probes
 from ..record import dumps, new_run_name, prepare_run_dir, write_atomic
 from .pipeline_loading import write_invocation
@@ -305,9 +306,10 @@ def _run_dict(run: DoctorRun) -> dict[str, Any]:
 
 
 def sdxl_vae(module: Any) -> bool:
-    """Whether ``module`` is SDXL's ``AutoencoderKL`` (its scaling factor 0.13025), the VAE of the fp16-fixed one."""
+    """Whether ``module`` is SDXL's ``AutoencoderKL`` (its scaling factor ``vae_details.SDXL_SCALING``), the VAE of
+    the fp16-fixed one."""
     config = getattr(module, "config", None)
-    return stable_diffusion_vae(module) and getattr(config, "scaling_factor", None) == 0.13025
+    return stable_diffusion_vae(module) and sdxl_scaling(getattr(config, "scaling_factor", None))
 
 
 def recommend(runs: list[DoctorRun]) -> str:

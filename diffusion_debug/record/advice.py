@@ -32,6 +32,7 @@ def vae_advice(
     *,
     upcast: bool | None = None,
     video: bool = False,
+    sdxl: bool = False,
     subject: str = "it",
     check: str = "its weights and inputs",
     finite: str = "they",
@@ -40,7 +41,8 @@ def vae_advice(
     of Stable Diffusion and SDXL (``sd_vae``, read in ``details["sd_vae"]``) in a pipeline whose ``__call__`` reads
     it (``upcast``: ``details["reads_force_upcast"]``, :func:`~diffusion_debug.diffusion.components.vae_details.\
 reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``; None: not known, both said), as does
-    the fp16-fixed VAE (SDXL's; another latent space than SD 1.5's); where it is not read, the float32 decode is the
+    the fp16-fixed VAE (offered for SDXL's VAE alone, ``sdxl``: ``details["sdxl_vae"]``; SD 1.5's and SD x4
+    upscale's are other latent spaces); where it is not read, the float32 decode is the
     user's own (``pipe.vae.to(torch.float32)``, which may fail on float16 latents the pipeline does not cast: then
     the latents decoded in float32; ``video``: with the pipeline's ``decode_latents``, 5-D video latents being no
     ``vae.decode``'s). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 or bfloat16,
@@ -54,9 +56,12 @@ reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``; No
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
-    >>> vae_advice("vae", True, upcast=True)
+    >>> vae_advice("vae", True, upcast=True, sdxl=True)
     'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
 the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix'
+    >>> vae_advice("vae", True, upcast=True)  # SD x4 upscale's: its VAE has no fp16-fixed version
+    'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
+the latents)'
     >>> print(vae_advice("vae", True, upcast=False))
     this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32), and where its \
 float16 latents then fail in the VAE, call it with output_type="latent" and decode the latents cast to float32
@@ -111,9 +116,10 @@ float32 movq in float16 too)'
     if not sd_vae:
         return f"keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32){outside}"
     if upcast:
+        fixed = f", or use an fp16-fixed VAE such as {FP16_FIX_VAE}" if sdxl else ""
         return (
             "keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE "
-            f"and the latents){outside}, or use an fp16-fixed VAE such as {FP16_FIX_VAE}"
+            f"and the latents){outside}{fixed}"
         )
     decode = "them with pipe.decode_latents(latents.float())" if video else "the latents cast to float32"
     own = (  # the upcast SDXL's pipelines make, made by the user (SD 1.5's pipeline hands float16 latents to the VAE)
@@ -127,8 +133,13 @@ float32 movq in float16 too)'
 
 
 def upcast_of(details: dict[str, Any]) -> dict[str, Any]:
-    """:func:`vae_advice`'s ``upcast`` and ``video``, read from an anomaly's details (not there: not known)."""
-    return {"upcast": details.get("reads_force_upcast"), "video": details.get("decode_latents", False)}
+    """:func:`vae_advice`'s ``upcast``, ``video`` and ``sdxl``, read from an anomaly's details (not there: not known;
+    not SDXL's)."""
+    return {
+        "upcast": details.get("reads_force_upcast"),
+        "video": details.get("decode_latents", False),
+        "sdxl": details.get("sdxl_vae", False),
+    }
 
 
 def near_max_advice(where: str, details: dict[str, Any]) -> str:

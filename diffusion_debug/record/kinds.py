@@ -43,8 +43,8 @@ register_kind(
     ),
     action=(
         "Check that module's dtype and weights (fp16 overflow is the usual cause: try float32 or "
-        "bfloat16, or an fp16-fix VAE; a float32 model under float16 autocast: autocast to bfloat16 or run "
-        "the module outside autocast); in training lower the learning rate or check the loss."
+        "bfloat16, or for SDXL's VAE its fp16-fix VAE; a float32 model under float16 autocast: autocast to "
+        "bfloat16 or run the module outside autocast); in training lower the learning rate or check the loss."
     ),
     training_action=(
         "Fix what the message says it follows first; else lower the learning rate or warm it up, check that "
@@ -91,7 +91,7 @@ register_kind(
     meaning="Many decoded pixels sit at the edge of the output range: the image is clipped, black or white.",
     action=(
         "Decode in float32 (force_upcast where the pipeline reads it, SDXL's family; SD 1.5's does not: decode the "
-        "latents yourself in float32) or use a VAE fixed for fp16; check the latents' scaling factor."
+        "latents yourself in float32) or (SDXL's VAE) use its fp16-fix VAE; check the latents' scaling factor."
     ),
     stable=True,
     message=inference_messages.vae_saturation,
@@ -105,9 +105,10 @@ register_kind(
     ),
     action=(
         "Decode in float32 (force_upcast where the pipeline reads it, SDXL's family; SD 1.5's does not: decode the "
-        "latents yourself in float32) or use the fp16-fix VAE; a bfloat16 VAE has float32's range, so no dtype helps; "
-        "under float16 autocast, which a float32 or bfloat16 VAE computes in too, autocast to bfloat16 or decode "
-        "outside it; check the latents reaching the VAE (the step table) and the latents' scaling factor."
+        "latents yourself in float32) or (SDXL's VAE) use its fp16-fix VAE; a bfloat16 VAE has float32's range, "
+        "so no dtype helps; under float16 autocast, which a float32 or bfloat16 VAE computes in too, autocast to "
+        "bfloat16 or decode outside it; check the latents reaching the VAE (the step table) and the latents' "
+        "scaling factor."
     ),
     message=inference_messages.constant_image,
 )

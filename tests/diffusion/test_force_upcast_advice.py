@@ -229,3 +229,64 @@ def test_pixart_sigmas_vae_is_told_the_float32_vae_first_as_its_pipeline_casts_t
     with torch.no_grad():
         images = pipe(**{**call, "num_inference_steps": 1, "output_type": "np"}).images
     assert np.isfinite(images).all()
+
+
+def test_sd_upscales_vae_is_told_force_upcast_which_works_but_not_sdxls_fp16_fixed_vae(tmp_path):
+    """SD x4 upscale's pipeline reads ``force_upcast``, but its VAE (scaling factor 0.08333) is no SDXL VAE: it was
+    offered madebyollin/sdxl-vae-fp16-fix, another latent space. Told the flag alone, which, set, decodes the same
+    latents to a finite image equal to the float32 VAE's within 1e-3."""
+    from diffusion_debug.testing.zoo_more import CALLS
+
+    pipe = tiny_pipeline("sd_upscale", dtype=torch.float16)
+    pipe.vae.register_to_config(force_upcast=False)
+    call = CALLS["sd_upscale"][0]()
+    with plant(pipe.vae.get_submodule(CONV), 0, past_fp16):
+        images, errors = errors_of(pipe, tmp_path / "off", **call)
+        assert np.isnan(images).all()
+        assert [(a.kind, a.module, a.details["reads_force_upcast"]) for a in errors] == [("nonfinite", CONV, True)]
+        assert "sdxl_vae" not in errors[0].details
+        assert errors[0].message == (
+            f"vae.{CONV} produced NaN/Inf from finite inputs (keep the VAE in float32 for the decode "
+            "(vae.config.force_upcast=True: this pipeline then upcasts the VAE and the latents))."
+        )
+        pipe.vae.config.force_upcast = True  # the advice, followed
+        images, errors = errors_of(pipe, tmp_path / "on", **call)
+        assert np.isfinite(images).all() and not errors
+        pipe.vae.to(torch.float32)  # the reference: the VAE float32 throughout (this pipeline casts its latents)
+        reference = run(pipe, steps=1, **call)
+    assert np.abs(images - reference).max() < 1e-3
+
+
+def test_animatediff_video2video_reads_force_upcast_for_its_encode_alone_so_its_decode_is_told_not_read(tmp_path):
+    """AnimateDiff video2video reads ``force_upcast`` in ``prepare_latents``: the VAE upcast for the encode of the
+    input video and cast back before the denoising, so the decode runs in float16 whatever the flag. Counted as not
+    read (the decode's advice): with the flag set its fp16 decode's overflow still makes a NaN video, and the advice
+    told, its ``decode_latents`` in float32, decodes the same latents finite."""
+    from diffusers import AnimateDiffVideoToVideoPipeline
+    from PIL import Image
+
+    from diffusion_debug.diffusion.components.vae_details import upcast_details
+
+    pipe = AnimateDiffVideoToVideoPipeline(**tiny_pipeline("animatediff", dtype=torch.float16).components)
+    assert pipe.vae.config.force_upcast is True and upcast_details(pipe) == {
+        "reads_force_upcast": False,
+        "decode_latents": True,
+    }
+    video = [Image.new("RGB", (32, 32), (40 * i, 90, 160)) for i in range(2)]
+    call = dict(prompt="a cat", video=video, height=32, width=32, num_inference_steps=2, strength=0.5)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", level="basic"))
+    try:
+        with plant(pipe.vae.get_submodule(CONV), 0, past_fp16), dbg:
+            frames = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="np").frames
+        errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    finally:
+        dbg.close()
+    assert np.isnan(frames).all()  # the flag set: the decode was not upcast
+    assert [(a.kind, a.module, a.details["reads_force_upcast"]) for a in errors] == [("nonfinite", CONV, False)]
+    assert errors[0].message.endswith("decode them with pipe.decode_latents(latents.float())).")
+    latents = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="latent").frames
+    assert pipe.vae.dtype == torch.float16  # (cast back after the encode's upcast)
+    pipe.vae.to(torch.float32)  # the advice, followed
+    with torch.no_grad(), plant(pipe.vae.get_submodule(CONV), 0, past_fp16):
+        decoded = pipe.decode_latents(latents.float())
+    assert decoded.dtype == torch.float32 and decoded.isfinite().all()

@@ -13,9 +13,10 @@ family, Kolors, AuraFlow, SD upscale; a Modular SDXL pipeline's decode step); St
 Decided once per class (kept weakly), from the source of the ``__call__`` it runs: a subclass that keeps its parent's
 is its parent's. Not known (None), and advised both ways: a ``ComponentsManager`` (whichever pipeline calls its
 components), an override of ``__call__`` over a base whose ``__call__`` reads it (it may defer to
-``super().__call__``), a class whose source cannot be read, any error reading it. Limits: a read outside ``__call__``
-(AnimateDiff video2video's, in ``prepare_latents``: the encode alone) and a Modular pipeline whose blocks are not
-under ``sub_blocks`` (an older diffusers') count as not reading it.
+``super().__call__``), a class whose source cannot be read, any error reading it. A read outside ``__call__`` is no
+read for the decode, rightly where it is AnimateDiff video2video's (``prepare_latents`` upcasts the VAE for the encode
+of the input video and casts it back: the decode runs in float16 whatever the flag). Limit: a Modular pipeline whose
+blocks are not under ``sub_blocks`` (an older diffusers') counts as not reading it.
 """
 
 from __future__ import annotations
@@ -30,16 +31,31 @@ from .autocast import autocast_on
 from .inventory import watchable_kind
 from .roles import has_check
 
+#: The scaling factor of SDXL's VAE, the one VAE the fp16-fixed SDXL VAE (madebyollin/sdxl-vae-fp16-fix) replaces:
+#: SD 1.5's (0.18215) and SD x4 upscale's (0.08333) are other latent spaces.
+SDXL_SCALING = 0.13025
+
+
+def sdxl_scaling(scaling_factor: Any) -> bool:
+    """Whether ``scaling_factor`` (a VAE config's) is SDXL's VAE's :data:`SDXL_SCALING`."""
+    return isinstance(scaling_factor, (int, float)) and abs(scaling_factor - SDXL_SCALING) < 1e-6
+
 
 def upcast_details(pipe: Any) -> dict[str, Any]:
-    """``reads_force_upcast`` (True, False or None: not known) and, where it is not read and the pipeline decodes
-    its (video) latents with its own ``decode_latents`` (AnimateDiff, PIA, I2VGen-XL...), ``decode_latents``."""
+    """``reads_force_upcast`` (True, False or None: not known), ``sdxl_vae`` where its ``vae`` is SDXL's (the
+    fp16-fixed VAE is advice for it alone) and, where the flag is not read and the pipeline decodes its (video)
+    latents with its own ``decode_latents`` (AnimateDiff, PIA, I2VGen-XL...), ``decode_latents``."""
     reads = reads_force_upcast(pipe)
     try:
         video = reads is False and hasattr(pipe, "video_processor") and callable(getattr(pipe, "decode_latents", 0))
+        sdxl = sdxl_scaling(getattr(getattr(getattr(pipe, "vae", None), "config", None), "scaling_factor", None))
     except Exception:  # (a property that raises)
-        video = False
-    return {"reads_force_upcast": reads, **({"decode_latents": True} if video else {})}
+        video = sdxl = False
+    return {
+        "reads_force_upcast": reads,
+        **({"sdxl_vae": True} if sdxl else {}),
+        **({"decode_latents": True} if video else {}),
+    }
 
 
 def reads_force_upcast(pipe: Any) -> bool | None:
