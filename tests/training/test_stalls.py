@@ -1071,3 +1071,30 @@ def test_a_forward_error_that_left_a_stall_heads_it_as_an_error_in_the_terminal_
     assert "Most important: step_error at model 2, step 0; 1 of the others follow from it." in page
     (run_dir / "summary.json").unlink()  # killed before it saved: rebuilt from the events file
     assert rows(load_run(run_dir)) == ("anomalies: 2 (1 error, 1 warning)", [row])
+
+
+def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file_as_the_stall_s_cause(tmp_path):
+    """Rank 1's ``step_error`` is in rank 1's events file alone (found outside the step's exchange); rank 0's
+    record holds the stall that follows it: the cause is read back from rank 1's file, that one only, and
+    the headline is rank 1's error at its block, an error. Once in the record it is not read again; a rank
+    that wrote nothing leaves the stall to head itself."""
+    from diffusion_debug.record import RunRecord, headline, make_anomaly
+    from diffusion_debug.training.ranks.origin import causes_kept_elsewhere
+
+    details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
+    cause = make_anomaly("step_error", component="model", module="conv_in", step=3, rank=1, details=details)
+    other = make_anomaly("step_error", component="model", module="conv_in", step=2, rank=1, details=details)
+    config = DebugConfig(output_dir=str(tmp_path))
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    rank1.add_anomaly(other)  # an earlier step's: not the one the stall follows
+    rank1.add_anomaly(cause)
+    rank1.close()
+    stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=details["error"])])
+    desync = stall_anomaly(stall, {"end": False, "by": 0})
+    (found,) = causes_kept_elsewhere([desync], tmp_path, rank=0)
+    assert found.to_dict() == cause.to_dict()
+    top = headline([desync, found], world_size=2)
+    assert (top["kind"], top["where"], top["severity"]) == ("step_error", "model conv_in, step 3, rank 1", "error")
+    assert causes_kept_elsewhere([desync, found], tmp_path, rank=0) == []  # once in the record: not read again
+    (tmp_path / "events-rank1.jsonl").unlink()
+    assert causes_kept_elsewhere([desync], tmp_path, rank=0) == []  # that rank wrote nothing: the stall heads
