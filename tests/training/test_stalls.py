@@ -1008,7 +1008,7 @@ def test_a_stall_left_by_a_rank_s_forward_error_is_headed_by_that_error_at_its_b
         {"count": 1, "kinds": {"rank_desync": 1}},
     )
     # the diagnosis is an error (its stall is), the step_error itself stays a warning
-    assert (top["severity"], top["own_severity"], cause.severity) == ("error", "warning", "warning")
+    assert (top["severity"], top["diagnosis_severity"], cause.severity) == ("warning", "error", "warning")
     assert [(a.kind, [b.kind for b in under]) for a, under in folded([later, desync, cause])] == [
         ("step_error", ["rank_desync"]),
         ("nonfinite_loss", []),
@@ -1022,9 +1022,10 @@ def test_a_forward_error_that_left_a_stall_heads_it_as_an_error_in_the_terminal_
     mlp, tmp_path, monkeypatch
 ):
     """The forward's ``step_error`` (a warning: the error went on unchanged) left the other rank in the
-    all-reduce (``rank_desync``, an error): the diagnosis is an error, and summary.json's headline, the
-    terminal's row and report.html's card say so alike, the stall folded under it; each anomaly keeps its
-    own severity in the record, and a killed run's report (rebuilt from events.jsonl) says the same."""
+    all-reduce (``rank_desync``, an error): the diagnosis is an error, and summary.json's headline (its
+    ``diagnosis_severity``), the terminal's row and report.html's card say so alike, the stall folded under
+    it; each anomaly keeps its own severity in the record (the headline's ``severity`` too), and a killed
+    run's report (rebuilt from events.jsonl) says the same."""
     from diffusion_debug.record import load_json, load_run, read_jsonl
     from diffusion_debug.report.terminal import render_terminal
 
@@ -1046,10 +1047,10 @@ def test_a_forward_error_that_left_a_stall_heads_it_as_an_error_in_the_terminal_
     )
     assert load_json(run_dir / "summary.json")["headline"] == {
         "kind": "step_error",
-        "severity": "error",
+        "severity": "warning",
         "where": "model 2, step 0",
         "message": message,
-        "own_severity": "warning",
+        "diagnosis_severity": "error",
         "consequences": {"count": 1, "kinds": {"rank_desync": 1}},
     }
     events = [(e["kind"], e["severity"]) for e in read_jsonl(run_dir / "events.jsonl") if e.get("type") == "anomaly"]
@@ -1094,7 +1095,11 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     (found,) = causes_kept_elsewhere([desync], tmp_path, rank=0)
     assert found.to_dict() == cause.to_dict()
     top = headline([desync, found], world_size=2)
-    assert (top["kind"], top["where"], top["severity"]) == ("step_error", "model conv_in, step 3, rank 1", "error")
+    assert (top["kind"], top["where"], top["diagnosis_severity"]) == (
+        "step_error",
+        "model conv_in, step 3, rank 1",
+        "error",
+    )
     assert causes_kept_elsewhere([desync, found], tmp_path, rank=0) == []  # once in the record: not read again
     (tmp_path / "events-rank1.jsonl").unlink()
     assert causes_kept_elsewhere([desync], tmp_path, rank=0) == []  # that rank wrote nothing: the stall heads
