@@ -18,7 +18,7 @@ import difflib
 import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from ..config import SEVERITIES
 from ..errors import DiffusionDebugError
@@ -346,18 +346,44 @@ def by_cause(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[Anomaly]:
 def headline(anomalies: "list[Anomaly] | tuple[Anomaly, ...]", world_size: int = 1) -> dict[str, Any] | None:
     """The first of :func:`by_cause` as the summary gives it (kind, severity, where, message), or None;
     with ``consequences`` (their count, and a count per kind) when later anomalies follow from it.
-    ``world_size`` above 1: ``where`` names the rank, rank 0 too."""
+    ``world_size`` above 1: ``where`` names the rank, rank 0 too. ``severity`` is the anomaly's own (the
+    headline mirrors the anomaly it names); where what follows from it is worse, ``diagnosis_severity``
+    says so (:func:`diagnosis_severity`): a warning whose consequence is an error heads an error.
+
+    >>> error = Anomaly("step_error", "warning", "Raised at up_blocks.1.", "model", "up_blocks.1", step=3, rank=1)
+    >>> stall = Anomaly("rank_desync", "error", "Rank 0 waits.", "model", step=3, details={"follows":
+    ...                 {"kind": "step_error", "rank": 1}})
+    >>> top = headline([stall, error], world_size=2)
+    >>> top["kind"], top["severity"], top["diagnosis_severity"], top["consequences"]
+    ('step_error', 'warning', 'error', {'count': 1, 'kinds': {'rank_desync': 1}})
+    """
     if not anomalies:
         return None
     first, following = folded(anomalies)[0]
     where = first.where(show_rank=world_size > 1)
+    severity = diagnosis_severity(first, following)
     out = {"kind": first.kind, "severity": first.severity, "where": where, "message": first.message}
+    if severity != first.severity:
+        out["diagnosis_severity"] = severity
     if following:
         kinds: dict[str, int] = {}
         for a in following:
             kinds[a.kind] = kinds.get(a.kind, 0) + 1
         out["consequences"] = {"count": len(following), "kinds": kinds}
     return out
+
+
+def diagnosis_severity(cause: Anomaly, under: "Sequence[Anomaly]") -> str:
+    """The severity of a diagnosis: the worst of ``cause``'s and of what follows from it (``under``, as
+    :func:`folded` lists it). The headline, the terminal's row and report.html's card show it, so a cause
+    heads its consequences at their severity; each anomaly keeps its own in the record.
+
+    >>> jump = Anomaly("lr_spike", "warning", "lr x1e4", component="optimizer", step=10)
+    >>> nan = Anomaly("nonfinite_loss", "error", "NaN", "model", step=16)
+    >>> diagnosis_severity(jump, [nan]), diagnosis_severity(jump, []), jump.severity
+    ('error', 'warning', 'warning')
+    """
+    return max((cause.severity, *(a.severity for a in under)), key=severity_rank)
 
 
 def folded(anomalies: "list[Anomaly] | tuple[Anomaly, ...]") -> list[tuple[Anomaly, list[Anomaly]]]:

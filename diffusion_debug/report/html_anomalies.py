@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from ..record import Anomaly, RunData, folded, kind_info, severity_rank
+from ..record import Anomaly, RunData, diagnosis_severity, folded, kind_info, severity_rank
 from .html_env import format_value
 from .plots_common import kind_color, number
 from .rank_groups import OnRanks, rank_span, same_on_ranks
@@ -93,7 +93,8 @@ def _repeats(a: Anomaly) -> str:
 
 def _card(cluster: Sequence[Anomaly], show_rank: bool, under: Sequence[Anomaly] = ()) -> dict[str, Any]:
     """One card for anomalies that repeat at the same place: the first one's message, the steps
-    where it came back, and (the headline's card) the anomalies that follow from it, folded."""
+    where it came back, and the anomalies that follow from them, folded; its severity is the
+    diagnosis's (``record.diagnosis_severity``), as summary.json's headline's ``diagnosis_severity``."""
     a = cluster[0]
     again = ""
     if len(cluster) > 1:
@@ -105,7 +106,7 @@ def _card(cluster: Sequence[Anomaly], show_rank: bool, under: Sequence[Anomaly] 
         if steps:
             again += f", at step{'s' if len(set(steps)) > 1 else ''} {step_ranges(steps)}"
     return {
-        "severity": a.severity,
+        "severity": diagnosis_severity(a, under),
         "message": cut(a.message, HTML_MESSAGE_CHARS),
         "where": _where(a, show_rank),
         "repeats": _repeats(a),
@@ -143,10 +144,15 @@ def _clusters(members: Sequence[Anomaly]) -> list[list[Anomaly]]:
 
 
 def _group(
-    kind: str, members: list[Anomaly], show_rank: bool, training: bool, head: Anomaly | None, under: list[Anomaly]
+    kind: str,
+    members: list[Anomaly],
+    show_rank: bool,
+    training: bool,
+    head: Anomaly | None,
+    under_of: dict[int, list[Anomaly]],
 ) -> dict[str, Any]:
-    """One kind: its guide, its cards (``head``, the headline, first, with ``under`` folded in its card)
-    and, when cards do not show every anomaly, all its rows."""
+    """One kind: its guide, its cards (``head``, the headline, first), each with what follows from its
+    anomalies (``under_of``, by ``id``) folded in, and, when cards do not show every anomaly, all its rows."""
     severities: dict[str, int] = {}
     for a in members:
         severities[a.severity] = severities.get(a.severity, 0) + 1
@@ -162,8 +168,8 @@ def _group(
         "meaning": guide.meaning,
         "action": guide.training_action if training and guide.training_action else guide.action,
         "cards": [
-            _card(c, show_rank, under if head is not None and i == 0 else ())
-            for i, c in enumerate(clusters[:ANOMALY_CARDS_PER_KIND])
+            _card(c, show_rank, [b for a in c for b in under_of.get(id(a), ())])
+            for c in clusters[:ANOMALY_CARDS_PER_KIND]
         ],
         "rows": [],
         "rows_label": "",
@@ -190,7 +196,8 @@ def anomalies_context(run: RunData) -> dict[str, Any]:
     first, first_under = shown[0] if shown else (None, [])  # the headline: its rank named, as summary.json's
     if show_rank:  # what several ranks found alike: one card naming the ranks
         shown = same_on_ranks(shown)
-    head, under = shown[0] if shown else (None, [])
+    head = shown[0][0] if shown else None
+    under_of = {id(a): under for a, under in shown}
     groups: dict[str, list[Anomaly]] = {}
     for a, _ in shown:
         groups.setdefault(a.kind, []).append(a)
@@ -211,7 +218,7 @@ def anomalies_context(run: RunData) -> dict[str, Any]:
                 show_rank,
                 training,
                 head if kind == head.kind else None,
-                under,
+                under_of,
             )
             for kind in sorted(groups, key=order)
         ],

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import IO, Any, Iterable, Sequence
 
-from ..record import Anomaly, RunData, folded
+from ..record import Anomaly, RunData, diagnosis_severity, folded
 from .columns import INFERENCE_STEP_COLUMNS as INFERENCE_COLUMNS
 from .columns import TRAINING_STEP_COLUMNS as TRAINING_COLUMNS
 from .columns import Column, pick, run_warnings
@@ -263,16 +263,20 @@ def once_each(anomalies: Sequence[Anomaly]) -> list[Anomaly]:
 
 
 def with_consequences(anomaly: Anomaly, under: Sequence[Anomaly]) -> Anomaly:
-    """``anomaly`` with its message saying what follows from it (``record.folded``: those are not shown).
+    """``anomaly`` with its message saying what follows from it (``record.folded``: those are not shown)
+    and the diagnosis's severity (``record.diagnosis_severity``), as summary.json's headline's ``diagnosis_severity``.
 
     >>> a = Anomaly("lr_spike", "warning", "The lr jumped.", "optimizer", step=10)
     >>> b = Anomaly("loss_spike", "warning", "The loss jumped.", "model", step=11)
     >>> with_consequences(a, [b, b]).message
     'The lr jumped. 2 anomalies follow from it (2 loss_spike).'
+    >>> with_consequences(a, [dataclasses.replace(b, severity="error")]).severity
+    'error'
     """
     if not under:
         return anomaly
-    return dataclasses.replace(anomaly, message=f"{anomaly.message} {follow_label(under)}.")
+    severity = diagnosis_severity(anomaly, under)
+    return dataclasses.replace(anomaly, severity=severity, message=f"{anomaly.message} {follow_label(under)}.")
 
 
 def render_terminal(run: RunData, width: int | None = None) -> str:

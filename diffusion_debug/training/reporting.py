@@ -12,6 +12,7 @@ from typing import Any, Callable
 from ..core import DebugReport
 from ..record import RunRecord, headline
 from .measure.gradients import TrainableParameters
+from .ranks.origin import causes_kept_elsewhere
 from .ranks.processes import RankContext
 from .step.state import History
 from .watched_models import WatchedModels
@@ -30,6 +31,10 @@ def training_report(
     timesteps = {"loss_by_timestep_bucket": buckets.summary(), "num_train_timesteps": buckets.num_train_timesteps}
     health = history.health.summary() if history.health is not None else {}
     components = {"model": {**watched.component_summary(params), **history.modules.summary(), **health, **timesteps}}
+    full = len(record.anomalies) >= record.max_anomalies  # a full record would count it again at each report
+    if ctx.is_main and ctx.world_size > 1 and not full:  # a cause only its rank recorded (a forward's error) joins
+        for cause in causes_kept_elsewhere(record.anomalies, record.run_dir, ctx.rank):
+            record.add_anomaly(cause)
     summary = {
         **record.summary(),
         "headline": headline(record.anomalies, ctx.world_size),  # the anomaly to fix first (cause before consequence)

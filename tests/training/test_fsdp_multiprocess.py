@@ -359,6 +359,15 @@ def test_a_rank_whose_forward_raised_is_named_with_its_error_while_the_other_wai
         False,
     )
     assert stall["details"]["waiting"] == [0]
+    # the headline is the cause, rank 1's forward error at its block (recorded by rank 1 alone, read from its
+    # events file), at its stall's severity (an error)
+    headline = summary["headline"]
+    assert (headline["kind"], headline["where"], headline["severity"], headline["diagnosis_severity"]) == (
+        "step_error",
+        "model conv_in, step 3, rank 1",
+        "warning",
+        "error",
+    ), headline
     # and when rank 1 went on, no snapshot read while the ranks moved named rank 0 as holding rank 1 there
     stalls = [a["message"] for a in summary["anomalies"] if a["details"].get("stall")]
     assert not [m for m in stalls if "rank 1 waits in forward at step 3" in m], stalls

@@ -1007,6 +1007,8 @@ def test_a_stall_left_by_a_rank_s_forward_error_is_headed_by_that_error_at_its_b
         "model up_blocks.1, step 3, rank 1",
         {"count": 1, "kinds": {"rank_desync": 1}},
     )
+    # the diagnosis is an error (its stall is), the step_error itself stays a warning
+    assert (top["severity"], top["diagnosis_severity"], cause.severity) == ("warning", "error", "warning")
     assert [(a.kind, [b.kind for b in under]) for a, under in folded([later, desync, cause])] == [
         ("step_error", ["rank_desync"]),
         ("nonfinite_loss", []),
@@ -1014,3 +1016,90 @@ def test_a_stall_left_by_a_rank_s_forward_error_is_headed_by_that_error_at_its_b
     saved = Position(1, "raised", 3, error="OSError: disk full", raised_in="save")
     elsewhere = stall_anomaly(name_stall([Position(0, "backward", 3), saved]), {"end": False, "by": 0})
     assert headline([elsewhere, cause], world_size=2)["kind"] == "rank_desync"
+
+
+def test_a_forward_error_that_left_a_stall_heads_it_as_an_error_in_the_terminal_report_html_and_run_files(
+    mlp, tmp_path, monkeypatch
+):
+    """The forward's ``step_error`` (a warning: the error went on unchanged) left the other rank in the
+    all-reduce (``rank_desync``, an error): the diagnosis is an error, and summary.json's headline (its
+    ``diagnosis_severity``), the terminal's row and report.html's card say so alike, the stall folded under
+    it; each anomaly keeps its own severity in the record (the headline's ``severity`` too), and a killed
+    run's report (rebuilt from events.jsonl) says the same."""
+    from diffusion_debug.record import load_json, load_run, read_jsonl
+    from diffusion_debug.report.terminal import render_terminal
+
+    monkeypatch.setenv("COLUMNS", "400")  # no message wrapped: one line a row
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), log_level="error"))
+
+    def bad_batch(module, args):
+        raise ValueError("a bad batch")
+
+    with mlp[2].register_forward_pre_hook(bad_batch), pytest.raises(ValueError):
+        mlp(torch.ones(2, 4))
+    stall = name_stall([Position(0, "raised", 0, error="ValueError: a bad batch"), Position(1, "backward", 0)])
+    tdbg.sink.emit(stall_anomaly(stall, {"end": False, "by": 0}), log=False)
+    run_dir = tdbg.report().save()
+    tdbg.close()
+    message = (
+        "The training forward raised ValueError: a bad batch in 2 at step 0: the forward did not finish "
+        "(a loop that catches the error and goes on skips the step)."
+    )
+    assert load_json(run_dir / "summary.json")["headline"] == {
+        "kind": "step_error",
+        "severity": "warning",
+        "where": "model 2, step 0",
+        "message": message,
+        "diagnosis_severity": "error",
+        "consequences": {"count": 1, "kinds": {"rank_desync": 1}},
+    }
+    events = [(e["kind"], e["severity"]) for e in read_jsonl(run_dir / "events.jsonl") if e.get("type") == "anomaly"]
+    assert events == [("step_error", "warning"), ("rank_desync", "error")]  # the record: each its own
+    row = ["error", "step_error", "model 2, step 0", f"{message} 1 anomaly follows from it (1 rank_desync)."]
+
+    def rows(run):
+        lines = render_terminal(run).splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("anomalies:"))  # after a killed run's note
+        return lines[at], [[cell.strip() for cell in line.split("  ") if cell.strip()] for line in lines[at + 3 :]]
+
+    assert rows(load_run(run_dir)) == ("anomalies: 2 (1 error, 1 warning)", [row])
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    card = page[page.index("<li class='anomaly ") :]
+    assert card.startswith(
+        f"<li class='anomaly error'><span class='chip error'>error</span><div class='message'>{message}<"
+    )
+    assert "<summary>1 anomaly follows from it (1 rank_desync)</summary>" in card[: card.index("</li>")]
+    assert "Most important: step_error at model 2, step 0; 1 of the others follow from it." in page
+    (run_dir / "summary.json").unlink()  # killed before it saved: rebuilt from the events file
+    assert rows(load_run(run_dir)) == ("anomalies: 2 (1 error, 1 warning)", [row])
+
+
+def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file_as_the_stall_s_cause(tmp_path):
+    """Rank 1's ``step_error`` is in rank 1's events file alone (found outside the step's exchange); rank 0's
+    record holds the stall that follows it: the cause is read back from rank 1's file, that one only, and
+    the headline is rank 1's error at its block, an error. Once in the record it is not read again; a rank
+    that wrote nothing leaves the stall to head itself."""
+    from diffusion_debug.record import RunRecord, headline, make_anomaly
+    from diffusion_debug.training.ranks.origin import causes_kept_elsewhere
+
+    details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
+    cause = make_anomaly("step_error", component="model", module="conv_in", step=3, rank=1, details=details)
+    other = make_anomaly("step_error", component="model", module="conv_in", step=2, rank=1, details=details)
+    config = DebugConfig(output_dir=str(tmp_path))
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    rank1.add_anomaly(other)  # an earlier step's: not the one the stall follows
+    rank1.add_anomaly(cause)
+    rank1.close()
+    stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=details["error"])])
+    desync = stall_anomaly(stall, {"end": False, "by": 0})
+    (found,) = causes_kept_elsewhere([desync], tmp_path, rank=0)
+    assert found.to_dict() == cause.to_dict()
+    top = headline([desync, found], world_size=2)
+    assert (top["kind"], top["where"], top["diagnosis_severity"]) == (
+        "step_error",
+        "model conv_in, step 3, rank 1",
+        "error",
+    )
+    assert causes_kept_elsewhere([desync, found], tmp_path, rank=0) == []  # once in the record: not read again
+    (tmp_path / "events-rank1.jsonl").unlink()
+    assert causes_kept_elsewhere([desync], tmp_path, rank=0) == []  # that rank wrote nothing: the stall heads
