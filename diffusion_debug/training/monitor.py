@@ -168,7 +168,7 @@ class StepMonitor:
         elif id(call.optimizer) not in self.found.clean_ids:  # its first clean step: never searched after it
             self.found.clean(call.optimizer)
         if released is not None:  # a held step's verdict, emitted and acted on with this step's
-            self._release(judged, *released)
+            self._release(step, judged, *released)
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
         if self.ctx.distributed:
             rows = self._exchange(step, own, judged, info, measured, call)
@@ -272,12 +272,15 @@ class StepMonitor:
         trial.end()
         return trial.held, []
 
-    def _release(self, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]) -> None:
+    def _release(
+        self, step: MonitoredStep, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]
+    ) -> None:
+        """An earlier step's held verdict, emitted with this step's and counted as its own step
+        (:meth:`_record_step`, from what every rank received)."""
         judged.anomalies = anomalies + skipped + judged.anomalies
-        judged.flags.nonfinite = judged.flags.nonfinite or any(
-            a.kind == "nonfinite" and a.severity == "error" for a in anomalies
-        )
-        self._count_released([], skipped)
+        judged.skipped = skipped + judged.skipped
+        if anomalies or skipped:
+            step.released = (anomalies + skipped)[0].step
 
     def _count_released(self, anomalies: list[Anomaly], skipped: list[Anomaly]) -> None:
         """At close: the held step counted as a step is (its anomaly step, explosion, NaN gradients); a released
@@ -549,11 +552,18 @@ class StepMonitor:
         self._last = (call.optimizer, call.scaler, None, history.joined) if found is None else (*found, history.joined)
         engines = self.params.deepspeed
         self._taken = engines.steps_taken() if engines is not None and not engines.capture else None
-        recorded, skipped = judged.anomalies, judged.skipped
+        recorded, skipped, counted, late_skips = judged.anomalies, judged.skipped, judged.anomalies, []
+        late = step.released  # an earlier step's held verdict: counted as that step, apart from this one's
+        if late is not None and late != step.index:
+            held = [a for a in counted if a.step == late]
+            late_skips = [a for a in skipped if a.step == late]
+            counted, skipped = [a for a in counted if a.step != late], [a for a in skipped if a.step != late]
+            nonfinite = any(a.kind == "nonfinite" and a.severity == "error" for a in held)
+            history.counts.add_step(held, step_checks.StepFlags(nonfinite=nonfinite), late_skips)
         if skipped and self._early == history.joined - 1:  # a report recorded it before this step read it
-            recorded, skipped = [a for a in recorded if a.kind != "skipped_step"], []
+            recorded, skipped = [a for a in recorded if a.kind != "skipped_step" or a.step == late], []
         # its anomaly step counted here, as in a run that does not report (a report counts the skip alone)
-        history.counts.add_step(judged.anomalies, judged.flags, skipped)
+        history.counts.add_step(counted, judged.flags, skipped)
         history.previous_step = step.index
         if step.late is not None:
             return info
@@ -570,7 +580,7 @@ class StepMonitor:
             if "grad_norms_by_rank" in info:
                 row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
             self.sink.record.add_step(row)
-            for skip in skipped:  # an earlier step's, found now: its row says so
+            for skip in skipped + late_skips:  # an earlier step's, found now: its row says so
                 self.sink.record.mark_skipped(skip.step, skip.details["reason"])
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
                 for other in self.exchange.unrecorded(step.details):

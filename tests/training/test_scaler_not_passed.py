@@ -267,6 +267,25 @@ def test_a_nan_at_the_first_suspicious_step_with_a_stale_scaler_is_raised_one_st
     assert errors[0] == ("nonfinite", 0) and ("nonfinite_update", 0) in errors
 
 
+def test_a_held_step_released_at_a_step_with_anomalies_of_its_own_is_counted_as_its_own_step(tmp_path):
+    """A real explosion at step 0 held while a stale GradScaler is tried, released (as read) at step 1, which has
+    its own NaN gradient: two anomaly steps, one explosion, one NaN step, as the run with no scaler alive counts.
+    Before: one anomaly step (the held step's anomalies counted with step 1's)."""
+    config = DebugConfig(output_dir=str(tmp_path / "c"))
+    *_, control = _fp32_run(config, explode_at=0, nan_at=1, steps=2)
+    earlier = _model(6)
+    stale, old = torch.amp.GradScaler("cpu"), torch.optim.SGD(earlier.parameters(), lr=0.1)
+    stale.scale(earlier(torch.ones(2, 8)).sum()).backward()
+    stale.step(old)
+    stale.update()
+    results, _, tdbg = _fp32_run(config.replace(output_dir=str(tmp_path / "s")), explode_at=0, nan_at=1, steps=2)
+    assert stale.is_enabled()
+    assert results[0]["anomalies"] == [] and "gradient_explosion" in results[1]["anomalies"]  # held, then released
+    counts = ("anomaly_steps", "gradient_explosions", "nonfinite_steps", "skipped_steps")
+    summary, expected = tdbg.get_summary(), control.get_summary()
+    assert [summary[k] for k in counts] == [expected[k] for k in counts] == [2, 1, 1, 0]
+
+
 def test_a_run_closed_right_after_its_first_scaled_step_decides_the_trial_at_close(tmp_path):
     """One step: the held step's verdict is decided at close (its scaler.step and update ran): the warning and
     the skip, no error."""

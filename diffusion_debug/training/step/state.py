@@ -134,6 +134,8 @@ class MonitoredStep:
     samples_given: set[str] = field(default_factory=set)
     last: tuple[Any, Any, Any] | None = None
     """The optimizer, scaler and the GradScaler's per-step state its measurement found (``StepMonitor._last``)."""
+    released: Any = None
+    """The number of an earlier step whose held verdict this step released (None: none): counted as that step."""
 
 
 def recorded_index(step: Any, default: int, offset: int = 0) -> Any:
