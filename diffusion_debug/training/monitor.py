@@ -252,15 +252,33 @@ class StepMonitor:
         return skipped
 
     def _hold_if_scaled(self, step: MonitoredStep, judged: Judgement, call: Call) -> None:
-        """A step that looks scaled (no scaler known; one process; no NaN loss, which no scaling makes): its
-        verdict held while the GradScalers alive are tried (``step.found_scaler``), once for its optimizer."""
-        if step.last is None or step.last[1] is not None or self.ctx.distributed or judged.flags.nonfinite_loss:
+        """A step that looks scaled (no scaler known; no NaN loss, which no scaling makes): its verdict held while
+        the GradScalers alive are tried (``step.found_scaler``), once for its optimizer. Several processes: held on
+        every rank or released on every rank in the step (:meth:`_held_alone`)."""
+        if step.last is None or step.last[1] is not None or judged.flags.nonfinite_loss:
             return
         with self.sink.guard("looking for a GradScaler not passed", step=step.index, rank=self.ctx.rank):
             own = [a for a in judged.anomalies if a.kind != "skipped_step"]
             if self.found.hold(call.optimizer, step.index, own):
                 judged.anomalies = [a for a in judged.anomalies if a.kind == "skipped_step"]
                 judged.flags.nonfinite = judged.flags.explosion = False  # counted when released
+                step.held = True
+
+    def _held_alone(self, summary: Any) -> bool:
+        """Whether some rank held no verdict at a step this rank held (several processes): some rank's loss was
+        NaN (no scaling makes one), a rank failed, or some rank's gradient norm read below the threshold (not
+        scaled-looking). DDP's all-reduced gradients give every rank the same norm and every rank of the same
+        script finds the same scalers, so the ranks hold together; where they do not, the holders release the
+        step in place, before the details: every rank then judges the same anomalies in the same step."""
+        flags, norm = summary.flags, summary.aggregates.get("grad_norm", {}).get("min")
+        scaled = isinstance(norm, str) or norm is None or not norm <= self.config.grad_explosion_threshold
+        return flags.get("nonfinite_loss", False) or flags.get("failed", False) or not scaled
+
+    def _unhold(self, judged: Judgement) -> None:
+        """This step's held verdict released as it was read (the optimizer stays searched: read as it is)."""
+        trial, self.found.trial = self.found.trial, None
+        trial.end()
+        judged.anomalies = trial.held + judged.anomalies
 
     def _decide_trial(self, optimizer: Any, at: Any) -> tuple[list[Anomaly], list[Anomaly]] | None:
         """The held step's anomalies (unscaled where its scaler is confirmed, else as read) and its skip;
@@ -403,17 +421,21 @@ class StepMonitor:
             check_ranks=step.check_ranks,
             checksums=lambda: measured.checksums_or_nan(len(self.params), self.measurer.device),
             params=self.params,
-            before_details=lambda: self._after_reduce(step, own, judged, call),
+            before_details=lambda summary: self._after_reduce(step, own, judged, call, summary),
             # a stall alone needs the details only where it stands (no rank's weights moved)
             stalled=bool(judged.anomalies) and self.local.stall_alone(judged),
+            held=step.held,
         )
         info.update(across_ranks([], summary.aggregates))
         return step.details.rows if step.details is not None else [own]
 
-    def _after_reduce(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call) -> None:
-        """What every rank does once the reduce has OR-ed the flags, before the details: the stall
-        judged across ranks (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay. Never raises:
-        every rank goes on to the details' gather."""
+    def _after_reduce(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call, summary) -> None:
+        """What every rank does once the reduce has OR-ed the flags, before the details: a verdict held where
+        some rank holds none released in place (:meth:`_held_alone`), the stall judged across ranks
+        (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay. Never raises: every rank goes on to the
+        details' gather."""
+        if step.held and self._held_alone(summary):
+            self._unhold(judged)
         try:
             self.local.judge_across_ranks(judged)
         except Exception as error:  # recorded, and raised after the policy with strict=True

@@ -24,14 +24,19 @@ another optimizer's) is dropped: the held anomalies are emitted as read, with th
 acts on them then, a monitored step late. Nothing is divided by an unconfirmed scale. So a real NaN at a run's
 first step that looks scaled, with an enabled GradScaler alive that does not step it, is raised by policy
 ``raise`` at the optimizer's next step, after ``optimizer.step()`` applied it (the trade for never stopping a
-healthy scaled run at its first overflow). Limits: one process only (a held verdict would split the ranks'
-collectives); the held step's recorded row keeps its scaled norm; at close a pending trial is decided the same
-way, with no policy after it, except where the optimizer has not stepped since (the script failed between the
-monitor and ``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real NaN stays
-an error) with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can be decided
-leaves it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler stepping it (then
-the step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already at the
-suspicious step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
+healthy scaled run at its first overflow). Several processes (DDP without Accelerate): the ranks hold together (the
+all-reduced gradients give every rank one norm; the same script, the same scalers), a holder asks for the step's
+detail exchange, and where the step's reduce says some rank held none (its NaN loss, a failure, a norm below the
+threshold) the holders release the step in place (``StepMonitor._held_alone``): every rank judges the same
+anomalies in the same step, and a release at a later step goes through that step's exchange. Limits: a rank that
+alone finds no scaler on its heap is not told apart (it reads the step as scaled; the policy still acts alike on
+every rank, from the exchange); the held step's recorded row keeps its scaled norm; at close a pending trial is
+decided the same way, with no policy after it, except where the optimizer has not stepped since (the script failed
+between the monitor and ``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real
+NaN stays an error) with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can
+be decided leaves it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler
+stepping it (then the step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already
+at the suspicious step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
 """
 
 from __future__ import annotations
