@@ -56,7 +56,7 @@ from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
 from .step.coverage import COVERAGE_EVERY, CoverageWatch
-from .step.found_scaler import FoundScalers
+from .step.found_scaler import FoundScalers, unscaled_values
 from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
@@ -148,7 +148,11 @@ class StepMonitor:
             self.history.counts.micro_steps += 1
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         step = self._begin(call.step, failure)
-        released = self._decide_trial(call.optimizer, step.index) if self.found.trial is not None else None
+        released = None
+        if self.found.trial is not None:
+            released = self._decide_trial(call.optimizer, step.index)
+            if self.found.confirmed_at is not None:
+                self._unscale_row()
         if not self.history.coverage_checked:
             self.coverage.check(step.index, call.optimizer)
         elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
@@ -201,6 +205,8 @@ class StepMonitor:
         step, last = self.history.previous_step, self._last
         if self.found.trial is not None:  # a held step's verdict, with no step after it (or in the report)
             released = self._decide_trial(None, at)
+            if self.found.confirmed_at is not None:
+                self._unscale_row()
             if released is not None:
                 for anomaly in released[0] + released[1]:
                     self.sink.emit(anomaly, log=self.ctx.is_main)
@@ -289,6 +295,15 @@ class StepMonitor:
         self.found.trial = None  # failed (recorded): nothing held is lost
         trial.end()
         return trial.held, []
+
+    def _unscale_row(self) -> None:
+        """The held step's recorded row, its scaler confirmed: read unscaled (``found_scaler.unscaled_values``)."""
+        (index, scale), self.found.confirmed_at = self.found.confirmed_at, None
+        with self.sink.guard("unscaling the held step's row", step=index, rank=self.ctx.rank):
+            record = self.sink.record
+            row = next((r for r in reversed(record.steps) if r.get("step") == index), None)
+            if row is not None:
+                record.amend_step(index, unscaled_values(row, scale))
 
     def _release(
         self, step: MonitoredStep, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.record import load_run
 
 pytestmark = [
     pytest.mark.usefixtures("only_the_tests_objects"),
@@ -164,6 +165,12 @@ def test_a_critic_whose_unscaled_norm_explodes_is_still_named(tmp_path):
     assert anomalies[0].details["grad_norm"] == pytest.approx(naive[0] / 65536.0, rel=1e-6)
     assert anomalies[0].details["grad_norm"] > 1e3
     assert measured[1:] == pytest.approx([n / 65536.0 for n in naive[1:]], rel=1e-6)
+    # the held step's recorded row unscaled once confirmed: the kept row and the streamed one (before: scaled)
+    streamed = load_run(tdbg.report().save(html=False)).steps
+    for row in (tdbg.report().steps[0], streamed[0]):
+        assert (row["step"], row["grad_scale"]) == (0, 65536.0)
+        assert row["grad_norm"] == pytest.approx(naive[0] / 65536.0, rel=1e-6)
+    assert [r["grad_norm"] for r in streamed[1:]] == pytest.approx(measured[1:], rel=1e-12)
 
 
 def _fp32_run(config, explode_at: int | None = 3, nan_at: int = 5, steps: int = 8):

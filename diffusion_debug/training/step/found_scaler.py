@@ -30,13 +30,15 @@ detail exchange, and where the step's reduce says some rank held none (its NaN l
 threshold) the holders release the step in place (``StepMonitor._held_alone``): every rank judges the same
 anomalies in the same step, and a release at a later step goes through that step's exchange. Limits: a rank that
 alone finds no scaler on its heap is not told apart (it reads the step as scaled; the policy still acts alike on
-every rank, from the exchange); the held step's recorded row keeps its scaled norm; at close a pending trial is
-decided the same way, with no policy after it, except where the optimizer has not stepped since (the script failed
-between the monitor and ``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real
-NaN stays an error) with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can
-be decided leaves it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler
-stepping it (then the step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already
-at the suspicious step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
+every rank, from the exchange); once confirmed, the held step's recorded row is read unscaled
+(``RunRecord.amend_step``: the kept row and the stream) on its own rank only (the copy of it another rank's detail
+exchange gave the main process keeps the scaled norms); at close a pending trial is decided the same way, with no
+policy after it, except where the optimizer has not stepped since (the script failed between the monitor and
+``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real NaN stays an error)
+with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can be decided leaves
+it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler stepping it (then the
+step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already at the suspicious
+step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class FoundScalers:
         self._skip_read: Any = None
         """The per-optimizer state whose skip was counted: one ``update()`` skips every optimizer it found Inf in
         (a GAN's two), counted once, as the scale's fall counts it for a scaler passed."""
+        self.confirmed_at: tuple[Any, float] | None = None
+        """The held step just confirmed and its scale: its recorded row to unscale (:func:`unscaled_values`)."""
 
     def scaler_for(self, optimizer: Any) -> Any:
         """The scaler confirmed for ``optimizer``, or None."""
@@ -157,6 +161,7 @@ class FoundScalers:
             self.trial = None
             trial.end()
             self._confirmed[raw], self.any_confirmed = ref, True
+            self.confirmed_at = (trial.step, scale)
             found_inf = sum(float(v.sum()) for v in entry.get("found_inf_per_device", {}).values())
             skipped = [] if states is self._skip_read else self._skip(trial, scale, scaler, found_inf, at)
             if skipped:
@@ -213,6 +218,32 @@ class FoundScalers:
         return [
             make_anomaly(kind="skipped_step", severity="info", component="model", step=trial.step, details=details)
         ]
+
+
+_SCALED = ("grad_norm", "grad_norm_clipped", "max_update_to_weight_ratio")
+_SCALED_MODULES = ("top_module_grad_norms", "bottom_module_grad_norms")
+
+
+def unscaled_values(row: dict[str, Any], scale: float) -> dict[str, Any]:
+    """The fields of a held step's recorded ``row`` that its confirmed scaler's ``scale`` multiplied, over it, and
+    the scale (a non-finite value, kept as its string, stays; the modules' order is the same).
+
+    >>> unscaled_values({"grad_norm": 131072.0, "grad_norm_clipped": "inf", "top_module_grad_norms": {"0": 65536.0}},
+    ...                 65536.0)
+    {'grad_scale': 65536.0, 'grad_norm': 2.0, 'top_module_grad_norms': {'0': 1.0}}
+    """
+    values: dict[str, Any] = {"grad_scale": scale}
+    for name in _SCALED:
+        if _number(row.get(name)):
+            values[name] = row[name] / scale
+    for name in _SCALED_MODULES:
+        if isinstance(row.get(name), dict):
+            values[name] = {k: v / scale if _number(v) else v for k, v in row[name].items()}
+    return values
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _stepped(entry: Any) -> bool:
