@@ -449,9 +449,9 @@ class StepMonitor:
         some rank holds none released in place (:meth:`_held_alone`), the stall judged across ranks
         (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay. Never raises: every rank goes on to the
         details' gather."""
-        if step.held and self._held_alone(summary):
-            self._unhold(judged)
-        try:
+        try:  # (not sink.guard: with strict=True it raises, and the other ranks would wait in the gather)
+            if step.held and self._held_alone(summary):
+                self._unhold(judged)
             self.local.judge_across_ranks(judged)
         except Exception as error:  # recorded, and raised after the policy with strict=True
             step.deferred = step.deferred or error
