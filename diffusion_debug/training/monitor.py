@@ -34,7 +34,7 @@ from torch import nn
 from ..config import DebugConfig
 from ..core import AnomalySink, raised_by_debugger
 from ..probes import BackwardOrder
-from ..record import Anomaly
+from ..record import Anomaly, to_jsonable
 from ..stats import ANY_AUTOCAST, outside_autocast
 from . import failures
 from .judges import step_checks
@@ -265,7 +265,7 @@ class StepMonitor:
             return
         with self.sink.guard("looking for a GradScaler not passed", step=step.index, rank=self.ctx.rank):
             own = [a for a in judged.anomalies if a.kind != "skipped_step"]
-            if self.found.hold(call.optimizer, step.index, own):
+            if self.found.hold(call.optimizer, step.index, own, call.max_grad_norm):
                 judged.anomalies = [a for a in judged.anomalies if a.kind == "skipped_step"]
                 judged.flags.nonfinite = judged.flags.explosion = False  # counted when released
                 step.held = True
@@ -298,12 +298,12 @@ class StepMonitor:
 
     def _unscale_row(self) -> None:
         """The held step's recorded row, its scaler confirmed: read unscaled (``found_scaler.unscaled_values``)."""
-        (index, scale), self.found.confirmed_at = self.found.confirmed_at, None
+        (index, scale, max_grad_norm), self.found.confirmed_at = self.found.confirmed_at, None
         with self.sink.guard("unscaling the held step's row", step=index, rank=self.ctx.rank):
-            record = self.sink.record
-            row = next((r for r in reversed(record.steps) if r.get("step") == index), None)
+            record, key = self.sink.record, to_jsonable(index)  # (the row keeps the step as the record wrote it)
+            row = next((r for r in reversed(record.steps) if r.get("step") == key), None)
             if row is not None:
-                record.amend_step(index, unscaled_values(row, scale))
+                record.amend_step(index, unscaled_values(row, scale, max_grad_norm))
 
     def _release(
         self, step: MonitoredStep, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]

@@ -40,6 +40,7 @@ SCENARIOS = (
     "closure_scaler_rank1",
     "scaler_not_passed_ddp",
     "scaler_not_passed_nan0_rank1",
+    "scaler_not_passed_finite_ddp",
     *(["fsdp2"] if FSDP2_ON_CPU else []),  # where FSDP2 needs CUDA, it would end the launch
     "nan_grad_rank1",
     "accumulate_unused",
@@ -342,6 +343,27 @@ def test_a_nan_loss_on_rank1_at_the_first_step_of_an_unpassed_scaler_stops_both_
     assert all(a["details"]["follows"] == {"kind": "nonfinite_loss", "rank": 1} for a in anomalies[1:])
     summaries = _summaries(done.stdout)
     assert summaries[0] == summaries[1] and summaries[0]["anomaly_steps"] == 1, summaries
+
+
+def test_an_unpassed_scalers_finite_held_step_is_recorded_unscaled_on_every_ranks_norm(scenario):
+    """fp32 DDP, the GradScaler (65536) not passed: step 0 looks scaled (finite), is held, exchanged, and once the
+    scaler is confirmed rank 0's row of it is read unscaled: its norm, every rank's norm and the extremes of the
+    step's reduce (DDP's ranks share one scale) within 1e-6 of the naive reference (each rank's all-reduced
+    gradients over the scale), and ``grad_norm_clipped`` (``max_grad_norm=100``) False. Before: grad_norm unscaled
+    (9.5) but ``grad_norms_by_rank`` and ``ranks.grad_norm`` 65536x it, and the flag True."""
+    done, run_dir = scenario("scaler_not_passed_finite_ddp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    norms = _printed_norms(done.stdout)
+    assert sorted(norms) == [(rank, step) for rank in (0, 1) for step in range(3)], done.stdout
+    reference = [norms[(rank, 0)]["reference"] for rank in (0, 1)]
+    assert 1.0 < reference[0] < 100.0 and norms[(0, 0)]["scale"] == 65536.0
+    row = next(r for r in load_json(run_dir / "summary.json")["steps"] if r["step"] == 0 and r["rank"] == 0)
+    assert row["grad_scale"] == 65536.0
+    assert row["grad_norm"] == pytest.approx(reference[0], rel=1e-6)
+    assert row["grad_norms_by_rank"] == pytest.approx(reference, rel=1e-6)
+    extremes = row["ranks"]["grad_norm"]
+    assert [extremes["min"], extremes["max"]] == pytest.approx([min(reference), max(reference)], rel=1e-6)
+    assert row["grad_norm_clipped"] is False
 
 
 # -- eight processes: one launch, its scenarios one after the other ---------------------------------
