@@ -15,6 +15,7 @@ import torch
 
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import load_run
+from diffusion_debug.record.run_dir import rebuild_summary
 
 pytestmark = [
     pytest.mark.usefixtures("only_the_tests_objects"),
@@ -171,6 +172,36 @@ def test_a_critic_whose_unscaled_norm_explodes_is_still_named(tmp_path):
         assert (row["step"], row["grad_scale"]) == (0, 65536.0)
         assert row["grad_norm"] == pytest.approx(naive[0] / 65536.0, rel=1e-6)
     assert [r["grad_norm"] for r in streamed[1:]] == pytest.approx(measured[1:], rel=1e-12)
+
+
+def test_the_held_steps_clipped_flag_is_read_from_its_unscaled_norm(tmp_path):
+    """fp32 gradients scaled by 65536, ``max_grad_norm=100``: the script's own ``clip_grad_norm_`` (after
+    ``unscale_``) does not clip step 0 (its norm ~8.9). The held row's ``grad_norm_clipped`` says so once its
+    scaler is confirmed, in the kept row, the streamed one and a killed run's rebuilt summary (before: True, the
+    flag of the scaled norm, and the rebuilt summary kept the scaled row)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path)))
+    data, clipped, norms = torch.Generator().manual_seed(1), [], []
+    for step in range(3):
+        loss = (model(torch.randn(16, 8, generator=data)) - 3).square().mean()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, max_grad_norm=100.0)
+        scaler.unscale_(optimizer)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)))
+        clipped.append(norms[-1] > 100.0)
+        scaler.step(optimizer)
+        scaler.update()
+    assert clipped == [False, False, False] and 1.0 < norms[0] < 100.0
+    run_dir = tdbg.report().save(html=False)
+    tdbg.close()
+    rebuilt = rebuild_summary(run_dir)["steps"]  # (from the events alone: as a killed run's is read)
+    for rows in (tdbg.report().steps, load_run(run_dir).steps, rebuilt):
+        assert [r["grad_norm_clipped"] for r in rows] == clipped
+        assert rows[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-6)
+        assert rows[0]["grad_scale"] == 65536.0
 
 
 def _fp32_run(config, explode_at: int | None = 3, nan_at: int = 5, steps: int = 8):
