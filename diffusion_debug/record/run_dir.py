@@ -198,6 +198,7 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
     own: dict[int, list[dict[str, Any]]] = {}
     copies: dict[int, dict[Any, dict[str, Any]]] = {}
     skipped: dict[tuple[int, Any], str] = {}  # RunRecord.mark_skipped: found after the row was written
+    amended: dict[tuple[int, Any], dict] = {}  # RunRecord.amend_step: read anew after the row was written
     for path in files:
         try:
             rows = _read_events(path)
@@ -209,6 +210,8 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         for row in rows:
             if row.get("type") == "step_skipped":
                 skipped[(row.get("rank", owner), _step_key(row))] = row.get("reason")
+            if row.get("type") == "step_amended" and isinstance(row.get("values"), dict):
+                amended.setdefault((row.get("rank", owner), _step_key(row)), {}).update(row["values"])
             if row.get("type") != "step":
                 continue
             step = {k: v for k, v in row.items() if k not in ("type", "time")}
@@ -223,6 +226,7 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         for row in rows:
             if (rank, _step_key(row)) in skipped:
                 row["skipped"] = skipped[(rank, _step_key(row))]
+            row.update(amended.get((rank, _step_key(row)), {}))
     out = [row for rows in own.values() for row in rows]
     out += [row for rank, rows in copies.items() if rank not in own for row in rows.values()]
     return sorted(out, key=lambda row: (_step_key(row), _order(row.get("rank", 0))))
@@ -265,7 +269,8 @@ def _first(row: dict[str, Any], by_key: dict[tuple, dict[str, Any]], by_place: d
 def rebuild_summary(run_dir: Path) -> dict[str, Any]:
     """The summary of a run that never wrote summary.json, from its event files (every rank's):
     the start event's kind and config, every step row of the main events file, every anomaly
-    (with the counts of its folded repeats and the repro bundle saved after it), marked ``incomplete``."""
+    (with the counts of its folded repeats and the repro bundle saved after it), marked ``incomplete``. A row
+    read anew after it was written (``step_amended``, :meth:`~.run_record.RunRecord.amend_step`) is read so."""
     files = sorted(run_dir.glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
     summary: dict[str, Any] = {"kind": "unknown", "run_dir": str(run_dir), "incomplete": True}
     anomalies: list[dict[str, Any]] = []
@@ -286,6 +291,11 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
                         summary[key] = row[key]
             elif kind == "step" and path.name == "events.jsonl":
                 steps.append({k: v for k, v in row.items() if k not in ("type", "time")})
+            elif kind == "step_amended" and path.name == "events.jsonl" and isinstance(row.get("values"), dict):
+                key = (row.get("rank", 0), _step_key(row))  # this process's own row, written before it
+                own = next((r for r in reversed(steps) if (r.get("rank", 0), _step_key(r)) == key), None)
+                if own is not None:
+                    own.update(row["values"])
             elif kind == "anomaly" and anomaly_problem({k: v for k, v in row.items() if k != "type"}) is None:
                 anomaly = {k: v for k, v in row.items() if k not in ("type", "time")}
                 anomalies.append(anomaly)

@@ -164,6 +164,17 @@ class RunRecord:
                 break
         self._write({"type": "step_skipped", "step": step, "reason": reason})
 
+    def amend_step(self, step: Any, values: dict[str, Any]) -> None:
+        """This process's row of ``step`` read anew (``values`` replace its fields), learnt after the row was
+        written (a GradScaler not passed, confirmed a step later: the row unscaled): the kept row takes them, and
+        the stream a ``step_amended`` entry that :func:`~.run_dir.every_rank_steps` puts into the streamed row."""
+        step, values = to_jsonable(step), to_jsonable(values)
+        for row in reversed(self.steps):
+            if row.get("step") == step:
+                row.update(values)
+                break
+        self._write({"type": "step_amended", "step": step, "values": values})
+
     def add_rank_step(self, row: dict[str, Any]) -> None:
         """Another rank's step row (it carries its ``rank``), kept apart from this process's own."""
         row = to_jsonable(row)

@@ -34,7 +34,7 @@ from torch import nn
 from ..config import DebugConfig
 from ..core import AnomalySink, raised_by_debugger
 from ..probes import BackwardOrder
-from ..record import Anomaly
+from ..record import Anomaly, to_jsonable
 from ..stats import ANY_AUTOCAST, outside_autocast
 from . import failures
 from .judges import step_checks
@@ -56,7 +56,7 @@ from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
 from .step.coverage import COVERAGE_EVERY, CoverageWatch
-from .step.found_scaler import FoundScalers
+from .step.found_scaler import FoundScalers, unscaled_values
 from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
@@ -148,7 +148,11 @@ class StepMonitor:
             self.history.counts.micro_steps += 1
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         step = self._begin(call.step, failure)
-        released = self._decide_trial(call.optimizer, step.index) if self.found.trial is not None else None
+        released = None
+        if self.found.trial is not None:
+            released = self._decide_trial(call.optimizer, step.index)
+            if self.found.confirmed_at is not None:
+                self._unscale_row()
         if not self.history.coverage_checked:
             self.coverage.check(step.index, call.optimizer)
         elif self.history.joined % COVERAGE_EVERY == 0 and self.coverage.changed(call.optimizer):
@@ -168,7 +172,7 @@ class StepMonitor:
         elif id(call.optimizer) not in self.found.clean_ids:  # its first clean step: never searched after it
             self.found.clean(call.optimizer)
         if released is not None:  # a held step's verdict, emitted and acted on with this step's
-            self._release(judged, *released)
+            self._release(step, judged, *released)
         info = self._describe(step, own, judged, measured, call)  # before the exchange, which carries its row
         if self.ctx.distributed:
             rows = self._exchange(step, own, judged, info, measured, call)
@@ -201,6 +205,8 @@ class StepMonitor:
         step, last = self.history.previous_step, self._last
         if self.found.trial is not None:  # a held step's verdict, with no step after it (or in the report)
             released = self._decide_trial(None, at)
+            if self.found.confirmed_at is not None:
+                self._unscale_row()
             if released is not None:
                 for anomaly in released[0] + released[1]:
                     self.sink.emit(anomaly, log=self.ctx.is_main)
@@ -252,15 +258,33 @@ class StepMonitor:
         return skipped
 
     def _hold_if_scaled(self, step: MonitoredStep, judged: Judgement, call: Call) -> None:
-        """A step that looks scaled (no scaler known; one process; no NaN loss, which no scaling makes): its
-        verdict held while the GradScalers alive are tried (``step.found_scaler``), once for its optimizer."""
-        if step.last is None or step.last[1] is not None or self.ctx.distributed or judged.flags.nonfinite_loss:
+        """A step that looks scaled (no scaler known; no NaN loss, which no scaling makes): its verdict held while
+        the GradScalers alive are tried (``step.found_scaler``), once for its optimizer. Several processes: held on
+        every rank or released on every rank in the step (:meth:`_held_alone`)."""
+        if step.last is None or step.last[1] is not None or judged.flags.nonfinite_loss:
             return
         with self.sink.guard("looking for a GradScaler not passed", step=step.index, rank=self.ctx.rank):
             own = [a for a in judged.anomalies if a.kind != "skipped_step"]
-            if self.found.hold(call.optimizer, step.index, own):
+            if self.found.hold(call.optimizer, step.index, own, call.max_grad_norm):
                 judged.anomalies = [a for a in judged.anomalies if a.kind == "skipped_step"]
                 judged.flags.nonfinite = judged.flags.explosion = False  # counted when released
+                step.held = True
+
+    def _held_alone(self, summary: Any) -> bool:
+        """Whether some rank held no verdict at a step this rank held (several processes): some rank's loss was
+        NaN (no scaling makes one), a rank failed, or some rank's gradient norm read below the threshold (not
+        scaled-looking). DDP's all-reduced gradients give every rank the same norm and every rank of the same
+        script finds the same scalers, so the ranks hold together; where they do not, the holders release the
+        step in place, before the details: every rank then judges the same anomalies in the same step."""
+        flags, norm = summary.flags, summary.aggregates.get("grad_norm", {}).get("min")
+        scaled = isinstance(norm, str) or norm is None or not norm <= self.config.grad_explosion_threshold
+        return flags.get("nonfinite_loss", False) or flags.get("failed", False) or not scaled
+
+    def _unhold(self, judged: Judgement) -> None:
+        """This step's held verdict released as it was read (the optimizer stays searched: read as it is)."""
+        trial, self.found.trial = self.found.trial, None
+        trial.end()
+        judged.anomalies = trial.held + judged.anomalies
 
     def _decide_trial(self, optimizer: Any, at: Any) -> tuple[list[Anomaly], list[Anomaly]] | None:
         """The held step's anomalies (unscaled where its scaler is confirmed, else as read) and its skip;
@@ -272,12 +296,24 @@ class StepMonitor:
         trial.end()
         return trial.held, []
 
-    def _release(self, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]) -> None:
+    def _unscale_row(self) -> None:
+        """The held step's recorded row, its scaler confirmed: read unscaled (``found_scaler.unscaled_values``)."""
+        (index, scale, max_grad_norm), self.found.confirmed_at = self.found.confirmed_at, None
+        with self.sink.guard("unscaling the held step's row", step=index, rank=self.ctx.rank):
+            record, key = self.sink.record, to_jsonable(index)  # (the row keeps the step as the record wrote it)
+            row = next((r for r in reversed(record.steps) if r.get("step") == key), None)
+            if row is not None:
+                record.amend_step(index, unscaled_values(row, scale, max_grad_norm))
+
+    def _release(
+        self, step: MonitoredStep, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]
+    ) -> None:
+        """An earlier step's held verdict, emitted with this step's and counted as its own step
+        (:meth:`_record_step`, from what every rank received)."""
         judged.anomalies = anomalies + skipped + judged.anomalies
-        judged.flags.nonfinite = judged.flags.nonfinite or any(
-            a.kind == "nonfinite" and a.severity == "error" for a in anomalies
-        )
-        self._count_released([], skipped)
+        judged.skipped = skipped + judged.skipped
+        if anomalies or skipped:
+            step.released = (anomalies + skipped)[0].step
 
     def _count_released(self, anomalies: list[Anomaly], skipped: list[Anomaly]) -> None:
         """At close: the held step counted as a step is (its anomaly step, explosion, NaN gradients); a released
@@ -400,18 +436,22 @@ class StepMonitor:
             check_ranks=step.check_ranks,
             checksums=lambda: measured.checksums_or_nan(len(self.params), self.measurer.device),
             params=self.params,
-            before_details=lambda: self._after_reduce(step, own, judged, call),
+            before_details=lambda summary: self._after_reduce(step, own, judged, call, summary),
             # a stall alone needs the details only where it stands (no rank's weights moved)
             stalled=bool(judged.anomalies) and self.local.stall_alone(judged),
+            held=step.held,
         )
         info.update(across_ranks([], summary.aggregates))
         return step.details.rows if step.details is not None else [own]
 
-    def _after_reduce(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call) -> None:
-        """What every rank does once the reduce has OR-ed the flags, before the details: the stall
-        judged across ranks (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay. Never raises:
-        every rank goes on to the details' gather."""
-        try:
+    def _after_reduce(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call, summary) -> None:
+        """What every rank does once the reduce has OR-ed the flags, before the details: a verdict held where
+        some rank holds none released in place (:meth:`_held_alone`), the stall judged across ranks
+        (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay. Never raises: every rank goes on to the
+        details' gather."""
+        try:  # (not sink.guard: with strict=True it raises, and the other ranks would wait in the gather)
+            if step.held and self._held_alone(summary):
+                self._unhold(judged)
             self.local.judge_across_ranks(judged)
         except Exception as error:  # recorded, and raised after the policy with strict=True
             step.deferred = step.deferred or error
@@ -549,11 +589,18 @@ class StepMonitor:
         self._last = (call.optimizer, call.scaler, None, history.joined) if found is None else (*found, history.joined)
         engines = self.params.deepspeed
         self._taken = engines.steps_taken() if engines is not None and not engines.capture else None
-        recorded, skipped = judged.anomalies, judged.skipped
+        recorded, skipped, counted, late_skips = judged.anomalies, judged.skipped, judged.anomalies, []
+        late = step.released  # an earlier step's held verdict: counted as that step, apart from this one's
+        if late is not None and late != step.index:
+            held = [a for a in counted if a.step == late]
+            late_skips = [a for a in skipped if a.step == late]
+            counted, skipped = [a for a in counted if a.step != late], [a for a in skipped if a.step != late]
+            nonfinite = any(a.kind == "nonfinite" and a.severity == "error" for a in held)
+            history.counts.add_step(held, step_checks.StepFlags(nonfinite=nonfinite), late_skips)
         if skipped and self._early == history.joined - 1:  # a report recorded it before this step read it
-            recorded, skipped = [a for a in recorded if a.kind != "skipped_step"], []
+            recorded, skipped = [a for a in recorded if a.kind != "skipped_step" or a.step == late], []
         # its anomaly step counted here, as in a run that does not report (a report counts the skip alone)
-        history.counts.add_step(judged.anomalies, judged.flags, skipped)
+        history.counts.add_step(counted, judged.flags, skipped)
         history.previous_step = step.index
         if step.late is not None:
             return info
@@ -570,7 +617,7 @@ class StepMonitor:
             if "grad_norms_by_rank" in info:
                 row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
             self.sink.record.add_step(row)
-            for skip in skipped:  # an earlier step's, found now: its row says so
+            for skip in skipped + late_skips:  # an earlier step's, found now: its row says so
                 self.sink.record.mark_skipped(skip.step, skip.details["reason"])
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
                 for other in self.exchange.unrecorded(step.details):

@@ -18,6 +18,9 @@ finetune_lr_jump10 (the same job, 18 steps, its AdamW's learning rate x1e4 from 
 models_and_samples_rank1 (two models watched by name, {"unet", "text_encoder"}, with per-sample losses and
 loss weights: rank 1's weight of its sample at t=999 is NaN at step 2, its text encoder's gradient at step 4;
 neither step is applied) |
+scaler_not_passed_ddp / scaler_not_passed_nan0_rank1 (plain torch DDP, no Accelerate, fp16 with a GradScaler not
+passed, policy raise: rank 1's NaN batch at step 6 / 0, :func:`scaler_not_passed`) | scaler_not_passed_finite_ddp
+(the same in fp32, 3 steps, no NaN, ``max_grad_norm=100``: step 0 finite, held, its row unscaled once confirmed) |
 closure_scaler_rank1 (a DDP model with a BatchNorm, whose forward broadcasts its buffers, and a GradScaler;
 ``closure=`` given on both ranks; rank 1's batch holds an Inf at step 1: only rank 1 has an error, both replay;
 rank 0 alone reports after step 1) |
@@ -381,6 +384,59 @@ def closure_with_scaler(accelerator: Accelerator, output_dir: str, scenario: str
     finish(accelerator, tdbg, scenario)
 
 
+SCALER_NAN_STEP = {"scaler_not_passed_ddp": 6, "scaler_not_passed_nan0_rank1": 0, "scaler_not_passed_finite_ddp": None}
+"""scaler_not_passed_*: the step whose batch holds a NaN on rank 1 (its loss NaN); None: none (fp32, 3 steps)."""
+
+
+def scaler_not_passed(output_dir: str, scenario: str) -> None:
+    """A plain torch DDP loop (no Accelerate: ``DistributedDataParallel`` and a debugger given no accelerator) in
+    fp16 autocast, its GradScaler (65536) not passed, policy ``raise``, 8 steps; rank 1's batch holds a NaN at
+    :data:`SCALER_NAN_STEP`. Per monitored step each rank prints the norm measured and the naive unscaled reference
+    (the all-reduced gradients over the scale) and the scale: ``RANK r NORMS step s: <json>``. Where no step holds
+    a NaN: fp32 (the scaled gradients finite), the batch unscaled, 3 steps, ``max_grad_norm=100``."""
+    rank = dist.get_rank()
+    fp16 = SCALER_NAN_STEP[scenario] is not None
+    gc.collect()  # the earlier scenarios' scalers gone (the search walks the heap)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=output_dir, policy="raise"))
+    generator = torch.Generator().manual_seed(1 + rank)
+    try:
+        for step in range(8 if fp16 else 3):
+            x = torch.randn(16, 8, generator=generator) * (4 if fp16 else 1)
+            if (step, rank) == (SCALER_NAN_STEP[scenario], 1):
+                x[2, 3] = float("nan")
+            with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                loss = (model(x) - 3).square().mean()
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scale = float(scaler.get_scale())
+            reference = sum(float((p.grad.double() / scale).square().sum()) for p in model.parameters()) ** 0.5
+            try:
+                clip = {} if fp16 else {"max_grad_norm": 100.0}
+                info = monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step, **clip)
+            except DiffusionDebugError as error:
+                kind, cause_rank = error.anomaly.kind, error.anomaly.rank
+                say(scenario, f"RANK {rank} RAISED at step {step}: {kind} rank {cause_rank}")
+                break
+            norms = {"measured": info["grad_norm"], "reference": reference, "scale": scale}
+            say(scenario, f"RANK {rank} NORMS step {step}: {json.dumps(norms)}")
+            scaler.step(optimizer)
+            scaler.update()
+    finally:
+        dist.barrier()
+        if rank == 0:
+            say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")
+        dist.barrier()
+        tdbg.close()
+        summary = tdbg.get_summary()
+        say(scenario, f"RANK {rank} SUMMARY {json.dumps({k: v for k, v in summary.items() if k != 'anomaly_counts'})}")
+
+
 class _Branches(torch.nn.Module):
     """``b(tanh(a(x)))``, plus ``unused(tanh(a(x)))`` where ``use``: DDP finds ``unused`` unused elsewhere."""
 
@@ -477,6 +533,8 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
         return models_and_samples(accelerator, output_dir, scenario)
     if scenario == "closure_scaler_rank1":
         return closure_with_scaler(accelerator, output_dir, scenario)
+    if scenario in SCALER_NAN_STEP:
+        return scaler_not_passed(output_dir, scenario)
     rank = accelerator.process_index
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

@@ -38,6 +38,9 @@ SCENARIOS = (
     "judge_fails_quietly_rank1",
     "models_and_samples_rank1",
     "closure_scaler_rank1",
+    "scaler_not_passed_ddp",
+    "scaler_not_passed_nan0_rank1",
+    "scaler_not_passed_finite_ddp",
     *(["fsdp2"] if FSDP2_ON_CPU else []),  # where FSDP2 needs CUDA, it would end the launch
     "nan_grad_rank1",
     "accumulate_unused",
@@ -285,6 +288,82 @@ def test_a_closure_replay_for_one_ranks_nan_runs_on_every_rank_and_names_the_op(
     assert (skipped["details"]["detected_at_step"], skipped["rank"], skipped["local_rank"]) == ("report", 0, 0)
     assert summary["training"]["skipped_steps"] == summary["training"]["anomaly_counts"]["skipped_step"] == 1
     assert "(rank 1's own gradients overflowed, before the gradient all-reduce; scale 16 -> 8)" in skipped["message"]
+
+
+def _printed_norms(stdout: str) -> dict[tuple[int, int], dict]:
+    """``(rank, step)``: the norm measured, the naive unscaled reference and the scale each rank printed."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("RANK ") and " NORMS step " in line:
+            head, _, payload = line.partition(": ")
+            out[(int(head.split()[1]), int(head.split()[-1]))] = json.loads(payload)
+    return out
+
+
+def test_a_ddp_loop_whose_scaler_was_not_passed_is_read_unscaled_on_every_rank_until_rank1s_nan(scenario):
+    """Plain torch DDP (no Accelerate), fp16, GradScaler not passed, policy raise. Before: both ranks raised at
+    step 0 (``nonfinite`` rank 0: the scaler's first overflow), the search being off with several processes."""
+    done, run_dir = scenario("scaler_not_passed_ddp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the healthy steps 0-5 go on (3 overflows skipped: 65536 -> 8192); rank 1's NaN loss at step 6 stops both
+    assert "RANK 0 RAISED at step 6: nonfinite_loss rank 1" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "RANK 1 RAISED at step 6: nonfinite_loss rank 1" in done.stdout
+    norms = _printed_norms(done.stdout)
+    assert sorted(norms) == [(rank, step) for rank in (0, 1) for step in range(6)]
+    assert [norms[(0, s)]["scale"] for s in range(6)] == [65536.0, 32768.0, 16384.0, 8192.0, 8192.0, 8192.0]
+    for (rank, step), row in norms.items():  # read unscaled (the scaler confirmed by its step of step 0)
+        if step >= 3:  # (steps 0-2 overflowed: non-finite either way)
+            assert row["measured"] == pytest.approx(row["reference"], rel=1e-6), (rank, step, row)
+            assert row["measured"] == norms[(0, step)]["measured"]  # DDP's all-reduced gradients: one norm
+    anomalies = load_json(run_dir / "summary.json")["anomalies"]
+    warned = [a for a in anomalies if a["kind"] == "scaler_not_passed"]
+    assert [(a["rank"], a["step"], a["details"]["grad_scale"]) for a in warned] == [(0, 0, 65536.0), (1, 0, 65536.0)]
+    errors = [(a["kind"], a["step"], a["rank"]) for a in anomalies if a["severity"] == "error"]
+    assert errors == [("nonfinite_loss", 6, 1)]
+    assert not any(a["kind"] in ("gradient_explosion", "lr_spike") for a in anomalies)
+    summaries = _summaries(done.stdout)
+    assert summaries[0] == summaries[1], summaries
+    assert (summaries[0]["total_steps"], summaries[0]["skipped_steps"], summaries[0]["anomaly_steps"]) == (7, 3, 2)
+
+
+def test_a_nan_loss_on_rank1_at_the_first_step_of_an_unpassed_scaler_stops_both_ranks_there(scenario):
+    """Rank 1's NaN loss (no scaling makes one) holds nothing; rank 0's step, which looked scaled, is released in
+    the same step (the reduce says some rank held none): both raise at step 0 on rank 1's loss, rank 0's NaN
+    gradients named as what follows from it."""
+    done, run_dir = scenario("scaler_not_passed_nan0_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 RAISED at step 0: nonfinite_loss rank 1" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "RANK 1 RAISED at step 0: nonfinite_loss rank 1" in done.stdout
+    anomalies = load_json(run_dir / "summary.json")["anomalies"]
+    assert [(a["kind"], a["step"], a["rank"]) for a in anomalies] == [
+        ("nonfinite_loss", 0, 1),
+        ("nonfinite", 0, 0),
+        ("nonfinite", 0, 1),
+    ]
+    assert all(a["details"]["follows"] == {"kind": "nonfinite_loss", "rank": 1} for a in anomalies[1:])
+    summaries = _summaries(done.stdout)
+    assert summaries[0] == summaries[1] and summaries[0]["anomaly_steps"] == 1, summaries
+
+
+def test_an_unpassed_scalers_finite_held_step_is_recorded_unscaled_on_every_ranks_norm(scenario):
+    """fp32 DDP, the GradScaler (65536) not passed: step 0 looks scaled (finite), is held, exchanged, and once the
+    scaler is confirmed rank 0's row of it is read unscaled: its norm, every rank's norm and the extremes of the
+    step's reduce (DDP's ranks share one scale) within 1e-6 of the naive reference (each rank's all-reduced
+    gradients over the scale), and ``grad_norm_clipped`` (``max_grad_norm=100``) False. Before: grad_norm unscaled
+    (9.5) but ``grad_norms_by_rank`` and ``ranks.grad_norm`` 65536x it, and the flag True."""
+    done, run_dir = scenario("scaler_not_passed_finite_ddp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    norms = _printed_norms(done.stdout)
+    assert sorted(norms) == [(rank, step) for rank in (0, 1) for step in range(3)], done.stdout
+    reference = [norms[(rank, 0)]["reference"] for rank in (0, 1)]
+    assert 1.0 < reference[0] < 100.0 and norms[(0, 0)]["scale"] == 65536.0
+    row = next(r for r in load_json(run_dir / "summary.json")["steps"] if r["step"] == 0 and r["rank"] == 0)
+    assert row["grad_scale"] == 65536.0
+    assert row["grad_norm"] == pytest.approx(reference[0], rel=1e-6)
+    assert row["grad_norms_by_rank"] == pytest.approx(reference, rel=1e-6)
+    extremes = row["ranks"]["grad_norm"]
+    assert [extremes["min"], extremes["max"]] == pytest.approx([min(reference), max(reference)], rel=1e-6)
+    assert row["grad_norm_clipped"] is False
 
 
 # -- eight processes: one launch, its scenarios one after the other ---------------------------------

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from diffusion_debug import DebugConfig, TrainingDebugger
+from diffusion_debug.record import load_run
+from diffusion_debug.record.run_dir import rebuild_summary
 
 pytestmark = [
     pytest.mark.usefixtures("only_the_tests_objects"),
@@ -164,6 +166,42 @@ def test_a_critic_whose_unscaled_norm_explodes_is_still_named(tmp_path):
     assert anomalies[0].details["grad_norm"] == pytest.approx(naive[0] / 65536.0, rel=1e-6)
     assert anomalies[0].details["grad_norm"] > 1e3
     assert measured[1:] == pytest.approx([n / 65536.0 for n in naive[1:]], rel=1e-6)
+    # the held step's recorded row unscaled once confirmed: the kept row and the streamed one (before: scaled)
+    streamed = load_run(tdbg.report().save(html=False)).steps
+    for row in (tdbg.report().steps[0], streamed[0]):
+        assert (row["step"], row["grad_scale"]) == (0, 65536.0)
+        assert row["grad_norm"] == pytest.approx(naive[0] / 65536.0, rel=1e-6)
+    assert [r["grad_norm"] for r in streamed[1:]] == pytest.approx(measured[1:], rel=1e-12)
+
+
+def test_the_held_steps_clipped_flag_is_read_from_its_unscaled_norm(tmp_path):
+    """fp32 gradients scaled by 65536, ``max_grad_norm=100``: the script's own ``clip_grad_norm_`` (after
+    ``unscale_``) does not clip step 0 (its norm ~8.9). The held row's ``grad_norm_clipped`` says so once its
+    scaler is confirmed, in the kept row, the streamed one and a killed run's rebuilt summary (before: True, the
+    flag of the scaled norm, and the rebuilt summary kept the scaled row)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path)))
+    data, clipped, norms = torch.Generator().manual_seed(1), [], []
+    for step in range(3):
+        loss = (model(torch.randn(16, 8, generator=data)) - 3).square().mean()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, max_grad_norm=100.0)
+        scaler.unscale_(optimizer)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)))
+        clipped.append(norms[-1] > 100.0)
+        scaler.step(optimizer)
+        scaler.update()
+    assert clipped == [False, False, False] and 1.0 < norms[0] < 100.0
+    run_dir = tdbg.report().save(html=False)
+    tdbg.close()
+    rebuilt = rebuild_summary(run_dir)["steps"]  # (from the events alone: as a killed run's is read)
+    for rows in (tdbg.report().steps, load_run(run_dir).steps, rebuilt):
+        assert [r["grad_norm_clipped"] for r in rows] == clipped
+        assert rows[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-6)
+        assert rows[0]["grad_scale"] == 65536.0
 
 
 def _fp32_run(config, explode_at: int | None = 3, nan_at: int = 5, steps: int = 8):
@@ -265,6 +303,25 @@ def test_a_nan_at_the_first_suspicious_step_with_a_stale_scaler_is_raised_one_st
     assert results[0]["anomalies"] == []  # held
     errors = [(a.kind, a.step) for a in tdbg.report().anomalies if a.severity == "error"]
     assert errors[0] == ("nonfinite", 0) and ("nonfinite_update", 0) in errors
+
+
+def test_a_held_step_released_at_a_step_with_anomalies_of_its_own_is_counted_as_its_own_step(tmp_path):
+    """A real explosion at step 0 held while a stale GradScaler is tried, released (as read) at step 1, which has
+    its own NaN gradient: two anomaly steps, one explosion, one NaN step, as the run with no scaler alive counts.
+    Before: one anomaly step (the held step's anomalies counted with step 1's)."""
+    config = DebugConfig(output_dir=str(tmp_path / "c"))
+    *_, control = _fp32_run(config, explode_at=0, nan_at=1, steps=2)
+    earlier = _model(6)
+    stale, old = torch.amp.GradScaler("cpu"), torch.optim.SGD(earlier.parameters(), lr=0.1)
+    stale.scale(earlier(torch.ones(2, 8)).sum()).backward()
+    stale.step(old)
+    stale.update()
+    results, _, tdbg = _fp32_run(config.replace(output_dir=str(tmp_path / "s")), explode_at=0, nan_at=1, steps=2)
+    assert stale.is_enabled()
+    assert results[0]["anomalies"] == [] and "gradient_explosion" in results[1]["anomalies"]  # held, then released
+    counts = ("anomaly_steps", "gradient_explosions", "nonfinite_steps", "skipped_steps")
+    summary, expected = tdbg.get_summary(), control.get_summary()
+    assert [summary[k] for k in counts] == [expected[k] for k in counts] == [2, 1, 1, 0]
 
 
 def test_a_run_closed_right_after_its_first_scaled_step_decides_the_trial_at_close(tmp_path):

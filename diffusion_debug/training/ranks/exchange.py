@@ -80,8 +80,9 @@ class RankExchange:
         check_ranks: bool,
         checksums: Callable[[], torch.Tensor],
         params: TrainableParameters,
-        before_details: Callable[[], None] = lambda: None,
+        before_details: Callable[[RankSummary], None] = lambda summary: None,
         stalled: bool = False,
+        held: bool = False,
     ) -> tuple[RankSummary, Details | None]:
         """The step's exchange: the reduce; on a detail step (some rank flagged, or a replica-check
         step) every rank's details, and on a replica-check step whose checksums differ every rank's
@@ -90,11 +91,13 @@ class RankExchange:
         rank received. ``before_details`` runs after the reduce (``judged.flags`` ORed) on every
         rank, before the details are gathered: work every rank does together or none does, whose
         findings the details then carry. ``stalled``: this rank's anomalies are its stall alone
-        (``LocalJudge.stall_alone``), which asks for the details only where no rank's weights moved."""
-        summary = self.summarize(own, judged.anomalies, judged.flags, failed=not own.measured, stalled=stalled)
+        (``LocalJudge.stall_alone``), which asks for the details only where no rank's weights moved. ``held``:
+        this rank holds the step's verdict (``step.found_scaler``): the details are exchanged, so that a rank
+        that releases it in place (``before_details``, some rank not holding) has every rank see it."""
+        summary = self.summarize(own, judged.anomalies, judged.flags, not own.measured, stalled, held)
         for name in dataclasses.asdict(judged.flags):  # the step counts: the same on every rank
             setattr(judged.flags, name, summary.flags[name])
-        before_details()
+        before_details(summary)
         if not (summary.needs_detail or check_ranks):
             self.remember(joined, record)
             return summary, None
@@ -112,15 +115,22 @@ class RankExchange:
         return summary, details
 
     def summarize(
-        self, own: StepRow, anomalies: list[Anomaly], flags: StepFlags, failed: bool, stalled: bool = False
+        self,
+        own: StepRow,
+        anomalies: list[Anomaly],
+        flags: StepFlags,
+        failed: bool,
+        stalled: bool = False,
+        held: bool = False,
     ) -> RankSummary:
         """The step's one collective: every rank learns whether any found something (a stall alone,
-        ``stalled``, apart), the flags ORed, and the extremes of :data:`~.summary.AGGREGATED` with their ranks."""
+        ``stalled``, apart; a verdict ``held`` counts as found), the flags ORed, and the extremes of
+        :data:`~.summary.AGGREGATED` with their ranks."""
         values = {name: own.pre_clip_norm if name == "grad_norm" else getattr(own, name) for name in AGGREGATED}
         values = values if own.measured else {}
         if values and not own.loss_count:  # no call of the step gave a loss (NO_LOSS: a pipeline stage's
             del values["loss"]  # backward): its row's NaN is no loss, so not the step's largest one
-        found = {"anomalies": bool(anomalies) and not stalled, "stalled": stalled, "failed": failed}
+        found = {"anomalies": (bool(anomalies) and not stalled) or held, "stalled": stalled, "failed": failed}
         flag_values = {**dataclasses.asdict(flags), **found}
         packed = self.layout.pack(values, flag_values, self.ctx.rank)
         return self.layout.unpack(self.ctx.all_reduce_max(packed))

@@ -24,14 +24,21 @@ another optimizer's) is dropped: the held anomalies are emitted as read, with th
 acts on them then, a monitored step late. Nothing is divided by an unconfirmed scale. So a real NaN at a run's
 first step that looks scaled, with an enabled GradScaler alive that does not step it, is raised by policy
 ``raise`` at the optimizer's next step, after ``optimizer.step()`` applied it (the trade for never stopping a
-healthy scaled run at its first overflow). Limits: one process only (a held verdict would split the ranks'
-collectives); the held step's recorded row keeps its scaled norm; at close a pending trial is decided the same
-way, with no policy after it, except where the optimizer has not stepped since (the script failed between the
-monitor and ``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real NaN stays
-an error) with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can be decided
-leaves it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler stepping it (then
-the step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already at the
-suspicious step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
+healthy scaled run at its first overflow). Several processes (DDP without Accelerate): the ranks hold together (the
+all-reduced gradients give every rank one norm; the same script, the same scalers), a holder asks for the step's
+detail exchange, and where the step's reduce says some rank held none (its NaN loss, a failure, a norm below the
+threshold) the holders release the step in place (``StepMonitor._held_alone``): every rank judges the same
+anomalies in the same step, and a release at a later step goes through that step's exchange. Limits: a rank that
+alone finds no scaler on its heap is not told apart (it reads the step as scaled; the policy still acts alike on
+every rank, from the exchange); once confirmed, the held step's recorded row is read unscaled
+(``RunRecord.amend_step``: the kept row and the stream, every rank's norm in it too) on its own rank only (the copy
+of it another rank's detail exchange gave the main process keeps the scaled norms); at close a pending trial is
+decided the same way, with no policy after it, except where the optimizer has not stepped since (the script failed
+between the monitor and ``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real
+NaN stays an error) with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can
+be decided leaves it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler
+stepping it (then the step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already
+at the suspicious step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class Trial:
     ran: list = dataclasses.field(default_factory=list)
     """Not empty once ``optimizer.step()`` ran after the held step (its step hook): a loop that went on."""
     hook: Any = None
+    max_grad_norm: float | None = None
+    """The held step's ``max_grad_norm``: its row's ``grad_norm_clipped`` read anew from the unscaled norm."""
 
     def end(self) -> None:
         if self.hook is not None:
@@ -89,6 +98,9 @@ class FoundScalers:
         self._skip_read: Any = None
         """The per-optimizer state whose skip was counted: one ``update()`` skips every optimizer it found Inf in
         (a GAN's two), counted once, as the scale's fall counts it for a scaler passed."""
+        self.confirmed_at: tuple[Any, float, float | None] | None = None
+        """The held step just confirmed, its scale and its ``max_grad_norm``: its recorded row to unscale
+        (:func:`unscaled_values`)."""
 
     def scaler_for(self, optimizer: Any) -> Any:
         """The scaler confirmed for ``optimizer``, or None."""
@@ -109,9 +121,9 @@ class FoundScalers:
             except TypeError:  # not weakly referable (``__slots__`` without ``__weakref__``): never searched
                 pass
 
-    def hold(self, optimizer: Any, step: Any, anomalies: list[Anomaly]) -> bool:
+    def hold(self, optimizer: Any, step: Any, anomalies: list[Anomaly], max_grad_norm: float | None = None) -> bool:
         """At a step that looks scaled with no scaler known: search once for ``optimizer``; True when scalers
-        went on trial (``anomalies``, the step's verdict as read, are then held)."""
+        went on trial (``anomalies``, the step's verdict as read, are then held; ``max_grad_norm``, the step's)."""
         raw = raw_optimizer(optimizer)
         if raw is None or self.trial is not None or noting() or raw in self._searched:
             return False  # (launch walks no heap: its patched GradScaler.scale passes every scaler it saw)
@@ -127,7 +139,7 @@ class FoundScalers:
                 candidates.append((weakref.ref(obj), obj._per_optimizer_states, float(obj.get_scale())))
         if not candidates:
             return False
-        trial = Trial(weakref.ref(raw), id(raw), candidates, step, list(anomalies))
+        trial = Trial(weakref.ref(raw), id(raw), candidates, step, list(anomalies), max_grad_norm=max_grad_norm)
         if hasattr(raw, "register_step_post_hook"):  # (the list alone in its closure: no cycle to the optimizer;
             ran = trial.ran  # one entry at most, should a debugger never closed leave the hook on)
             trial.hook = raw.register_step_post_hook(lambda *_: ran or ran.append(True))
@@ -152,6 +164,7 @@ class FoundScalers:
             self.trial = None
             trial.end()
             self._confirmed[raw], self.any_confirmed = ref, True
+            self.confirmed_at = (trial.step, scale, trial.max_grad_norm)
             found_inf = sum(float(v.sum()) for v in entry.get("found_inf_per_device", {}).values())
             skipped = [] if states is self._skip_read else self._skip(trial, scale, scaler, found_inf, at)
             if skipped:
@@ -208,6 +221,47 @@ class FoundScalers:
         return [
             make_anomaly(kind="skipped_step", severity="info", component="model", step=trial.step, details=details)
         ]
+
+
+_SCALED = ("grad_norm", "max_update_to_weight_ratio")
+_SCALED_MODULES = ("top_module_grad_norms", "bottom_module_grad_norms")
+
+
+def unscaled_values(row: dict[str, Any], scale: float, max_grad_norm: float | None = None) -> dict[str, Any]:
+    """The fields of a held step's recorded ``row`` that its confirmed scaler's ``scale`` multiplied, over it, and
+    the scale (a non-finite value, kept as its string, stays; the modules' order is the same): under several
+    processes every rank's norm too (``grad_norms_by_rank``, the extremes in ``ranks``: DDP's ranks share one
+    scale). ``grad_norm_clipped`` (whether ``clip_grad_norm_(max_grad_norm)`` clips) is read anew from the
+    unscaled norm where the step's ``max_grad_norm`` is given (else it was None: unknown).
+
+    >>> unscaled_values({"grad_norm": 131072.0, "grad_norm_clipped": True, "top_module_grad_norms": {"0": 65536.0},
+    ...                  "grad_norms_by_rank": [131072.0, "inf"], "ranks": {"grad_norm": {"min": 131072.0,
+    ...                  "min_rank": 0, "max": "inf", "max_rank": 1}}}, 65536.0, max_grad_norm=100.0)
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'grad_scale': 65536.0, 'grad_norm': 2.0, 'grad_norm_clipped': False, 'top_module_grad_norms': {'0': 1.0},
+     'grad_norms_by_rank': [2.0, 'inf'], 'ranks': {'grad_norm': {'min': 2.0, 'min_rank': 0, 'max': 'inf',
+     'max_rank': 1}}}
+    """
+    values: dict[str, Any] = {"grad_scale": scale}
+    for name in _SCALED:
+        if _number(row.get(name)):
+            values[name] = row[name] / scale
+    if max_grad_norm is not None and "grad_norm" in values and not math.isnan(values["grad_norm"]):
+        values["grad_norm_clipped"] = bool(values["grad_norm"] > max_grad_norm)  # as StepRow.clipped reads it
+    for name in _SCALED_MODULES:
+        if isinstance(row.get(name), dict):
+            values[name] = {k: v / scale if _number(v) else v for k, v in row[name].items()}
+    if isinstance(row.get("grad_norms_by_rank"), list):
+        values["grad_norms_by_rank"] = [v / scale if _number(v) else v for v in row["grad_norms_by_rank"]]
+    ranks = row.get("ranks")
+    if isinstance(ranks, dict) and isinstance(ranks.get("grad_norm"), dict):
+        norm = {k: v / scale if k in ("min", "max") and _number(v) else v for k, v in ranks["grad_norm"].items()}
+        values["ranks"] = {**ranks, "grad_norm": norm}
+    return values
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _stepped(entry: Any) -> bool:

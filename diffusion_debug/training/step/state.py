@@ -134,6 +134,10 @@ class MonitoredStep:
     samples_given: set[str] = field(default_factory=set)
     last: tuple[Any, Any, Any] | None = None
     """The optimizer, scaler and the GradScaler's per-step state its measurement found (``StepMonitor._last``)."""
+    held: bool = False
+    """This rank holds the step's verdict while a GradScaler not passed is tried (``step.found_scaler``)."""
+    released: Any = None
+    """The number of an earlier step whose held verdict this step released (None: none): counted as that step."""
 
 
 def recorded_index(step: Any, default: int, offset: int = 0) -> Any:
