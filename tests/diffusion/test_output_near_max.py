@@ -237,20 +237,24 @@ def test_a_near_max_that_a_larger_image_moves_to_conv_norm_out_is_named_at_conv_
         dbg.close()
 
 
-def test_a_near_max_on_runs_the_sentinel_does_not_read_is_still_named_by_one_replay(tmp_path):
-    """The replay path stays for the runs the sentinel's pace skips: a reused debugger's 4th and 5th runs read no
-    VAE group (its decoders' runs: 1, 2, 6, 10...), so the output check flags the near-max at conv_out and one
-    replay names it (the 5th: that replay's, said so); the 6th run's sentinel names it as read."""
+@pytest.mark.parametrize("component, module, read", [("vae", CONV_OUT, 6), ("text_encoder", "final_layer_norm", 7)])
+def test_a_near_max_on_runs_the_sentinel_does_not_read_is_still_named_by_one_replay(tmp_path, component, module, read):
+    """The replay path stays for the runs the sentinel's pace skips: after a reused debugger's first 3 runs, the
+    VAE decode's group reads runs 6, 10... and the encoders' 7, 11... (``SENTINEL_PHASES``), so at the 4th run the
+    output check flags the near-max at the end module and one replay names it, the later runs not read name it
+    from that replay (said so), and the first run its group reads names it by the sentinel as read."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
+    name = clip_name(module) if component == "text_encoder" else module
     dbg = debugger(pipe, tmp_path)
     for _ in range(3):
         with dbg:
             run(pipe, steps=1)
-    with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=0.61):
-        for _ in range(3):
+    with plant_overflow(getattr(pipe, component).get_submodule(name), fraction=0.61):
+        for _ in range(4, read + 1):
             with dbg:
                 run(pipe, steps=1)
-    found = [(a.module, a.details.get("run"), a.details["localized_by"]) for a in risks(dbg)]
-    assert found == [(CONV_OUT, 4, REPLAYED), (CONV_OUT, 5, EARLIER), (CONV_OUT, 6, SENTINEL)]
-    assert replays(dbg) == ["vae"]
+    found = [(a.module, a.details.get("run"), a.details["localized_by"]) for a in risks(dbg, component)]
+    earlier = [(name, later, EARLIER) for later in range(5, read)]
+    assert found == [(name, 4, REPLAYED), *earlier, (name, read, SENTINEL)]
+    assert replays(dbg) == [component]
     dbg.close()
