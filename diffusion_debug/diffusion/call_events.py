@@ -49,6 +49,7 @@ from .components.call_sites import CallSite
 from .components.computes_in import autocast_over, computes_in
 from .components.inventory import call_phase, is_loop_role
 from .components.roles import role
+from .replay.decide import replayed_how
 
 _OUTPUT_MAX = {torch.float16: float(torch.finfo(torch.float16).max)}
 """The output dtypes whose near-overflow a text encoder or VAE call's output check flags."""
@@ -59,8 +60,8 @@ MAX_ENCODED = 8
 loop of ``encode_prompt`` calls with no other call between holds no more than this."""
 OUTPUT_CHECK = "output check (the call's output; no probe reading named a module)"
 COMPILED_OUTPUT = "output check (a compiled component: nothing inside it is read)"
-OUTPUT_REPLAYED = "output check -> replay with full probes"
-EARLIER_REPLAY = "output check -> an earlier call's replay"
+OUTPUT_REPLAYED = replayed_how("output check")
+EARLIER_REPLAY = replayed_how("output check", earlier=True)
 """How a near-overflow output is found (:meth:`CallEvents.output_overflow`): a compiled component's apart; an eager
 one's named by a replay, or by the same debugger's earlier replay of it (its replay memory: once per debugger)."""
 UNSTEPPED_NOTE = "no scheduler.step seen between denoiser calls; each call is checked on its own"
@@ -649,15 +650,11 @@ class CallEvents:
         with self.guard("overflow_risk"):
             compiled = site.component in self.probes.compiled
             reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
-            if not compiled:  # one replay of the kept call, with full probes
-                seen, spent = checks.Suspects(None, None, reading), self.localizer.memory.seconds
+            if not compiled:  # one replay of the kept call, with full probes (none: named by an earlier call's)
+                seen = checks.Suspects(None, None, reading)
                 found = self.localizer.check(
                     site.component, [reading], seen, True, step, timestep, phase, site.prefix, OUTPUT_CHECK
                 )
-                for anomaly, _ in found:  # no replay now: named by this debugger's earlier call's
-                    replayed = anomaly.kind == "overflow_risk" and anomaly.details["localized_by"] == OUTPUT_REPLAYED
-                    if replayed and self.localizer.memory.seconds == spent:
-                        anomaly.details["localized_by"] = EARLIER_REPLAY
                 self.emit(found)
                 return
             found = checks.overflow_risk(

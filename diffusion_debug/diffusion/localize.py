@@ -47,6 +47,7 @@ from .replay.decide import (
     decide,
     nonfinite_replayed,
     overflow_replayed,
+    replayed_how,
     unwatched_text,
 )
 from .run_guard import RunGuards
@@ -376,8 +377,8 @@ class Localizer:
         released = {"replay_cache_released_bytes": self.calls.released} if self.calls.released else {}
         shown = nonfinite_replayed(replayed, self.config.overflow_fraction) if replayed is not None else None
         if shown is not None and shown[0] is not None:
-            how, (made, where, near) = "sentinel" if probed else "output check", shown
-            how, where = f"{how} -> replay with full probes", {**where, **released}
+            how, (made, where, near) = replayed_how("sentinel" if probed else "output check"), shown
+            where = {**where, **released}
             return Source(made.module, how, False, where, near, made.dtype), len(replayed)
         if shown is not None:
             return Source("", "replay with full probes: inputs were already non-finite", True), len(replayed)
@@ -419,7 +420,7 @@ class Localizer:
         error at that module instead (:meth:`_clipped_inf`). A block at the max (or 1000 below) is replayed once
         a run even where an earlier run's overflow was localised there: a clip hides an Inf that way. ``by``:
         :meth:`check`'s ``output`` (the call's output at its site, ``""`` a text encoder's: not the user's inputs)."""
-        fraction = self.config.overflow_fraction
+        fraction, shown = self.config.overflow_fraction, None
         if plan.replay is not None:
             replayed = self.replay(component, plan.replay, step)
             shown = None if replayed is None else overflow_replayed(replayed, plan.replay, fraction, clean=plan.clean)
@@ -428,7 +429,7 @@ class Localizer:
             return self._clipped_inf(component, plan.clipped, plan.how, plan.replayed, step, timestep, phase)
         reading, how = plan.reading, by or ("full probes" if self.full(component) else "sentinel")
         if plan.known is not None:  # (a reading of its own, "": where its own forward built the values)
-            reading, how = plan.known, f"{'output check' if by else 'sentinel'} -> replay with full probes"
+            reading, how = plan.known, replayed_how("output check" if by else "sentinel", earlier=shown is None)
         if plan.skip or not (by or reading.module):  # brought by the call's arguments, before its first module
             passed = self.inputs.near_max(fraction)  # the user's (a host read, on a near-overflow only)
             if passed:

@@ -79,8 +79,12 @@ def test_a_vae_replaced_by_its_torch_compile_wrapper_is_watched_as_the_eager_vae
         for _ in range(2):
             with plant_overflow(faulty, fraction=0.61), later:
                 call(pipe)
-        # read with full probes once per pipeline (dbg's call did): the sentinel, then a replay, at each
-        expected = [("overflow_risk", "vae", VAE_UPSAMPLER, "sentinel -> replay with full probes")] * 2
+        # read with full probes once per pipeline (dbg's call did): the sentinel at each, a replay at the first, the
+        # second named from that replay (the debugger's replay memory: no replay of its own)
+        expected = [
+            ("overflow_risk", "vae", VAE_UPSAMPLER, "sentinel -> replay with full probes"),
+            ("overflow_risk", "vae", VAE_UPSAMPLER, "sentinel -> an earlier call's replay"),
+        ]
     with plant_nonfinite(faulty, value=float("nan")), later:
         call(pipe)
     how = "sentinel" if dtype == torch.float16 else "output check"
@@ -90,6 +94,8 @@ def test_a_vae_replaced_by_its_torch_compile_wrapper_is_watched_as_the_eager_vae
         *expected,
         ("nonfinite", "vae", VAE_UPSAMPLER, f"{how} -> replay with full probes"),
     ]
+    replays = [e["component"] for e in later.record.events if e["type"] == "replay"]
+    assert replays == ["vae"] * (2 if dtype == torch.float16 else 1)  # (the first near-max's, the NaN's)
     watched = [a for a in later.report().anomalies if a.component == "vae" and a.kind != "compile_bypassed"]
     assert watched and all(a.details["sd_vae"] for a in watched)  # the fp16-fix advice
     assert dynamo_counts() == (0, 0)  # no graph: the decode ran eagerly throughout

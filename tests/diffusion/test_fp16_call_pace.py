@@ -180,10 +180,10 @@ def test_one_attach_around_a_serving_loop_reads_the_vae_and_text_encoder_fully_o
     """``with dbg:`` around six 1-step calls (a serving loop) reads the fp16 VAE and text encoder
     with full probes on the first call alone, as a debugger attached at every call does: calls 2 to 6
     run the hooks and readings of the attach-per-call pattern's calls 2 to 6 (the sentinels: all at run 2,
-    22 hooks and 14 readings; the text encoder's at run 3, the UNet's at 5, the VAE's at 6; 8 hooks and 0
-    readings at run 4), where every call of the one
-    attach ran full probes on every module of both (174 to 181 hooks and 120 to 127 readings a call
-    on tiny SD). The images are bitwise the plain ones."""
+    26 hooks and 18 readings; the text encoder's at run 3, the UNet's at 5, the VAE's at 6; 8 hooks and 0
+    readings at run 4; 22 and 14 before vae36 watched the VAE decoder's and text encoder's end modules), where
+    every call of the one attach ran full probes on every module of both (174 to 181 hooks and 120 to 127 readings
+    a call on tiny SD). The images are bitwise the plain ones."""
     patterns = {}
     for pattern in ("once", "per_call"):
         pipe = tiny_pipeline("sd", dtype=torch.float16)  # its own memo of components read fully
@@ -219,8 +219,8 @@ def test_one_attach_around_a_serving_loop_reads_the_vae_and_text_encoder_fully_o
     assert hooked == hooked_per_call == {"vae": [1, 0, 0, 0, 1], "text_encoder": [1, 1, 0, 0, 0]}  # calls 2 to 6
     assert once[1:] == per_call[1:]
     readings = [count.pop(READINGS, 0) for count in once[1:]]
-    assert readings == [14, 2, 0, 7, 5]  # the UNet's sentinel 7, the text encoder's 2 (CFG), the VAE's 5
-    assert [sum(count.values()) for count in once[1:]] == [22, 10, 8, 15, 13]  # the call sites' 8 and the sentinels'
+    assert readings == [18, 4, 0, 7, 7]  # the UNet's sentinel 7, the text encoder's 2 x 2 (CFG), the VAE's 7
+    assert [sum(count.values()) for count in once[1:]] == [26, 12, 8, 15, 15]  # the call sites' 8 and the sentinels'
 
 
 def nan_at_one_call(tmp_path, pipe, call, component, module, at, calls, levels):
@@ -323,8 +323,9 @@ def test_one_attach_around_modular_calls_reads_the_vae_and_text_encoders_fully_o
     once, per_call = patterns["once"], patterns["per_call"]
     assert once[1] - per_call[1] == {"Probe._attach_armed.<locals>.arm": 1} and not per_call[1] - once[1]
     assert once[2:] == per_call[2:]  # runs 3 to 5: the same sentinels run in either (run 4: none of ours)
-    assert [count[READINGS] for count in once[1:]] == [23, 2, 0, 16]
-    assert [count[READINGS] for count in per_call[1:]] == [23, 2, 0, 16]
+    # 23 and 2 before vae36 watched the end modules (the VAE decoder 2, text_encoder 1, text_encoder_2 2)
+    assert [count[READINGS] for count in once[1:]] == [28, 5, 0, 16]
+    assert [count[READINGS] for count in per_call[1:]] == [28, 5, 0, 16]
 
 
 @modular

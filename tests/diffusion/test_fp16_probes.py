@@ -22,13 +22,16 @@ REPLAYED = "sentinel -> replay with full probes"
 OUTPUT_REPLAYED = "output check -> replay with full probes"  # a step the UNet's sentinel does not read
 RECEIVED = "sentinel: its inputs were already non-finite"
 VAE_DECODER_BLOCKS = [  # what the VAE's sentinel watches of a decode (the encoder's blocks run only for img2img):
-    # its blocks that hold modules, not the decoder's single convs and norm at either end (conv_in, conv_norm_out,
-    # conv_out), whose NaN/Inf the decode's output check finds and a replay names; post_quant_conv runs outside it;
-    # the mid block is one block, as each up block is
+    # its blocks that hold modules and the single modules after them (conv_norm_out, conv_out: the decode's end, whose
+    # near-max or NaN/Inf the sentinel names at its module as read), not conv_in before them (its near-max reaches the
+    # first block's output, read, and a replay names it); post_quant_conv runs outside the decoder; the mid block is
+    # one block, as each up block is
     "decoder.up_blocks.0",
     "decoder.up_blocks.1",
     "decoder.up_blocks.2",
     "decoder.mid_block",
+    "decoder.conv_norm_out",
+    "decoder.conv_out",
     "post_quant_conv",
 ]
 UNET_BLOCKS = [  # the fp16 UNet's sentinel: its blocks, its mid block as one, and conv_out (its output is the call's)
@@ -74,10 +77,11 @@ def test_a_component_called_once_per_image_is_read_fully_once_then_by_its_block_
         assert probes.levels == {"unet": "sentinel", "text_encoder": "sentinel", "vae": "sentinel"}
         decoder = [n for n in probes.probes["vae"].module_names if not n.startswith(("encoder.", "quant_conv"))]
         assert decoder == VAE_DECODER_BLOCKS
-        # its layer stack at its last layer (a residual stream: what a layer makes reaches it), not its
-        # embeddings nor its last norm
+        # its layer stack at its last layer (a residual stream: what a layer makes reaches it) and its last norm
+        # (the call's end), not its embeddings
         text = probes.probes["text_encoder"].module_names
-        assert [name.split(".")[-2:] for name in text] == [["layers", "1"]]
+        assert [name.split(".")[-2:] for name in text[:-1]] == [["layers", "1"]]
+        assert text[-1] == clip_name("final_layer_norm")
         assert probes.probes["unet"].module_names == UNET_BLOCKS
     dbg.clear_debug_history()  # forgets the first reads too: the next call is read fully again
     with dbg:
@@ -238,13 +242,14 @@ def test_an_fp16_vae_near_overflow_after_the_first_call_is_named_at_its_module_w
 @pytest.mark.parametrize(
     "component, module", [("vae", "decoder.conv_out"), ("text_encoder", clip_name("final_layer_norm"))]
 )
-def test_an_fp16_near_overflow_at_an_end_module_after_the_first_call_is_named_by_one_replay_from_the_output(
+def test_an_fp16_near_overflow_at_an_end_module_after_the_first_call_is_named_at_it_by_the_sentinel(
     fp16_sd, tmp_path, component, module
 ):
-    """The sentinel leaves out the single modules at either end of a VAE or text encoder: a finite
-    near-overflow one of them makes is seen at the call's output, from the abs-max the output check
-    measures anyway (no added op), and named at its module by one replay of the kept call with full
-    probes (DESIGN), with the component's upcast advice (before: at the output, no module named)."""
+    """The sentinel of a VAE or text encoder watches the single modules after its call site's last block (vae36): a
+    finite near-overflow one of them makes is named at its module by the sentinel's reading itself, with no replay
+    (a leaf: nothing inside it to name), with the component's upcast advice (vae35: seen at the call's output and
+    named by one replay of the kept call; that path stays for the runs the sentinel's pace does not read:
+    ``test_output_near_max.py``)."""
     dbg = warmed(fp16_sd, tmp_path)
     target = getattr(fp16_sd, component)
     module = suffixed(target, module)
@@ -253,14 +258,14 @@ def test_an_fp16_near_overflow_at_an_end_module_after_the_first_call_is_named_by
     risks = [a for a in later_run(dbg, "overflow_risk") if a.component == component]
     assert [(a.component, a.module, a.step) for a in risks] == [(component, module, None)]
     (risk,) = risks
-    assert risk.details["localized_by"] == OUTPUT_REPLAYED
+    assert risk.details["localized_by"] == "sentinel"
     assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
     assert risk.message.startswith(f"{component}.{module} output reached 61%")
     if component == "vae":
         assert risk.message.endswith(f"; {SD_FP16_VAE}.")
     else:
         assert "run this component in bfloat16 or float32" in risk.message
-    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == [component]
+    assert [e for e in dbg.record.events if e["type"] == "replay"] == []  # (named as read)
     dbg.close()
 
 
@@ -409,8 +414,13 @@ def test_a_cfg_calls_two_text_encoder_calls_are_read_in_one_flush_before_the_den
     finally:
         fused.HeldAbsmax.flush = flush
         hook.remove()
-    text = len(dbg._steps.probes._kept["text_encoder"][0])  # its watched layers
-    assert at_unet == [1] and flushes[0] == 2 * (text + 1), flushes  # both calls' layers and outputs, then the UNet
+    # its watched modules: its last layer, then its final_layer_norm, whose output is the call's output (CLIP's
+    # last_hidden_state), so the output check finds it held (its slot) and holds no tensor of its own
+    text = [name for name, _ in dbg._steps.probes._kept["text_encoder"][0]]
+    assert text[-1] == clip_name("final_layer_norm") and len(text) == 2, text
+    assert at_unet == [1] and flushes[0] == 2 * len(text), (
+        flushes
+    )  # both calls' modules (output: the last's), then UNet
     assert len(flushes) == 3, flushes
     # blocking: the text encoder's calls, the VAE decode; the step's copy is deferred (with the schedule's values)
     assert (len(watched.blocking) - len(plain.blocking), len(watched.deferred)) == (2, 1), (watched.calls, plain.calls)

@@ -55,7 +55,7 @@ def test_unet_overflow_is_replayed_once_across_runs(tmp_path):
     assert len(risks) == 2 and {a.component for a in risks} == {"unet"}
     assert (
         len({a.module for a in risks}) == 1
-        and risks[1].details["localized_by"] == "sentinel -> replay with full probes"
+        and risks[1].details["localized_by"] == "sentinel -> an earlier call's replay"  # (the one replay: the 1st's)
     )
     dbg.clear_debug_history()  # forgets the localisation: the next run replays again
     handle = plant_overflow(pipe.unet.get_submodule("up_blocks.1"), fraction=0.7)

@@ -1,8 +1,10 @@
-"""An fp16 near-overflow that no probe reading names, flagged at a VAE's or text encoder's output (the sentinel
-leaves out the single modules at either end of the stack), is named at its module by ONE replay of the kept call
-with full probes (DESIGN: a near-overflow output is localised by a replay): once per debugger (its replay memory);
-a debugger made per call replays once per call, so that the name stays right when the weights or the inputs change
-(nothing of a finding is kept with the pipeline). Images are bitwise equal."""
+"""An fp16 near-overflow at a VAE's or text encoder's end modules (after the call site's last block: the VAE
+decoder's ``conv_norm_out`` and ``conv_out``, a CLIP encoder's ``final_layer_norm``) is named at its module by the
+sentinel's own reading (it watches them since vae36: no replay, 0 counted). One the sentinel does not read (a run
+its pace skips, probes off) is flagged at the call's output and named by ONE replay of the kept call with full
+probes (DESIGN: a near-overflow output is localised by a replay): once per debugger (its replay memory); nothing of
+a finding is kept with the pipeline, so that the name stays right when the weights or the inputs change. Images
+are bitwise equal."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from diffusion_debug.testing.features import clip_name
 FP16_MAX = float(torch.finfo(torch.float16).max)
 CONV_OUT = "decoder.conv_out"
 REPLAYED = "output check -> replay with full probes"
+SENTINEL = "sentinel"
 EARLIER = "output check -> an earlier call's replay"
 OUTPUT_CHECK = "output check (the call's output; no probe reading named a module)"
 
@@ -34,10 +37,10 @@ def replays(dbg):
 
 
 @pytest.mark.parametrize("value", [60000.0, 65000.0])
-def test_a_vae_near_max_at_conv_out_is_named_there_by_one_replay_per_debugger(tmp_path, value):
-    """The first full read names it as read; that debugger's later call, a second debugger and one made per call
-    each name it by one replay (before: 0 replays, from a memory kept with the pipeline, wrong once inputs or
-    weights changed)."""
+def test_a_vae_near_max_at_conv_out_is_named_there_by_the_sentinel_with_no_replay(tmp_path, value):
+    """The first full read names it as read; that debugger's later calls, a second debugger and one made per call
+    each name it by their sentinel's reading of conv_out, with no replay (vae35: the output check's replay, one per
+    debugger; at the max one a run)."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     plain = run(pipe, steps=1)
     with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=value / FP16_MAX):
@@ -57,29 +60,21 @@ def test_a_vae_near_max_at_conv_out_is_named_there_by_one_replay_per_debugger(tm
     assert all((image == planted).all() for image in images)
     assert not (plain == planted).all()  # (the plant changed the image: the check is not vacuous)
     found = [(a.module, a.details.get("run"), a.details["localized_by"]) for a in risks(first)]
-    at_max = value >= FP16_MAX - 1000  # (a module at the max is replayed once a run: a clip hides an Inf that way)
-    assert found == [
-        (CONV_OUT, 1, "full probes"),
-        (CONV_OUT, 2, REPLAYED),
-        (CONV_OUT, 3, REPLAYED if at_max else EARLIER),
-    ]
+    assert found == [(CONV_OUT, 1, "full probes"), (CONV_OUT, 2, SENTINEL), (CONV_OUT, 3, SENTINEL)]
     for dbg in (second, per_call):
         (risk,) = risks(dbg)
-        assert (risk.module, risk.details["localized_by"]) == (CONV_OUT, REPLAYED)
+        assert (risk.module, risk.details["localized_by"]) == (CONV_OUT, SENTINEL)
         assert risk.details["dtype_max_fraction"] == pytest.approx(value / FP16_MAX, abs=2e-3)
         assert SD_FP16_VAE in risk.message  # (the advice of its pipeline: SD 1.5 reads no force_upcast)
-    assert replays(first) == ["vae"] * (2 if at_max else 1)
-    assert replays(second) == replays(per_call) == ["vae"]
+    assert replays(first) == replays(second) == replays(per_call) == []  # (a leaf read: named as read)
     for dbg in (first, second, per_call):
         dbg.close()
 
 
 @pytest.mark.parametrize("component, module", [("vae", CONV_OUT), ("text_encoder", "final_layer_norm")])
-def test_a_near_max_at_an_end_module_the_first_read_did_not_see_is_named_by_one_replay_per_debugger(
-    tmp_path, component, module
-):
-    """Planted after the pipeline's first full read: the output check's replay names it, once per debugger (a later
-    per-call debugger replays again: before, it named it from a memory with none)."""
+def test_a_near_max_at_an_end_module_the_first_read_did_not_see_is_named_by_the_sentinel(tmp_path, component, module):
+    """Planted after the pipeline's first full read: each later debugger's sentinel names it, no replay (vae35: the
+    output check's replay, once per debugger)."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     with debugger(pipe, tmp_path / "clean") as clean:
         run(pipe, steps=1)
@@ -94,19 +89,18 @@ def test_a_near_max_at_an_end_module_the_first_read_did_not_see_is_named_by_one_
     assert (first == planted).all() and (again == planted).all()
     assert not risks(clean, component)
     (risk,) = risks(replayed, component)
-    assert (risk.module, risk.details["localized_by"]) == (name, REPLAYED)
+    assert (risk.module, risk.details["localized_by"]) == (name, SENTINEL)
     assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
-    assert replays(replayed) == [component]
     (risk,) = risks(again_dbg, component)
-    assert (risk.module, risk.details["localized_by"]) == (name, REPLAYED)
-    assert replays(again_dbg) == [component]
+    assert (risk.module, risk.details["localized_by"]) == (name, SENTINEL)
+    assert replays(replayed) == replays(again_dbg) == []
     for dbg in (clean, replayed, again_dbg):
         dbg.close()
 
 
-def test_a_vae_cast_to_float32_and_back_is_named_again_by_a_replay(tmp_path):
+def test_a_vae_cast_to_float32_and_back_is_named_again_by_its_sentinel(tmp_path):
     """Cast to float32, its output is not near its max (no finding, no replay); cast back to float16, a new
-    debugger's output check names it by one replay."""
+    debugger's sentinel names it (vae35: the output check's replay)."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=0.61):
         with debugger(pipe, tmp_path / "fp16") as fp16:
@@ -119,8 +113,8 @@ def test_a_vae_cast_to_float32_and_back_is_named_again_by_a_replay(tmp_path):
             run(pipe, steps=1)
     assert [(a.module, a.details["localized_by"]) for a in risks(fp16)] == [(CONV_OUT, "full probes")]
     assert not risks(fp32) and replays(fp32) == []
-    assert [(a.module, a.details["localized_by"]) for a in risks(again)] == [(CONV_OUT, REPLAYED)]
-    assert replays(again) == ["vae"]
+    assert [(a.module, a.details["localized_by"]) for a in risks(again)] == [(CONV_OUT, SENTINEL)]
+    assert replays(again) == []
     for dbg in (fp16, fp32, again):
         dbg.close()
 
@@ -147,17 +141,21 @@ def test_a_planted_nan_at_conv_out_after_a_named_near_max_is_still_named_by_its_
 
 def test_a_text_encoder_near_max_output_no_replay_names_is_not_blamed_on_near_max_inputs(tmp_path):
     """A text encoder's call site has no prefix (its reading's module is ``""``): where no replay names the module
-    (here: localisation off), its near-max output is the component's, flagged at its output as
-    before, not the user's near-max latents (which it never received)."""
+    (here: localisation off) and no sentinel read it (a debugger's 4th run: its pace reads no group then, not warm),
+    its near-max output is the component's, flagged at its output as before, not the user's near-max latents
+    (which it never received)."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     with debugger(pipe, tmp_path / "clean"):
         run(pipe, steps=1)
     shape = pipe.unet.config.sample_size
     latents = torch.full((1, pipe.unet.config.in_channels, shape, shape), 0.7 * FP16_MAX, dtype=torch.float16)
     name = clip_name("final_layer_norm")
-    with plant_overflow(pipe.text_encoder.get_submodule(name), fraction=0.61):
-        with debugger(pipe, tmp_path / "dbg", localize=False) as dbg:
-            run(pipe, steps=1, latents=latents)
+    dbg = debugger(pipe, tmp_path / "dbg", localize=False)
+    for _ in range(3):
+        with dbg:
+            run(pipe, steps=1)
+    with plant_overflow(pipe.text_encoder.get_submodule(name), fraction=0.61), dbg:
+        run(pipe, steps=1, latents=latents)
     found = [(a.component, a.module, a.details["localized_by"]) for a in risks(dbg, "text_encoder")]
     assert found == [("text_encoder", "", OUTPUT_CHECK)]
     assert not [a for a in dbg.report().anomalies if a.component == "input" and a.kind == "overflow_risk"]
@@ -201,8 +199,8 @@ def rewire(pipe, fraction: float, gain: float = 1.0) -> None:
 
 def test_a_near_max_moved_to_conv_norm_out_by_weights_edited_in_place_is_named_at_conv_norm_out(tmp_path):
     """A first debugger named ``conv_out`` (planted); the weights then edited in place make ``conv_norm_out`` the
-    maker: a later debugger names ``decoder.conv_norm_out`` by its replay (failed before: a memory kept with the
-    pipeline named ``decoder.conv_out``; the parameters' ``_version`` does not see ``.data`` edits)."""
+    maker: a later debugger's sentinel names ``decoder.conv_norm_out`` (the first of the two it reads near the max;
+    failed once: a memory kept with the pipeline named ``decoder.conv_out``)."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     with plant_overflow(pipe.vae.get_submodule(CONV_OUT), fraction=0.61):
         with debugger(pipe, tmp_path / "first") as first:
@@ -212,17 +210,17 @@ def test_a_near_max_moved_to_conv_norm_out_by_weights_edited_in_place_is_named_a
         run(pipe, steps=1)
     assert [(a.module, a.details["localized_by"]) for a in risks(first)] == [(CONV_OUT, "full probes")]
     (risk,) = risks(later)
-    assert (risk.module, risk.details["localized_by"]) == ("decoder.conv_norm_out", REPLAYED)
+    assert (risk.module, risk.details["localized_by"]) == ("decoder.conv_norm_out", SENTINEL)
     assert risk.details["dtype_max_fraction"] == pytest.approx(0.62, abs=2e-3)
-    assert replays(later) == ["vae"]
+    assert replays(later) == []
     for dbg in (first, later):
         dbg.close()
 
 
 def test_a_near_max_that_a_larger_image_moves_to_conv_norm_out_is_named_at_conv_norm_out(tmp_path):
     """At the default size ``conv_out`` makes the near-max (its gain on ``conv_norm_out``'s 47%); at 3x the resolution
-    ``conv_norm_out``'s own output reaches 76%: a later debugger names it there, at its fraction (failed before: a
-    memory of the first read named ``decoder.conv_out`` at 56%)."""
+    ``conv_norm_out``'s own output reaches 76%: a later debugger's sentinel names it there, at its fraction (failed
+    once: a memory of the first read named ``decoder.conv_out`` at 56%)."""
     pipe = tiny_pipeline("sd", dtype=torch.float16)
     rewire(pipe, 0.47, gain=1.3)
     with debugger(pipe, tmp_path / "first") as first:
@@ -232,8 +230,31 @@ def test_a_near_max_that_a_larger_image_moves_to_conv_norm_out_is_named_at_conv_
         run(pipe, steps=1, height=size, width=size)
     assert [(a.module, a.details["localized_by"]) for a in risks(first)] == [(CONV_OUT, "full probes")]
     (risk,) = risks(larger)
-    assert (risk.module, risk.details["localized_by"]) == ("decoder.conv_norm_out", REPLAYED)
+    assert (risk.module, risk.details["localized_by"]) == ("decoder.conv_norm_out", SENTINEL)
     assert risk.details["dtype_max_fraction"] == pytest.approx(0.762, abs=5e-3)
-    assert replays(larger) == ["vae"]
+    assert replays(larger) == []
     for dbg in (first, larger):
         dbg.close()
+
+
+@pytest.mark.parametrize("component, module, read", [("vae", CONV_OUT, 6), ("text_encoder", "final_layer_norm", 7)])
+def test_a_near_max_on_runs_the_sentinel_does_not_read_is_still_named_by_one_replay(tmp_path, component, module, read):
+    """The replay path stays for the runs the sentinel's pace skips: after a reused debugger's first 3 runs, the
+    VAE decode's group reads runs 6, 10... and the encoders' 7, 11... (``SENTINEL_PHASES``), so at the 4th run the
+    output check flags the near-max at the end module and one replay names it, the later runs not read name it
+    from that replay (said so), and the first run its group reads names it by the sentinel as read."""
+    pipe = tiny_pipeline("sd", dtype=torch.float16)
+    name = clip_name(module) if component == "text_encoder" else module
+    dbg = debugger(pipe, tmp_path)
+    for _ in range(3):
+        with dbg:
+            run(pipe, steps=1)
+    with plant_overflow(getattr(pipe, component).get_submodule(name), fraction=0.61):
+        for _ in range(4, read + 1):
+            with dbg:
+                run(pipe, steps=1)
+    found = [(a.module, a.details.get("run"), a.details["localized_by"]) for a in risks(dbg, component)]
+    earlier = [(name, later, EARLIER) for later in range(5, read)]
+    assert found == [(name, 4, REPLAYED), *earlier, (name, read, SENTINEL)]
+    assert replays(dbg) == [component]
+    dbg.close()

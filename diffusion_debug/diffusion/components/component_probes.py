@@ -78,11 +78,13 @@ def probe_levels(
     - One that can overflow keeps the ``sentinel``: its block outputs in fp16 or fp8, taken
       together in one op a call (a UNet's down, mid and up blocks; a transformer denoiser's block
       lists at their last block, :func:`stack_ends`; the VAE decoder's mid and
-      up blocks; a text encoder's layer stack at its last layer: :func:`inner_blocks`, not the single
-      modules at either end of a component called once per image). A NaN/Inf or a near-overflow at a block is named
-      by a replay of the kept call with full probes; one made by a module at either end reaches the
-      call's output, whose abs-max the output check measures anyway and flags on every call
-      (:meth:`~diffusion_debug.diffusion.call_events.CallEvents.check_call`: at the output, no module named).
+      up blocks; a text encoder's layer stack at its last layer: :func:`inner_blocks`, with the single
+      modules after a call site's last block of a component called once per image, not those before its first).
+      A NaN/Inf or a near-overflow at a block is named by a replay of the kept call with full probes; at a single
+      module after the last block, by the sentinel's reading itself (a leaf); one made before the first block
+      reaches that block's output. On a run the sentinel does not read, the call's output, whose abs-max the
+      output check measures anyway and flags on every call
+      (:meth:`~diffusion_debug.diffusion.call_events.CallEvents.check_call`), is named by a replay.
     - A component called once per image (VAE, text and image encoders) that can overflow gets
       ``full`` probes on its first call (``first_calls``: the components not read so yet), which
       also see a near-overflow that a normalisation hides inside a block; the sentinel after that,

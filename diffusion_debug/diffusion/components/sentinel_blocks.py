@@ -1,7 +1,7 @@
 """Which blocks of a component the overflow sentinel reads (:func:`~.component_probes.probe_levels`'s
 ``sentinel``): a UNet's or VAE's blocks, a mid block as one (:func:`overflow_blocks`), a denoiser's without
-the single modules at its ends (:func:`denoiser_blocks`), a component called once per image without those at
-either end of a call site (:func:`inner_blocks`), and a residual stream's layer list at its last layer
+the single modules at its ends (:func:`denoiser_blocks`), a component called once per image without those
+before a call site's first block (:func:`inner_blocks`), and a residual stream's layer list at its last layer
 (:func:`stack_ends`); under float16 autocast, the float16 projections that end a float32 stream's sublayers
 (:func:`residual_projections`, :func:`block_projections`). Each leaves out what another check already reads,
 and a replay with full probes names the module inside a block."""
@@ -87,27 +87,28 @@ def _float32_made(block: nn.Module) -> bool:
 
 def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """The sentinel ``blocks`` of a component called once per image (VAE, text and image encoders),
-    less the single modules (blocks that hold no module) at either end of each call site's stack:
-    the VAE decoder's ``conv_in``, ``conv_norm_out`` and ``conv_out``, a text encoder's
-    ``final_layer_norm``; and a block of lookups only at the start (a text encoder's ``embeddings``,
-    token and position ``nn.Embedding``: two hooks and reductions fewer a CFG call, whose prompt
-    is encoded twice). Such a module's output is bounded by its weights (read with full probes
-    on the first call) and by its input (the call's input, or a normalisation's output), and a
-    NaN/Inf it makes reaches the call's output, checked at the call site and named by a replay
-    with full probes; a near-overflow an embedding makes reaches the first layer's output (a
-    residual stream), read, and the replay names it. Kept: the blocks from a site's first block
-    that holds modules to its last (residual blocks, attentions, layers: where an fp16 activation
-    grows), and every block outside
-    the call sites (the VAE's ``post_quant_conv``, called by ``decode`` ahead of the ``decoder``:
-    no output check sees it on its own). A site none of whose blocks holds a module keeps them all.
-    A text or image encoder's layers are then read at the last layer of their stack (:func:`stack_ends`).
+    less the single modules (blocks that hold no module) before each call site's first block that holds
+    modules: the VAE decoder's ``conv_in``; and a block of lookups only at the start (a text encoder's
+    ``embeddings``, token and position ``nn.Embedding``: two hooks and reductions fewer a CFG call, whose
+    prompt is encoded twice). Such a module's output is bounded by its weights (read with full probes on the
+    first call) and by the call's input; a near-overflow it makes reaches the first block's output (a residual
+    stream), read, and a replay with full probes names it. Kept: the blocks from a site's first block that
+    holds modules on (residual blocks, attentions, layers: where an fp16 activation grows), the single modules
+    after its last one too (the site's end, on its output path: the SD VAE decoder's ``conv_norm_out`` and
+    ``conv_out``, Wan's ``norm_out`` and ``conv_out``, a CLIP text encoder's ``final_layer_norm``, SDXL's
+    second encoder's ``text_projection``, T5's ``final_layer_norm``; no activation: ``probes.probed_modules``),
+    whose near-max or NaN/Inf the sentinel then names at its module as read (a leaf: no replay; before vae36,
+    the call's output check named it by a replay of the kept call), and every block outside the call sites
+    (the VAE's ``post_quant_conv``, called by ``decode`` ahead of the ``decoder``: no output check sees it on
+    its own). A site none of whose blocks holds a module keeps them all. A text or image encoder's layers are
+    then read at the last layer of their stack (:func:`stack_ends`).
 
     >>> block = lambda: nn.Sequential(nn.Linear(1, 1))
     >>> lookup = nn.Sequential(nn.Embedding(2, 1), nn.Embedding(2, 1))
-    >>> encoder = nn.Sequential(lookup, block(), nn.Linear(1, 1), block(), nn.LayerNorm(1))
+    >>> encoder = nn.Sequential(nn.Linear(1, 1), lookup, block(), nn.Linear(1, 1), block(), nn.LayerNorm(1))
     >>> text_encoder = Component("text_encoder", "text_encoder", encoder)
     >>> [name for name, _ in inner_blocks(text_encoder, list(encoder.named_children()))]
-    ['1', '2', '3']
+    ['2', '3', '4', '5']
     """
     prefixes = [site.prefix for site in call_sites(component)]
 
@@ -120,7 +121,7 @@ def inner_blocks(component: Component, blocks: list[tuple[str, nn.Module]]) -> l
         mine = [i for i, site in enumerate(sites) if site == prefix]
         held = [i for i in mine if blocks[i][1]._modules and not _lookup(blocks[i][1])] or mine
         for i in mine:
-            keep[i] = keep[i] or held[0] <= i <= held[-1]
+            keep[i] = keep[i] or held[0] <= i
     kept = [block for block, kept in zip(blocks, keep) if kept]
     return stack_ends(component.module, kept) if component.role in _LAYER_STACKS else kept
 

@@ -183,6 +183,17 @@ class ReplayMemory:
         return Overflow(reading, key, known=inner, between=between)
 
 
+def replayed_how(by: str, earlier: bool = False) -> str:
+    """How a module is named by a replay with full probes of the kept call, found by ``by`` (``"sentinel"``,
+    ``"output check"``): this call's replay, or (``earlier``) one of an earlier call of the same debugger's (its
+    replay memory). The one text of both checks (:mod:`..localize`, :mod:`..call_events`).
+
+    >>> replayed_how("output check"), replayed_how("sentinel", earlier=True)
+    ('output check -> replay with full probes', "sentinel -> an earlier call's replay")
+    """
+    return f"{by} -> an earlier call's replay" if earlier else f"{by} -> replay with full probes"
+
+
 @dataclass(frozen=True)
 class Source:
     """Where a call's NaN/Inf came from, as far as known without a replay: ``module`` (``""``: none named),
@@ -217,7 +228,7 @@ class Overflow:
     known: ModuleReading | None = None
     between: dict[str, str] | None = None
     replayed: int | None = None
-    how: str = "sentinel -> replay with full probes"
+    how: str = replayed_how("sentinel")
     inf: ModuleReading | None = None
     """The sentinel's reading of the Inf this block was read clipping in the call (:func:`clipping_block`): the
     call's finding where the block's replay shows no clip (:meth:`ReplayMemory.overflow_shown`)."""
