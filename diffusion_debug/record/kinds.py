@@ -359,7 +359,7 @@ register_kind(
         "The optimizer steps move no weight although the gradients are normal: the run does not learn (lr 0, an "
         "optimizer holding other parameters, gradients cleared or masked before optimizer.step(), weights put back "
         "after it, updates lost to rounding); of several optimizers (a GAN's), one whose steps alone move none of "
-        "its weights is named."
+        "its weights is named; or no optimizer step runs at all: gradient sync left off (every call a micro-step)."
     ),
     action="Follow the cause the message names: the learning rate, the optimizer's parameters, the loop's order.",
     stage=4,

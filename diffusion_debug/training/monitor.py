@@ -48,7 +48,7 @@ from .measure.optimizer_state import (
     scale_tensor,
     tracking_enabled,
 )
-from .measure.pre_reduction import REDUCTIONS, engine_of, fsdp_groups
+from .measure.pre_reduction import REDUCTIONS, ddp_models, engine_of, fsdp_groups
 from .measure.shards import ShardNorms
 from .measure.step_measurer import StepMeasurer
 from .measure.step_row import SLOTS, LocalReadings, Measurement, StepRow, gathered_rows_to_host
@@ -61,6 +61,7 @@ from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
 from .step.state import Call, History, MonitoredStep, recorded_index
+from .step.sync_off import SyncOffWatch, sync_off, sync_off_cause
 from .watched_models import WatchedModels
 
 
@@ -112,6 +113,10 @@ class StepMonitor:
         self.fsdp_groups = [g for g in groups.values() if any(_trained(p) for p in g.fsdp_params)]
         """FSDP2's parameter groups that train: a call while one reduces no gradient is a micro-step
         (``gradients_complete``); a frozen group's sync, turned off, says nothing of the step."""
+        self.ddp = ddp_models(self.watched.models.values(), accelerator)
+        self.sync_holders = self.fsdp_groups + self.ddp
+        """What ``gradients_complete`` reads a micro-step from besides Accelerate and DeepSpeed: FSDP2's
+        groups and the DDP wrappers (``no_sync()`` turns off their ``require_backward_grad_sync``)."""
         history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
         if ctx.distributed and not self.replicated:  # FSDP2, ZeRO, FSDP1: each rank's shards -> the whole
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
@@ -129,6 +134,8 @@ class StepMonitor:
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
+        self.sync_off = SyncOffWatch()
+        """The micro-steps since the last optimizer step: a loop whose gradient sync stays off is told."""
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
         """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
 
@@ -146,7 +153,15 @@ class StepMonitor:
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
             self.history.counts.micro_steps += 1
+            sync = self.sync_off
+            sync.run += 1
+            if sync.run == 1:
+                sync.since = recorded_index(call.step, self.history.joined, self.config.step_offset)
+            if sync.run == sync.at:  # a loop that turned gradient sync off and never back on
+                self._sync_off(call)
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
+        if self.sync_off.run:  # the stretch of micro-steps this optimizer step ends
+            self.sync_off.ended()
         step = self._begin(call.step, failure)
         released = self._decide_trial(call.optimizer, step.index) if self.found.trial is not None else None
         if not self.history.coverage_checked:
@@ -187,6 +202,16 @@ class StepMonitor:
         except Exception as error:  # strict: raised after the policy's collectives, on this rank only
             step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
+
+    def _sync_off(self, call: Call) -> None:
+        """The stretch of micro-steps is far past any accumulation: what holds the sync off, said once."""
+        index = recorded_index(call.step, self.history.joined, self.config.step_offset)
+        with self.sink.guard("telling a gradient sync left off", step=index, rank=self.ctx.rank):
+            ddp = any(not getattr(m, "require_backward_grad_sync", True) for m in self.ddp)
+            groups = self.fsdp_groups
+            cause = sync_off_cause(call.accumulating, groups, self.accelerator, self.params.partitions, ddp)
+            anomaly = sync_off(self.sync_off, index, self.ctx.rank, cause, self.history.previous_step)
+            self.sink.emit(anomaly, log=self.ctx.is_main)
 
     def judge_last_skip(self, at: str = "close") -> None:
         """At close (and at a report: ``at``): whether the last monitored step's optimizer step was
