@@ -236,12 +236,13 @@ register_kind(
     colour="#8c564b",
     meaning=(
         "The optimizer step was skipped (fp16 loss scaler found Inf/NaN gradients, or the policy skipped it); "
-        "a warning when 3 skips fall within 20 steps after the scale settled."
+        "a warning when 3 skips fall within 20 steps after the scale settled, or 16 come in a row from the start."
     ),
     action="A few skips while the scale settles are normal; many in a row mean the model overflows in fp16.",
     stable=True,
     stage=4,
     message=training_messages.skipped_step,
+    distinct_by=("skipped_since",),  # every step skipped from the start: its warning apart from the settling
 )
 register_kind(
     "scaler_not_passed",

@@ -402,6 +402,14 @@ def memory_growth(anomaly: Anomaly) -> str:
 
 def skipped_step(anomaly: Anomaly) -> str:
     d = anomaly.details
+    if "skipped_in_a_row" in d:  # every step from the start: the scale never settled
+        by = "DeepSpeed's overflow check" if d.get("reason") == "deepspeed_overflow" else "the GradScaler"
+        return (
+            f"Every optimizer step since step {d['skipped_since']} was skipped by {by} ({d['skipped_in_a_row']} "
+            f"in a row, the loss scale now {_fmt(d['scale_after'])}): nothing trains, the gradients are non-finite "
+            "at every scale; fix what makes them NaN/Inf (the first non-finite gradient or loss named), or train "
+            "in bf16."
+        )
     if d.get("reason") == "deepspeed_overflow":
         ranks = d.get("overflow_ranks")
         made = f" of rank {', '.join(str(r) for r in ranks)} before the reduction" if ranks else ""
