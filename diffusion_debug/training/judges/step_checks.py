@@ -5,7 +5,8 @@ record; the same rows give the same anomalies on every rank.
 Each message is built once, by one function per kind, from the anomaly's own fields and details
 (the kind's message builder, ``record.training_messages``); adding what only this rank knows (:func:`locate_nonfinite`,
 :func:`name_top_module`, :func:`with_localization`) returns a new anomaly with its message built
-again, never an edited string.
+again, never an edited string. Long because every per-step judge of the gathered rows is here, beside the
+:class:`RankHistory` they share (the skip's rules among them: after the scale settled, and from the start).
 
 >>> from diffusion_debug.training.measure.step_row import SLOTS, StepRow
 >>> values = dict.fromkeys(SLOTS, 0.0) | {"loss": float("nan"), "input_nonfinite": float("nan")}
