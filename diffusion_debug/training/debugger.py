@@ -378,7 +378,7 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             grads if same and self._plain_gradients else None,  # the norms' (684 .grad reads: >= 0.26 ms a CPU step)
         )
         complete = not call.accumulating and gradients_complete(
-            self.accelerator, self.params.partitions, self._steps.sync_holders
+            self.accelerator, self.params.partitions, self._steps.fsdp_groups
         )
         try:
             if self._order_hooks.attached and getattr(loss, "grad_fn", None) is not None:  # recorded now

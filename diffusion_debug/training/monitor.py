@@ -48,7 +48,7 @@ from .measure.optimizer_state import (
     scale_tensor,
     tracking_enabled,
 )
-from .measure.pre_reduction import REDUCTIONS, ddp_models, engine_of, fsdp_groups
+from .measure.pre_reduction import REDUCTIONS, engine_of, fsdp_groups
 from .measure.shards import ShardNorms
 from .measure.step_measurer import StepMeasurer
 from .measure.step_row import SLOTS, LocalReadings, Measurement, StepRow, gathered_rows_to_host
@@ -113,10 +113,6 @@ class StepMonitor:
         self.fsdp_groups = [g for g in groups.values() if any(_trained(p) for p in g.fsdp_params)]
         """FSDP2's parameter groups that train: a call while one reduces no gradient is a micro-step
         (``gradients_complete``); a frozen group's sync, turned off, says nothing of the step."""
-        self.ddp = ddp_models(self.watched.models.values(), accelerator)
-        self.sync_holders = self.fsdp_groups + self.ddp
-        """What ``gradients_complete`` reads a micro-step from besides Accelerate and DeepSpeed: FSDP2's
-        groups and the DDP wrappers (``no_sync()`` turns off their ``require_backward_grad_sync``)."""
         history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
         if ctx.distributed and not self.replicated:  # FSDP2, ZeRO, FSDP1: each rank's shards -> the whole
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
@@ -207,9 +203,8 @@ class StepMonitor:
         """The stretch of micro-steps is far past any accumulation: what holds the sync off, said once."""
         index = recorded_index(call.step, self.history.joined, self.config.step_offset)
         with self.sink.guard("telling a gradient sync left off", step=index, rank=self.ctx.rank):
-            ddp = any(not getattr(m, "require_backward_grad_sync", True) for m in self.ddp)
             groups = self.fsdp_groups
-            cause = sync_off_cause(call.accumulating, groups, self.accelerator, self.params.partitions, ddp)
+            cause = sync_off_cause(call.accumulating, groups, self.accelerator, self.params.partitions)
             anomaly = sync_off(self.sync_off, index, self.ctx.rank, cause, self.history.previous_step)
             self.sink.emit(anomaly, log=self.ctx.is_main)
 

@@ -1,9 +1,11 @@
 """A loop that turns gradient sync off and never back on (``training.step.sync_off``): every call reads as a
 micro-step and no optimizer step follows, told once a stretch as ``not_learning`` of reason
 ``gradient_sync_off``, naming what holds the sync off: the caller's ``accumulating=True``, FSDP2's
-``set_requires_gradient_sync(False)``, DDP's ``no_sync()`` (a micro-step, as Accelerate's), Accelerate's
-``sync_gradients``, a raw DeepSpeed engine's boundary. Clean accumulation stays quiet. One process (the
-gloo group of world size 1 where the engine needs one)."""
+``set_requires_gradient_sync(False)``, Accelerate's ``sync_gradients``, a raw DeepSpeed engine's boundary.
+Clean accumulation stays quiet, and so do loops that step under DDP's ``no_sync()`` (Local SGD, a GAN). One
+process (the gloo group of world size 1 where the engine needs one)."""
+
+import math
 
 import torch
 from test_pre_reduction import NEEDS_FSDP2, _fully_shard, _model
@@ -118,29 +120,81 @@ def test_fsdp2_gradient_sync_turned_off_and_never_on_is_the_headline_naming_it(o
     tdbg.close()
 
 
-def test_ddp_no_sync_is_a_micro_step_and_no_sync_forever_is_told(one_rank_group, tmp_path):
-    """DDP's ``no_sync()`` without Accelerate: its calls are micro-steps (``require_backward_grad_sync``),
-    the synced call the optimizer step; left in ``no_sync()`` for good, told naming it."""
+def _nan_grad(param):
+    return param.register_hook(lambda g: g * math.nan)
+
+
+def test_local_sgd_under_ddp_no_sync_steps_every_call_and_its_nan_is_found(one_rank_group, tmp_path):
+    """Accelerate's LocalSGD pattern: the whole loop inside DDP's ``no_sync()``, ``optimizer.step()`` every batch,
+    parameters averaged every 8 steps. ``no_sync()`` is no micro-step (``require_backward_grad_sync`` not read):
+    a NaN gradient planted at step 5 is found there, and past the floor no ``not_learning`` is said."""
+    torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     tdbg = _debugger(model, tmp_path)
     x = torch.randn(16, 4)
     read = []
-    for step in range(2):
-        with model.no_sync():
-            for _ in range(3):
-                read.append(tdbg.monitor_training_step(_backward(model, x), optimizer=optimizer, step=step))
-        read.append(tdbg.monitor_training_step(_backward(model, x), optimizer=optimizer, step=step))
-        optimizer.step()
-        optimizer.zero_grad()
-    assert [info.get("gradients_read", True) for info in read] == [False, False, False, True] * 2
-    counts = tdbg._steps.history.counts
-    assert (counts.total_steps, counts.micro_steps) == (2, 6)
     with model.no_sync():
-        for _ in range(FLOOR):
-            tdbg.monitor_training_step(_backward(model, x), optimizer=optimizer, step=2)
-    assert _said(tdbg) == [("warning", 2, 0, 2, FLOOR, 1, "ddp_no_sync")]
+        for step in range(FLOOR + 8):
+            hook = _nan_grad(model.module[2].weight) if step == 5 else None
+            read.append(tdbg.monitor_training_step(_backward(model, x), optimizer=optimizer, step=step))
+            optimizer.step()
+            optimizer.zero_grad()
+            if hook is not None:
+                hook.remove()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.nan_to_num_(0.0)
+            if step % 8 == 7:
+                for p in model.parameters():
+                    torch.distributed.all_reduce(p.data)
     tdbg.close()
+    assert all(info.get("gradients_read", True) for info in read)
+    counts = tdbg._steps.history.counts
+    assert (counts.total_steps, counts.micro_steps) == (FLOOR + 8, 0)
+    anomalies = tdbg.report().anomalies
+    assert [(a.severity, a.step, a.component, a.parameter) for a in anomalies if a.kind == "nonfinite"] == [
+        ("error", 5, "model", "2.weight")
+    ]
+    assert [a for a in anomalies if a.kind == "not_learning"] == []
+    assert headline(anomalies)["where"] == "model 2.weight, step 5"
+
+
+def test_gan_generator_step_under_the_discriminators_no_sync_is_a_step(one_rank_group, tmp_path):
+    """A GAN under DDP: G's step runs inside ``D.no_sync()`` (D's gradients from the G loss are thrown away), its
+    monitor call inside; D's own step synced. G's NaN gradient planted at step 3 is found at G's parameter."""
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel
+    gen, disc = ddp(_model()), ddp(torch.nn.Linear(1, 1))
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+    tdbg = _debugger({"g": gen, "d": disc}, tmp_path)
+    x = torch.randn(16, 4)
+    for step in range(8):
+        hook = _nan_grad(gen.module[2].weight) if step == 3 else None
+        with disc.no_sync():
+            g_loss = -disc(gen(x)).mean()
+            g_loss.backward()
+            tdbg.monitor_training_step(g_loss, optimizer=opt_g, step=step)
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        if hook is not None:
+            hook.remove()
+            with torch.no_grad():
+                for p in gen.parameters():
+                    p.nan_to_num_(0.0)
+        d_loss = disc(gen(x).detach()).pow(2).mean()
+        d_loss.backward()
+        tdbg.monitor_training_step(d_loss, optimizer=opt_d, step=step)
+        opt_d.step()
+        opt_d.zero_grad()
+    tdbg.close()
+    anomalies = tdbg.report().anomalies
+    assert [(a.severity, a.step, a.component, a.parameter) for a in anomalies if a.kind == "nonfinite"] == [
+        ("error", 3, "g", "2.weight")
+    ]
+    assert [a for a in anomalies if a.kind == "not_learning"] == []
 
 
 def test_accelerate_sync_gradients_never_true_is_told_with_its_accumulation_steps(tmp_path, fresh_accelerate_state):

@@ -20,8 +20,7 @@ def gradients_complete(accelerator: Any, partitions: Any = None, fsdp_groups: An
     """Whether the gradients hold a whole optimizer step: not where some of ``fsdp_groups`` (FSDP2's
     parameter groups) reduces no gradient (``set_requires_gradient_sync(False)``, FSDP2's gradient
     accumulation: its sharded ``.grad`` is not made until the synced micro-step) or, under HSDP, does not
-    all-reduce them across replicas (``set_requires_all_reduce(False)``), nor where one of them is a DDP
-    wrapper inside ``no_sync()`` (``require_backward_grad_sync`` False: its all-reduce did not run); else Accelerate's
+    all-reduce them across replicas (``set_requires_all_reduce(False)``); else Accelerate's
     ``sync_gradients`` (False on the micro-steps of gradient accumulation), else a raw DeepSpeed engine's
     boundary (``partitions``: ``deepspeed_zero.ZeroPartitions``); always True without any of them.
 
@@ -30,11 +29,7 @@ def gradients_complete(accelerator: Any, partitions: Any = None, fsdp_groups: An
     (False, True)
     """
     for group in fsdp_groups:  # HSDP's accumulation (set_requires_all_reduce(False)) leaves replicas unreduced
-        if not (
-            getattr(group, "reduce_grads", True)
-            and getattr(group, "all_reduce_grads", True)
-            and getattr(group, "require_backward_grad_sync", True)
-        ):
+        if not (getattr(group, "reduce_grads", True) and getattr(group, "all_reduce_grads", True)):
             return False
     if accelerator is None:
         return partitions is None or partitions.at_boundary()

@@ -2,8 +2,9 @@
 micro-step of gradient accumulation, nothing is measured, and no optimizer step follows. Said once a stretch,
 as ``not_learning`` of reason ``gradient_sync_off`` (the run does not learn: the weights never move), naming
 what holds the sync off: FSDP2's ``set_requires_gradient_sync(False)`` (HSDP's ``set_requires_all_reduce``),
-Accelerate's ``sync_gradients`` never True, a raw DeepSpeed engine's accumulation boundary never reached, DDP's
-``no_sync()`` or the caller's ``accumulating=True``.
+Accelerate's ``sync_gradients`` never True, a raw DeepSpeed engine's accumulation boundary never reached or the
+caller's ``accumulating=True``. (DDP's ``no_sync()`` is no micro-step: Local SGD and a GAN's other-model step
+run under it and do step the optimizer.)
 
 >>> watch = SyncOffWatch()
 >>> watch.at  # no optimizer step seen yet: the floor
@@ -49,7 +50,7 @@ class SyncOffWatch:
         self.run, self.at = 0, max(FLOOR, FACTOR * self.longest)
 
 
-def sync_off_cause(accumulating: bool, fsdp_groups: Any, accelerator: Any, partitions: Any, ddp: bool) -> dict:
+def sync_off_cause(accumulating: bool, fsdp_groups: Any, accelerator: Any, partitions: Any) -> dict:
     """What holds the gradients incomplete on this call (the first of :func:`~..measure.optimizer_state.
     gradients_complete`'s reasons that holds, in its order), with what the message names."""
     if accumulating:
@@ -59,8 +60,6 @@ def sync_off_cause(accumulating: bool, fsdp_groups: Any, accelerator: Any, parti
             return {"cause": "fsdp2_gradient_sync", "held_by": "FSDP2 set_requires_gradient_sync(False)"}
         if not getattr(group, "all_reduce_grads", True):
             return {"cause": "hsdp_all_reduce", "held_by": "HSDP set_requires_all_reduce(False)"}
-    if ddp:
-        return {"cause": "ddp_no_sync", "held_by": "DDP no_sync()"}
     if accelerator is not None:
         steps = getattr(accelerator, "gradient_accumulation_steps", None)
         said = f", gradient_accumulation_steps={steps}" if steps is not None else ""
