@@ -4,10 +4,11 @@ skips of a scale that never settled stayed the settling's info, and the run's he
 naming the step since which every one was skipped and the loss scale now. A GradScaler loop and a ZeRO-2 fp16
 engine (one CPU rank in this process), both at their default initial scale 2**16: DeepSpeed stops the run
 at its minimum scale two skips later. A scale that settles stays info (test_training_debugger.py's
-``test_skips_while_the_scale_settles...``)."""
+``test_skips_while_the_scale_settles...``), a high initial one after 16 and more skips too."""
 
 import math
 
+import pytest
 import torch
 from test_pre_reduction import _model
 
@@ -82,3 +83,30 @@ def test_a_zero_fp16_engine_that_skips_every_step_warns_before_deepspeed_stops_t
     top = headline(tdbg.report().anomalies)
     assert (top["kind"], top["severity"], top["where"]) == ("skipped_step", "warning", "model, step 15")
     assert top["message"] == _message("DeepSpeed's overflow check", 2)
+
+
+@pytest.mark.parametrize(("init", "size", "skipped"), [(2.0**32, 1.0, 14), (2.0**24, 1e3, 16), (2.0**32, 1e3, 24)])
+def test_a_high_initial_scale_that_settles_after_16_and_more_skips_stays_info(tmp_path, init, size, skipped):
+    """A healthy run whose loss scale starts high (``init_scale`` 2**32, DeepSpeed's ``initial_scale_power`` 32,
+    or 2**24) with large gradients (``size`` times, stored as fp16: inf past 65504) skips 16 and more in a row on
+    its way down, then trains: the skips stay the settling's info, since the scale never came down to
+    ``UNSETTLED_SCALE``."""
+    torch.manual_seed(0)
+    model = _model()
+    for p in model.parameters():
+        p.register_hook(lambda g: (g * size).half().float())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    x = torch.randn(16, 4)
+    for step in range(40):
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, scaler=scaler)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    tdbg.close()
+    assert scaler.get_scale() == init / 2**skipped  # settled: no skip after the first `skipped`
+    assert _skips(tdbg) == [("info", 0, 0, "grad_scaler", None, init / 2, skipped)]
+    assert [a for a in tdbg.report().anomalies if a.severity != "info"] == []

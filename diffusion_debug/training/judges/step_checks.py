@@ -52,6 +52,11 @@ UNSETTLED_SKIPS = 16
 the loss scale falling each one, nothing trains. Halved 16 times, GradScaler's and DeepSpeed's default scale
 (2**16) reaches 1, where DeepSpeed stops the run (its minimum scale); a scale that settles takes fewer (an
 init of 2**24 settled in 10 in the tests)."""
+UNSETTLED_SCALE = 2.0
+"""The loss scale at or below which such a run of skips is a warning: a scale that starts high (``init_scale``
+2**32, DeepSpeed's ``initial_scale_power`` 32) with large gradients skips 16 and more on its way down and
+then trains; only a scale halved to (near) its floor says nothing will (the scale before the skip or after
+it: the last skip, judged at close, may have no scale after it to read)."""
 
 # ``details["order"]`` of a ``nonfinite``, the rule that named it (:func:`locate_nonfinite`)
 BY_BACKWARD = "last_in_forward"  # of several modules, the last in forward order: the first backward reached
@@ -277,7 +282,8 @@ def judge_skipped(
     occasional skip (each growth attempt of the scaler costs one); a warning once
     :data:`FREQUENT_SKIPS` skips fall within :data:`SKIP_WINDOW` measured steps: the model
     overflows in fp16; a warning too from the :data:`UNSETTLED_SKIPS`-th skip in a row from the start (no step
-    applied: every step skipped, the scale never settles), saying since when and the scale now."""
+    applied: every step skipped, the scale never settles) once the scale is down to :data:`UNSETTLED_SCALE`,
+    saying since when and the scale now."""
     out = []
     for r, row in enumerate(rows):
         if not row.measured:
@@ -305,7 +311,8 @@ def judge_skipped(
                 "detected_at_step": step,
                 "reason": "deepspeed_overflow" if row.accelerate_skipped == SKIPPED_BY_DEEPSPEED else "grad_scaler",
             }
-            if not history.settled and history.in_a_row >= UNSETTLED_SKIPS:  # every step since the start
+            low = any(s is not None and s <= UNSETTLED_SCALE for s in (previous, details["scale_after"]))
+            if not history.settled and history.in_a_row >= UNSETTLED_SKIPS and low:  # every step since the start
                 frequent = True
                 details.update(skipped_in_a_row=history.in_a_row, skipped_since=history.skipped_since)
             out.append(
