@@ -61,7 +61,7 @@ from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
 from .step.state import Call, History, MonitoredStep, recorded_index
-from .step.sync_off import SyncOffWatch, sync_off, sync_off_cause
+from .step.sync_off import SyncOffWatch, accumulation_steps, sync_off, sync_off_cause
 from .watched_models import WatchedModels
 
 
@@ -130,8 +130,9 @@ class StepMonitor:
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
-        self.sync_off = SyncOffWatch()
-        """The micro-steps since the last optimizer step: a loop whose gradient sync stays off is told."""
+        self.sync_off = SyncOffWatch(accumulation_steps(accelerator, params.partitions))
+        """The micro-steps since the last optimizer step: a loop whose gradient sync stays off is told (past
+        the accumulation length Accelerate or DeepSpeed declares, four times over, if longer than the floor)."""
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
         """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
 

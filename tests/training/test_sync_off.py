@@ -200,9 +200,10 @@ def test_gan_generator_step_under_the_discriminators_no_sync_is_a_step(one_rank_
 def test_accelerate_sync_gradients_never_true_is_told_with_its_accumulation_steps(tmp_path, fresh_accelerate_state):
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=10_000)
+    accelerator = Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.01))
     tdbg = _debugger(model, tmp_path, accelerator=accelerator)
+    accelerator.gradient_accumulation_steps = 10_000  # set after the debugger read it (1): the floor holds
     x = torch.randn(16, 4)
     for step in range(FLOOR):
         with accelerator.accumulate(model):
@@ -223,8 +224,9 @@ def test_a_raw_deepspeed_engine_whose_boundary_is_never_reached_is_told_with_its
     one_rank_group, tmp_path, deepspeed_engine
 ):
     torch.manual_seed(0)
-    engine, optimizer = deepspeed_engine(_model(), 2, {"gradient_accumulation_steps": 10_000})
+    engine, optimizer = deepspeed_engine(_model(), 2)
     tdbg = _debugger(engine, tmp_path)
+    engine._config.gradient_accumulation_steps = 10_000  # after the debugger read it (1): the floor holds
     x = torch.randn(8, 4)
     for step in range(FLOOR):
         loss = engine(x).pow(2).mean()
@@ -236,4 +238,31 @@ def test_a_raw_deepspeed_engine_whose_boundary_is_never_reached_is_told_with_its
     assert top["message"] == _message(
         FLOOR, 0, None, "DeepSpeed's gradient-accumulation boundary not reached, gradient_accumulation_steps=10000"
     )
+    tdbg.close()
+
+
+def test_a_declared_accumulation_longer_than_the_floor_is_quiet_and_sets_the_stretch_told(
+    tmp_path, fresh_accelerate_state
+):
+    """Accelerate's ``gradient_accumulation_steps`` of 300 (past the floor): two optimizer steps of 300 calls
+    each stay quiet; a stretch is told at four times the declared length, not at the floor."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=300)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    tdbg = _debugger(model, tmp_path, accelerator=accelerator)
+    assert tdbg._steps.sync_off.at == 4 * 300
+    x = torch.randn(16, 4)
+    for step in range(600):
+        with accelerator.accumulate(model):
+            loss = model(x).pow(2).mean()
+            accelerator.backward(loss)
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+    counts = tdbg._steps.history.counts
+    assert (counts.total_steps, counts.micro_steps) == (2, 598)
+    assert _said(tdbg) == []
+    assert [a for a in tdbg.report().anomalies if a.severity != "info"] == []
     tdbg.close()

@@ -13,6 +13,8 @@ run under it and do step the optimizer.)
 >>> watch.ended()  # a stretch of 99 micro-steps and its synced call
 >>> watch.at, watch.run
 (400, 0)
+>>> SyncOffWatch(known=300).at  # Accelerate's or DeepSpeed's gradient_accumulation_steps of 300
+1200
 """
 
 from __future__ import annotations
@@ -38,16 +40,35 @@ class SyncOffWatch:
 
     __slots__ = ("run", "since", "longest", "at")
 
-    def __init__(self) -> None:
+    def __init__(self, known: int | None = None) -> None:
+        """``known``: the accumulation length the loop declares (:func:`accumulation_steps`), a stretch's
+        length before any optimizer step is seen."""
         self.run = 0
         self.since: Any = None
-        self.longest = 0
-        self.at = FLOOR
+        self.longest = known or 0
+        self.at = max(FLOOR, FACTOR * self.longest)
 
     def ended(self) -> None:
         """An optimizer step's call (gradients complete) after micro-steps ends the stretch."""
         self.longest = max(self.longest, self.run + 1)
         self.run, self.at = 0, max(FLOOR, FACTOR * self.longest)
+
+
+def _engine_steps(partitions: Any) -> Any:
+    """A raw DeepSpeed engine's ``gradient_accumulation_steps()`` (None: no engine)."""
+    if partitions is None or not getattr(partitions, "engines", None):
+        return None
+    engine = partitions.engines[0]
+    engine = engine[0] if isinstance(engine, tuple) else engine
+    return getattr(engine, "gradient_accumulation_steps", lambda: None)()
+
+
+def accumulation_steps(accelerator: Any, partitions: Any) -> int | None:
+    """The accumulation length the loop declares: Accelerate's ``gradient_accumulation_steps``, else a raw
+    DeepSpeed engine's (None: neither, or not an integer)."""
+    steps = getattr(accelerator, "gradient_accumulation_steps", None) if accelerator is not None else None
+    steps = steps if steps is not None else _engine_steps(partitions)
+    return steps if isinstance(steps, int) and steps > 0 else None
 
 
 def sync_off_cause(accumulating: bool, fsdp_groups: Any, accelerator: Any, partitions: Any) -> dict:
@@ -65,9 +86,7 @@ def sync_off_cause(accumulating: bool, fsdp_groups: Any, accelerator: Any, parti
         said = f", gradient_accumulation_steps={steps}" if steps is not None else ""
         return {"cause": "accelerate_sync_gradients", "held_by": f"Accelerate's sync_gradients stays False{said}"}
     if partitions is not None and getattr(partitions, "engines", None):
-        engine = partitions.engines[0]
-        engine = engine[0] if isinstance(engine, tuple) else engine
-        steps = getattr(engine, "gradient_accumulation_steps", lambda: None)()
+        steps = _engine_steps(partitions)
         said = f", gradient_accumulation_steps={steps}" if steps else ""
         held = f"DeepSpeed's gradient-accumulation boundary not reached{said}"
         return {"cause": "deepspeed_boundary", "held_by": held}
@@ -82,7 +101,7 @@ def sync_off(watch: SyncOffWatch, step: Any, rank: int, cause: dict, last: Any) 
         "backward_passes": watch.run,
         "since_step": watch.since,
         "last_optimizer_step": last,
-        "longest_accumulation": watch.longest or None,
+        "longest_accumulation": watch.longest or None,  # (or the declared length)
         **cause,
     }
     return make_anomaly("not_learning", severity="warning", component="model", step=step, rank=rank, details=details)
