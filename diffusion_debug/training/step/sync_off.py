@@ -103,5 +103,6 @@ def sync_off(watch: SyncOffWatch, step: Any, rank: int, cause: dict, last: Any) 
         "last_optimizer_step": last,
         "longest_accumulation": watch.longest or None,  # (or the declared length)
         **cause,
+        "stalled_optimizer": "none: gradient sync off",  # never folds with another not_learning at the model
     }
     return make_anomaly("not_learning", severity="warning", component="model", step=step, rank=rank, details=details)
