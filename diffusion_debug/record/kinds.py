@@ -237,12 +237,13 @@ register_kind(
     colour="#8c564b",
     meaning=(
         "The optimizer step was skipped (fp16 loss scaler found Inf/NaN gradients, or the policy skipped it); "
-        "a warning when 3 skips fall within 20 steps after the scale settled."
+        "a warning when 3 skips fall within 20 steps after the scale settled, or 16 come in a row from the start."
     ),
     action="A few skips while the scale settles are normal; many in a row mean the model overflows in fp16.",
     stable=True,
     stage=4,
     message=training_messages.skipped_step,
+    distinct_by=("skipped_since",),  # every step skipped from the start: its warning apart from the settling
 )
 register_kind(
     "scaler_not_passed",
@@ -360,7 +361,7 @@ register_kind(
         "The optimizer steps move no weight although the gradients are normal: the run does not learn (lr 0, an "
         "optimizer holding other parameters, gradients cleared or masked before optimizer.step(), weights put back "
         "after it, updates lost to rounding); of several optimizers (a GAN's), one whose steps alone move none of "
-        "its weights is named."
+        "its weights is named; or no optimizer step runs at all: gradient sync left off (every call a micro-step)."
     ),
     action="Follow the cause the message names: the learning rate, the optimizer's parameters, the loop's order.",
     stage=4,

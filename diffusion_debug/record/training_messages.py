@@ -402,6 +402,14 @@ def memory_growth(anomaly: Anomaly) -> str:
 
 def skipped_step(anomaly: Anomaly) -> str:
     d = anomaly.details
+    if "skipped_in_a_row" in d:  # every step from the start: the scale never settled
+        by = "DeepSpeed's overflow check" if d.get("reason") == "deepspeed_overflow" else "the GradScaler"
+        return (
+            f"Every optimizer step since step {d['skipped_since']} was skipped by {by} ({d['skipped_in_a_row']} "
+            f"in a row, the loss scale now {_fmt(d['scale_after'])}): nothing trains, the gradients are non-finite "
+            "at every scale; fix what makes them NaN/Inf (the first non-finite gradient or loss named), or train "
+            "in bf16."
+        )
     if d.get("reason") == "deepspeed_overflow":
         ranks = d.get("overflow_ranks")
         made = f" of rank {', '.join(str(r) for r in ranks)} before the reduction" if ranks else ""
@@ -614,6 +622,8 @@ def _unscaled_loss(d: dict) -> str:
 
 def not_learning(anomaly: Anomaly) -> str:
     d = anomaly.details
+    if d["reason"] == "gradient_sync_off":  # training.step.sync_off: no optimizer step at all
+        return _sync_off(d)
     if d["reason"] == "deepspeed_fp16_unscaled_loss":  # found at the first step, or the stall it makes
         cause = _unscaled_loss(d)
         if "updates" not in d:
@@ -649,6 +659,17 @@ def not_learning(anomaly: Anomaly) -> str:
         f"No weight moved in the {d['updates']} optimizer steps {d['first_step']}-{d['last_step']} (the largest "
         f"update {d['max_update_ratio']:.3g}x a module's norm) although the gradients are normal (norm "
         f"{d['grad_norm']:.3g}){read}: " + cause + state + others + "."
+    )
+
+
+def _sync_off(d: dict) -> str:
+    last = d.get("last_optimizer_step")
+    stepped = f"the last at step {last}" if last is not None else "none since the run began"
+    return (
+        f"{d['backward_passes']} backward passes since step {d['since_step']} with no optimizer step "
+        f"({stepped}): gradient sync is off ({d['held_by']}), so every call reads as a micro-step of gradient "
+        "accumulation and the weights never move; turn the sync back on for the backward before each "
+        "optimizer step."
     )
 
 

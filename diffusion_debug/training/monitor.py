@@ -61,6 +61,7 @@ from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
 from .step.state import Call, History, MonitoredStep, recorded_index
+from .step.sync_off import SyncOffWatch, accumulation_steps, sync_off, sync_off_cause
 from .watched_models import WatchedModels
 
 
@@ -129,6 +130,9 @@ class StepMonitor:
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
+        self.sync_off = SyncOffWatch(accumulation_steps(accelerator, params.partitions))
+        """The micro-steps since the last optimizer step: a loop whose gradient sync stays off is told (past
+        the accumulation length Accelerate or DeepSpeed declares, four times over, if longer than the floor)."""
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
         """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
 
@@ -146,7 +150,15 @@ class StepMonitor:
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
             self.history.counts.micro_steps += 1
+            sync = self.sync_off
+            sync.run += 1
+            if sync.run == 1:
+                sync.since = recorded_index(call.step, self.history.joined, self.config.step_offset)
+            if sync.run == sync.at:  # a loop that turned gradient sync off and never back on
+                self._sync_off(call)
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
+        if self.sync_off.run:  # the stretch of micro-steps this optimizer step ends
+            self.sync_off.ended()
         step = self._begin(call.step, failure)
         released = None
         if self.found.trial is not None:
@@ -191,6 +203,15 @@ class StepMonitor:
         except Exception as error:  # strict: raised after the policy's collectives, on this rank only
             step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
+
+    def _sync_off(self, call: Call) -> None:
+        """The stretch of micro-steps is far past any accumulation: what holds the sync off, said once."""
+        index = recorded_index(call.step, self.history.joined, self.config.step_offset)
+        with self.sink.guard("telling a gradient sync left off", step=index, rank=self.ctx.rank):
+            groups = self.fsdp_groups
+            cause = sync_off_cause(call.accumulating, groups, self.accelerator, self.params.partitions)
+            anomaly = sync_off(self.sync_off, index, self.ctx.rank, cause, self.history.previous_step)
+            self.sink.emit(anomaly, log=self.ctx.is_main)
 
     def judge_last_skip(self, at: str = "close") -> None:
         """At close (and at a report: ``at``): whether the last monitored step's optimizer step was

@@ -81,6 +81,8 @@ NAN_BATCH_AT, RAISE_AT = 2, 3
 ACCUMULATE_STEPS, ACCUMULATE_NAN_AT = 4, 2
 """accumulate_checkpointed_nan_rank1's optimizer steps, and the one whose first micro-step makes rank 1's NaN."""
 NEW_ROW_UNTIL = 5
+SYNC_OFF_CALLS = 260
+"""sync_off_forever's calls, all with the sync off: past the finding's floor (256, training.step.sync_off)."""
 """embedding_new_row: the steps before it train the table's last row alone; from it on no row."""
 
 
@@ -210,7 +212,33 @@ def accumulate_checkpointed(output_dir: str, scenario: str) -> None:
         tdbg.close()
 
 
+def sync_off_forever(output_dir: str, scenario: str) -> None:
+    """A loop that turns FSDP2's gradient sync off and never back on (``training.step.sync_off``): a
+    small MLP, the debugger after every backward; every rank says its own ``gradient_sync_off`` finding."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    fully_shard(model)
+    model.set_requires_gradient_sync(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=output_dir))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+    try:
+        for step in range(SYNC_OFF_CALLS):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        for a in tdbg.report().anomalies:
+            if a.details.get("reason") == "gradient_sync_off":
+                say(scenario, f"RANK {rank} SYNC_OFF {a.severity} {a.step} {a.rank} {a.details['cause']}")
+        _saved(tdbg, scenario, rank)
+    finally:
+        tdbg.close()
+
+
 def run_scenario(output_dir: str, scenario: str) -> None:
+    if scenario == "sync_off_forever":
+        return sync_off_forever(output_dir, scenario)
     if scenario == "embedding_new_row":
         return embedding_new_row(output_dir, scenario)
     if scenario == "accumulate_checkpointed_nan_rank1":

@@ -4,7 +4,7 @@ and FSDP1 (``FullyShardedDataParallel``, ``use_orig_params`` True and False) in 
 One launch (each start costs seconds): [nan_grad_rank1, nan_grad_rank1_before_reduction,
 mixed_bf16_nan_grad_rank0_before_reduction, nan_loss_rank0, lr_jump_and_wait, fsdp1_nan_grad_rank1,
 fsdp1_flat_nan_grad_rank1, embedding_new_row, nan_batch_rank1, raise_rank1_forward, accumulate_checkpointed_nan_rank1,
-stall_rank1], the last ending
+sync_off_forever, stall_rank1], the last ending
 the job (see fsdp_job.py). The clean check is the steps before each planted fault: no anomaly there."""
 
 import json
@@ -41,6 +41,7 @@ SCENARIOS = (
     "nan_batch_rank1",
     "raise_rank1_forward",
     "accumulate_checkpointed_nan_rank1",
+    "sync_off_forever",
     "stall_rank1",
 )
 STALL_TIMEOUT = 4.0  # fsdp_job.STALL_TIMEOUT
@@ -437,3 +438,19 @@ def test_rank1_stalled_before_step6_is_named_and_the_job_ended(launched):
 def _line_of(code: str) -> int:
     """The line of fsdp_job.py holding ``code`` (where a stack must point)."""
     return next(n for n, line in enumerate(JOB.read_text().splitlines(), 1) if code in line)
+
+
+def test_fsdp2_sync_turned_off_for_good_is_every_rank_s_warning_and_rank0_s_headline(launched):
+    """``set_requires_gradient_sync(False)`` and never True again: each rank tells its own stretch at its
+    256th call (step 255, since step 0, no optimizer step before), and rank 0's run leads with it."""
+    output_dir, stdout, _ = launched
+    _finished(stdout, "sync_off_forever")
+    said = sorted(line for line in stdout["sync_off_forever"].splitlines() if "SYNC_OFF" in line)
+    assert said == [f"RANK {r} SYNC_OFF warning 255 {r} fsdp2_gradient_sync" for r in (0, 1)]
+    top = _summary(output_dir, "sync_off_forever")["headline"]
+    assert (top["kind"], top["severity"]) == ("not_learning", "warning")
+    assert top["message"] == (
+        "256 backward passes since step 0 with no optimizer step (none since the run began): gradient sync is off "
+        "(FSDP2 set_requires_gradient_sync(False)), so every call reads as a micro-step of gradient accumulation "
+        "and the weights never move; turn the sync back on for the backward before each optimizer step."
+    )

@@ -5,7 +5,8 @@ record; the same rows give the same anomalies on every rank.
 Each message is built once, by one function per kind, from the anomaly's own fields and details
 (the kind's message builder, ``record.training_messages``); adding what only this rank knows (:func:`locate_nonfinite`,
 :func:`name_top_module`, :func:`with_localization`) returns a new anomaly with its message built
-again, never an edited string.
+again, never an edited string. Long because every per-step judge of the gathered rows is here, beside the
+:class:`RankHistory` they share (the skip's rules among them: after the scale settled, and from the start).
 
 >>> from diffusion_debug.training.measure.step_row import SLOTS, StepRow
 >>> values = dict.fromkeys(SLOTS, 0.0) | {"loss": float("nan"), "input_nonfinite": float("nan")}
@@ -46,6 +47,16 @@ FREQUENT_SKIPS = 3
 """Skipped steps within :data:`SKIP_WINDOW` measured steps (after the scale settled) that make a
 skip a warning."""
 SKIP_WINDOW = 20
+UNSETTLED_SKIPS = 16
+"""Skipped steps in a row from the start (no step applied yet) that make a skip a warning: every step skipped,
+the loss scale falling each one, nothing trains. Halved 16 times, GradScaler's and DeepSpeed's default scale
+(2**16) reaches 1, where DeepSpeed stops the run (its minimum scale); a scale that settles takes fewer (an
+init of 2**24 settled in 10 in the tests)."""
+UNSETTLED_SCALE = 2.0
+"""The loss scale at or below which such a run of skips is a warning: a scale that starts high (``init_scale``
+2**32, DeepSpeed's ``initial_scale_power`` 32) with large gradients skips 16 and more on its way down and
+then trains; only a scale halved to (near) its floor says nothing will (the scale before the skip or after
+it: the last skip, judged at close, may have no scale after it to read)."""
 
 # ``details["order"]`` of a ``nonfinite``, the rule that named it (:func:`locate_nonfinite`)
 BY_BACKWARD = "last_in_forward"  # of several modules, the last in forward order: the first backward reached
@@ -69,6 +80,9 @@ class RankHistory:
     """Steps whose row this rank measured (the clock of :attr:`skips`)."""
     settled: bool = False
     """A step was applied: skips from here on are not the scale settling at the start."""
+    in_a_row: int = 0
+    """Skipped steps in a row (0 once a step is applied), the first at step :attr:`skipped_since`."""
+    skipped_since: Any = None
     converged: bool = False
     """The last measured loss had converged (``LossSpikeDetector.converged``)."""
     trend: LossTrend = field(default_factory=LossTrend)
@@ -267,7 +281,9 @@ def judge_skipped(
     An info while the scale settles at the start (before any step was applied) and for an
     occasional skip (each growth attempt of the scaler costs one); a warning once
     :data:`FREQUENT_SKIPS` skips fall within :data:`SKIP_WINDOW` measured steps: the model
-    overflows in fp16."""
+    overflows in fp16; a warning too from the :data:`UNSETTLED_SKIPS`-th skip in a row from the start (no step
+    applied: every step skipped, the scale never settles) once the scale is down to :data:`UNSETTLED_SCALE`,
+    saying since when and the scale now."""
     out = []
     for r, row in enumerate(rows):
         if not row.measured:
@@ -281,9 +297,13 @@ def judge_skipped(
         skipped = previous_step is not None and (by_scale or by_accelerate)
         if previous is not None and not skipped:
             history.settled = True
+            history.in_a_row = 0
         if skipped:
             if history.settled:
                 history.skips.append(history.measured)
+            if not history.in_a_row:
+                history.skipped_since = previous_step
+            history.in_a_row += 1
             frequent = len(history.skips) == FREQUENT_SKIPS and history.measured - history.skips[0] < SKIP_WINDOW
             details = {
                 "scale_before": previous,
@@ -291,6 +311,10 @@ def judge_skipped(
                 "detected_at_step": step,
                 "reason": "deepspeed_overflow" if row.accelerate_skipped == SKIPPED_BY_DEEPSPEED else "grad_scaler",
             }
+            low = any(s is not None and s <= UNSETTLED_SCALE for s in (previous, details["scale_after"]))
+            if not history.settled and history.in_a_row >= UNSETTLED_SKIPS and low:  # every step since the start
+                frequent = True
+                details.update(skipped_in_a_row=history.in_a_row, skipped_since=history.skipped_since)
             out.append(
                 make_anomaly(
                     kind="skipped_step",
