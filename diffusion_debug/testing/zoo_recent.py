@@ -134,10 +134,29 @@ def build_sdxl_controlnet_union(make: Make) -> dict[str, Any]:
     return {**components, "controlnet": controlnet}
 
 
+def tiny_flux2_vae():
+    """FLUX.2's VAE at one block of 4 channels and a 1-channel latent (FLUX.2 klein's; Ideogram 4's in tests)."""
+    from diffusers import AutoencoderKLFlux2
+
+    return AutoencoderKLFlux2(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        block_out_channels=(4,),
+        layers_per_block=1,
+        latent_channels=1,
+        norm_num_groups=1,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
 def build_flux2_klein(make: Make) -> dict[str, Any]:
     """FLUX.2 [klein] (diffusers' fast test): one dual-stream and one single-stream block, the FLUX.2
     VAE of one block (1 latent channel), a 2-layer Qwen3 of width 16 over the byte tokenizer."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Qwen3ForCausalLM
 
     tokenizer, text = qwen3_chat()
@@ -156,22 +175,7 @@ def build_flux2_klein(make: Make) -> dict[str, Any]:
             guidance_embeds=False,
         ),
     )
-    vae = make(
-        "vae",
-        lambda: AutoencoderKLFlux2(
-            sample_size=32,
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",),
-            up_block_types=("UpDecoderBlock2D",),
-            block_out_channels=(4,),
-            layers_per_block=1,
-            latent_channels=1,
-            norm_num_groups=1,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
-    )
+    vae = make("vae", tiny_flux2_vae)
     return {
         "scheduler": FlowMatchEulerDiscreteScheduler(),
         "text_encoder": make("text_encoder", lambda: Qwen3ForCausalLM(text)),

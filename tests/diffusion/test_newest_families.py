@@ -16,26 +16,11 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite
+from diffusion_debug.testing.zoo_recent import tiny_flux2_vae
 
 
 def generator():
     return torch.Generator().manual_seed(0)
-
-
-def flux2_vae():
-    return diffusers.AutoencoderKLFlux2(
-        sample_size=32,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",),
-        up_block_types=("UpDecoderBlock2D",),
-        block_out_channels=(4,),
-        layers_per_block=1,
-        latent_channels=1,
-        norm_num_groups=1,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
 
 
 def ideogram4(dtype):
@@ -53,7 +38,7 @@ def ideogram4(dtype):
     pipe = diffusers.Ideogram4Pipeline(
         transformer=diffusers.Ideogram4Transformer2DModel(**size).to(dtype).eval(),
         unconditional_transformer=diffusers.Ideogram4Transformer2DModel(**size).to(dtype).eval(),
-        vae=flux2_vae().to(dtype).eval(),
+        vae=tiny_flux2_vae().to(dtype).eval(),
         text_encoder=None,
         tokenizer=None,
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
