@@ -302,9 +302,11 @@ class StepMonitor:
         return flags.get("nonfinite_loss", False) or flags.get("failed", False) or not scaled
 
     def _unhold(self, judged: Judgement) -> None:
-        """This step's held verdict released as it was read (the optimizer stays searched: read as it is)."""
+        """This step's held verdict released as it was read (its optimizer searched again once:
+        ``FoundScalers.search_again``)."""
         trial, self.found.trial = self.found.trial, None
         trial.end()
+        self.found.search_again(trial)
         judged.anomalies = trial.held + judged.anomalies
 
     def _decide_trial(self, optimizer: Any, at: Any) -> tuple[list[Anomaly], list[Anomaly]] | None:

@@ -19,7 +19,8 @@ models_and_samples_rank1 (two models watched by name, {"unet", "text_encoder"}, 
 loss weights: rank 1's weight of its sample at t=999 is NaN at step 2, its text encoder's gradient at step 4;
 neither step is applied) |
 scaler_not_passed_ddp / scaler_not_passed_nan0_rank1 (plain torch DDP, no Accelerate, fp16 with a GradScaler not
-passed, policy raise: rank 1's NaN batch at step 6 / 0, :func:`scaler_not_passed`) | scaler_not_passed_finite_ddp
+passed, policy raise: rank 1's NaN batch at step 6 / 0, :func:`scaler_not_passed`) | scaler_not_passed_nan0_record
+(rank 1's NaN batch at step 0, policy record: the run goes on) | scaler_not_passed_finite_ddp
 (the same in fp32, 3 steps, no NaN, ``max_grad_norm=100``: step 0 finite, held, its row unscaled once confirmed) |
 closure_scaler_rank1 (a DDP model with a BatchNorm, whose forward broadcasts its buffers, and a GradScaler;
 ``closure=`` given on both ranks; rank 1's batch holds an Inf at step 1: only rank 1 has an error, both replay;
@@ -384,16 +385,22 @@ def closure_with_scaler(accelerator: Accelerator, output_dir: str, scenario: str
     finish(accelerator, tdbg, scenario)
 
 
-SCALER_NAN_STEP = {"scaler_not_passed_ddp": 6, "scaler_not_passed_nan0_rank1": 0, "scaler_not_passed_finite_ddp": None}
+SCALER_NAN_STEP = {
+    "scaler_not_passed_ddp": 6,
+    "scaler_not_passed_nan0_rank1": 0,
+    "scaler_not_passed_nan0_record": 0,
+    "scaler_not_passed_finite_ddp": None,
+}
 """scaler_not_passed_*: the step whose batch holds a NaN on rank 1 (its loss NaN); None: none (fp32, 3 steps)."""
 
 
 def scaler_not_passed(output_dir: str, scenario: str) -> None:
-    """A plain torch DDP loop (no Accelerate: ``DistributedDataParallel`` and a debugger given no accelerator) in
-    fp16 autocast, its GradScaler (65536) not passed, policy ``raise``, 8 steps; rank 1's batch holds a NaN at
-    :data:`SCALER_NAN_STEP`. Per monitored step each rank prints the norm measured and the naive unscaled reference
-    (the all-reduced gradients over the scale) and the scale: ``RANK r NORMS step s: <json>``. Where no step holds
-    a NaN: fp32 (the scaled gradients finite), the batch unscaled, 3 steps, ``max_grad_norm=100``."""
+    """A plain torch DDP loop (no Accelerate: ``DistributedDataParallel`` and a debugger given no accelerator) in fp16
+    autocast, its GradScaler (65536) not passed, policy ``raise`` (``record`` for ``*_record``), 8 steps; rank 1's
+    batch holds a NaN at :data:`SCALER_NAN_STEP`. Per monitored step each rank prints the norm measured and the
+    naive unscaled reference (the all-reduced gradients over the scale) and the scale: ``RANK r NORMS step s:
+    <json>``. Where no step holds a NaN: fp32 (the scaled gradients finite), the batch unscaled, 3 steps,
+    ``max_grad_norm=100``."""
     rank = dist.get_rank()
     fp16 = SCALER_NAN_STEP[scenario] is not None
     gc.collect()  # the earlier scenarios' scalers gone (the search walks the heap)
@@ -403,7 +410,8 @@ def scaler_not_passed(output_dir: str, scenario: str) -> None:
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
-    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=output_dir, policy="raise"))
+    policy = "record" if scenario.endswith("_record") else "raise"
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=output_dir, policy=policy))
     generator = torch.Generator().manual_seed(1 + rank)
     try:
         for step in range(8 if fp16 else 3):

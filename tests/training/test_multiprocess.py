@@ -9,6 +9,7 @@ session's, conftest.py's ``multiprocess_job``: test_launch.py's plain run of its
 
 import csv
 import json
+import math
 import socket
 import subprocess
 from pathlib import Path
@@ -40,6 +41,7 @@ SCENARIOS = (
     "closure_scaler_rank1",
     "scaler_not_passed_ddp",
     "scaler_not_passed_nan0_rank1",
+    "scaler_not_passed_nan0_record",
     "scaler_not_passed_finite_ddp",
     *(["fsdp2"] if FSDP2_ON_CPU else []),  # where FSDP2 needs CUDA, it would end the launch
     "nan_grad_rank1",
@@ -343,6 +345,30 @@ def test_a_nan_loss_on_rank1_at_the_first_step_of_an_unpassed_scaler_stops_both_
     assert all(a["details"]["follows"] == {"kind": "nonfinite_loss", "rank": 1} for a in anomalies[1:])
     summaries = _summaries(done.stdout)
     assert summaries[0] == summaries[1] and summaries[0]["anomaly_steps"] == 1, summaries
+
+
+def test_after_rank1s_nan_loss_at_the_first_step_an_unpassed_scaler_is_found_on_both_ranks_at_the_next(scenario):
+    """The same NaN loss under policy record, the run going on: rank 0's held step 0 is released in place (rank 1
+    held none), and its optimizer is searched again at its next step that looks scaled, where rank 1 searches for
+    the first time: both hold, the scaler is confirmed, every later step read unscaled on both ranks alike. Before:
+    rank 0 never searched again and read every later step scaled (a gradient_explosion error a step) while rank 1
+    read them unscaled."""
+    done, run_dir = scenario("scaler_not_passed_nan0_record")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RAISED" not in done.stdout, done.stdout
+    norms = _printed_norms(done.stdout)
+    assert sorted(norms) == [(rank, step) for rank in (0, 1) for step in range(8)], done.stdout
+    for (rank, step), row in norms.items():
+        if step >= 1 and math.isfinite(row["reference"]):  # (a step that overflowed is non-finite either way)
+            assert row["measured"] == pytest.approx(row["reference"], rel=1e-6), (rank, step, row)
+            assert row["measured"] == norms[(1 - rank, step)]["measured"]  # one norm on both ranks
+    assert sum(math.isfinite(norms[(0, s)]["reference"]) for s in range(1, 8)) >= 3  # steps read, not all skipped
+    anomalies = load_json(run_dir / "summary.json")["anomalies"]
+    assert not any(a["kind"] in ("gradient_explosion", "lr_spike") for a in anomalies), anomalies
+    errors = [(a["kind"], a["step"], a["rank"]) for a in anomalies if a["severity"] == "error"]
+    assert errors[0] == ("nonfinite_loss", 0, 1) and all(step == 0 for _, step, _ in errors), errors
+    summaries = _summaries(done.stdout)
+    assert summaries[0] == summaries[1], summaries
 
 
 def test_an_unpassed_scalers_finite_held_step_is_recorded_unscaled_on_every_ranks_norm(scenario):

@@ -204,10 +204,11 @@ def causes_kept_elsewhere(anomalies: Sequence[Anomaly], run_dir: Path, rank: int
             wanted.setdefault(follows["rank"], set()).add(key)
     found = []
     for other, keys in sorted(wanted.items()):
-        path = Path(run_dir) / f"events-rank{other}.jsonl"
-        if not path.is_file():
+        try:  # a file gone or unreadable (a killed rank's disk, NFS): the cause stays unknown, the report goes on
+            rows = read_jsonl(Path(run_dir) / f"events-rank{other}.jsonl")
+        except OSError:
             continue
-        for row in read_jsonl(path):
+        for row in rows:
             data = {k: v for k, v in row.items() if k not in ("type", "time")}
             if row.get("type") != "anomaly" or anomaly_problem(data) is not None:
                 continue

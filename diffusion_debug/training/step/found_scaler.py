@@ -28,7 +28,9 @@ healthy scaled run at its first overflow). Several processes (DDP without Accele
 all-reduced gradients give every rank one norm; the same script, the same scalers), a holder asks for the step's
 detail exchange, and where the step's reduce says some rank held none (its NaN loss, a failure, a norm below the
 threshold) the holders release the step in place (``StepMonitor._held_alone``): every rank judges the same
-anomalies in the same step, and a release at a later step goes through that step's exchange. Limits: a rank that
+anomalies in the same step, and a release at a later step goes through that step's exchange; an optimizer whose
+step was released in place is searched once more at its next step that looks scaled, so the ranks that held and
+the one that did not (a NaN loss at the first step) hold together there. Limits: a rank that
 alone finds no scaler on its heap is not told apart (it reads the step as scaled; the policy still acts alike on
 every rank, from the exchange); once confirmed, the held step's recorded row is read unscaled
 (``RunRecord.amend_step``: the kept row and the stream, every rank's norm in it too) on its own rank only (the copy
@@ -121,14 +123,22 @@ class FoundScalers:
             except TypeError:  # not weakly referable (``__slots__`` without ``__weakref__``): never searched
                 pass
 
+    def search_again(self, trial: Trial) -> None:
+        """``trial``'s optimizer searched once more at its next step that looks scaled: its held step was
+        released in place because another rank held nothing (a NaN loss there, a failed rank), so the ranks
+        that searched and those that did not would otherwise read every later step apart. Once only."""
+        raw = trial.optimizer()
+        if raw is not None and raw in self._searched and self._searched[raw] is True:
+            self._searched[raw] = False
+
     def hold(self, optimizer: Any, step: Any, anomalies: list[Anomaly], max_grad_norm: float | None = None) -> bool:
         """At a step that looks scaled with no scaler known: search once for ``optimizer``; True when scalers
         went on trial (``anomalies``, the step's verdict as read, are then held; ``max_grad_norm``, the step's)."""
         raw = raw_optimizer(optimizer)
-        if raw is None or self.trial is not None or noting() or raw in self._searched:
+        if raw is None or self.trial is not None or noting() or (raw in self._searched and self._searched[raw]):
             return False  # (launch walks no heap: its patched GradScaler.scale passes every scaler it saw)
         try:
-            self._searched[raw] = True
+            self._searched[raw] = True if raw not in self._searched else "again"
         except TypeError:  # not weakly referable: not searched (read as it is)
             return False
         candidates = []
