@@ -613,10 +613,10 @@ def test_the_call_parts_timer_sees_each_part_as_often_as_a_1_step_call_runs_it_a
 
 
 def test_the_call_parts_timer_counts_the_fp16_sentinel_by_block_and_by_flush():
-    """In fp16 the sentinel reads block outputs (14 hooks a 1-step call of the tiny pipeline, as its
-    probe readings are counted in RESULTS.md: the UNet 7, the text encoder twice 1 (its layer stack
-    read at its last layer; 2 before), the VAE decode 5; 24 while each mid block's resnets and
-    attentions were blocks of their own and the UNet's conv_in and conv_norm_out and the text
+    """In fp16 the sentinel reads block outputs (18 hooks a 1-step call of the tiny pipeline: the UNet 7, the
+    text encoder twice 2 (its layer stack read at its last layer, and its final_layer_norm since vae36), the VAE
+    decode 7 (its blocks and, since vae36, its conv_norm_out and conv_out); 14 before vae36; 24 while each mid
+    block's resnets and attentions were blocks of their own and the UNet's conv_in and conv_norm_out and the text
     encoder's embeddings were watched) and reduces them in
     one fused flush per component call, the text encoder's two calls (the prompt and the negative
     prompt) in one (3: the text encoder, the UNet, the VAE decoder; 4 while each encoder call was read
@@ -625,11 +625,11 @@ def test_the_call_parts_timer_counts_the_fp16_sentinel_by_block_and_by_flush():
     probe, also those holding nothing, and 6 before that), and the two encoder calls read together
     once, in one host read. Counted on a call that reads every group of sentinels (the UNet's step 0,
     the VAE's and the text encoder's calls: a debugger's 2nd, ``call_parts`` sets its pace back to it);
-    from the 3rd each group reads runs of its own (``components.sentinel_pace``: 7, 5 or 2 of the 14,
+    from the 3rd each group reads runs of its own (``components.sentinel_pace``: 7, 7 or 4 of the 18,
     or none)."""
     found = call_parts.measure(torch.float16, rounds=1)
     calls = {label.strip(): calls for label, (_, calls) in found["parts"].items()}
-    assert calls["sentinel block hooks (all)"] == 14
+    assert calls["sentinel block hooks (all)"] == 18
     assert calls["fused abs-max flushes (all)"] == calls["reductions (_absmaxes)"] == 3
     assert calls["probe takes (all)"] == calls["held takes"] == 3
     assert calls["encoder calls read together"] == calls["host reads (encoder calls' read_now)"] == 1

@@ -347,24 +347,23 @@ def headline(anomalies: "list[Anomaly] | tuple[Anomaly, ...]", world_size: int =
     """The first of :func:`by_cause` as the summary gives it (kind, severity, where, message), or None;
     with ``consequences`` (their count, and a count per kind) when later anomalies follow from it.
     ``world_size`` above 1: ``where`` names the rank, rank 0 too. ``severity`` is the anomaly's own (the
-    headline mirrors the anomaly it names); where what follows from it is worse, ``diagnosis_severity``
-    says so (:func:`diagnosis_severity`): a warning whose consequence is an error heads an error.
+    headline mirrors the anomaly it names); the terminal's row and report.html's card show the diagnosis's,
+    :func:`diagnosis_severity`: a warning whose consequence is an error heads an error there.
 
     >>> error = Anomaly("step_error", "warning", "Raised at up_blocks.1.", "model", "up_blocks.1", step=3, rank=1)
     >>> stall = Anomaly("rank_desync", "error", "Rank 0 waits.", "model", step=3, details={"follows":
     ...                 {"kind": "step_error", "rank": 1}})
     >>> top = headline([stall, error], world_size=2)
-    >>> top["kind"], top["severity"], top["diagnosis_severity"], top["consequences"]
-    ('step_error', 'warning', 'error', {'count': 1, 'kinds': {'rank_desync': 1}})
+    >>> top["kind"], top["severity"], top["consequences"]
+    ('step_error', 'warning', {'count': 1, 'kinds': {'rank_desync': 1}})
+    >>> diagnosis_severity(*folded([stall, error])[0])
+    'error'
     """
     if not anomalies:
         return None
     first, following = folded(anomalies)[0]
     where = first.where(show_rank=world_size > 1)
-    severity = diagnosis_severity(first, following)
     out = {"kind": first.kind, "severity": first.severity, "where": where, "message": first.message}
-    if severity != first.severity:
-        out["diagnosis_severity"] = severity
     if following:
         kinds: dict[str, int] = {}
         for a in following:

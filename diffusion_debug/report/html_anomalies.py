@@ -94,7 +94,7 @@ def _repeats(a: Anomaly) -> str:
 def _card(cluster: Sequence[Anomaly], show_rank: bool, under: Sequence[Anomaly] = ()) -> dict[str, Any]:
     """One card for anomalies that repeat at the same place: the first one's message, the steps
     where it came back, and the anomalies that follow from them, folded; its severity is the
-    diagnosis's (``record.diagnosis_severity``), as summary.json's headline's ``diagnosis_severity``."""
+    diagnosis's (``record.diagnosis_severity``), summary.json's headline keeps the anomaly's own."""
     a = cluster[0]
     again = ""
     if len(cluster) > 1:

@@ -264,7 +264,7 @@ def once_each(anomalies: Sequence[Anomaly]) -> list[Anomaly]:
 
 def with_consequences(anomaly: Anomaly, under: Sequence[Anomaly]) -> Anomaly:
     """``anomaly`` with its message saying what follows from it (``record.folded``: those are not shown)
-    and the diagnosis's severity (``record.diagnosis_severity``), as summary.json's headline's ``diagnosis_severity``.
+    and the diagnosis's severity (``record.diagnosis_severity``), summary.json's headline keeps the anomaly's own.
 
     >>> a = Anomaly("lr_spike", "warning", "The lr jumped.", "optimizer", step=10)
     >>> b = Anomaly("loss_spike", "warning", "The loss jumped.", "model", step=11)

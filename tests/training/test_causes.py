@@ -35,15 +35,12 @@ def _headline_everywhere(tdbg, kind, where):
     anomalies = run.anomalies  # read from the file at each access: one list, as consequences() finds by identity
     first = by_cause(anomalies)[0]
     assert (first.kind, first.where()) == (kind, where)
-    # one severity, the diagnosis's (the worst of the cause and what follows from it), everywhere
+    # the diagnosis's severity (the worst of the cause and what follows from it) in the terminal and report.html;
+    # summary.json's headline keeps the anomaly's own
     severity = diagnosis_severity(first, consequences(anomalies, first))
     card = anomalies_context(run)["groups"][0]["cards"][0]
-    assert (
-        headline.get("diagnosis_severity", headline["severity"])
-        == first_row.split()[0]
-        == card["severity"]
-        == severity
-    )
+    assert headline["severity"] == first.severity
+    assert first_row.split()[0] == card["severity"] == severity
 
 
 def _lr_times(factor, at):
@@ -75,7 +72,7 @@ def test_a_learning_rate_jump_is_the_headline_over_the_nan_loss_it_causes(tmp_pa
         == "The loss is nan at step 6 on rank 0; it follows the lr_spike at optimizer, step 5: fix that first."
     )
     _headline_everywhere(tdbg, "lr_spike", "optimizer, step 5")
-    assert tdbg.report().summary["headline"]["diagnosis_severity"] == "error"  # the jump heads the NaN it caused
+    assert diagnosis_severity(*folded(tdbg.report().anomalies)[0]) == "error"  # the jump heads the NaN it caused
 
 
 def test_nan_loss_after_a_nan_gradient_says_the_update_made_the_weights_nonfinite(tmp_path, unet_loop):

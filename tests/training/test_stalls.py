@@ -993,7 +993,7 @@ def test_a_stall_left_by_a_rank_s_forward_error_is_headed_by_that_error_at_its_b
     """Rank 1's forward raised at ``up_blocks.1`` (its ``step_error``) and rank 0 waits in the gradient all-reduce
     (``rank_desync``, an error): one diagnosis, headed by the cause, which names the block; the stall is its
     consequence, ahead of an error of a later step. An error that left elsewhere (a save) heads its stall itself."""
-    from diffusion_debug.record import folded, headline, make_anomaly
+    from diffusion_debug.record import diagnosis_severity, folded, headline, make_anomaly
 
     error = "ValueError: a bad batch"
     details = {"error": error, "error_type": "ValueError", "phase": "forward"}
@@ -1008,7 +1008,7 @@ def test_a_stall_left_by_a_rank_s_forward_error_is_headed_by_that_error_at_its_b
         {"count": 1, "kinds": {"rank_desync": 1}},
     )
     # the diagnosis is an error (its stall is), the step_error itself stays a warning
-    assert (top["severity"], top["diagnosis_severity"], cause.severity) == ("warning", "error", "warning")
+    assert (top["severity"], diagnosis_severity(*folded([later, desync, cause])[0])) == ("warning", "error")
     assert [(a.kind, [b.kind for b in under]) for a, under in folded([later, desync, cause])] == [
         ("step_error", ["rank_desync"]),
         ("nonfinite_loss", []),
@@ -1022,8 +1022,8 @@ def test_a_forward_error_that_left_a_stall_heads_it_as_an_error_in_the_terminal_
     mlp, tmp_path, monkeypatch
 ):
     """The forward's ``step_error`` (a warning: the error went on unchanged) left the other rank in the
-    all-reduce (``rank_desync``, an error): the diagnosis is an error, and summary.json's headline (its
-    ``diagnosis_severity``), the terminal's row and report.html's card say so alike, the stall folded under
+    all-reduce (``rank_desync``, an error): the diagnosis is an error, and the terminal's row and report.html's
+    card say so alike (summary.json's headline keeps the anomaly's own), the stall folded under
     it; each anomaly keeps its own severity in the record (the headline's ``severity`` too), and a killed
     run's report (rebuilt from events.jsonl) says the same."""
     from diffusion_debug.record import load_json, load_run, read_jsonl
@@ -1050,7 +1050,6 @@ def test_a_forward_error_that_left_a_stall_heads_it_as_an_error_in_the_terminal_
         "severity": "warning",
         "where": "model 2, step 0",
         "message": message,
-        "diagnosis_severity": "error",
         "consequences": {"count": 1, "kinds": {"rank_desync": 1}},
     }
     events = [(e["kind"], e["severity"]) for e in read_jsonl(run_dir / "events.jsonl") if e.get("type") == "anomaly"]
@@ -1079,7 +1078,7 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     record holds the stall that follows it: the cause is read back from rank 1's file, that one only, and
     the headline is rank 1's error at its block, an error. Once in the record it is not read again; a rank
     that wrote nothing leaves the stall to head itself."""
-    from diffusion_debug.record import RunRecord, headline, make_anomaly
+    from diffusion_debug.record import RunRecord, diagnosis_severity, folded, headline, make_anomaly
     from diffusion_debug.training.ranks.origin import causes_kept_elsewhere
 
     details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
@@ -1095,7 +1094,7 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     (found,) = causes_kept_elsewhere([desync], tmp_path, rank=0)
     assert found.to_dict() == cause.to_dict()
     top = headline([desync, found], world_size=2)
-    assert (top["kind"], top["where"], top["diagnosis_severity"]) == (
+    assert (top["kind"], top["where"], diagnosis_severity(*folded([desync, found])[0])) == (
         "step_error",
         "model conv_in, step 3, rank 1",
         "error",
