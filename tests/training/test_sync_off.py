@@ -38,6 +38,13 @@ def _message(passes, since, last, held_by):
     )
 
 
+def _told_from_the_start(tdbg, cause, held_by):
+    """The one finding of a loop whose sync was off from its first call: at the floor's last micro-step, rank 0,
+    since step 0, no optimizer step before it, ``cause``; the headline's message naming ``held_by``."""
+    assert _said(tdbg) == [("warning", FLOOR - 1, 0, 0, FLOOR, None, cause)]
+    assert headline(tdbg.report().anomalies)["message"] == _message(FLOOR, 0, None, held_by)
+
+
 def _backward(model, x):
     loss = model(x).pow(2).mean()
     loss.backward()
@@ -114,9 +121,7 @@ def test_fsdp2_gradient_sync_turned_off_and_never_on_is_the_headline_naming_it(o
     for step in range(FLOOR + 5):
         info = tdbg.monitor_training_step(_backward(model, x), optimizer=optimizer, step=step)
         assert info["gradients_read"] is False
-    assert _said(tdbg) == [("warning", FLOOR - 1, 0, 0, FLOOR, None, "fsdp2_gradient_sync")]
-    top = headline(tdbg.report().anomalies)
-    assert top["message"] == _message(FLOOR, 0, None, "FSDP2 set_requires_gradient_sync(False)")
+    _told_from_the_start(tdbg, "fsdp2_gradient_sync", "FSDP2 set_requires_gradient_sync(False)")
     tdbg.close()
 
 
@@ -212,11 +217,8 @@ def test_accelerate_sync_gradients_never_true_is_told_with_its_accumulation_step
             tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
             optimizer.step()
             optimizer.zero_grad()
-    assert _said(tdbg) == [("warning", FLOOR - 1, 0, 0, FLOOR, None, "accelerate_sync_gradients")]
-    top = headline(tdbg.report().anomalies)
-    assert top["message"] == _message(
-        FLOOR, 0, None, "Accelerate's sync_gradients stays False, gradient_accumulation_steps=10000"
-    )
+    held_by = "Accelerate's sync_gradients stays False, gradient_accumulation_steps=10000"
+    _told_from_the_start(tdbg, "accelerate_sync_gradients", held_by)
     tdbg.close()
 
 
@@ -233,11 +235,8 @@ def test_a_raw_deepspeed_engine_whose_boundary_is_never_reached_is_told_with_its
         engine.backward(loss)
         tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
         engine.step()
-    assert _said(tdbg) == [("warning", FLOOR - 1, 0, 0, FLOOR, None, "deepspeed_boundary")]
-    top = headline(tdbg.report().anomalies)
-    assert top["message"] == _message(
-        FLOOR, 0, None, "DeepSpeed's gradient-accumulation boundary not reached, gradient_accumulation_steps=10000"
-    )
+    held_by = "DeepSpeed's gradient-accumulation boundary not reached, gradient_accumulation_steps=10000"
+    _told_from_the_start(tdbg, "deepspeed_boundary", held_by)
     tdbg.close()
 
 
