@@ -1,20 +1,23 @@
 """Session 37's sweep of the diffusers 0.42 families and stacks not swept before, each built here from
-tiny configs (sizes after diffusers' own fast tests; no text encoder: the prompt's features are given),
-watched against an unwatched twin (the same seed): two calls on one attach and a call after detach
-bitwise equal to the twin's three, nothing recorded, and an Inf planted in one inner module at one
-call named at exactly that component, module and step. The stacks: QwenImage 2.1's own prefix KV
+tiny configs (sizes after diffusers' own fast tests; no text encoder: the prompt's features are
+given), watched against an unwatched twin (the same seed): two calls on one attach and a call after
+detach bitwise equal to the twin's three, nothing recorded, and an Inf planted in one inner module at
+one call named at exactly that component, module and step. The stacks: QwenImage 2.1's own prefix KV
 cache (a ``QwenImage21KVCache`` object passed to each transformer call; step 0 prefills the text's
-keys and values, later steps read them) under true CFG, in fp16, and with a PEFT LoRA on its
-attention (the fault in a ``lora_B``); Ovis-Image in bf16; PRX in bf16 (its guidance batched: one
-call a step); Motif-Video under its ``AdaptiveProjectedGuidance`` guider; Wan text-to-video under
-diffusers' ``SeaCache`` (a threshold that reuses the residual on the middle steps) in bf16; and a
+keys and values, later steps read them) under true CFG, in bf16 (fp16 passes as well), and with a PEFT
+LoRA on its attention (the fault in a ``lora_B``); Ovis-Image in bf16, and in fp16 under TaylorSeer (a
+step whose attention is predicted, not run); PRX in bf16 (its guidance batched: one call a step);
+Motif-Video under its ``AdaptiveProjectedGuidance`` guider; Wan text-to-video under diffusers'
+``SeaCache`` (a threshold that reuses the residual on the middle steps) in bf16, the fault planted on
+a block (called, its output the cached residual) and on a module inside it (not called in the reused
+steps: its third call is step 3's); a modular QwenImage 2.1 (its text encoder step left out) and a
 modular Z-Image (``ZImageAutoBlocks``) with its guider.
 
-Limits: LongCat-Image is not here (diffusers 0.42.1's ``LongCatImagePipeline`` cannot be called
-with ``prompt_embeds``: ``check_inputs`` refuses a prompt beside them and ``encode_prompt`` takes
+Limits: LongCat-Image is not here (diffusers 0.42.1's ``LongCatImagePipeline`` cannot be called with
+``prompt_embeds``: ``check_inputs`` refuses a prompt beside them and ``encode_prompt`` takes
 ``len(prompt)``); nor DreamLite (its tiny ``AutoencoderTiny`` decodes 38% of pixels outside [-1, 1]
-with random weights, which the debugger rightly reports as ``vae_saturation``, and a call takes
-about 15 s on a loaded CPU); QwenImage 2.1's blocks are not registered for diffusers' block caches
+with random weights, which the debugger rightly reports as ``vae_saturation``, and a call takes about
+15 s on a loaded CPU); QwenImage 2.1's blocks are not registered for diffusers' block caches
 (``FirstBlockCacheConfig`` raises at ``enable_cache``)."""
 
 from __future__ import annotations
@@ -236,6 +239,13 @@ def call_motif(pipe):
     ).frames
 
 
+def ovis_taylor_seer(dtype):
+    pipe = ovis(dtype)
+    config = diffusers.TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, max_order=1)
+    pipe.transformer.enable_cache(config)  # step 1 predicted: no attention module runs in it
+    return pipe
+
+
 def wan_sea_cache(dtype):
     torch.manual_seed(0)
     transformer = diffusers.WanTransformer3DModel(**WAN_TRANSFORMER).to(dtype).eval()
@@ -267,6 +277,35 @@ def call_wan(pipe):
     ).frames
 
 
+def modular_qwenimage21(dtype):
+    from diffusers.modular_pipelines.qwenimage21 import QwenImage21AutoBlocks
+
+    blocks = QwenImage21AutoBlocks()
+    blocks.sub_blocks.pop("text_encoder")  # the prompt's features are given
+    pipe = blocks.init_pipeline()
+    parts = qwenimage21(dtype).components
+    pipe.update_components(**{name: parts[name] for name in ("transformer", "vae", "scheduler")})
+    return pipe
+
+
+def call_modular_qwenimage21(pipe):
+    embeds, mask = features(2, 5, 16, pipe.transformer.dtype), torch.ones(1, 5, dtype=torch.long)
+    no_image = torch.zeros(1, 5, dtype=torch.bool)
+    return pipe(
+        prompt_embeds=embeds[:1],
+        prompt_embeds_mask=mask,
+        image_pad_mask=no_image,
+        negative_prompt_embeds=embeds[1:],
+        negative_prompt_embeds_mask=mask,
+        negative_image_pad_mask=no_image,
+        num_inference_steps=3,
+        height=32,
+        width=32,
+        generator=generator(),
+        output_type="pt",
+    ).values["images"]
+
+
 def modular_z_image(dtype):
     from diffusers.modular_pipelines.z_image import ZImageAutoBlocks
 
@@ -281,12 +320,12 @@ def call_modular_z_image(pipe):
 
 
 CASES = {  # case -> (builder, call, dtype, the component and module planted in, from its call, the step named)
-    "qwenimage21_kv_cache-fp16": (
+    "qwenimage21_kv_cache-bf16": (
         qwenimage21,
         call_qwenimage21,
-        torch.float16,
+        torch.bfloat16,
         "transformer_blocks.1.attn.to_out.0",
-        1,
+        1,  # the negative branch's call in step 0, the one that fills its cache
         0,
     ),
     "qwenimage21_lora-fp32": (
@@ -300,7 +339,31 @@ CASES = {  # case -> (builder, call, dtype, the component and module planted in,
     "ovis_image-bf16": (ovis, call_ovis, torch.bfloat16, "transformer_blocks.0.attn.to_out.0", 2, 1),
     "prx-bf16": (prx, call_prx, torch.bfloat16, "blocks.0", 2, 2),
     "motif_video_apg-fp32": (motif, call_motif, torch.float32, "transformer_blocks.0", 2, 1),
-    "wan_sea_cache-bf16": (wan_sea_cache, call_wan, torch.bfloat16, "blocks.1", 2, 1),
+    "ovis_image_taylor_seer-fp16": (
+        ovis_taylor_seer,
+        call_ovis,
+        torch.float16,
+        "transformer_blocks.0.attn.to_out.0",
+        2,  # its calls: twice in step 0, none in step 1, twice in step 2
+        2,
+    ),
+    "wan_sea_cache-bf16": (wan_sea_cache, call_wan, torch.bfloat16, "blocks.1", 2, 1),  # step 1 reuses
+    "wan_sea_cache_inner-bf16": (
+        wan_sea_cache,
+        call_wan,
+        torch.bfloat16,
+        "blocks.1.ffn.net.2",
+        2,  # its calls: twice in step 0, none in steps 1 and 2 (the residual reused), twice in step 3
+        3,
+    ),
+    "modular_qwenimage21-fp32": (
+        modular_qwenimage21,
+        call_modular_qwenimage21,
+        torch.float32,
+        "transformer_blocks.1.attn.to_out.0",
+        1,
+        1,
+    ),
     "modular_z_image-fp32": (
         modular_z_image,
         call_modular_z_image,
@@ -312,6 +375,8 @@ CASES = {  # case -> (builder, call, dtype, the component and module planted in,
 }
 NEEDS = {
     "qwenimage21": "QwenImage21Pipeline",
+    "modular_qwenimage21": "QwenImage21AutoBlocks",
+    "ovis_image_taylor_seer": "TaylorSeerCacheConfig",
     "ovis_image": "OvisImagePipeline",
     "prx": "PRXPipeline",
     "motif_video": "MotifVideoPipeline",
@@ -322,7 +387,7 @@ NEEDS = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_swept_family_is_watched_unchanged_and_its_planted_inf_named_at_its_origin(tmp_path, case):
-    needs = NEEDS[next(k for k in NEEDS if case.startswith(k))]
+    needs = NEEDS[max((k for k in NEEDS if case.startswith(k)), key=len)]
     if not hasattr(diffusers, needs):
         pytest.skip(f"this diffusers has no {needs}")
     if "lora" in case:
