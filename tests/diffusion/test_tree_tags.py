@@ -64,6 +64,12 @@ CHANGES = {  # each a change of the walk's key, made deep in the tree unless nam
         net[1].inner[0]._parameters.__setitem__("bias", nn.Parameter(torch.zeros(2)))
     ),
     "a parameter popped": lambda net: net[1].inner[0]._parameters.pop("bias"),
+    "a parameter set on a module that had none (its empty _parameters)": lambda net: setattr(
+        net[1].inner[1], "scale", nn.Parameter(torch.ones(()))
+    ),
+    "a parameter set on a container (its empty _parameters)": lambda net: setattr(
+        net[0].inner, "scale", nn.Parameter(torch.ones(()))
+    ),
     "module.compile() below the root": lambda net: net[1].compile(backend="eager"),
     "root: module.compile()": lambda net: net.compile(backend="eager"),
     "root: a method compiled in place": lambda net: setattr(
@@ -131,6 +137,29 @@ def test_a_write_that_leaves_the_key_as_it_was_costs_one_walk_and_keeps_the_memo
     assert memo.get(net, "n", compute) == 1
     net[0].inner[1].inplace = True  # the same value again: no write
     assert memo.refresh([net]) is False and len(walks) == 3
+
+
+@NO_READER
+def test_the_dicts_empty_when_tagged_are_tested_for_emptiness_not_read_and_an_empty_one_refilled_is_seen(
+    monkeypatch, walks
+):
+    """Of this tree's 35 dicts below the root, 14 were empty when tagged (the 7 leaves' ``_modules``, the root's,
+    the blocks' and the ReLUs' ``_parameters``): a check reads the tags of the 21 others and the root's ``__dict__``;
+    an empty dict written
+    and emptied again is no change (the walk would read nothing from it either), one left holding something is."""
+    net = tree()
+    memo = TreeMemo()
+    memo.refresh([net]), memo.refresh([net])  # walked, then walked and tagged
+    read, counted = tree_tags.READ, []
+    monkeypatch.setattr(tree_tags, "READ", lambda found: (counted.append(found), read(found))[1])
+    assert memo.refresh([net]) is False and len(walks) == 2
+    assert len(counted) == 22 and all(counted) and len(tree_tags._dicts(list(net.modules()))) == 35
+    relu = net[1].inner[1]
+    relu._parameters["scale"] = nn.Parameter(torch.ones(()))
+    del relu._parameters["scale"]  # written, empty again
+    assert memo.refresh([net]) is False and len(walks) == 2
+    relu._parameters["scale"] = nn.Parameter(torch.ones(()))
+    assert memo.refresh([net]) is True and len(walks) == 3
 
 
 @NO_READER
