@@ -9,7 +9,10 @@ its ``_modules`` (the children, by name, in order), its ``_parameters``, and a r
 ``__dict__`` and ``hooks``. CPython gives a dict's version tag a new value, greater than every tag
 before it, at each write that changes it (a set, delete, pop, clear, update): so while the largest
 tag among a tree's dicts is the one read after its last walk, no dict of it was written since and a
-walk would give the same key. Reading the tags is one C loop (``max(map(dict_version, dicts))``,
+walk would give the same key. A dict empty when tagged (a leaf's ``_modules``, a container's
+``_parameters``: 562 of tiny SD's 1,467) is tested for emptiness instead (one ``any`` loop, cost37): one
+filled and emptied again between two checks goes unseen, and gives the walk nothing new to read. Reading the
+tags is one C loop (``max(map(dict_version, dicts))``,
 ~70 ns a dict, no Python per module); any write (a LoRA layer set in, ``del unet.mid_block``, a
 ``_modules[...] =`` or ``_parameters[...] =`` write, ``compile()``, a cache hook enabled or removed,
 offloading's hooks, even ``set_adapters``' flags, which the key does not need) sends the next
