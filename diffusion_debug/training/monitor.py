@@ -61,7 +61,7 @@ from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
 from .step.state import Call, History, MonitoredStep, recorded_index
-from .step.sync_off import SyncOffWatch, accumulation_steps, sync_off, sync_off_cause
+from .step.sync_off import SyncOffWatch, accumulation_steps, held_by, sync_off
 from .watched_models import WatchedModels
 
 
@@ -112,7 +112,7 @@ class StepMonitor:
         groups = {id(group): group for listed in found for group in listed}  # fully_shard([a, b]): one group
         self.fsdp_groups = [g for g in groups.values() if any(_trained(p) for p in g.fsdp_params)]
         """FSDP2's parameter groups that train: a call while one reduces no gradient is a micro-step
-        (``gradients_complete``); a frozen group's sync, turned off, says nothing of the step."""
+        (``gradients_incomplete``); a frozen group's sync, turned off, says nothing of the step."""
         history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
         if ctx.distributed and not self.replicated:  # FSDP2, ZeRO, FSDP1: each rank's shards -> the whole
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
@@ -136,17 +136,17 @@ class StepMonitor:
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
         """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
 
-    def monitor(self, call: Call, complete: bool) -> dict[str, Any]:
-        """One ``monitor_training_step`` call; ``complete``: the caller's
-        :func:`~.measure.optimizer_state.gradients_complete` of it (False: a micro-step of gradient accumulation,
-        the user's ``accumulating`` among them), read once a call."""
+    def monitor(self, call: Call, incomplete: str | None) -> dict[str, Any]:
+        """One ``monitor_training_step`` call; ``incomplete``: the caller's
+        :func:`~.measure.optimizer_state.gradients_incomplete` of it (a reason: a micro-step of gradient
+        accumulation, the user's ``accumulating`` among them; None: an optimizer step), read once a call."""
         off = outside_autocast() if ANY_AUTOCAST() else None  # (entered as made; no Python call without one)
         try:
             failure = self._accumulate(call)
         finally:
             if off is not None:
                 off.close()
-        if not complete:
+        if incomplete is not None:
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
             self.history.counts.micro_steps += 1
@@ -155,7 +155,7 @@ class StepMonitor:
             if sync.run == 1:
                 sync.since = recorded_index(call.step, self.history.joined, self.config.step_offset)
             if sync.run == sync.at:  # a loop that turned gradient sync off and never back on
-                self._sync_off(call)
+                self._sync_off(call, incomplete)
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         if self.sync_off.run:  # the stretch of micro-steps this optimizer step ends
             self.sync_off.ended()
@@ -204,12 +204,12 @@ class StepMonitor:
             step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
 
-    def _sync_off(self, call: Call) -> None:
-        """The stretch of micro-steps is far past any accumulation: what holds the sync off, said once."""
+    def _sync_off(self, call: Call, incomplete: str) -> None:
+        """The stretch of micro-steps is far past any accumulation: what holds the sync off (``incomplete``, this
+        call's reason), said once."""
         index = recorded_index(call.step, self.history.joined, self.config.step_offset)
         with self.sink.guard("telling a gradient sync left off", step=index, rank=self.ctx.rank):
-            groups = self.fsdp_groups
-            cause = sync_off_cause(call.accumulating, groups, self.accelerator, self.params.partitions)
+            cause = held_by(incomplete, self.accelerator, self.params.partitions)
             anomaly = sync_off(self.sync_off, index, self.ctx.rank, cause, self.history.previous_step)
             self.sink.emit(anomaly, log=self.ctx.is_main)
 

@@ -71,26 +71,27 @@ def accumulation_steps(accelerator: Any, partitions: Any) -> int | None:
     return steps if isinstance(steps, int) and steps > 0 else None
 
 
-def sync_off_cause(accumulating: bool, fsdp_groups: Any, accelerator: Any, partitions: Any) -> dict:
-    """What holds the gradients incomplete on this call (the first of :func:`~..measure.optimizer_state.
-    gradients_complete`'s reasons that holds, in its order), with what the message names."""
-    if accumulating:
-        return {"cause": "accumulating", "held_by": "the loop passes accumulating=True to every call"}
-    for group in fsdp_groups:
-        if not getattr(group, "reduce_grads", True):
-            return {"cause": "fsdp2_gradient_sync", "held_by": "FSDP2 set_requires_gradient_sync(False)"}
-        if not getattr(group, "all_reduce_grads", True):
-            return {"cause": "hsdp_all_reduce", "held_by": "HSDP set_requires_all_reduce(False)"}
-    if accelerator is not None:
+HELD_BY = {
+    "accumulating": "the loop passes accumulating=True to every call",
+    "fsdp2_gradient_sync": "FSDP2 set_requires_gradient_sync(False)",
+    "hsdp_all_reduce": "HSDP set_requires_all_reduce(False)",
+    "accelerate_sync_gradients": "Accelerate's sync_gradients stays False",
+    "deepspeed_boundary": "DeepSpeed's gradient-accumulation boundary not reached",
+}
+"""What each of :func:`~..measure.optimizer_state.gradients_incomplete`'s reasons holds the sync off with."""
+
+
+def held_by(cause: str, accelerator: Any, partitions: Any) -> dict:
+    """What holds the gradients incomplete, ``cause`` (the call's :func:`~..measure.optimizer_state.
+    gradients_incomplete`), with what the message names: Accelerate's or the engine's accumulation length too."""
+    said = HELD_BY[cause]
+    if cause == "accelerate_sync_gradients":
         steps = getattr(accelerator, "gradient_accumulation_steps", None)
-        said = f", gradient_accumulation_steps={steps}" if steps is not None else ""
-        return {"cause": "accelerate_sync_gradients", "held_by": f"Accelerate's sync_gradients stays False{said}"}
-    if partitions is not None and getattr(partitions, "engines", None):
+        said += f", gradient_accumulation_steps={steps}" if steps is not None else ""
+    elif cause == "deepspeed_boundary":
         steps = _engine_steps(partitions)
-        said = f", gradient_accumulation_steps={steps}" if steps else ""
-        held = f"DeepSpeed's gradient-accumulation boundary not reached{said}"
-        return {"cause": "deepspeed_boundary", "held_by": held}
-    return {"cause": "unknown", "held_by": "the gradients never complete"}
+        said += f", gradient_accumulation_steps={steps}" if steps else ""
+    return {"cause": cause, "held_by": said}
 
 
 def sync_off(watch: SyncOffWatch, step: Any, rank: int, cause: dict, last: Any) -> Anomaly:
