@@ -1,6 +1,7 @@
-"""Run under `torchrun --nproc_per_node 2` (DS_ACCELERATOR=cpu, gloo) by test_deepspeed.py: the tiny
-diffusers UNet trained by a raw DeepSpeed ZeRO-2 engine (``deepspeed.initialize``; ZeRO-3 or no ZeRO:
-the prefixes below), the debugger given the engine as the model and its optimizer.
+"""Run under `torchrun --nproc_per_node 2` (DS_ACCELERATOR=cpu, gloo) by test_deepspeed.py (and
+test_deepspeed_stage0_launch.py, the ``stage0_`` scenarios): the tiny diffusers UNet trained by a raw
+DeepSpeed ZeRO-2 engine (``deepspeed.initialize``; ZeRO-3 or no ZeRO: the prefixes below), the debugger given
+the engine as the model and its optimizer.
 
 Usage: deepspeed_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the
 other in the same processes, each with its own engine, debugger and ``<output_dir>/<scenario>``;

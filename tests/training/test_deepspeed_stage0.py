@@ -5,7 +5,7 @@ the engine wraps the optimizer in its own mixed-precision optimizer (``FP16_Unfu
 model's parameters, and skips a step whose gradients overflow (its ``overflow`` flag); a raw engine's
 loop, and the same under Accelerate's DeepSpeed plugin (built in-process as ``accelerator.prepare``
 builds it). Two ranks, a NaN made on rank 1 before the engine's all-reduce named at rank 1:
-test_deepspeed.py's ``stage0_`` scenarios (the session's launch of deepspeed_job.py). Skipped, saying
+test_deepspeed_stage0_launch.py's ``stage0_`` scenarios (the session's launch of deepspeed_job.py). Skipped, saying
 why, where DeepSpeed does not install or import (``pip install 'diffusion-debug[deepspeed]'``)."""
 
 import math
