@@ -378,7 +378,7 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             grads if same and self._plain_gradients else None,  # the norms' (684 .grad reads: >= 0.26 ms a CPU step)
         )
         incomplete = gradients_incomplete(
-            call.accumulating, self.accelerator, self.params.partitions, self._steps.fsdp_groups
+            call.accumulating, self.accelerator, self.params.deepspeed, self._steps.fsdp_groups
         )
         try:
             if self._order_hooks.attached and getattr(loss, "grad_fn", None) is not None:  # recorded now

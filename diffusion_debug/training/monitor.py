@@ -130,7 +130,7 @@ class StepMonitor:
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
-        self.sync_off = SyncOffWatch(accumulation_steps(accelerator, params.partitions))
+        self.sync_off = SyncOffWatch(accumulation_steps(accelerator, params.deepspeed))
         """The micro-steps since the last optimizer step: a loop whose gradient sync stays off is told (past
         the accumulation length Accelerate or DeepSpeed declares, four times over, if longer than the floor)."""
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
@@ -209,7 +209,7 @@ class StepMonitor:
         call's reason), said once."""
         index = recorded_index(call.step, self.history.joined, self.config.step_offset)
         with self.sink.guard("telling a gradient sync left off", step=index, rank=self.ctx.rank):
-            cause = held_by(incomplete, self.accelerator, self.params.partitions)
+            cause = held_by(incomplete, self.accelerator, self.params.deepspeed)
             anomaly = sync_off(self.sync_off, index, self.ctx.rank, cause, self.history.previous_step)
             self.sink.emit(anomaly, log=self.ctx.is_main)
 

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.xdist_group("launches")
 DEEPSPEED_JOB_SCENARIOS = (
     "stage0_nan_grad_rank1_before_reduction",  # no ZeRO, bf16: 4 steps (~1 s of the launch)
     "stage0_fp16_nan_grad_rank1_before_reduction",  # no ZeRO, fp16: 4 steps (~1 s)
+    "stage0_accumulate_boundary_off",  # no ZeRO, bf16, 2 micro-steps a step: 12 calls (~2 s)
 )
 """What the session's launch of deepspeed_job.py runs for this module (with test_deepspeed.py's)."""
 
@@ -113,3 +114,31 @@ def test_stage0_nan_made_on_rank1_before_the_engine_s_all_reduce_is_named_on_ran
         for rank, rest in _lines(out, "GRAD_NORM").items():
             measured, reference = float(rest.split()[0]), float(rest.split()[2])
             assert measured == pytest.approx(reference, rel=1e-5), rank
+
+
+def test_stage0_accumulating_is_read_at_the_engine_s_boundary_and_a_boundary_left_off_stays_micro_steps(launched):
+    """No ZeRO, ``gradient_accumulation_steps`` 2, each micro-step monitored: two whole steps, then the loop turns
+    the engine's boundary off (``set_gradient_accumulation_boundary(False)``) and never on again. A call is a
+    micro-step where the engine is not at its boundary (``is_gradient_accumulation_boundary()``, as ZeRO's): the
+    two steps are counted, with each step's norm DeepSpeed's own gradients' after the all-reduce; the ten others
+    are micro-steps, which call no collective, and nothing is found (below the sync-off floor). Before, only a ZeRO
+    engine's boundary was read: every call was a whole step (12, no micro-step), each with the exchange, and the
+    unsynced stretch, whose weights never moved, a ``not_learning`` of cause unknown."""
+    output_dir, stdout, stderr = launched
+    scenario = "stage0_accumulate_boundary_off"
+    out = stdout[scenario]
+    assert "RANK 0 DONE skipped=0" in out and "RANK 1 DONE skipped=0" in out, out + stderr[-3000:]
+    assert _lines(out, "HEADLINE") == {0: "None", 1: "None"}
+    summary = _summary(output_dir, scenario)
+    assert _found(summary) == []
+    counts = summary["training"]
+    assert (counts["total_steps"], counts["accumulating_micro_steps"]) == (2, 10)
+    synced = {r: [] for r in (0, 1)}  # (step, collectives) of each call, in order
+    for words in map(str.split, out.splitlines()):
+        if words[:1] == ["RANK"] and words[2:4] == ["COLLECTIVES", "step"]:
+            synced[int(words[1])].append((int(words[4].rstrip(":")), " ".join(words[5:])))
+    whole = f"all_reduce[{WIDTH}]"
+    assert synced == {r: [(c // 2, whole if c in (1, 3) else "") for c in range(12)] for r in (0, 1)}
+    for rank, rest in _lines(out, "GRAD_NORM").items():  # step 1's: its two micro-steps' gradients, all-reduced
+        measured, reference = float(rest.split()[0]), float(rest.split()[2])
+        assert measured == pytest.approx(reference, rel=1e-5), rank

@@ -54,20 +54,21 @@ class SyncOffWatch:
         self.run, self.at = 0, max(FLOOR, FACTOR * self.longest)
 
 
-def _engine_steps(partitions: Any) -> Any:
-    """A raw DeepSpeed engine's ``gradient_accumulation_steps()`` (None: no engine)."""
-    if partitions is None or not getattr(partitions, "engines", None):
+def _engine_steps(deepspeed: Any) -> Any:
+    """A raw DeepSpeed engine's ``gradient_accumulation_steps()`` (``deepspeed``: ``DeepSpeedSteps``, ZeRO's or
+    stage 0's; None: no engine)."""
+    if deepspeed is None or not getattr(deepspeed, "engines", None):
         return None
-    engine = partitions.engines[0]
+    engine = deepspeed.engines[0]
     engine = engine[0] if isinstance(engine, tuple) else engine
     return getattr(engine, "gradient_accumulation_steps", lambda: None)()
 
 
-def accumulation_steps(accelerator: Any, partitions: Any) -> int | None:
+def accumulation_steps(accelerator: Any, deepspeed: Any) -> int | None:
     """The accumulation length the loop declares: Accelerate's ``gradient_accumulation_steps``, else a raw
     DeepSpeed engine's (None: neither, or not an integer)."""
     steps = getattr(accelerator, "gradient_accumulation_steps", None) if accelerator is not None else None
-    steps = steps if steps is not None else _engine_steps(partitions)
+    steps = steps if steps is not None else _engine_steps(deepspeed)
     return steps if isinstance(steps, int) and steps > 0 else None
 
 
@@ -81,7 +82,7 @@ HELD_BY = {
 """What each of :func:`~..measure.optimizer_state.gradients_incomplete`'s reasons holds the sync off with."""
 
 
-def held_by(cause: str, accelerator: Any, partitions: Any) -> dict:
+def held_by(cause: str, accelerator: Any, deepspeed: Any) -> dict:
     """What holds the gradients incomplete, ``cause`` (the call's :func:`~..measure.optimizer_state.
     gradients_incomplete`), with what the message names: Accelerate's or the engine's accumulation length too."""
     said = HELD_BY[cause]
@@ -89,7 +90,7 @@ def held_by(cause: str, accelerator: Any, partitions: Any) -> dict:
         steps = getattr(accelerator, "gradient_accumulation_steps", None)
         said += f", gradient_accumulation_steps={steps}" if steps is not None else ""
     elif cause == "deepspeed_boundary":
-        steps = _engine_steps(partitions)
+        steps = _engine_steps(deepspeed)
         said += f", gradient_accumulation_steps={steps}" if steps else ""
     return {"cause": cause, "held_by": said}
 
