@@ -110,3 +110,17 @@ def test_a_high_initial_scale_that_settles_after_16_and_more_skips_stays_info(tm
     assert scaler.get_scale() == init / 2**skipped  # settled: no skip after the first `skipped`
     assert _skips(tdbg) == [("info", 0, 0, "grad_scaler", None, init / 2, skipped)]
     assert [a for a in tdbg.report().anomalies if a.severity != "info"] == []
+
+
+def test_the_kind_s_meaning_says_the_scale_must_be_down_to_2_for_skips_in_a_row_to_warn():
+    """The in-a-row warning needs the scale at or below ``UNSETTLED_SCALE`` too (a high initial scale skips 16 and
+    more on its way down, and trains): the meaning the report's legend shows says so."""
+    from diffusion_debug.record import kind_info
+    from diffusion_debug.training.judges.step_checks import FREQUENT_SKIPS, SKIP_WINDOW, UNSETTLED_SCALE
+
+    assert (FREQUENT_SKIPS, SKIP_WINDOW, UNSETTLED_SKIPS, UNSETTLED_SCALE) == (3, 20, 16, 2.0)
+    assert kind_info("skipped_step").meaning == (
+        "The optimizer step was skipped (fp16 loss scaler found Inf/NaN gradients, or the policy skipped it); "
+        "a warning when 3 skips fall within 20 steps after the scale settled, or 16 come in a row from the start "
+        "with the scale down to 2."
+    )
