@@ -314,7 +314,10 @@ class StepMonitor:
         None while the trial waits for the held optimizer's ``scaler.step``."""
         trial = self.found.trial
         with self.sink.guard("trying a GradScaler not passed", step=trial.step, rank=self.ctx.rank):
-            return self.found.resolve(optimizer, at)
+            released = self.found.resolve(optimizer, at)
+            for skip in released[1] if released is not None else ():  # in the row from the start, as one judged
+                self.history.ranks[0].count_skip(skip.step)
+            return released
         self.found.trial = None  # failed (recorded): nothing held is lost
         trial.end()
         return trial.held, []
