@@ -288,7 +288,8 @@ class StepMonitor:
             own = [a for a in judged.anomalies if a.kind != "skipped_step"]
             if self.found.hold(call.optimizer, step.index, own, call.max_grad_norm):
                 judged.anomalies = [a for a in judged.anomalies if a.kind == "skipped_step"]
-                judged.flags.nonfinite = judged.flags.explosion = False  # counted when released
+                if not self.ctx.distributed:  # several: its flags ride in the reduce (:meth:`_after_reduce`)
+                    judged.flags.nonfinite = judged.flags.explosion = False  # counted when released
                 step.held = True
 
     def _held_alone(self, summary: Any) -> bool:
@@ -472,12 +473,15 @@ class StepMonitor:
 
     def _after_reduce(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call, summary) -> None:
         """What every rank does once the reduce has OR-ed the flags, before the details: a verdict held where
-        some rank holds none released in place (:meth:`_held_alone`), the stall judged across ranks
+        some rank holds none released in place (:meth:`_held_alone`; the holders' flags, in the reduce, counted
+        with it), else its flags cleared (counted when released), the stall judged across ranks
         (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay. Never raises: every rank goes on to the
         details' gather."""
         try:  # (not sink.guard: with strict=True it raises, and the other ranks would wait in the gather)
             if step.held and self._held_alone(summary):
-                self._unhold(judged)
+                self._unhold(judged)  # its flags, ORed in the reduce, counted now on every rank alike
+            elif step.held:  # held on every rank: counted when released
+                judged.flags.nonfinite = judged.flags.explosion = False
             self.local.judge_across_ranks(judged)
         except Exception as error:  # recorded, and raised after the policy with strict=True
             step.deferred = step.deferred or error
