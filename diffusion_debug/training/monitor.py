@@ -288,19 +288,26 @@ class StepMonitor:
             own = [a for a in judged.anomalies if a.kind != "skipped_step"]
             if self.found.hold(call.optimizer, step.index, own, call.max_grad_norm):
                 judged.anomalies = [a for a in judged.anomalies if a.kind == "skipped_step"]
-                if not self.ctx.distributed:  # several: its flags ride in the reduce (:meth:`_after_reduce`)
-                    judged.flags.nonfinite = judged.flags.explosion = False  # counted when released
+                flags = judged.flags  # counted when released (in place: :meth:`_after_reduce`)
+                step.held_flags = {"nonfinite": flags.nonfinite, "explosion": flags.explosion}
+                flags.nonfinite = flags.explosion = False
                 step.held = True
 
     def _held_alone(self, summary: Any) -> bool:
-        """Whether some rank held no verdict at a step this rank held (several processes): some rank's loss was
-        NaN (no scaling makes one), a rank failed, or some rank's gradient norm read below the threshold (not
-        scaled-looking). DDP's all-reduced gradients give every rank the same norm and every rank of the same
-        script finds the same scalers, so the ranks hold together; where they do not, the holders release the
-        step in place, before the details: every rank then judges the same anomalies in the same step."""
+        """Whether some rank held no verdict at a step this rank held (several processes): one held none
+        (``unheld``), some rank's loss was NaN (no scaling makes one), a rank failed, or some rank's gradient norm
+        read below the threshold (not scaled-looking). The same on every rank. DDP's all-reduced gradients give
+        every rank the same norm and every rank of the same script finds the same scalers, so the ranks hold
+        together; where they do not, the holders release the step in place, before the details: every rank then
+        judges and counts the same anomalies in the same step."""
         flags, norm = summary.flags, summary.aggregates.get("grad_norm", {}).get("min")
         scaled = isinstance(norm, str) or norm is None or not norm <= self.config.grad_explosion_threshold
-        return flags.get("nonfinite_loss", False) or flags.get("failed", False) or not scaled
+        return (
+            flags.get("unheld", False)
+            or flags.get("nonfinite_loss", False)
+            or flags.get("failed", False)
+            or not scaled
+        )
 
     def _unhold(self, judged: Judgement) -> None:
         """This step's held verdict released as it was read (its optimizer searched again once:
@@ -466,28 +473,33 @@ class StepMonitor:
             before_details=lambda summary: self._after_reduce(step, own, judged, call, summary),
             # a stall alone needs the details only where it stands (no rank's weights moved)
             stalled=bool(judged.anomalies) and self.local.stall_alone(judged),
-            held=step.held,
+            held=step.held_flags if step.held else None,
         )
         info.update(across_ranks([], summary.aggregates))
         return step.details.rows if step.details is not None else [own]
 
     def _after_reduce(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call, summary) -> None:
         """What every rank does once the reduce has OR-ed the flags, before the details: a verdict held where
-        some rank holds none released in place (:meth:`_held_alone`; the holders' flags, in the reduce, counted
-        with it), else its flags cleared (counted when released), the stall judged across ranks
-        (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay. Never raises: every rank goes on to the
-        details' gather."""
+        some rank holds none released in place (:meth:`_held_alone`), the stall judged across ranks
+        (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay, decided without the held flags (a
+        step that looks scaled is no replay's), which then count on every rank alike where the step is released
+        (the summary's ``nonfinite_held``, ``explosion_held``; held on every rank: counted when released). Never
+        raises: every rank goes on to the details' gather."""
+        released = False
         try:  # (not sink.guard: with strict=True it raises, and the other ranks would wait in the gather)
-            if step.held and self._held_alone(summary):
-                self._unhold(judged)  # its flags, ORed in the reduce, counted now on every rank alike
-            elif step.held:  # held on every rank: counted when released
-                judged.flags.nonfinite = judged.flags.explosion = False
+            released = self._held_alone(summary)  # (where no rank held, the held flags are the flags)
+            if step.held and released:
+                self._unhold(judged)
             self.local.judge_across_ranks(judged)
         except Exception as error:  # recorded, and raised after the policy with strict=True
             step.deferred = step.deferred or error
             failure = failures.judging_failed(self.ctx.rank, step.index, error, raised=self.config.strict)
             judged.anomalies.append(failure)
         self._localize(step, own, judged, call)
+        if released:
+            flags = summary.flags
+            judged.flags.nonfinite |= flags.get("nonfinite_held", False)
+            judged.flags.explosion |= flags.get("explosion_held", False)
 
     def _localize(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call) -> None:
         """The ``closure=`` replay under anomaly mode, for a NaN loss or input, or NaN gradients not

@@ -29,8 +29,10 @@ def test_a_held_step_released_by_a_failed_rank_goes_on_on_both_ranks_and_counts_
     looks scaled), while rank 1's gradient norms raise (a planted debugger failure). The step's reduce says a rank
     failed: rank 0 releases its verdict in place, so both ranks finish the 8 steps (none waits on a detail
     exchange the other never joins), and rank 0's NaN gradients of step 0 are counted as read on both ranks alike
-    (the flag its hold had cleared rides in the reduce). Before: its ``nonfinite`` was emitted but not counted,
-    ``nonfinite_steps`` one short."""
+    (the flag its hold had cleared rides in the reduce at its own level, ``nonfinite_held``). Before: its
+    ``nonfinite`` was emitted but not counted, ``nonfinite_steps`` one short. The ``closure=`` given is not replayed
+    on either rank: the held flag counts, after the replay's decision (a step that looks scaled is none of the
+    replay's; a replay decided on it said, falsely, that the replay under anomaly mode stayed finite)."""
     done, run_dir = scenario("scaler_not_passed_fails0_record")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "RAISED" not in done.stdout, done.stdout
@@ -39,6 +41,14 @@ def test_a_held_step_released_by_a_failed_rank_goes_on_on_both_ranks_and_counts_
     anomalies = load_json(run_dir / "summary.json")["anomalies"]
     found = [(a["kind"], a["severity"], a["step"], a["rank"]) for a in anomalies if a["step"] == 0]
     assert found == [("nonfinite", "error", 0, 0), ("debugger_error", "warning", 0, 1)]  # as read: not confirmed
+    assert anomalies[0]["message"] == (  # no replay's: the step looked scaled (the replay's words would be false)
+        "4 gradient(s) hold NaN/Inf, made in backward at 2.weight in module 2, the last in forward order of those "
+        "that hold NaN/Inf: lower the learning rate, check the loss for NaN/Inf, or use closure= to name the "
+        "backward op."
+    )
+    assert [line for line in done.stdout.splitlines() if " REPLAYS " in line] == [
+        f"RANK {rank} REPLAYS []" for rank in (0, 1)
+    ], done.stdout
     assert anomalies[1]["message"] == (
         "Rank 1 failed to measure step 0 (RuntimeError: planted failure in grad_norms) and training went on; set "
         "strict=True to see the traceback."
