@@ -446,3 +446,21 @@ def test_a_pickled_owner_of_two_stacked_step_wrappers_unpickles_with_its_own_ste
         assert (owner.steps, calls) == (1, [1, 0])
         wraps[first].remove(), wraps[1 - first].remove()
         assert "step" not in vars(owner)
+
+
+def test_stage0_the_accumulation_boundary_is_read_from_the_engines_with_an_optimizer(one_rank_group, deepspeed_engine):
+    """``DeepSpeedSteps.at_boundary`` over two stage-0 engines: one with an optimizer (at its boundary,
+    ``gradient_accumulation_steps`` 1), and one kept without (``EngineWithoutZero.find`` keeps it; its optimizer
+    taken away), at 2: never stepped, it never reaches its boundary. Read from it too, every call would be a
+    micro-step; the stepping engine's boundary off, a call is one."""
+    from diffusion_debug.training.measure.deepspeed_stage0 import EngineWithoutZero
+
+    stepping, _ = _engine(deepspeed_engine, "fp32")
+    idle, _ = _engine(deepspeed_engine, "fp32", extra={"gradient_accumulation_steps": 2})
+    idle.optimizer = None
+    params = [p for e in (stepping, idle) for p in e.module.parameters()]
+    steps = EngineWithoutZero.find(params, [stepping, idle])
+    assert steps.engines == [stepping, idle] and not idle.is_gradient_accumulation_boundary()
+    read = [steps.at_boundary()]
+    stepping.set_gradient_accumulation_boundary(False)
+    assert read + [steps.at_boundary()] == [True, False]

@@ -178,8 +178,11 @@ class DeepSpeedSteps:
     def at_boundary(self) -> bool:
         """A raw engine's loop (between ``engine.backward`` and ``engine.step``) is at a gradient accumulation
         boundary: the engine has reduced the step's gradients (ZeRO into its fragments; without ZeRO, stage 0,
-        all-reduced ``.grad``) and its ``step`` steps the optimizer. Off it, a micro-step (no engine: True)."""
-        return all(bool(e.is_gradient_accumulation_boundary()) for e in self.engines)
+        all-reduced ``.grad``) and its ``step`` steps the optimizer. Off it, a micro-step (no engine: True). Read
+        from the engines with an optimizer only: one without (stage 0 keeps it, :meth:`EngineWithoutZero.find`)
+        is never stepped, so under ``gradient_accumulation_steps > 1`` never reaches its boundary."""
+        engines = [e for e in self.engines if getattr(e, "optimizer", None) is not None]
+        return all(bool(e.is_gradient_accumulation_boundary()) for e in engines)
 
     def steps_taken(self) -> tuple[int, ...]:
         """Each engine's ``global_steps``: it counts every optimizer step the engine took, those its
