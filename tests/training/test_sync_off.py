@@ -235,7 +235,10 @@ def test_a_raw_deepspeed_engine_whose_boundary_is_never_reached_is_told_with_its
         engine.backward(loss)
         tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
         engine.step()
-    held_by = "DeepSpeed's gradient-accumulation boundary not reached, gradient_accumulation_steps=10000"
+    held_by = (
+        "DeepSpeed's gradient-accumulation boundary not reached, gradient_accumulation_steps=10000; monitor before "
+        "engine.step()"
+    )
     _told_from_the_start(tdbg, "deepspeed_boundary", held_by)
     tdbg.close()
 

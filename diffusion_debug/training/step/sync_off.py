@@ -79,7 +79,9 @@ HELD_BY = {
     "accelerate_sync_gradients": "Accelerate's sync_gradients stays False",
     "deepspeed_boundary": "DeepSpeed's gradient-accumulation boundary not reached",
 }
-"""What each of :func:`~..measure.optimizer_state.gradients_incomplete`'s reasons holds the sync off with."""
+"""What each of :func:`~..measure.optimizer_state.gradients_incomplete`'s reasons holds the sync off with
+(:func:`held_by` adds the accumulation length, and to ``deepspeed_boundary`` "monitor before engine.step()": a
+loop that monitors after the engine's step reads every call off the boundary)."""
 
 
 def held_by(cause: str, accelerator: Any, deepspeed: Any) -> dict:
@@ -92,6 +94,7 @@ def held_by(cause: str, accelerator: Any, deepspeed: Any) -> dict:
     elif cause == "deepspeed_boundary":
         steps = _engine_steps(deepspeed)
         said += f", gradient_accumulation_steps={steps}" if steps else ""
+        said += "; monitor before engine.step()"  # after it, the boundary has passed: every call reads off it
     return {"cause": cause, "held_by": said}
 
 
