@@ -189,8 +189,8 @@ def _scenarios_named(session: pytest.Session, attribute: str, ends_job: tuple[st
 def deepspeed_job(request, tmp_path_factory) -> tuple[Path, dict[str, str], str]:
     """deepspeed_job.py's one ``torchrun`` launch (2 CPU processes, DS_ACCELERATOR=cpu) for the session:
     its output directory, each scenario's stdout lines (prefix removed) and the launch's stderr. It
-    runs the scenarios the selected tests' modules name in ``DEEPSPEED_JOB_SCENARIOS`` (test_deepspeed.py's),
-    the ZeRO-2 stall, which ends the job, last."""
+    runs the scenarios the selected tests' modules name in ``DEEPSPEED_JOB_SCENARIOS`` (test_deepspeed.py's,
+    test_deepspeed_stage0_launch.py's), the ZeRO-2 stall, which ends the job, last."""
     import importlib.util
     import shutil
 

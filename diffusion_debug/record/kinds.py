@@ -237,7 +237,8 @@ register_kind(
     colour="#8c564b",
     meaning=(
         "The optimizer step was skipped (fp16 loss scaler found Inf/NaN gradients, or the policy skipped it); "
-        "a warning when 3 skips fall within 20 steps after the scale settled, or 16 come in a row from the start."
+        "a warning when 3 skips fall within 20 steps after the scale settled, or 16 come in a row from the start "
+        "with the scale down to 2."
     ),
     action="A few skips while the scale settles are normal; many in a row mean the model overflows in fp16.",
     stable=True,

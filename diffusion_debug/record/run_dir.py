@@ -198,7 +198,6 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
     own: dict[int, list[dict[str, Any]]] = {}
     copies: dict[int, dict[Any, dict[str, Any]]] = {}
     skipped: dict[tuple[int, Any], str] = {}  # RunRecord.mark_skipped: found after the row was written
-    amended: dict[tuple[int, Any], dict] = {}  # RunRecord.amend_step: read anew after the row was written
     for path in files:
         try:
             rows = _read_events(path)
@@ -207,17 +206,20 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         match = re.fullmatch(r"events-rank(\d+)\.jsonl", path.name)
         start = next((r for r in rows if r.get("type") == "start"), {})
         owner = int(match.group(1)) if match else start.get("rank", 0)
+        latest: dict[Any, dict[str, Any]] = {}  # this file's own last row of each step, as written so far
         for row in rows:
             if row.get("type") == "step_skipped":
                 skipped[(row.get("rank", owner), _step_key(row))] = row.get("reason")
             if row.get("type") == "step_amended" and isinstance(row.get("values"), dict):
-                amended.setdefault((row.get("rank", owner), _step_key(row)), {}).update(row["values"])
+                # RunRecord.amend_step: the row it names, its process's last of that step written before it
+                latest.get(_step_key(row), {}).update(row["values"])
             if row.get("type") != "step":
                 continue
             step = {k: v for k, v in row.items() if k not in ("type", "time")}
             rank = step.get("rank", owner)
             if rank == owner:
                 own.setdefault(owner, []).append(step)
+                latest[_step_key(step)] = step
             else:
                 copies.setdefault(rank, {}).setdefault(_step_key(step), step)
     if not own and not copies:
@@ -226,7 +228,6 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         for row in rows:
             if (rank, _step_key(row)) in skipped:
                 row["skipped"] = skipped[(rank, _step_key(row))]
-            row.update(amended.get((rank, _step_key(row)), {}))
     out = [row for rows in own.values() for row in rows]
     out += [row for rank, rows in copies.items() if rank not in own for row in rows.values()]
     return sorted(out, key=lambda row: (_step_key(row), _order(row.get("rank", 0))))

@@ -50,7 +50,7 @@ from .judges.anomaly_mode import Localization, ProcessAnomalyMode
 from .measure.deepspeed_stage0 import find_deepspeed
 from .measure.gradients import embedding_tables
 from .measure.loss import TimestepBuckets, num_train_timesteps, per_sample
-from .measure.optimizer_state import gradients_complete, param_groups
+from .measure.optimizer_state import gradients_incomplete, param_groups
 from .measure.pre_reduction import PreReductionCheck, engine_of
 from .measure.shared_clip import SharedClip
 from .measure.step_measurer import StepMeasurer
@@ -377,14 +377,14 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             bool(accumulating),
             grads if same and self._plain_gradients else None,  # the norms' (684 .grad reads: >= 0.26 ms a CPU step)
         )
-        complete = not call.accumulating and gradients_complete(
-            self.accelerator, self.params.partitions, self._steps.fsdp_groups
+        incomplete = gradients_incomplete(
+            call.accumulating, self.accelerator, self.params.deepspeed, self._steps.fsdp_groups
         )
         try:
             if self._order_hooks.attached and getattr(loss, "grad_fn", None) is not None:  # recorded now
                 self._order.compiled = accumulates_compiled(loss)  # a compiled backward's order is not used
-            with self._liveness.monitoring(step, exchange=complete, optimizer=optimizer):
-                info = self._steps.monitor(call, complete)
+            with self._liveness.monitoring(step, exchange=incomplete is None, optimizer=optimizer):
+                info = self._steps.monitor(call, incomplete)
             self._pace_order_hooks()
             return info
         except DiffusionDebugError:

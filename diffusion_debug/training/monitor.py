@@ -61,7 +61,7 @@ from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
 from .step.state import Call, History, MonitoredStep, recorded_index
-from .step.sync_off import SyncOffWatch, accumulation_steps, sync_off, sync_off_cause
+from .step.sync_off import SyncOffWatch, accumulation_steps, held_by, sync_off
 from .watched_models import WatchedModels
 
 
@@ -112,7 +112,7 @@ class StepMonitor:
         groups = {id(group): group for listed in found for group in listed}  # fully_shard([a, b]): one group
         self.fsdp_groups = [g for g in groups.values() if any(_trained(p) for p in g.fsdp_params)]
         """FSDP2's parameter groups that train: a call while one reduces no gradient is a micro-step
-        (``gradients_complete``); a frozen group's sync, turned off, says nothing of the step."""
+        (``gradients_incomplete``); a frozen group's sync, turned off, says nothing of the step."""
         history.causes.shared_weights = not self.replicated  # a rank's NaN update in every rank's forward
         if ctx.distributed and not self.replicated:  # FSDP2, ZeRO, FSDP1: each rank's shards -> the whole
             measurer.shards = ShardNorms(ctx.all_reduce_sum, len(params))
@@ -130,23 +130,23 @@ class StepMonitor:
         """The monitored step (``history.joined``) whose skip a report recorded before the next step read it: not
         recorded again. Its count, not its number: a script's step numbers may repeat (one counting applied steps)."""
         self.coverage = CoverageWatch(params, self.watched, accelerator, ctx, sink, history)
-        self.sync_off = SyncOffWatch(accumulation_steps(accelerator, params.partitions))
+        self.sync_off = SyncOffWatch(accumulation_steps(accelerator, params.deepspeed))
         """The micro-steps since the last optimizer step: a loop whose gradient sync stays off is told (past
         the accumulation length Accelerate or DeepSpeed declares, four times over, if longer than the floor)."""
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
         """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
 
-    def monitor(self, call: Call, complete: bool) -> dict[str, Any]:
-        """One ``monitor_training_step`` call; ``complete``: the caller's
-        :func:`~.measure.optimizer_state.gradients_complete` of it (False: a micro-step of gradient accumulation,
-        the user's ``accumulating`` among them), read once a call."""
+    def monitor(self, call: Call, incomplete: str | None) -> dict[str, Any]:
+        """One ``monitor_training_step`` call; ``incomplete``: the caller's
+        :func:`~.measure.optimizer_state.gradients_incomplete` of it (a reason: a micro-step of gradient
+        accumulation, the user's ``accumulating`` among them; None: an optimizer step), read once a call."""
         off = outside_autocast() if ANY_AUTOCAST() else None  # (entered as made; no Python call without one)
         try:
             failure = self._accumulate(call)
         finally:
             if off is not None:
                 off.close()
-        if not complete:
+        if incomplete is not None:
             if failure is not None:
                 raise failure  # a micro-step has no collective: the local error path is safe
             self.history.counts.micro_steps += 1
@@ -155,7 +155,7 @@ class StepMonitor:
             if sync.run == 1:
                 sync.since = recorded_index(call.step, self.history.joined, self.config.step_offset)
             if sync.run == sync.at:  # a loop that turned gradient sync off and never back on
-                self._sync_off(call)
+                self._sync_off(call, incomplete)
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         if self.sync_off.run:  # the stretch of micro-steps this optimizer step ends
             self.sync_off.ended()
@@ -204,12 +204,12 @@ class StepMonitor:
             step.late = step.late or error
         return self.policy.apply(step, rows, judged.anomalies, info, self.config)
 
-    def _sync_off(self, call: Call) -> None:
-        """The stretch of micro-steps is far past any accumulation: what holds the sync off, said once."""
+    def _sync_off(self, call: Call, incomplete: str) -> None:
+        """The stretch of micro-steps is far past any accumulation: what holds the sync off (``incomplete``, this
+        call's reason), said once."""
         index = recorded_index(call.step, self.history.joined, self.config.step_offset)
         with self.sink.guard("telling a gradient sync left off", step=index, rank=self.ctx.rank):
-            groups = self.fsdp_groups
-            cause = sync_off_cause(call.accumulating, groups, self.accelerator, self.params.partitions)
+            cause = held_by(incomplete, self.accelerator, self.params.deepspeed)
             anomaly = sync_off(self.sync_off, index, self.ctx.rank, cause, self.history.previous_step)
             self.sink.emit(anomaly, log=self.ctx.is_main)
 
@@ -288,18 +288,26 @@ class StepMonitor:
             own = [a for a in judged.anomalies if a.kind != "skipped_step"]
             if self.found.hold(call.optimizer, step.index, own, call.max_grad_norm):
                 judged.anomalies = [a for a in judged.anomalies if a.kind == "skipped_step"]
-                judged.flags.nonfinite = judged.flags.explosion = False  # counted when released
+                flags = judged.flags  # counted when released (in place: :meth:`_after_reduce`)
+                step.held_flags = {"nonfinite": flags.nonfinite, "explosion": flags.explosion}
+                flags.nonfinite = flags.explosion = False
                 step.held = True
 
     def _held_alone(self, summary: Any) -> bool:
-        """Whether some rank held no verdict at a step this rank held (several processes): some rank's loss was
-        NaN (no scaling makes one), a rank failed, or some rank's gradient norm read below the threshold (not
-        scaled-looking). DDP's all-reduced gradients give every rank the same norm and every rank of the same
-        script finds the same scalers, so the ranks hold together; where they do not, the holders release the
-        step in place, before the details: every rank then judges the same anomalies in the same step."""
+        """Whether some rank held no verdict at a step this rank held (several processes): one held none
+        (``unheld``), some rank's loss was NaN (no scaling makes one), a rank failed, or some rank's gradient norm
+        read below the threshold (not scaled-looking). The same on every rank. DDP's all-reduced gradients give
+        every rank the same norm and every rank of the same script finds the same scalers, so the ranks hold
+        together; where they do not, the holders release the step in place, before the details: every rank then
+        judges and counts the same anomalies in the same step."""
         flags, norm = summary.flags, summary.aggregates.get("grad_norm", {}).get("min")
         scaled = isinstance(norm, str) or norm is None or not norm <= self.config.grad_explosion_threshold
-        return flags.get("nonfinite_loss", False) or flags.get("failed", False) or not scaled
+        return (
+            flags.get("unheld", False)
+            or flags.get("nonfinite_loss", False)
+            or flags.get("failed", False)
+            or not scaled
+        )
 
     def _unhold(self, judged: Judgement) -> None:
         """This step's held verdict released as it was read (its optimizer searched again once:
@@ -314,7 +322,10 @@ class StepMonitor:
         None while the trial waits for the held optimizer's ``scaler.step``."""
         trial = self.found.trial
         with self.sink.guard("trying a GradScaler not passed", step=trial.step, rank=self.ctx.rank):
-            return self.found.resolve(optimizer, at)
+            released = self.found.resolve(optimizer, at)
+            for skip in released[1] if released is not None else ():  # in the row from the start, as one judged
+                self.history.ranks[0].count_skip(skip.step)
+            return released
         self.found.trial = None  # failed (recorded): nothing held is lost
         trial.end()
         return trial.held, []
@@ -462,7 +473,7 @@ class StepMonitor:
             before_details=lambda summary: self._after_reduce(step, own, judged, call, summary),
             # a stall alone needs the details only where it stands (no rank's weights moved)
             stalled=bool(judged.anomalies) and self.local.stall_alone(judged),
-            held=step.held,
+            held=step.held_flags if step.held else None,
         )
         info.update(across_ranks([], summary.aggregates))
         return step.details.rows if step.details is not None else [own]
@@ -470,10 +481,14 @@ class StepMonitor:
     def _after_reduce(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call, summary) -> None:
         """What every rank does once the reduce has OR-ed the flags, before the details: a verdict held where
         some rank holds none released in place (:meth:`_held_alone`), the stall judged across ranks
-        (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay. Never raises: every rank goes on to the
-        details' gather."""
+        (``LocalJudge.judge_across_ranks``), then the ``closure=`` replay, decided without the held flags (a
+        step that looks scaled is no replay's), which then count on every rank alike where the step is released
+        (the summary's ``nonfinite_held``, ``explosion_held``; held on every rank: counted when released). Never
+        raises: every rank goes on to the details' gather."""
+        released = False
         try:  # (not sink.guard: with strict=True it raises, and the other ranks would wait in the gather)
-            if step.held and self._held_alone(summary):
+            released = self._held_alone(summary)  # (where no rank held, the held flags are the flags)
+            if step.held and released:
                 self._unhold(judged)
             self.local.judge_across_ranks(judged)
         except Exception as error:  # recorded, and raised after the policy with strict=True
@@ -481,6 +496,10 @@ class StepMonitor:
             failure = failures.judging_failed(self.ctx.rank, step.index, error, raised=self.config.strict)
             judged.anomalies.append(failure)
         self._localize(step, own, judged, call)
+        if released:
+            flags = summary.flags
+            judged.flags.nonfinite |= flags.get("nonfinite_held", False)
+            judged.flags.explosion |= flags.get("explosion_held", False)
 
     def _localize(self, step: MonitoredStep, own: StepRow, judged: Judgement, call: Call) -> None:
         """The ``closure=`` replay under anomaly mode, for a NaN loss or input, or NaN gradients not

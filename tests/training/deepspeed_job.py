@@ -1,6 +1,7 @@
-"""Run under `torchrun --nproc_per_node 2` (DS_ACCELERATOR=cpu, gloo) by test_deepspeed.py: the tiny
-diffusers UNet trained by a raw DeepSpeed ZeRO-2 engine (``deepspeed.initialize``; ZeRO-3 or no ZeRO:
-the prefixes below), the debugger given the engine as the model and its optimizer.
+"""Run under `torchrun --nproc_per_node 2` (DS_ACCELERATOR=cpu, gloo) by test_deepspeed.py (and
+test_deepspeed_stage0_launch.py, the ``stage0_`` scenarios): the tiny diffusers UNet trained by a raw
+DeepSpeed ZeRO-2 engine (``deepspeed.initialize``; ZeRO-3 or no ZeRO: the prefixes below), the debugger given
+the engine as the model and its optimizer.
 
 Usage: deepspeed_job.py <output_dir> <scenario> [<scenario> ...]; the scenarios run one after the
 other in the same processes, each with its own engine, debugger and ``<output_dir>/<scenario>``;
@@ -29,7 +30,10 @@ optimizer (``RANK r OPTIMIZER <class>``: DeepSpeed's mixed-precision wrapper of 
 end, what its own report leads with (``RANK r HEADLINE <kind> <severity> rank <r> step <s> <parameter>``):
 stage0_nan_grad_rank1_before_reduction / stage0_fp16_nan_grad_rank1_before_reduction (``STAGE0_STEPS``
 steps; the tensor hook makes rank 1's own gradient of ``NAN_PARAMETER`` NaN at step ``STAGE0_NAN_AT``,
-during backward, before the engine's all-reduce).
+during backward, before the engine's all-reduce) | stage0_accumulate_boundary_off (bf16,
+``gradient_accumulation_steps`` 2, each micro-step monitored, ``BOUNDARY_OFF_STEPS`` steps: two whole, then
+from step ``BOUNDARY_OFF_AT`` the loop turns the engine's boundary off,
+``engine.set_gradient_accumulation_boundary(False)``, and never back on: no all-reduce, no optimizer step after it).
 
 zero3_nan_batch_rank1 (ZeRO-3, 4 steps: rank 1's batch holds a NaN at step 2) | fp16_inf_batch_rank1 (ZeRO-2 in
 fp16, the scale from ``2**STAGE0_SCALE_POWER``, which holds: rank 1's batch holds an Inf at step 2, DeepSpeed's
@@ -74,6 +78,7 @@ FP16_SCALE_POWER = 19  # steps 0 and 1 overflow (the scale halves at the second)
 STAGE0_STEPS, STAGE0_NAN_AT = 4, 2  # a clean step each side of the planted one, and the one after
 STAGE0_SCALE_POWER = 8  # fp16 without ZeRO: no overflow but the planted one
 ACCUMULATE_STEPS = 3  # fp16_accumulate_inf_last_rank1: two clean steps, then the skipped one last
+BOUNDARY_OFF_STEPS, BOUNDARY_OFF_AT = 6, 2  # stage0_accumulate_boundary_off: 2 steps, then 8 micro-steps unsynced
 HTML = ("nan_grad_rank1_in_rank0_partition", "nan_loss_rank0")  # the others' tests read no report.html (seconds each)
 
 
@@ -134,10 +139,11 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         "inf_batch_rank1": 4,
         "stall_before_step_rank1": 8,
         "accumulate_inf_last_rank1": ACCUMULATE_STEPS,
+        "accumulate_boundary_off": BOUNDARY_OFF_STEPS,
     }[kind]
     if stage == 0:  # DeepSpeed's mixed-precision optimizer around the AdamW
         say(scenario, f"RANK {rank} OPTIMIZER {type(optimizer).__name__}")
-        steps = STAGE0_STEPS
+        steps = BOUNDARY_OFF_STEPS if kind == "accumulate_boundary_off" else STAGE0_STEPS
     for call in range(steps * micro_steps):
         step, micro = divmod(call, micro_steps)
         at[0] = step
@@ -157,6 +163,8 @@ def run_scenario(output_dir: str, scenario: str) -> None:
             latents[1, 0, 0, 0] = math.nan if kind == "nan_batch_rank1" else math.inf  # rank 1's batch alone
         if kind == "accumulate_inf_last_rank1" and (rank, step, micro) == (1, steps - 1, 0):
             latents[1, 0, 0, 0] = math.inf
+        if kind == "accumulate_boundary_off" and (step, micro) == (BOUNDARY_OFF_AT, 0):
+            engine.set_gradient_accumulation_boundary(False)  # a manual accumulation never set back to True
         prediction = engine(latents, timesteps, encoder_hidden_states=context).sample
         loss = torch.nn.functional.mse_loss(prediction.float(), latents.float())
         if scenario == "nan_loss_rank0" and rank == 0 and step == 4:
@@ -170,7 +178,9 @@ def run_scenario(output_dir: str, scenario: str) -> None:
         info = monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step)
         if kind == "stall_before_step_rank1" and rank == 1 and step == 6:  # rank 0 waits in engine.step()
             sleep_until_stall_named(tdbg.record.run_dir, 2, margin=NAMED_MARGIN, most=STALL_RESUMES)
-        if step == 1 and not fp16:  # the reference: every whole gradient, assembled by DeepSpeed (a collective each)
+        if (
+            step == 1 and micro == micro_steps - 1 and not fp16
+        ):  # the reference: every whole gradient, assembled by DeepSpeed (a collective each)
             reference = math.sqrt(sum(float(safe_get_full_grad(p).double().square().sum()) for p in unet.parameters()))
             say(scenario, f"RANK {rank} GRAD_NORM {info['grad_norm']!r} REFERENCE {reference!r}")
         engine.step()
@@ -183,10 +193,12 @@ def run_scenario(output_dir: str, scenario: str) -> None:
     report = tdbg.report()
     if stage == 0:  # what each rank's own report leads with (rank 0's holds every rank's anomalies)
         lead = report.headline
-        say(
-            scenario,
-            f"RANK {rank} HEADLINE {lead.kind} {lead.severity} rank {lead.rank} step {lead.step} {lead.parameter}",
+        said = (
+            "None"
+            if lead is None
+            else f"{lead.kind} {lead.severity} rank {lead.rank} step {lead.step} {lead.parameter}"
         )
+        say(scenario, f"RANK {rank} HEADLINE {said}")
     if rank == 0:
         say(scenario, f"RUN_DIR {report.save(html=scenario in HTML)}")
     else:

@@ -22,6 +22,8 @@ scaler_not_passed_ddp / scaler_not_passed_nan0_rank1 (plain torch DDP, no Accele
 passed, policy raise: rank 1's NaN batch at step 6 / 0, :func:`scaler_not_passed`) | scaler_not_passed_nan0_record
 (rank 1's NaN batch at step 0, policy record: the run goes on) | scaler_not_passed_finite_ddp
 (the same in fp32, 3 steps, no NaN, ``max_grad_norm=100``: step 0 finite, held, its row unscaled once confirmed) |
+scaler_not_passed_fails0_record (fp16, policy record, no NaN batch: rank 1's gradient norms raise at step 0;
+``closure=`` given, its calls printed: ``RANK r REPLAYS [steps]``) |
 closure_scaler_rank1 (a DDP model with a BatchNorm, whose forward broadcasts its buffers, and a GradScaler;
 ``closure=`` given on both ranks; rank 1's batch holds an Inf at step 1: only rank 1 has an error, both replay;
 rank 0 alone reports after step 1) |
@@ -130,12 +132,12 @@ def say(scenario: str, line: str) -> None:
 
 
 @contextlib.contextmanager
-def _fail_at(step_box, rank, owner, name):
-    """Make ``owner.name`` raise on rank 1 while ``step_box[0] == 3``; restored on exit."""
+def _fail_at(step_box, rank, owner, name, at=3):
+    """Make ``owner.name`` raise on rank 1 while ``step_box[0] == at``; restored on exit."""
     original = getattr(owner, name)
 
     def failing(*args, **kwargs):
-        if rank == 1 and step_box[0] == 3:
+        if rank == 1 and step_box[0] == at:
             raise RuntimeError(f"planted failure in {name}")
         return original(*args, **kwargs)
 
@@ -390,8 +392,10 @@ SCALER_NAN_STEP = {
     "scaler_not_passed_nan0_rank1": 0,
     "scaler_not_passed_nan0_record": 0,
     "scaler_not_passed_finite_ddp": None,
+    "scaler_not_passed_fails0_record": -1,
 }
-"""scaler_not_passed_*: the step whose batch holds a NaN on rank 1 (its loss NaN); None: none (fp32, 3 steps)."""
+"""scaler_not_passed_*: the step whose batch holds a NaN on rank 1 (its loss NaN); None: none (fp32, 3 steps); -1:
+none in fp16 (``*_fails0_*``: rank 1's gradient norms raise at step 0 instead, a debugger failure on that rank)."""
 
 
 def scaler_not_passed(output_dir: str, scenario: str) -> None:
@@ -413,8 +417,12 @@ def scaler_not_passed(output_dir: str, scenario: str) -> None:
     policy = "record" if scenario.endswith("_record") else "raise"
     tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=output_dir, policy=policy))
     generator = torch.Generator().manual_seed(1 + rank)
+    planted, step_box, replays = contextlib.ExitStack(), [None], []
+    if "_fails0_" in scenario:  # rank 1's measurement fails at step 0, which rank 0 holds (it looks scaled)
+        planted.enter_context(_fail_at(step_box, rank, gradients, "grad_norms", at=0))
     try:
         for step in range(8 if fp16 else 3):
+            step_box[0] = step
             x = torch.randn(16, 8, generator=generator) * (4 if fp16 else 1)
             if (step, rank) == (SCALER_NAN_STEP[scenario], 1):
                 x[2, 3] = float("nan")
@@ -426,6 +434,14 @@ def scaler_not_passed(output_dir: str, scenario: str) -> None:
             reference = sum(float((p.grad.double() / scale).square().sum()) for p in model.parameters()) ** 0.5
             try:
                 clip = {} if fp16 else {"max_grad_norm": 100.0}
+                if "_fails0_" in scenario:  # a step that looks scaled is no replay's: never called
+
+                    def closure(x=x, step=step):
+                        replays.append(step)
+                        with torch.autocast("cpu", dtype=torch.float16):
+                            return (model(x) - 3).square().mean()
+
+                    clip["closure"] = closure
                 info = monitored(scenario, rank, tdbg, loss, optimizer=optimizer, step=step, **clip)
             except DiffusionDebugError as error:
                 kind, cause_rank = error.anomaly.kind, error.anomaly.rank
@@ -436,6 +452,9 @@ def scaler_not_passed(output_dir: str, scenario: str) -> None:
             scaler.step(optimizer)
             scaler.update()
     finally:
+        planted.close()
+        if "_fails0_" in scenario:
+            say(scenario, f"RANK {rank} REPLAYS {replays}")
         dist.barrier()
         if rank == 0:
             say(scenario, f"RUN_DIR {tdbg.report().save(html=False)}")

@@ -5,7 +5,7 @@ Found by what the engine does at the first monitored step (``measure.deepspeed_f
 by its version: the fp16 stage-0 run is named at step 0 and its norms are ``.grad``'s as they are;
 bf16, float32, fp16 under ZeRO-1/2 and an engine that scales the loss (#8393's fix, simulated) are
 quiet. One CPU rank in this process (the ``deepspeed_engine`` fixture; the helpers of
-test_deepspeed_stage0.py); two ranks: test_deepspeed.py's ``stage0_fp16_`` scenario."""
+test_deepspeed_stage0.py); two ranks: test_deepspeed_stage0_launch.py's ``stage0_fp16_`` scenario."""
 
 import pytest
 import torch

@@ -5,7 +5,7 @@ the engine wraps the optimizer in its own mixed-precision optimizer (``FP16_Unfu
 model's parameters, and skips a step whose gradients overflow (its ``overflow`` flag); a raw engine's
 loop, and the same under Accelerate's DeepSpeed plugin (built in-process as ``accelerator.prepare``
 builds it). Two ranks, a NaN made on rank 1 before the engine's all-reduce named at rank 1:
-test_deepspeed.py's ``stage0_`` scenarios (the session's launch of deepspeed_job.py). Skipped, saying
+test_deepspeed_stage0_launch.py's ``stage0_`` scenarios (the session's launch of deepspeed_job.py). Skipped, saying
 why, where DeepSpeed does not install or import (``pip install 'diffusion-debug[deepspeed]'``)."""
 
 import math
@@ -446,3 +446,21 @@ def test_a_pickled_owner_of_two_stacked_step_wrappers_unpickles_with_its_own_ste
         assert (owner.steps, calls) == (1, [1, 0])
         wraps[first].remove(), wraps[1 - first].remove()
         assert "step" not in vars(owner)
+
+
+def test_stage0_the_accumulation_boundary_is_read_from_the_engines_with_an_optimizer(one_rank_group, deepspeed_engine):
+    """``DeepSpeedSteps.at_boundary`` over two stage-0 engines: one with an optimizer (at its boundary,
+    ``gradient_accumulation_steps`` 1), and one kept without (``EngineWithoutZero.find`` keeps it; its optimizer
+    taken away), at 2: never stepped, it never reaches its boundary. Read from it too, every call would be a
+    micro-step; the stepping engine's boundary off, a call is one."""
+    from diffusion_debug.training.measure.deepspeed_stage0 import EngineWithoutZero
+
+    stepping, _ = _engine(deepspeed_engine, "fp32")
+    idle, _ = _engine(deepspeed_engine, "fp32", extra={"gradient_accumulation_steps": 2})
+    idle.optimizer = None
+    params = [p for e in (stepping, idle) for p in e.module.parameters()]
+    steps = EngineWithoutZero.find(params, [stepping, idle])
+    assert steps.engines == [stepping, idle] and not idle.is_gradient_accumulation_boundary()
+    read = [steps.at_boundary()]
+    stepping.set_gradient_accumulation_boundary(False)
+    assert read + [steps.at_boundary()] == [True, False]

@@ -59,6 +59,32 @@ def test_a_grad_scaler_loop_that_skips_every_step_warns_at_the_16th_naming_the_s
     assert top["message"] == _message("the GradScaler", 1)
 
 
+def test_a_grad_scaler_not_passed_that_skips_every_step_counts_its_held_first_skip_in_the_row(tmp_path):
+    """The same loop with the scaler not passed (``step.found_scaler``): step 0's verdict is held until the scaler
+    is confirmed at step 1, and its skip released then. That skip counts in the row from the start as a judged one
+    does: the warning comes at the 16th skip, since step 0, as with the scaler passed. Before, the released skip
+    went around the count: the row began at step 1 and the warning came one skip later, at step 16."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    model[2].weight.register_hook(lambda g: g * math.nan)
+    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
+    x = torch.randn(16, 4)
+    for step in range(30):
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    tdbg.close()
+    assert _skips(tdbg) == [
+        ("info", 0, 0, "grad_scaler", None, 32768.0, 15),
+        ("warning", 15, 0, "grad_scaler", 0, 1.0, 15),
+    ]
+    assert [a.step for a in tdbg.report().anomalies if a.kind == "scaler_not_passed"] == [0]
+
+
 def test_a_zero_fp16_engine_that_skips_every_step_warns_before_deepspeed_stops_the_run(
     one_rank_group, tmp_path, deepspeed_engine
 ):
@@ -110,3 +136,17 @@ def test_a_high_initial_scale_that_settles_after_16_and_more_skips_stays_info(tm
     assert scaler.get_scale() == init / 2**skipped  # settled: no skip after the first `skipped`
     assert _skips(tdbg) == [("info", 0, 0, "grad_scaler", None, init / 2, skipped)]
     assert [a for a in tdbg.report().anomalies if a.severity != "info"] == []
+
+
+def test_the_kind_s_meaning_says_the_scale_must_be_down_to_2_for_skips_in_a_row_to_warn():
+    """The in-a-row warning needs the scale at or below ``UNSETTLED_SCALE`` too (a high initial scale skips 16 and
+    more on its way down, and trains): the meaning the report's legend shows says so."""
+    from diffusion_debug.record import kind_info
+    from diffusion_debug.training.judges.step_checks import FREQUENT_SKIPS, SKIP_WINDOW, UNSETTLED_SCALE
+
+    assert (FREQUENT_SKIPS, SKIP_WINDOW, UNSETTLED_SKIPS, UNSETTLED_SCALE) == (3, 20, 16, 2.0)
+    assert kind_info("skipped_step").meaning == (
+        "The optimizer step was skipped (fp16 loss scaler found Inf/NaN gradients, or the policy skipped it); "
+        "a warning when 3 skips fall within 20 steps after the scale settled, or 16 come in a row from the start "
+        "with the scale down to 2."
+    )

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from diffusion_debug import DebugConfig, TrainingDebugger
 from diffusion_debug.record import Anomaly, by_cause, folded, headline, rebuilt
 from diffusion_debug.testing.features import FSDP2_ON_CPU
-from diffusion_debug.training.measure.optimizer_state import gradients_complete
+from diffusion_debug.training.measure.optimizer_state import gradients_incomplete
 from diffusion_debug.training.measure.pre_reduction import (
     REDUCTIONS,
     PreReductionCheck,
@@ -945,14 +945,14 @@ def test_an_fsdp2_micro_step_is_told_by_the_groups_that_train_each_listed_once(o
     monitor = tdbg._steps
     trained = [model[2]._get_fsdp_state()._fsdp_param_group]
     assert [id(g) for g in monitor.fsdp_groups] == [id(g) for g in trained]
-    complete = lambda: gradients_complete(None, None, monitor.fsdp_groups)  # noqa: E731
+    complete = lambda: gradients_incomplete(False, None, None, monitor.fsdp_groups)  # noqa: E731
     model[0].set_requires_gradient_sync(False, recurse=False)
-    assert complete()
+    assert complete() is None
     model[2].set_requires_gradient_sync(False, recurse=False)
-    assert not complete()
+    assert complete() == "fsdp2_gradient_sync"
     model[2].set_requires_gradient_sync(True, recurse=False)
     model[2].set_requires_all_reduce(False, recurse=False)
-    assert not complete()
+    assert complete() == "hsdp_all_reduce"
     model[2].set_requires_all_reduce(True, recurse=False)
-    assert complete()
+    assert complete() is None
     tdbg.close()

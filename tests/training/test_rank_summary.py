@@ -53,7 +53,8 @@ def test_flags_are_ored_and_a_failed_rank_adds_no_extreme():
     flags = [{}, {"nonfinite_loss": True, "anomalies": True}, {"failed": True}]
     summary = _reduce(ReduceLayout(3), [{"loss": 1.0}, {"loss": 2.0}, {}], flags)
     expected = {name: name in ("anomalies", "nonfinite_loss", "failed") for name in FLAGS}
-    assert summary.flags == {**expected, "stalled": False}
+    lower = {"stalled": False, "unheld": True, "nonfinite_held": False, "explosion_held": False}
+    assert summary.flags == {**expected, **lower}  # (a failed rank's level implies ``unheld``)
     assert summary.needs_detail and summary.aggregates["loss"]["max_rank"] == 1
     assert not _reduce(ReduceLayout(2), [{"loss": 1.0}] * 2, [{}] * 2).needs_detail
 
@@ -151,7 +152,8 @@ def test_a_rank_whose_step_had_no_loss_is_absent_from_the_loss_extremes_and_the_
     summary = RankExchange(_Ranks(0, sent)).summarize(rows[0], [], StepFlags(), failed=False)
     assert summary.aggregates["loss"] == {"min": 0.25, "min_rank": 2, "max": 0.5, "max_rank": 0}
     assert summary.aggregates["grad_norm"] == {"min": 1.0, "min_rank": 2, "max": 3.0, "max_rank": 1}
-    assert not summary.needs_detail and not any(summary.flags.values())
+    assert not summary.needs_detail  # no flag but ``unheld``: no rank holds a verdict (a clean step's)
+    assert [name for name, value in summary.flags.items() if value] == ["unheld"]
     assert across_ranks(rows, summary.aggregates) == {
         "losses_by_rank": [0.5, None, 0.25],
         "grad_norms_by_rank": [2.0, 3.0, 1.0],

@@ -235,7 +235,10 @@ def test_a_raw_deepspeed_engine_whose_boundary_is_never_reached_is_told_with_its
         engine.backward(loss)
         tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
         engine.step()
-    held_by = "DeepSpeed's gradient-accumulation boundary not reached, gradient_accumulation_steps=10000"
+    held_by = (
+        "DeepSpeed's gradient-accumulation boundary not reached, gradient_accumulation_steps=10000; monitor before "
+        "engine.step()"
+    )
     _told_from_the_start(tdbg, "deepspeed_boundary", held_by)
     tdbg.close()
 
@@ -271,11 +274,11 @@ def test_a_sync_off_finding_never_folds_with_another_not_learning_at_the_model()
     """``not_learning`` folds by place and ``stalled_optimizer``: the sync's finding names its own, so a whole-model
     stall at the same place (no ``stalled_optimizer``) and the sync's stay two, each with its message."""
     from diffusion_debug.record import Anomaly, kind_info
-    from diffusion_debug.training.step.sync_off import SyncOffWatch, sync_off, sync_off_cause
+    from diffusion_debug.training.step.sync_off import SyncOffWatch, held_by, sync_off
 
     watch = SyncOffWatch()
     watch.run, watch.since = FLOOR, 0
-    said = sync_off(watch, FLOOR - 1, 0, sync_off_cause(True, [], None, None), None)
+    said = sync_off(watch, FLOOR - 1, 0, held_by("accumulating", None, None), None)
     stall = Anomaly("not_learning", "warning", "lr 0", "model", step=FLOOR - 1, details={"reason": "lr_zero"})
     key = kind_info("not_learning").fold_key
     assert key(said) != key(stall)

@@ -88,6 +88,15 @@ class RankHistory:
     trend: LossTrend = field(default_factory=LossTrend)
     """The recent losses, for a slow rise (``loss_divergence``)."""
 
+    def count_skip(self, step: Any) -> None:
+        """Step ``step``'s optimizer step was skipped: among the recent skips once the scale settled, else in the
+        row from the start (:func:`judge_skipped`'s, and a held step's skip released by ``step.found_scaler``)."""
+        if self.settled:
+            self.skips.append(self.measured)
+        if not self.in_a_row:
+            self.skipped_since = step
+        self.in_a_row += 1
+
     @classmethod
     def new(cls, config: DebugConfig) -> "RankHistory":
         return cls(
@@ -299,11 +308,7 @@ def judge_skipped(
             history.settled = True
             history.in_a_row = 0
         if skipped:
-            if history.settled:
-                history.skips.append(history.measured)
-            if not history.in_a_row:
-                history.skipped_since = previous_step
-            history.in_a_row += 1
+            history.count_skip(previous_step)
             frequent = len(history.skips) == FREQUENT_SKIPS and history.measured - history.skips[0] < SKIP_WINDOW
             details = {
                 "scale_before": previous,

@@ -175,6 +175,15 @@ class DeepSpeedSteps:
         """Whether the last ``step()`` skipped its update for non-finite gradients (None: unknown)."""
         raise NotImplementedError
 
+    def at_boundary(self) -> bool:
+        """A raw engine's loop (between ``engine.backward`` and ``engine.step``) is at a gradient accumulation
+        boundary: the engine has reduced the step's gradients (ZeRO into its fragments; without ZeRO, stage 0,
+        all-reduced ``.grad``) and its ``step`` steps the optimizer. Off it, a micro-step (no engine: True). Read
+        from the engines with an optimizer only: one without (stage 0 keeps it, :meth:`EngineWithoutZero.find`)
+        is never stepped, so under ``gradient_accumulation_steps > 1`` never reaches its boundary."""
+        engines = [e for e in self.engines if getattr(e, "optimizer", None) is not None]
+        return all(bool(e.is_gradient_accumulation_boundary()) for e in engines)
+
     def steps_taken(self) -> tuple[int, ...]:
         """Each engine's ``global_steps``: it counts every optimizer step the engine took, those its
         overflow check skipped too (a report tells by it whether the last monitored step's has run)."""
@@ -348,11 +357,6 @@ class ZeroPartitions(DeepSpeedSteps):
                 "DeepSpeed ZeRO-3 lends the debugger a float32 copy of each gradient partition, not the one it applies"
             )
         return None
-
-    def at_boundary(self) -> bool:
-        """A raw engine's loop (between ``engine.backward`` and ``engine.step``) is at a gradient
-        accumulation boundary: ZeRO has reduced the step's gradients into the fragments."""
-        return all(bool(e.is_gradient_accumulation_boundary()) for e in self.engines)
 
     def gradients(self) -> list[torch.Tensor | None]:
         """Each parameter's gradient fragment on this rank (empty where another rank holds it;

@@ -16,24 +16,32 @@ from typing import Any
 import torch
 
 
-def gradients_complete(accelerator: Any, partitions: Any = None, fsdp_groups: Any = ()) -> bool:
-    """Whether the gradients hold a whole optimizer step: not where some of ``fsdp_groups`` (FSDP2's
-    parameter groups) reduces no gradient (``set_requires_gradient_sync(False)``, FSDP2's gradient
-    accumulation: its sharded ``.grad`` is not made until the synced micro-step) or, under HSDP, does not
-    all-reduce them across replicas (``set_requires_all_reduce(False)``); else Accelerate's
-    ``sync_gradients`` (False on the micro-steps of gradient accumulation), else a raw DeepSpeed engine's
-    boundary (``partitions``: ``deepspeed_zero.ZeroPartitions``); always True without any of them.
+def gradients_incomplete(accumulating: bool, accelerator: Any, deepspeed: Any = None, fsdp_groups: Any = ()) -> Any:
+    """Why the gradients do not hold a whole optimizer step on this call (None: they do), the first reason that
+    holds, read once a call: ``accumulating`` (the caller's ``accumulating=True``); ``fsdp2_gradient_sync``, some
+    of ``fsdp_groups`` (FSDP2's parameter groups) reduces no gradient (``set_requires_gradient_sync(False)``,
+    FSDP2's gradient accumulation: its sharded ``.grad`` is not made until the synced micro-step);
+    ``hsdp_all_reduce``, under HSDP one does not all-reduce them across replicas (``set_requires_all_reduce(False)``);
+    ``accelerate_sync_gradients``, Accelerate's ``sync_gradients`` False (the micro-steps of its gradient
+    accumulation); else ``deepspeed_boundary``, a raw DeepSpeed engine's (``deepspeed``: ``DeepSpeedSteps``, ZeRO's
+    or stage 0's) accumulation boundary not reached. (``step.sync_off.held_by`` says each in words.)
 
     >>> class Group: reduce_grads = False
-    >>> gradients_complete(None, None, [Group()]), gradients_complete(None)
-    (False, True)
+    >>> gradients_incomplete(False, None, None, [Group()]), gradients_incomplete(False, None)
+    ('fsdp2_gradient_sync', None)
     """
+    if accumulating:
+        return "accumulating"
     for group in fsdp_groups:  # HSDP's accumulation (set_requires_all_reduce(False)) leaves replicas unreduced
-        if not (getattr(group, "reduce_grads", True) and getattr(group, "all_reduce_grads", True)):
-            return False
-    if accelerator is None:
-        return partitions is None or partitions.at_boundary()
-    return bool(getattr(accelerator, "sync_gradients", True))
+        if not getattr(group, "reduce_grads", True):
+            return "fsdp2_gradient_sync"
+        if not getattr(group, "all_reduce_grads", True):
+            return "hsdp_all_reduce"
+    if accelerator is not None:
+        return None if getattr(accelerator, "sync_gradients", True) else "accelerate_sync_gradients"
+    if deepspeed is None or deepspeed.at_boundary():
+        return None
+    return "deepspeed_boundary"
 
 
 def find_scaler(accelerator: Any, optimizer: Any, scaler: Any) -> Any:

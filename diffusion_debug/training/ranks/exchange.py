@@ -82,7 +82,7 @@ class RankExchange:
         params: TrainableParameters,
         before_details: Callable[[RankSummary], None] = lambda summary: None,
         stalled: bool = False,
-        held: bool = False,
+        held: dict[str, bool] | None = None,
     ) -> tuple[RankSummary, Details | None]:
         """The step's exchange: the reduce; on a detail step (some rank flagged, or a replica-check
         step) every rank's details, and on a replica-check step whose checksums differ every rank's
@@ -92,8 +92,10 @@ class RankExchange:
         rank, before the details are gathered: work every rank does together or none does, whose
         findings the details then carry. ``stalled``: this rank's anomalies are its stall alone
         (``LocalJudge.stall_alone``), which asks for the details only where no rank's weights moved. ``held``:
-        this rank holds the step's verdict (``step.found_scaler``): the details are exchanged, so that a rank
-        that releases it in place (``before_details``, some rank not holding) has every rank see it."""
+        this rank holds the step's verdict (``step.found_scaler``; None: it does not), with the flags its hold kept
+        out of ``judged.flags`` (``nonfinite``, ``explosion``; reduced at the summary's lower levels): the details
+        are exchanged, so that a rank that releases it in place (``before_details``, some rank not holding) has
+        every rank see it."""
         summary = self.summarize(own, judged.anomalies, judged.flags, not own.measured, stalled, held)
         for name in dataclasses.asdict(judged.flags):  # the step counts: the same on every rank
             setattr(judged.flags, name, summary.flags[name])
@@ -121,17 +123,20 @@ class RankExchange:
         flags: StepFlags,
         failed: bool,
         stalled: bool = False,
-        held: bool = False,
+        held: dict[str, bool] | None = None,
     ) -> RankSummary:
         """The step's one collective: every rank learns whether any found something (a stall alone,
-        ``stalled``, apart; a verdict ``held`` counts as found), the flags ORed, and the extremes of
+        ``stalled``, apart; a verdict ``held`` counts as found), whether any held none (``unheld``), the flags
+        ORed (the held ones apart: ``nonfinite_held``, ``explosion_held``), and the extremes of
         :data:`~.summary.AGGREGATED` with their ranks."""
         values = {name: own.pre_clip_norm if name == "grad_norm" else getattr(own, name) for name in AGGREGATED}
         values = values if own.measured else {}
         if values and not own.loss_count:  # no call of the step gave a loss (NO_LOSS: a pipeline stage's
             del values["loss"]  # backward): its row's NaN is no loss, so not the step's largest one
-        found = {"anomalies": (bool(anomalies) and not stalled) or held, "stalled": stalled, "failed": failed}
-        flag_values = {**dataclasses.asdict(flags), **found}
+        found = {"anomalies": (bool(anomalies) and not stalled) or held is not None, "stalled": stalled}
+        found.update(failed=failed, unheld=held is None)
+        held = held or {}
+        flag_values = {**dataclasses.asdict(flags), **found, **{f"{k}_held": v for k, v in held.items()}}
         packed = self.layout.pack(values, flag_values, self.ctx.rank)
         return self.layout.unpack(self.ctx.all_reduce_max(packed))
 

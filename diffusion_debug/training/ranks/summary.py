@@ -40,9 +40,15 @@ FLAGS = ("anomalies", "failed", "loss", "nonfinite_loss", "explosion", "vanishin
 (``weights_moved``: some rank's weights moved in the update the step read: a stall is the whole
 model's, not one rank's shards'). A rank whose one finding is its stall (``not_learning``) packs the flag
 ``stalled`` instead, in the ``anomalies`` slot as its lower level (:data:`_STALL_ALONE`: no slot more):
-it needs the details only where the stall stands, no rank's weights having moved."""
+it needs the details only where the stall stands, no rank's weights having moved. Three more flags are lower
+levels of a slot (:data:`LOWER`), as ``stalled`` is: ``unheld`` (``failed``'s): some rank held no verdict of a
+GradScaler not passed (``step.found_scaler``), a failed one among them; ``nonfinite_held`` / ``explosion_held``:
+some rank set the flag or held it (its verdict held, the flag kept out of the step's counts until released)."""
+LOWER = {"anomalies": "stalled", "failed": "unheld", "nonfinite": "nonfinite_held", "explosion": "explosion_held"}
+"""Per slot, the flag its lower level carries: MAX keeps the highest rank's, so the upper one (the slot's own
+flag) implies the lower (``stalled`` apart: a stall alone, no rank having found anything else)."""
 _STALL_ALONE, _FOUND = 1, 2
-"""The ``anomalies`` slot's levels: a stall alone, anything else; MAX keeps the highest rank's."""
+"""A slot's levels (:data:`LOWER`'s, its own flag); the ``anomalies`` slot: a stall alone, anything else."""
 _ANOMALIES = 2 * len(AGGREGATED)
 """The ``anomalies`` slot (``FLAGS[0]``, after the extremes)."""
 WIDTH = 2 * len(AGGREGATED) + len(FLAGS)
@@ -111,8 +117,8 @@ class ReduceLayout:
             value = float(value)
             out.append((order_key(value) & ~mask) | tag)  # a NaN loss or norm is the largest
             out.append(_MISSING if math.isnan(value) else (order_key(-value) & ~mask) | tag)
-        out += [int(bool(flags.get(name, False))) for name in FLAGS]
-        out[_ANOMALIES] = _FOUND if flags.get("anomalies") else _STALL_ALONE * bool(flags.get("stalled"))
+        for name in FLAGS:
+            out.append(_FOUND if flags.get(name) else _STALL_ALONE * bool(flags.get(LOWER.get(name, ""))))
         return out
 
     def unpack(self, reduced: Sequence[int]) -> RankSummary:
@@ -130,9 +136,11 @@ class ReduceLayout:
                 "max": _json_float(_value(high, mask)),
                 "max_rank": mask - (high & mask),
             }
-        flags = {name: bool(reduced[2 * len(AGGREGATED) + j]) for j, name in enumerate(FLAGS)}
-        level = reduced[_ANOMALIES]
-        flags["anomalies"], flags["stalled"] = level >= _FOUND, level == _STALL_ALONE
+        flags = {}
+        for name, level in zip(FLAGS, reduced[_ANOMALIES:]):
+            flags[name] = level >= _FOUND
+            if name in LOWER:
+                flags[LOWER[name]] = level == _STALL_ALONE if name == "anomalies" else level >= _STALL_ALONE
         return RankSummary(flags, aggregates)
 
 

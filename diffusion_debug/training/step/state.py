@@ -136,6 +136,8 @@ class MonitoredStep:
     """The optimizer, scaler and the GradScaler's per-step state its measurement found (``StepMonitor._last``)."""
     held: bool = False
     """This rank holds the step's verdict while a GradScaler not passed is tried (``step.found_scaler``)."""
+    held_flags: dict[str, bool] = field(default_factory=dict)
+    """The held step's flags kept out of its counts until released (``nonfinite``, ``explosion``)."""
     released: Any = None
     """The number of an earlier step whose held verdict this step released (None: none): counted as that step."""
 

@@ -54,43 +54,48 @@ class SyncOffWatch:
         self.run, self.at = 0, max(FLOOR, FACTOR * self.longest)
 
 
-def _engine_steps(partitions: Any) -> Any:
-    """A raw DeepSpeed engine's ``gradient_accumulation_steps()`` (None: no engine)."""
-    if partitions is None or not getattr(partitions, "engines", None):
+def _engine_steps(deepspeed: Any) -> Any:
+    """A raw DeepSpeed engine's ``gradient_accumulation_steps()`` (``deepspeed``: ``DeepSpeedSteps``, ZeRO's or
+    stage 0's; None: no engine)."""
+    if deepspeed is None or not getattr(deepspeed, "engines", None):
         return None
-    engine = partitions.engines[0]
+    engine = deepspeed.engines[0]
     engine = engine[0] if isinstance(engine, tuple) else engine
     return getattr(engine, "gradient_accumulation_steps", lambda: None)()
 
 
-def accumulation_steps(accelerator: Any, partitions: Any) -> int | None:
+def accumulation_steps(accelerator: Any, deepspeed: Any) -> int | None:
     """The accumulation length the loop declares: Accelerate's ``gradient_accumulation_steps``, else a raw
     DeepSpeed engine's (None: neither, or not an integer)."""
     steps = getattr(accelerator, "gradient_accumulation_steps", None) if accelerator is not None else None
-    steps = steps if steps is not None else _engine_steps(partitions)
+    steps = steps if steps is not None else _engine_steps(deepspeed)
     return steps if isinstance(steps, int) and steps > 0 else None
 
 
-def sync_off_cause(accumulating: bool, fsdp_groups: Any, accelerator: Any, partitions: Any) -> dict:
-    """What holds the gradients incomplete on this call (the first of :func:`~..measure.optimizer_state.
-    gradients_complete`'s reasons that holds, in its order), with what the message names."""
-    if accumulating:
-        return {"cause": "accumulating", "held_by": "the loop passes accumulating=True to every call"}
-    for group in fsdp_groups:
-        if not getattr(group, "reduce_grads", True):
-            return {"cause": "fsdp2_gradient_sync", "held_by": "FSDP2 set_requires_gradient_sync(False)"}
-        if not getattr(group, "all_reduce_grads", True):
-            return {"cause": "hsdp_all_reduce", "held_by": "HSDP set_requires_all_reduce(False)"}
-    if accelerator is not None:
+HELD_BY = {
+    "accumulating": "the loop passes accumulating=True to every call",
+    "fsdp2_gradient_sync": "FSDP2 set_requires_gradient_sync(False)",
+    "hsdp_all_reduce": "HSDP set_requires_all_reduce(False)",
+    "accelerate_sync_gradients": "Accelerate's sync_gradients stays False",
+    "deepspeed_boundary": "DeepSpeed's gradient-accumulation boundary not reached",
+}
+"""What each of :func:`~..measure.optimizer_state.gradients_incomplete`'s reasons holds the sync off with
+(:func:`held_by` adds the accumulation length, and to ``deepspeed_boundary`` "monitor before engine.step()": a
+loop that monitors after the engine's step reads every call off the boundary)."""
+
+
+def held_by(cause: str, accelerator: Any, deepspeed: Any) -> dict:
+    """What holds the gradients incomplete, ``cause`` (the call's :func:`~..measure.optimizer_state.
+    gradients_incomplete`), with what the message names: Accelerate's or the engine's accumulation length too."""
+    said = HELD_BY[cause]
+    if cause == "accelerate_sync_gradients":
         steps = getattr(accelerator, "gradient_accumulation_steps", None)
-        said = f", gradient_accumulation_steps={steps}" if steps is not None else ""
-        return {"cause": "accelerate_sync_gradients", "held_by": f"Accelerate's sync_gradients stays False{said}"}
-    if partitions is not None and getattr(partitions, "engines", None):
-        steps = _engine_steps(partitions)
-        said = f", gradient_accumulation_steps={steps}" if steps else ""
-        held = f"DeepSpeed's gradient-accumulation boundary not reached{said}"
-        return {"cause": "deepspeed_boundary", "held_by": held}
-    return {"cause": "unknown", "held_by": "the gradients never complete"}
+        said += f", gradient_accumulation_steps={steps}" if steps is not None else ""
+    elif cause == "deepspeed_boundary":
+        steps = _engine_steps(deepspeed)
+        said += f", gradient_accumulation_steps={steps}" if steps else ""
+        said += "; monitor before engine.step()"  # after it, the boundary has passed: every call reads off it
+    return {"cause": cause, "held_by": said}
 
 
 def sync_off(watch: SyncOffWatch, step: Any, rank: int, cause: dict, last: Any) -> Anomaly:
