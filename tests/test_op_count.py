@@ -253,6 +253,68 @@ def test_a_reused_debugger_runs_two_hooks_a_component_call_and_one_a_watched_blo
     assert (plain["hooks_per_call"], plain["hooks_per_step"], plain["measures_per_call"]) == (8, 2, 0)
 
 
+def test_an_img2img_encode_s_sentinel_watches_its_end_modules_with_no_added_op(monkeypatch):
+    """An img2img call encodes its image: the VAE's ``encode`` site (its ``encoder``, then ``quant_conv`` outside
+    it) is watched as the decode's is (``component_probes.inner_blocks``): its blocks that hold modules (3 down
+    blocks, the mid block as one) and the single modules after its last one (``conv_norm_out``, ``conv_out``: its
+    end, vae36), not ``conv_in`` before them; ``quant_conv``, outside the site. Tiny img2img in fp16, a reused
+    debugger's 1-step call reading every group: 35 hooks (tiny SD's 26, the encode site's 2 and its 7 modules), 25
+    readings (18 and 7); in bf16 10 (the call sites' alone: 8 and the encode's 2). Ops of that call: 30 added in
+    fp16 (tiny SD's 25, the encode's held outputs flushed on their own: one stack, abs and max), the same with
+    the encoder's and decoder's end modules left out (their outputs join the fused reduction: no op of their
+    own); 19 in bf16 (tiny SD's 18 and the encode output's norm)."""
+    from diffusion_debug.diffusion.components import component_probes
+    from diffusion_debug.diffusion.components.inventory import find_components
+    from diffusion_debug.testing.zoo import ZOO_CALLS
+
+    def encoder_blocks(pipe):
+        vae = next(c for c in find_components(pipe) if c.name == "vae")
+        found = component_probes.inner_blocks(vae, component_probes.overflow_blocks(vae.module))
+        return [name for name, _ in found if name.startswith(("encoder.", "quant_conv"))]
+
+    def counts(dtype, inner_blocks=component_probes.inner_blocks):
+        pipe = tiny_pipeline("img2img", dtype=dtype)
+        call = ZOO_CALLS["img2img"][0]()
+        monkeypatch.setattr(component_probes, "inner_blocks", inner_blocks)
+        hooks = op_counts.inference_hooks(pipe, quiet_config(), **call)
+
+        def run():
+            pipe(num_inference_steps=1, generator=torch.Generator().manual_seed(0), output_type="np", **call)
+
+        with count_aten_ops() as plain:
+            run()
+        debugger = DiffusionModelDebugger(pipe, quiet_config())
+        with debugger:
+            run()
+        with count_aten_ops() as ops, debugger:  # its 2nd run: every group read
+            run()
+        debugger.close()
+        monkeypatch.undo()
+        return hooks, sum(added_ops(ops.counts, plain.counts).values()), pipe
+
+    fp16, fp16_ops, pipe = counts(torch.float16)
+    encoder = encoder_blocks(pipe)
+    ends = ["encoder.conv_norm_out", "encoder.conv_out"]
+    assert encoder == [*(f"encoder.down_blocks.{i}" for i in range(3)), "encoder.mid_block", *ends, "quant_conv"]
+    per_call = (fp16["hooks_per_call"], fp16["measures_per_call"])
+    assert per_call == (26 + 2 + len(encoder), 18 + len(encoder)) == (35, 25), fp16  # tiny SD's, the encode's
+    assert (fp16["hooks_per_step"], fp16["measures_per_step"]) == (5.5, 3.5), fp16  # tiny SD's: the steps unchanged
+    bf16, bf16_ops, _ = counts(torch.bfloat16)
+    assert (bf16["hooks_per_call"], bf16["measures_per_call"], bf16["hooks_per_step"]) == (10, 0, 2), bf16
+    original = component_probes.inner_blocks
+
+    def without_ends(component, blocks):  # vae36's end modules left out: the blocks' list before it
+        return [(name, block) for name, block in original(component, blocks) if not name.endswith(END_MODULES)]
+
+    unended, unended_ops, _ = counts(torch.float16, without_ends)
+    assert fp16["hooks_per_call"] - unended["hooks_per_call"] == 4  # the encoder's 2, the decoder's 2
+    assert (fp16_ops, unended_ops, bf16_ops) == (30, 30, 19)
+
+
+END_MODULES = ("coder.conv_norm_out", "coder.conv_out")
+"""The VAE encoder's and decoder's end modules (test_an_img2img_encode_s_sentinel_watches_its_end_modules...)."""
+
+
 def test_a_first_calls_full_probes_on_the_vae_run_no_hook_in_the_unet_s_steps():
     """A first call reads the VAE and text encoder with full probes; on torch before 2.6 (no global
     hook taking kwargs: a hook per module) the full probe's pass-through hooks (``Probe._pass_on``)
