@@ -258,3 +258,32 @@ def test_a_near_max_on_runs_the_sentinel_does_not_read_is_still_named_by_one_rep
     assert found == [(name, 4, REPLAYED), *earlier, (name, read, SENTINEL)]
     assert replays(dbg) == [component]
     dbg.close()
+
+
+@pytest.mark.parametrize("module", ["encoder.conv_out", "encoder.conv_norm_out"])
+def test_an_img2img_vae_encoders_near_max_at_an_end_module_is_named_there_by_the_sentinel(tmp_path, module):
+    """An img2img call encodes its image: the VAE's ``encode`` site watches its encoder's end modules as the decode's
+    (vae36; ``test_op_count``'s img2img pins their hooks, 0 ops): a near-max planted at one of them after the first
+    call is named there by the sentinel's reading, no replay, with the SD VAE's upcast advice; not at the decoder it
+    flows into. Images bitwise equal to the planted unwatched call's."""
+    from diffusion_debug.testing.zoo import ZOO_CALLS
+
+    pipe = tiny_pipeline("img2img", dtype=torch.float16)
+    call = ZOO_CALLS["img2img"][0]()
+    prompt = call.pop("prompt")
+    dbg = debugger(pipe, tmp_path)
+    with dbg:  # the first read: full probes
+        run(pipe, steps=1, prompt=prompt, **call)
+    with plant_overflow(pipe.vae.get_submodule(module), fraction=0.61):
+        planted = run(pipe, steps=1, prompt=prompt, **call)
+        with dbg:
+            watched = run(pipe, steps=1, prompt=prompt, **call)
+    assert (watched == planted).all()
+    found = [(a.module, a.step, a.details["localized_by"], a.details["run"]) for a in risks(dbg)]
+    assert found == [(module, None, SENTINEL, 2)]
+    (risk,) = risks(dbg)
+    assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+    assert risk.message.startswith(f"vae.{module} output reached 61% of the float16 maximum")
+    assert risk.message.endswith(f"; {SD_FP16_VAE}.")
+    assert replays(dbg) == []
+    dbg.close()
