@@ -65,6 +65,21 @@ def plant(module: torch.nn.Module, from_call: int, make=None):
 
 
 @contextmanager
+def scaled(module, by: float):
+    """``module``'s weight and bias multiplied by ``by`` while the block runs, put back after."""
+    saved = [p.detach().clone() for p in (module.weight, module.bias)]
+    with torch.no_grad():
+        module.weight.mul_(by)
+        module.bias.mul_(by)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            module.weight.copy_(saved[0])
+            module.bias.copy_(saved[1])
+
+
+@contextmanager
 def changed_weight(module: torch.nn.Module, change):
     """``module``'s weight changed in place by ``change(weight)`` while the block runs, put back after
     (a compiled graph reads a weight like any input: no recompile)."""
