@@ -32,7 +32,13 @@ class RunData:
 
     @property
     def anomalies(self) -> list[Anomaly]:
-        return [Anomaly.from_dict(a) for a in self.summary.get("anomalies", [])]
+        """summary.json's anomalies, built once: the same objects at every read, so what finds one by identity
+        (:func:`~.anomaly.consequences`, a report's cause and its folded copies) finds it across two reads. Built
+        anew only when ``summary["anomalies"]`` is another list or has grown."""
+        rows = self.summary.get("anomalies", [])
+        if self._anomalies is None or self._anomalies[0] is not rows or self._anomalies[1] != len(rows):
+            self._anomalies = (rows, len(rows), [Anomaly.from_dict(a) for a in rows])
+        return self._anomalies[2]
 
     @property
     def steps(self) -> list[dict[str, Any]]:
@@ -53,6 +59,7 @@ class RunData:
         return self._rank_steps
 
     _rank_steps: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+    _anomalies: tuple[list, int, list[Anomaly]] | None = field(default=None, repr=False, compare=False)
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:
