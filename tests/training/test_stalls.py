@@ -1079,6 +1079,7 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     the headline is rank 1's error at its block, an error. Once in the record it is not read again; a rank
     that wrote nothing leaves the stall to head itself."""
     from diffusion_debug.record import RunRecord, diagnosis_severity, folded, headline, make_anomaly
+    from diffusion_debug.training.ranks.elsewhere import RankFiles
     from diffusion_debug.training.ranks.origin import causes_kept_elsewhere
 
     details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
@@ -1091,7 +1092,7 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     rank1.close()
     stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=details["error"])])
     desync = stall_anomaly(stall, {"end": False, "by": 0})
-    (found,) = causes_kept_elsewhere([desync], tmp_path, rank=0)
+    (found,) = causes_kept_elsewhere([desync], RankFiles(tmp_path, rank=0), rank=0)
     assert found.to_dict() == cause.to_dict()
     top = headline([desync, found], world_size=2)
     assert (top["kind"], top["where"], diagnosis_severity(*folded([desync, found])[0])) == (
@@ -1099,6 +1100,47 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
         "model conv_in, step 3, rank 1",
         "error",
     )
-    assert causes_kept_elsewhere([desync, found], tmp_path, rank=0) == []  # once in the record: not read again
+    assert causes_kept_elsewhere([desync, found], RankFiles(tmp_path, 0), rank=0) == []  # once in the record
     (tmp_path / "events-rank1.jsonl").unlink()
-    assert causes_kept_elsewhere([desync], tmp_path, rank=0) == []  # that rank wrote nothing: the stall heads
+    assert causes_kept_elsewhere([desync], RankFiles(tmp_path, 0), rank=0) == []  # that rank wrote nothing
+
+
+def test_the_other_ranks_events_file_is_read_once_however_many_reports_wait_for_a_cause_it_never_wrote(tmp_path):
+    """A killed rank's cause stays missing: each report used to read its whole file again. Now each line is read
+    once (an offset per file): three reads of a file that did not grow read its lines once; a line written after
+    is read from where the last read stopped, a line still being written (cut) waits for the next read; a file
+    unreadable leaves a cause not read yet unknown (what was read stays), and the read goes on once it is back."""
+    from diffusion_debug.record import RunRecord, make_anomaly
+    from diffusion_debug.training.ranks.elsewhere import RankFiles
+    from diffusion_debug.training.ranks.origin import causes_kept_elsewhere
+
+    details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
+    earlier = make_anomaly("step_error", component="model", module="conv_in", step=2, rank=1, details=details)
+    config = DebugConfig(output_dir=str(tmp_path))
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    rank1.add_anomaly(earlier)
+    path = tmp_path / "events-rank1.jsonl"
+    assert len(path.read_text().splitlines()) == 2  # the start event, the earlier error
+    stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=details["error"])])
+    desync = stall_anomaly(stall, {"end": False, "by": 0})
+    files = RankFiles(tmp_path, rank=0)
+    for _ in range(3):  # three reports while the cause stays missing
+        assert causes_kept_elsewhere([desync, earlier], files, rank=0) == []
+    assert files.lines_read == 2
+    cause = make_anomaly("step_error", component="model", module="conv_in", step=3, rank=1, details=details)
+    rank1.add_anomaly(cause)
+    rank1.close()
+    with open(path, "ab") as handle:
+        handle.write(b'{"type": "anomaly", "kind": "st')  # a line its writer has not finished
+    (found,) = causes_kept_elsewhere([desync, earlier], files, rank=0)
+    assert (found.to_dict(), files.lines_read) == (cause.to_dict(), 3)
+    assert causes_kept_elsewhere([desync, earlier, found], files, rank=0) == []
+    assert files.lines_read == 3  # nothing new: nothing parsed
+    path.rename(tmp_path / "away.jsonl")
+    path.mkdir()  # open() fails (OSError): the cause stays unknown, the report goes on
+    assert causes_kept_elsewhere([desync], RankFiles(tmp_path, 0), rank=0) == []
+    assert [a.to_dict() for a in files.read([1])] == [earlier.to_dict(), cause.to_dict()]
+    path.rmdir()
+    (tmp_path / "away.jsonl").rename(path)  # back: read on from where the last read stopped
+    assert [a.to_dict() for a in files.read([1])] == [earlier.to_dict(), cause.to_dict()]
+    assert files.lines_read == 3

@@ -30,11 +30,12 @@ step's detail exchange every rank receives every row, so every rank names the sa
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ...record import Anomaly, distinct_details, followed_key, follows_key, make_anomaly, read_jsonl, rebuilt
-from ...record.run_dir import anomaly_problem
+from ...record import Anomaly, distinct_details, followed_key, follows_key, make_anomaly, rebuilt
+
+if TYPE_CHECKING:
+    from .elsewhere import RankFiles
 
 
 def copy_key(anomaly: Anomaly) -> tuple:
@@ -183,12 +184,13 @@ def name_overflow(anomalies: list[Anomaly], step: Any, origins: list[int]) -> li
     ]
 
 
-def causes_kept_elsewhere(anomalies: Sequence[Anomaly], run_dir: Path, rank: int) -> list[Anomaly]:
+def causes_kept_elsewhere(anomalies: Sequence[Anomaly], files: RankFiles, rank: int) -> list[Anomaly]:
     """What another rank recorded in its own events file (``events-rank<r>.jsonl``) alone and one of
     ``anomalies`` (this process's record) follows (``details["follows"]``): a rank's forward error
     (``step_error``, found outside the step's exchange) that left the others in a collective, which the
     ``rank_desync`` every rank records names. Added to the main process's record, it is the headline, at its
-    block and rank, over the stall it caused. A file is read only for such a cause (a clean run reads none).
+    block and rank, over the stall it caused. A file is read only for such a cause, through ``files``
+    (:class:`~.elsewhere.RankFiles`: each line once, however many reports ask while the cause stays missing).
 
     Limits: the other rank's file is read as far as that rank flushed it (every anomaly is flushed as it is
     written); a cause that rank never wrote (it was killed first) stays unknown, and the stall heads itself.
@@ -203,17 +205,9 @@ def causes_kept_elsewhere(anomalies: Sequence[Anomaly], run_dir: Path, rank: int
         if key not in have:
             wanted.setdefault(follows["rank"], set()).add(key)
     found = []
-    for other, keys in sorted(wanted.items()):
-        try:  # a file gone or unreadable (a killed rank's disk, NFS): the cause stays unknown, the report goes on
-            rows = read_jsonl(Path(run_dir) / f"events-rank{other}.jsonl")
-        except OSError:
-            continue
-        for row in rows:
-            data = {k: v for k, v in row.items() if k not in ("type", "time")}
-            if row.get("type") != "anomaly" or anomaly_problem(data) is not None:
-                continue
-            anomaly = Anomaly.from_dict(data)
-            if follows_key(anomaly) in keys:
-                keys.discard(follows_key(anomaly))
-                found.append(anomaly)
+    for anomaly in files.read(wanted) if wanted else ():
+        keys = wanted[anomaly.rank]
+        if follows_key(anomaly) in keys:
+            keys.discard(follows_key(anomaly))
+            found.append(anomaly)
     return found
