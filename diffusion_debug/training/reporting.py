@@ -12,7 +12,7 @@ from typing import Any, Callable
 from ..core import DebugReport
 from ..record import RunRecord, headline
 from .measure.gradients import TrainableParameters
-from .ranks.elsewhere import RankFiles
+from .ranks.elsewhere import RankFiles, kept_elsewhere
 from .ranks.origin import causes_kept_elsewhere
 from .ranks.processes import RankContext
 from .step.state import History
@@ -36,9 +36,12 @@ def training_report(
     components = {"model": {**watched.component_summary(params), **history.modules.summary(), **health, **timesteps}}
     full = len(record.anomalies) >= record.max_anomalies  # a full record would count it again at each report
     if ctx.is_main and ctx.world_size > 1 and not full and files is not None:
-        # a cause only its rank recorded (a forward's error) joins
+        # what only its rank recorded, outside the step's exchange: a cause (a forward's error) first, then the
+        # rest (a debugger_error recording its step), each once, as that rank's own
         for cause in causes_kept_elsewhere(record.anomalies, files, ctx.rank):
             record.add_anomaly(cause)
+        for own in kept_elsewhere(record.anomalies, files, ctx.rank, ctx.world_size):
+            record.add_anomaly(own)
     summary = {
         **record.summary(),
         "headline": headline(record.anomalies, ctx.world_size),  # the anomaly to fix first (cause before consequence)

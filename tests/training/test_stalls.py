@@ -1111,7 +1111,7 @@ def test_the_other_ranks_events_file_is_read_once_however_many_reports_wait_for_
     is read from where the last read stopped, a line still being written (cut) waits for the next read; a file
     unreadable leaves a cause not read yet unknown (what was read stays), and the read goes on once it is back."""
     from diffusion_debug.record import RunRecord, make_anomaly
-    from diffusion_debug.training.ranks.elsewhere import RankFiles
+    from diffusion_debug.training.ranks.elsewhere import RankFiles, kept_elsewhere
     from diffusion_debug.training.ranks.origin import causes_kept_elsewhere
 
     details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
@@ -1134,13 +1134,38 @@ def test_the_other_ranks_events_file_is_read_once_however_many_reports_wait_for_
         handle.write(b'{"type": "anomaly", "kind": "st')  # a line its writer has not finished
     (found,) = causes_kept_elsewhere([desync, earlier], files, rank=0)
     assert (found.to_dict(), files.lines_read) == (cause.to_dict(), 3)
-    assert causes_kept_elsewhere([desync, earlier, found], files, rank=0) == []
+    assert kept_elsewhere([desync, earlier, found], files, 0, world_size=2) == []
     assert files.lines_read == 3  # nothing new: nothing parsed
     path.rename(tmp_path / "away.jsonl")
     path.mkdir()  # open() fails (OSError): the cause stays unknown, the report goes on
     assert causes_kept_elsewhere([desync], RankFiles(tmp_path, 0), rank=0) == []
-    assert [a.to_dict() for a in files.read([1])] == [earlier.to_dict(), cause.to_dict()]
+    assert [a.to_dict() for a in kept_elsewhere([desync], files, 0, 2)] == [earlier.to_dict(), cause.to_dict()]
     path.rmdir()
     (tmp_path / "away.jsonl").rename(path)  # back: read on from where the last read stopped
-    assert [a.to_dict() for a in files.read([1])] == [earlier.to_dict(), cause.to_dict()]
+    assert [a.to_dict() for a in kept_elsewhere([desync], files, 0, 2)] == [earlier.to_dict(), cause.to_dict()]
     assert files.lines_read == 3
+
+
+def test_what_another_rank_recorded_alone_joins_the_main_record_once_as_its_own(tmp_path):
+    """Rank 1's file: its debugger_error (outside the exchange), its copy of an exchanged nonfinite (which main's
+    record holds, with the details the exchange added and another severity), its skipped_step of a step whose
+    skip main holds as rank 0's (one a step). Only the debugger_error joins, as rank 1 wrote it; once."""
+    from diffusion_debug.record import RunRecord, make_anomaly, rebuilt
+    from diffusion_debug.training.ranks.elsewhere import RankFiles, kept_elsewhere
+
+    error = make_anomaly("debugger_error", step=3, rank=1, details={"where": "recording", "error": "OSError: x"})
+    grads = make_anomaly("nonfinite", component="model", module="0", parameter="0.weight", step=4, rank=1,
+                         details={"nonfinite_parameters": 1})  # fmt: skip
+    skip = {"scale_before": 16.0, "scale_after": 8.0, "reason": "grad_scaler"}
+    skips = [make_anomaly("skipped_step", component="model", step=4, rank=r, details=skip) for r in (0, 1)]
+    rank1 = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training", run_dir=tmp_path, rank=1,
+                      events_name="events-rank1.jsonl")  # fmt: skip
+    for a in (error, grads, skips[1]):
+        rank1.add_anomaly(a)
+    rank1.close()
+    exchanged = rebuilt(grads, severity="info", details={**grads.details, "follows": {"kind": "nonfinite", "rank": 0}})
+    main = [exchanged, skips[0]]
+    files = RankFiles(tmp_path, rank=0)
+    (added,) = kept_elsewhere(main, files, 0, world_size=2)
+    assert added.to_dict() == error.to_dict()
+    assert kept_elsewhere([*main, added], files, 0, world_size=2) == []

@@ -1,8 +1,10 @@
-"""The other ranks' events files, read by the main process for its report.
+"""What the other ranks recorded in their own events files alone, read by the main process for its report.
 
-Every rank streams its own anomalies to ``events-rank<r>.jsonl``; what a rank found outside the step's exchange
-(a forward's ``step_error``) is in its own file only. :class:`RankFiles` reads each file once, from where its last
-read stopped (a report mid-run, then the last one, read each line once).
+Every rank streams its own anomalies to ``events-rank<r>.jsonl``; the main process's record holds every rank's
+that a step's exchange carried. What a rank found outside the exchange (its ``debugger_error`` recording a step,
+a forward's ``step_error``) is in its own file only: :func:`kept_elsewhere` names those the main record lacks,
+and :class:`RankFiles` reads each file once, from where its last read stopped (a report mid-run, then the last
+one, read each line once).
 
 >>> import tempfile
 >>> from diffusion_debug.record import dumps, make_anomaly
@@ -10,20 +12,21 @@ read stopped (a report mid-run, then the last one, read each line once).
 >>> folder = Path(tempfile.mkdtemp())
 >>> _ = (folder / "events-rank1.jsonl").write_text(dumps({"type": "anomaly", **error.to_dict()}) + "\\n")
 >>> files = RankFiles(folder, rank=0)
->>> [(a.kind, a.rank, a.step) for a in files.read([0, 1])], files.lines_read
-([('debugger_error', 1, 3)], 1)
->>> len(files.read([1])), files.lines_read  # its one line, read once
-(1, 1)
+>>> [(a.kind, a.rank, a.step) for a in kept_elsewhere([], files, 0, world_size=2)]
+[('debugger_error', 1, 3)]
+>>> kept_elsewhere([error], files, 0, world_size=2), files.lines_read  # its one line, read once
+([], 1)
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
-from ...record import Anomaly, loads
+from ...record import Anomaly, distinct_details, loads
 from ...record.run_dir import anomaly_problem
+from .exchange import shared_by_ranks
 
 
 class RankFiles:
@@ -83,3 +86,28 @@ def _row(line: bytes) -> dict | None:
     except (ValueError, RecursionError):  # a damaged line: left out, as read_jsonl does
         return None
     return row if isinstance(row, dict) else None
+
+
+def same_key(anomaly: Anomaly) -> tuple:
+    """What makes an anomaly of another rank's file the one the main record holds (the exchange carried it): its
+    kind, rank, step and place, and the details that tell its kind apart at one place (not its severity nor its
+    other details, which the exchange may add to: the rank that made a NaN, what follows what)."""
+    place = (anomaly.kind, anomaly.rank, anomaly.step, anomaly.component, anomaly.module, anomaly.parameter)
+    return (*place, *distinct_details(anomaly.kind, anomaly.details).values())
+
+
+def kept_elsewhere(anomalies: Sequence[Anomaly], files: RankFiles, rank: int, world_size: int) -> list[Anomaly]:
+    """The other ranks' own anomalies that ``anomalies`` (the main process's record) lacks: each as its rank
+    recorded it (its severity and details), once. A kind the ranks share one a step (the GradScaler's
+    ``skipped_step``, a learning-rate jump: the exchange keeps the first rank's) is left out where the record
+    has it at that step on any rank."""
+    have = {same_key(a) for a in anomalies}
+    shared = {(a.kind, a.step) for a in anomalies if shared_by_ranks(a)}
+    out = []
+    for a in files.read(range(world_size)):
+        key = same_key(a)
+        if key in have or (shared_by_ranks(a) and (a.kind, a.step) in shared):
+            continue
+        have.add(key)
+        out.append(a)
+    return out
