@@ -234,6 +234,9 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
             if (rank, _step_key(row)) in skipped:
                 row["skipped"] = skipped[(rank, _step_key(row))]
             row.update(amended.get((rank, _step_key(row)), {}))
+    for rank, kept in copies.items():  # a copy read anew (RunRecord.amend_rank_step), where its rank has no file
+        for key, row in kept.items():
+            row.update(amended.get((rank, key), {}))
     out = [row for rows in own.values() for row in rows]
     out += [row for rank, rows in copies.items() if rank not in own for row in rows.values()]
     return sorted(out, key=lambda row: (_step_key(row), _order(row.get("rank", 0))))

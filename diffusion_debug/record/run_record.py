@@ -175,6 +175,21 @@ class RunRecord:
                 break
         self._write({"type": "step_amended", "step": step, "values": values})
 
+    def amend_rank_step(self, rank: int, step: Any, values: dict[str, Any]) -> bool:
+        """Another rank's row of ``step``, kept here as a copy, read anew as that rank read its own
+        (:meth:`amend_step` there, its ``step_amended`` in its own events file): the copy takes ``values``, and
+        the stream a ``step_amended`` entry of that rank (a summary rebuilt from this file reads it so). False,
+        nothing written, when no copy of that row is kept or it holds ``values`` already."""
+        values = to_jsonable(values)
+        for row in reversed(self.rank_steps):
+            if row.get("rank") == rank and row.get("step") == step:
+                if all(k in row and row[k] == v for k, v in values.items()):
+                    return False
+                row.update(values)
+                self._write({"type": "step_amended", "step": step, "rank": rank, "values": values})
+                return True
+        return False
+
     def add_rank_step(self, row: dict[str, Any]) -> None:
         """Another rank's step row (it carries its ``rank``), kept apart from this process's own."""
         row = to_jsonable(row)

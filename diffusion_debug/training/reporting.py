@@ -35,13 +35,16 @@ def training_report(
     health = history.health.summary() if history.health is not None else {}
     components = {"model": {**watched.component_summary(params), **history.modules.summary(), **health, **timesteps}}
     full = len(record.anomalies) >= record.max_anomalies  # a full record would count it again at each report
-    if ctx.is_main and ctx.world_size > 1 and not full and files is not None:
+    if ctx.is_main and ctx.world_size > 1 and files is not None:
         # what only its rank recorded, outside the step's exchange: a cause (a forward's error) first, then the
         # rest (a debugger_error recording its step), each once, as that rank's own
-        for cause in causes_kept_elsewhere(record.anomalies, files, ctx.rank):
+        for cause in causes_kept_elsewhere(record.anomalies, files, ctx.rank) if not full else ():
             record.add_anomaly(cause)
-        for own in kept_elsewhere(record.anomalies, files, ctx.rank, ctx.world_size):
+        for own in kept_elsewhere(record.anomalies, files, ctx.rank, ctx.world_size) if not full else ():
             record.add_anomaly(own)
+        files.read(range(ctx.world_size))  # (read already, unless the record is full)
+        for (rank, step), values in files.amended.items():  # a row its rank read anew (unscaled): the copy too
+            record.amend_rank_step(rank, step, values)
     summary = {
         **record.summary(),
         "headline": headline(record.anomalies, ctx.world_size),  # the anomaly to fix first (cause before consequence)

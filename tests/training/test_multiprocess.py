@@ -428,6 +428,15 @@ def test_an_unpassed_scalers_finite_held_step_is_recorded_unscaled_on_every_rank
     extremes = row["ranks"]["grad_norm"]
     assert [extremes["min"], extremes["max"]] == pytest.approx([min(reference), max(reference)], rel=1e-6)
     assert row["grad_norm_clipped"] is False
+    # rank 1's row as the main process copied it (summary.json's, the live report's) is the one rank 1 read anew
+    # (its step_amended), as load_run reads it from rank 1's own file; it kept its scaled norm (65536x) before
+    copy = next(r for r in load_json(run_dir / "summary.json")["steps"] if r["step"] == 0 and r["rank"] == 1)
+    own = next(r for r in load_run(run_dir).rank_steps if r["step"] == 0 and r["rank"] == 1)
+    assert copy["grad_norm"] == pytest.approx(reference[1], rel=1e-6) and copy["grad_scale"] == 65536.0
+    (amended,) = [e["values"] for e in read_jsonl(run_dir / "events-rank1.jsonl") if e["type"] == "step_amended"]
+    assert {k: copy[k] for k in amended} == {k: own[k] for k in amended} == amended
+    (run_dir / "events-rank1.jsonl").unlink()  # rank 1's own file gone: the main's copy, read anew, stands in
+    assert next(r for r in load_run(run_dir).rank_steps if (r["step"], r["rank"]) == (0, 1)) == copy
 
 
 # -- eight processes: one launch, its scenarios one after the other ---------------------------------

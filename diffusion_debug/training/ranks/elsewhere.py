@@ -42,6 +42,9 @@ class RankFiles:
         written is read again, whole, at a later read."""
         self._at: dict[int, tuple[Any, int]] = {}  # per rank: its file's identity and offset
         self._theirs: dict[int, list[Anomaly]] = {}
+        self.amended: dict[tuple[int, Any], dict[str, Any]] = {}
+        """Per (rank, step): the values that rank read its own row of the step anew with (its ``step_amended``,
+        ``RunRecord.amend_step``), at most ``limit`` steps: what the main process's copy of the row takes."""
 
     def read(self, ranks: Iterable[int]) -> list[Anomaly]:
         """Each rank of ``ranks`` (not this one)'s own anomalies, read so far, by rank then as written."""
@@ -73,7 +76,13 @@ class RankFiles:
         for line in chunk[:whole].splitlines():
             self.lines_read += 1
             row = _row(line)
-            if row is None or row.get("type") != "anomaly" or row.get("rank") != other or len(kept) >= self.limit:
+            if row is None or row.get("rank") != other:
+                continue
+            if row.get("type") == "step_amended" and isinstance(row.get("values"), dict):
+                key = (other, row.get("step"))
+                if key in self.amended or len(self.amended) < self.limit:
+                    self.amended.setdefault(key, {}).update(row["values"])
+            if row.get("type") != "anomaly" or len(kept) >= self.limit:
                 continue
             data = {k: v for k, v in row.items() if k not in ("type", "time")}
             if anomaly_problem(data) is None:
