@@ -12,8 +12,7 @@ from typing import Any, Callable
 from ..core import DebugReport
 from ..record import RunRecord, headline
 from .measure.gradients import TrainableParameters
-from .ranks.elsewhere import RankFiles, kept_elsewhere
-from .ranks.origin import causes_kept_elsewhere
+from .ranks.elsewhere import RankFiles, causes_kept_elsewhere, kept_elsewhere
 from .ranks.processes import RankContext
 from .step.state import History
 from .watched_models import WatchedModels

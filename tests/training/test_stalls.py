@@ -1079,8 +1079,7 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     the headline is rank 1's error at its block, an error. Once in the record it is not read again; a rank
     that wrote nothing leaves the stall to head itself."""
     from diffusion_debug.record import RunRecord, diagnosis_severity, folded, headline, make_anomaly
-    from diffusion_debug.training.ranks.elsewhere import RankFiles
-    from diffusion_debug.training.ranks.origin import causes_kept_elsewhere
+    from diffusion_debug.training.ranks.elsewhere import RankFiles, causes_kept_elsewhere
 
     details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
     cause = make_anomaly("step_error", component="model", module="conv_in", step=3, rank=1, details=details)
@@ -1111,8 +1110,7 @@ def test_the_other_ranks_events_file_is_read_once_however_many_reports_wait_for_
     is read from where the last read stopped, a line still being written (cut) waits for the next read; a file
     unreadable leaves a cause not read yet unknown (what was read stays), and the read goes on once it is back."""
     from diffusion_debug.record import RunRecord, make_anomaly
-    from diffusion_debug.training.ranks.elsewhere import RankFiles, kept_elsewhere
-    from diffusion_debug.training.ranks.origin import causes_kept_elsewhere
+    from diffusion_debug.training.ranks.elsewhere import RankFiles, causes_kept_elsewhere, kept_elsewhere
 
     details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
     earlier = make_anomaly("step_error", component="model", module="conv_in", step=2, rank=1, details=details)

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from ...record import Anomaly, distinct_details, loads
+from ...record import Anomaly, distinct_details, followed_key, follows_key, loads
 from ...record.run_dir import anomaly_problem
 from .exchange import shared_by_ranks
 
@@ -120,3 +120,32 @@ def kept_elsewhere(anomalies: Sequence[Anomaly], files: RankFiles, rank: int, wo
         have.add(key)
         out.append(a)
     return out
+
+
+def causes_kept_elsewhere(anomalies: Sequence[Anomaly], files: RankFiles, rank: int) -> list[Anomaly]:
+    """What another rank recorded in its own events file (``events-rank<r>.jsonl``) alone and one of
+    ``anomalies`` (this process's record) follows (``details["follows"]``): a rank's forward error
+    (``step_error``, found outside the step's exchange) that left the others in a collective, which the
+    ``rank_desync`` every rank records names. Added to the main process's record, it is the headline, at its
+    block and rank, over the stall it caused. A file is read only for such a cause, through ``files``
+    (:class:`RankFiles`: each line once, however many reports ask while the cause stays missing).
+
+    Limits: the other rank's file is read as far as that rank flushed it (every anomaly is flushed as it is
+    written); a cause that rank never wrote (it was killed first) stays unknown, and the stall heads itself.
+    """
+    have = {follows_key(a) for a in anomalies}
+    wanted: dict[int, set[tuple]] = {}
+    for a in anomalies:
+        follows = a.details.get("follows") if isinstance(a.details, dict) else None
+        if not isinstance(follows, Mapping) or not isinstance(follows.get("rank"), int) or follows["rank"] == rank:
+            continue
+        key = followed_key(follows, a.step, a.rank)
+        if key not in have:
+            wanted.setdefault(follows["rank"], set()).add(key)
+    found = []
+    for anomaly in files.read(wanted) if wanted else ():
+        keys = wanted[anomaly.rank]
+        if follows_key(anomaly) in keys:
+            keys.discard(follows_key(anomaly))
+            found.append(anomaly)
+    return found
