@@ -1167,3 +1167,59 @@ def test_what_another_rank_recorded_alone_joins_the_main_record_once_as_its_own(
     (added,) = kept_elsewhere(main, files, 0, world_size=2)
     assert added.to_dict() == error.to_dict()
     assert kept_elsewhere([*main, added], files, 0, world_size=2) == []
+
+
+def test_a_kind_every_rank_records_for_itself_is_not_copied_and_only_one_ranks_kinds_are_parsed(tmp_path, monkeypatch):
+    """Rank 1's file: a start, 40 step rows, its own unwatched_parameters (every rank records it alike, the main
+    its own), a step_amended of step 2, its debugger_error. Read 64 bytes at a time (rows split across reads): only
+    the debugger_error is copied, the amended values are read, every line is counted once and only the two lines
+    that name a kept kind or step_amended are parsed (json)."""
+    from diffusion_debug.record import RunRecord, make_anomaly
+    from diffusion_debug.training.ranks import elsewhere
+
+    unwatched = make_anomaly("unwatched_parameters", message="2 parameters in no optimizer", component="model",
+                             step=0, rank=1, details={"outside": {"count": 2}})  # fmt: skip
+    error = make_anomaly("debugger_error", step=3, rank=1, details={"where": "recording", "error": "OSError: x"})
+    rank1 = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training", run_dir=tmp_path, rank=1,
+                      events_name="events-rank1.jsonl")  # fmt: skip
+    for step in range(40):
+        rank1.add_step({"step": step, "loss": 0.5, "rank": 1})
+    rank1.add_anomaly(unwatched)
+    rank1.amend_step(2, {"loss": 0.25})
+    rank1.add_anomaly(error)
+    rank1.close()
+    lines = (tmp_path / "events-rank1.jsonl").read_bytes().count(b"\n")
+    parsed = []
+    monkeypatch.setattr(elsewhere, "_CHUNK", 64)
+    monkeypatch.setattr(elsewhere, "_row", lambda line, row=elsewhere._row: parsed.append(line) or row(line))
+    files = elsewhere.RankFiles(tmp_path, rank=0)
+    (added,) = elsewhere.kept_elsewhere([], files, 0, world_size=2)
+    assert added.to_dict() == error.to_dict()
+    assert (files.amended, files.lines_read, len(parsed)) == ({(1, 2): {"loss": 0.25}}, lines, 2)
+
+
+def test_the_main_copy_of_another_ranks_anomaly_takes_the_repeats_its_rank_folded(tmp_path):
+    """Rank 1's debugger_error at step 3, again at steps 4 and 5 (its sink folds them: count 3, last_step 5).
+    A report after step 3 copies it (count 1); the next report's copy, and the one added before, read 3 and 5."""
+    import logging
+
+    from diffusion_debug.core import AnomalySink
+    from diffusion_debug.record import RunRecord
+    from diffusion_debug.training.ranks.elsewhere import RankFiles, kept_elsewhere
+
+    config = DebugConfig(output_dir=str(tmp_path))
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    sink = AnomalySink(rank1, config, logging.getLogger("test"))
+    files = RankFiles(tmp_path, rank=0)
+    for step in (3, 4, 5):
+        sink.debugger_error("recording", OSError("disk"), step=step, rank=1)
+        sink.end_step()
+        rank1.flush_to_disk()
+        if step == 3:
+            (earlier,) = kept_elsewhere([], files, 0, world_size=2)
+    own = [(a.step, a.details["count"], a.details["last_step"]) for a in rank1.anomalies]
+    (fresh,) = kept_elsewhere([], RankFiles(tmp_path, rank=0), 0, world_size=2)
+    assert kept_elsewhere([earlier], files, 0, world_size=2) == []
+    assert own == [(3, 3, 5)]
+    assert [(a.step, a.details["count"], a.details["last_step"]) for a in (fresh, earlier)] == own * 2
+    assert earlier.details["count"] == 3

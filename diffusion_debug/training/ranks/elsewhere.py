@@ -26,13 +26,20 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ...record import Anomaly, distinct_details, followed_key, follows_key, loads
 from ...record.run_dir import anomaly_problem
-from .exchange import shared_by_ranks
+
+ONE_RANK_KINDS = ("debugger_error", "step_error")
+"""The kinds a rank records for itself alone, outside the step's exchange: the main process's record lacks them."""
+
+_WANTED = (*(f'"{kind}"'.encode() for kind in ONE_RANK_KINDS), b'"step_amended"')
+_CHUNK = 1 << 20  # bytes read at a time: a long file costs no more memory than this and its kept rows
 
 
 class RankFiles:
     """The other ranks' events files, each read as far as its last whole line, once: a later :meth:`read` reads
     what was written since (an offset per file; a file replaced, by a rank that writes its events whole at the
-    end, is read anew). Keeps each rank's own anomalies (``rank`` its own), at most ``limit`` a rank. A file
+    end, is read anew), ``_CHUNK`` bytes at a time. Keeps each rank's own anomalies of :data:`ONE_RANK_KINDS`
+    (``rank`` its own), with the repeats its ``anomaly_repeated`` rows fold into them, at most ``limit`` a rank; a
+    line that names none of those kinds nor ``step_amended`` (a step row: nearly every line) is not parsed. A file
     gone or unreadable (a killed rank's disk, NFS) is left out, and read again at the next :meth:`read`."""
 
     def __init__(self, run_dir: Path, rank: int, limit: int = 10_000):
@@ -42,6 +49,7 @@ class RankFiles:
         written is read again, whole, at a later read."""
         self._at: dict[int, tuple[Any, int]] = {}  # per rank: its file's identity and offset
         self._theirs: dict[int, list[Anomaly]] = {}
+        self._open: dict[int, dict[tuple, Anomaly]] = {}  # per rank: its anomalies by fold key and by place
         self.amended: dict[tuple[int, Any], dict[str, Any]] = {}
         """Per (rank, step): the values that rank read its own row of the step anew with (its ``step_amended``,
         ``RunRecord.amend_step``), at most ``limit`` steps: what the main process's copy of the row takes."""
@@ -56,6 +64,7 @@ class RankFiles:
     def clear(self) -> None:
         """Forget the anomalies read (``clear_debug_history``); what is read from now on is what is written later."""
         self._theirs.clear()
+        self._open.clear()
 
     def _read_one(self, other: int) -> None:
         path = self.run_dir / f"events-rank{other}.jsonl"
@@ -66,27 +75,55 @@ class RankFiles:
                 if identity != (stat.st_dev, stat.st_ino) or stat.st_size < offset:  # replaced: read anew
                     offset = 0
                     self._theirs.pop(other, None)
+                    self._open.pop(other, None)
                 handle.seek(offset)
-                chunk = handle.read()
-        except OSError:  # the cause stays unknown, the report goes on
+                rest = b""
+                while chunk := handle.read(_CHUNK):
+                    rest += chunk
+                    whole = rest.rfind(b"\n") + 1  # a line still being written waits for the next read
+                    self._at[other] = ((stat.st_dev, stat.st_ino), offset + whole)
+                    offset, lines, rest = offset + whole, rest[:whole], rest[whole:]
+                    self.lines_read += lines.count(b"\n")
+                    for line in lines.splitlines():
+                        if any(token in line for token in _WANTED):
+                            self._take(other, _row(line))
+        except OSError:  # the cause stays unknown, the report goes on (what was read whole is kept)
             return
-        whole = chunk.rfind(b"\n") + 1  # a line still being written waits for the next read
-        self._at[other] = ((stat.st_dev, stat.st_ino), offset + whole)
-        kept = self._theirs.setdefault(other, [])
-        for line in chunk[:whole].splitlines():
-            self.lines_read += 1
-            row = _row(line)
-            if row is None or row.get("rank") != other:
-                continue
-            if row.get("type") == "step_amended" and isinstance(row.get("values"), dict):
-                key = (other, row.get("step"))
-                if key in self.amended or len(self.amended) < self.limit:
-                    self.amended.setdefault(key, {}).update(row["values"])
-            if row.get("type") != "anomaly" or len(kept) >= self.limit:
-                continue
+
+    def _take(self, other: int, row: dict | None) -> None:
+        if row is None or row.get("rank") != other:
+            return
+        kind = row.get("type")
+        if kind == "step_amended" and isinstance(row.get("values"), dict):
+            key = (other, row.get("step"))
+            if key in self.amended or len(self.amended) < self.limit:
+                self.amended.setdefault(key, {}).update(row["values"])
+        elif kind == "anomaly_repeated" and row.get("kind") in ONE_RANK_KINDS:  # as rebuild_summary folds it
+            opened = self._open.get(other, {})
+            first = opened.get(_fold_key(row)) if "details" in row else opened.get(_place(row))
+            if first is not None:
+                first.details["count"] = row.get("count", first.details.get("count", 1))
+                first.details["last_step"] = row.get("step")
+                if row.get("run") is not None:
+                    first.details["last_run"] = row["run"]
+        elif kind == "anomaly" and row.get("kind") in ONE_RANK_KINDS:
+            kept = self._theirs.setdefault(other, [])
             data = {k: v for k, v in row.items() if k not in ("type", "time")}
-            if anomaly_problem(data) is None:
-                kept.append(Anomaly.from_dict(data))
+            if len(kept) < self.limit and anomaly_problem(data) is None:
+                anomaly = Anomaly.from_dict(data)
+                kept.append(anomaly)
+                opened = self._open.setdefault(other, {})
+                opened[_fold_key(data)] = opened[_place(data)] = anomaly
+
+
+def _place(row: dict) -> tuple:
+    return ("place", row.get("kind"), row.get("component") or "", row.get("module") or "", row.get("parameter"))
+
+
+def _fold_key(row: dict) -> tuple:
+    # the first anomaly's place and the details its kind tells repeats apart by, which its repeats' rows name
+    details = row.get("details") if isinstance(row.get("details"), dict) else {}
+    return (*_place(row)[1:], *distinct_details(str(row.get("kind")), details).values())
 
 
 def _row(line: bytes) -> dict | None:
@@ -106,19 +143,24 @@ def same_key(anomaly: Anomaly) -> tuple:
 
 
 def kept_elsewhere(anomalies: Sequence[Anomaly], files: RankFiles, rank: int, world_size: int) -> list[Anomaly]:
-    """The other ranks' own anomalies that ``anomalies`` (the main process's record) lacks: each as its rank
-    recorded it (its severity and details), once. A kind the ranks share one a step (the GradScaler's
-    ``skipped_step``, a learning-rate jump: the exchange keeps the first rank's) is left out where the record
-    has it at that step on any rank."""
-    have = {same_key(a) for a in anomalies}
-    shared = {(a.kind, a.step) for a in anomalies if shared_by_ranks(a)}
+    """The other ranks' own anomalies of a kind only one rank records (:data:`ONE_RANK_KINDS`: its
+    ``debugger_error``, its forward's ``step_error``, recorded outside the step's exchange) that ``anomalies`` (the
+    main process's record) lacks: each as its rank recorded it (its severity, details and repeat count), once. Every
+    other kind is in the main record already, or recorded by every rank alike for itself (``unwatched_parameters``,
+    ``gradient_sync_off``): a copy of each would repeat the main's own, once a rank. A copy already in the record
+    (a report before) takes the repeat count its rank has folded since."""
+    have = {same_key(a): a for a in anomalies}
     out = []
     for a in files.read(range(world_size)):
         key = same_key(a)
-        if key in have or (shared_by_ranks(a) and (a.kind, a.step) in shared):
-            continue
-        have.add(key)
-        out.append(a)
+        held = have.get(key)
+        if held is None:
+            have[key] = copy = Anomaly.from_dict(a.to_dict())
+            out.append(copy)
+        elif a.details.get("count", 1) > held.details.get("count", 1):  # repeats its rank folded since
+            for name in ("count", "last_step", "last_run"):
+                if name in a.details:
+                    held.details[name] = a.details[name]
     return out
 
 
