@@ -216,9 +216,9 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         owner = int(match.group(1)) if match else start.get("rank", 0)
         for row in rows:
             if row.get("type") == "step_skipped":
-                skipped[(row.get("rank", owner), _step_key(row))] = row.get("reason")
+                skipped[(row.get("rank", owner), step_key(row))] = row.get("reason")
             if row.get("type") == "step_amended" and isinstance(row.get("values"), dict):
-                amended.setdefault((row.get("rank", owner), _step_key(row)), {}).update(row["values"])
+                amended.setdefault((row.get("rank", owner), step_key(row)), {}).update(row["values"])
             if row.get("type") != "step":
                 continue
             step = {k: v for k, v in row.items() if k not in ("type", "time")}
@@ -226,23 +226,24 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
             if rank == owner:
                 own.setdefault(owner, []).append(step)
             else:
-                copies.setdefault(rank, {}).setdefault(_step_key(step), step)
+                copies.setdefault(rank, {}).setdefault(step_key(step), step)
     if not own and not copies:
         return list(fallback)
     for rank, rows in own.items():
         for row in rows:
-            if (rank, _step_key(row)) in skipped:
-                row["skipped"] = skipped[(rank, _step_key(row))]
-            row.update(amended.get((rank, _step_key(row)), {}))
+            if (rank, step_key(row)) in skipped:
+                row["skipped"] = skipped[(rank, step_key(row))]
+            row.update(amended.get((rank, step_key(row)), {}))
     for rank, kept in copies.items():  # a copy read anew (RunRecord.amend_rank_step), where its rank has no file
         for key, row in kept.items():
             row.update(amended.get((rank, key), {}))
     out = [row for rows in own.values() for row in rows]
     out += [row for rank, rows in copies.items() if rank not in own for row in rows.values()]
-    return sorted(out, key=lambda row: (_step_key(row), _order(row.get("rank", 0))))
+    return sorted(out, key=lambda row: (step_key(row), _order(row.get("rank", 0))))
 
 
-def _step_key(row: dict[str, Any]) -> tuple[int, Any]:
+def step_key(row: dict[str, Any]) -> tuple[int, Any]:
+    """What a step row is matched by: its step number (``3`` and ``3.0`` alike), else its step's text."""
     return _order(row.get("step"))
 
 
@@ -302,8 +303,8 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
             elif kind == "step" and path.name == "events.jsonl":
                 steps.append({k: v for k, v in row.items() if k not in ("type", "time")})
             elif kind == "step_amended" and path.name == "events.jsonl" and isinstance(row.get("values"), dict):
-                key = (row.get("rank", 0), _step_key(row))  # this process's own row, written before it
-                own = next((r for r in reversed(steps) if (r.get("rank", 0), _step_key(r)) == key), None)
+                key = (row.get("rank", 0), step_key(row))  # this process's own row, written before it
+                own = next((r for r in reversed(steps) if (r.get("rank", 0), step_key(r)) == key), None)
                 if own is not None:
                     own.update(row["values"])
             elif kind == "anomaly" and anomaly_problem({k: v for k, v in row.items() if k != "type"}) is None:

@@ -1223,3 +1223,22 @@ def test_the_main_copy_of_another_ranks_anomaly_takes_the_repeats_its_rank_folde
     assert own == [(3, 3, 5)]
     assert [(a.step, a.details["count"], a.details["last_step"]) for a in (fresh, earlier)] == own * 2
     assert earlier.details["count"] == 3
+
+
+def test_a_copy_of_another_ranks_step_is_amended_as_every_rank_steps_reads_it(tmp_path):
+    """The main process keeps rank 1's rows of steps 2, 2 (a loop that repeated its step number) and 3. Rank 1
+    read its step 2 anew (loss 0.25, given as 2.0): both copies of step 2 take it, step 3 not, one step_amended
+    is written; the same values again write nothing. every_rank_steps of the run reads the same rows."""
+    from diffusion_debug.record import RunRecord
+    from diffusion_debug.record.run_dir import every_rank_steps
+
+    main = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training", run_dir=tmp_path, rank=0)
+    for step in (2, 2, 3):
+        main.add_rank_step({"step": step, "loss": 1.0, "rank": 1})
+    assert main.amend_rank_step(1, 2.0, {"loss": 0.25}) is True
+    assert main.amend_rank_step(1, 2, {"loss": 0.25}) is False
+    main.close()
+    assert [(r["step"], r["loss"]) for r in main.rank_steps] == [(2, 0.25), (2, 0.25), (3, 1.0)]
+    written = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [r["values"] for r in written if r["type"] == "step_amended"] == [{"loss": 0.25}]
+    assert [(r["step"], r["loss"]) for r in every_rank_steps(tmp_path)] == [(2, 0.25), (3, 1.0)]
