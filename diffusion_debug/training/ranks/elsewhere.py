@@ -84,9 +84,8 @@ class RankFiles:
                     self._at[other] = ((stat.st_dev, stat.st_ino), offset + whole)
                     offset, lines, rest = offset + whole, rest[:whole], rest[whole:]
                     self.lines_read += lines.count(b"\n")
-                    for line in lines.splitlines():
-                        if any(token in line for token in _WANTED):
-                            self._take(other, _row(line))
+                    for line in _wanted_lines(lines):
+                        self._take(other, _row(line))
         except OSError:  # the cause stays unknown, the report goes on (what was read whole is kept)
             return
 
@@ -124,6 +123,20 @@ def _fold_key(row: dict) -> tuple:
     # the first anomaly's place and the details its kind tells repeats apart by, which its repeats' rows name
     details = row.get("details") if isinstance(row.get("details"), dict) else {}
     return (*_place(row)[1:], *distinct_details(str(row.get("kind")), details).values())
+
+
+def _wanted_lines(lines: bytes) -> list[bytes]:
+    """The lines of ``lines`` (whole ones) that name a token of ``_WANTED``, in order: found by ``bytes.find`` over
+    the whole text, where a check a line cost a Python call for each step row."""
+    starts = set()
+    for token in _WANTED:
+        at = lines.find(token)
+        while at >= 0:
+            start = lines.rfind(b"\n", 0, at) + 1
+            starts.add(start)
+            end = lines.find(b"\n", at)
+            at = lines.find(token, end) if end >= 0 else -1
+    return [lines[start : lines.find(b"\n", start)] for start in sorted(starts)]
 
 
 def _row(line: bytes) -> dict | None:
