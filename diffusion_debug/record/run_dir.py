@@ -32,7 +32,13 @@ class RunData:
 
     @property
     def anomalies(self) -> list[Anomaly]:
-        return [Anomaly.from_dict(a) for a in self.summary.get("anomalies", [])]
+        """summary.json's anomalies, built once: the same objects at every read, so what finds one by identity
+        (:func:`~.anomaly.consequences`, a report's cause and its folded copies) finds it across two reads. Built
+        anew only when ``summary["anomalies"]`` is another list or has grown."""
+        rows = self.summary.get("anomalies", [])
+        if self._anomalies is None or self._anomalies[0] is not rows or self._anomalies[1] != len(rows):
+            self._anomalies = (rows, len(rows), [Anomaly.from_dict(a) for a in rows])
+        return self._anomalies[2]
 
     @property
     def steps(self) -> list[dict[str, Any]]:
@@ -53,6 +59,7 @@ class RunData:
         return self._rank_steps
 
     _rank_steps: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+    _anomalies: tuple[list, int, list[Anomaly]] | None = field(default=None, repr=False, compare=False)
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:
@@ -198,6 +205,7 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
     own: dict[int, list[dict[str, Any]]] = {}
     copies: dict[int, dict[Any, dict[str, Any]]] = {}
     skipped: dict[tuple[int, Any], str] = {}  # RunRecord.mark_skipped: found after the row was written
+    amended: dict[tuple[int, Any], dict] = {}  # RunRecord.amend_rank_step: another rank's copies read anew
     for path in files:
         try:
             rows = _read_events(path)
@@ -209,31 +217,37 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         latest: dict[Any, dict[str, Any]] = {}  # this file's own last row of each step, as written so far
         for row in rows:
             if row.get("type") == "step_skipped":
-                skipped[(row.get("rank", owner), _step_key(row))] = row.get("reason")
+                skipped[(row.get("rank", owner), step_key(row))] = row.get("reason")
             if row.get("type") == "step_amended" and isinstance(row.get("values"), dict):
-                # RunRecord.amend_step: the row it names, its process's last of that step written before it
-                latest.get(_step_key(row), {}).update(row["values"])
+                if row.get("rank", owner) == owner:  # RunRecord.amend_step: the row it names, its process's last
+                    latest.get(step_key(row), {}).update(row["values"])  # of that step written before it
+                else:  # RunRecord.amend_rank_step: another rank's copies of that step
+                    amended.setdefault((row.get("rank"), step_key(row)), {}).update(row["values"])
             if row.get("type") != "step":
                 continue
             step = {k: v for k, v in row.items() if k not in ("type", "time")}
             rank = step.get("rank", owner)
             if rank == owner:
                 own.setdefault(owner, []).append(step)
-                latest[_step_key(step)] = step
+                latest[step_key(step)] = step
             else:
-                copies.setdefault(rank, {}).setdefault(_step_key(step), step)
+                copies.setdefault(rank, {}).setdefault(step_key(step), step)
     if not own and not copies:
         return list(fallback)
     for rank, rows in own.items():
         for row in rows:
-            if (rank, _step_key(row)) in skipped:
-                row["skipped"] = skipped[(rank, _step_key(row))]
+            if (rank, step_key(row)) in skipped:
+                row["skipped"] = skipped[(rank, step_key(row))]
+    for rank, kept in copies.items():  # a copy read anew (RunRecord.amend_rank_step), where its rank has no file
+        for key, row in kept.items():
+            row.update(amended.get((rank, key), {}))
     out = [row for rows in own.values() for row in rows]
     out += [row for rank, rows in copies.items() if rank not in own for row in rows.values()]
-    return sorted(out, key=lambda row: (_step_key(row), _order(row.get("rank", 0))))
+    return sorted(out, key=lambda row: (step_key(row), _order(row.get("rank", 0))))
 
 
-def _step_key(row: dict[str, Any]) -> tuple[int, Any]:
+def step_key(row: dict[str, Any]) -> tuple[int, Any]:
+    """What a step row is matched by: its step number (``3`` and ``3.0`` alike), else its step's text."""
     return _order(row.get("step"))
 
 
@@ -293,8 +307,8 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
             elif kind == "step" and path.name == "events.jsonl":
                 steps.append({k: v for k, v in row.items() if k not in ("type", "time")})
             elif kind == "step_amended" and path.name == "events.jsonl" and isinstance(row.get("values"), dict):
-                key = (row.get("rank", 0), _step_key(row))  # this process's own row, written before it
-                own = next((r for r in reversed(steps) if (r.get("rank", 0), _step_key(r)) == key), None)
+                key = (row.get("rank", 0), step_key(row))  # this process's own row, written before it
+                own = next((r for r in reversed(steps) if (r.get("rank", 0), step_key(r)) == key), None)
                 if own is not None:
                     own.update(row["values"])
             elif kind == "anomaly" and anomaly_problem({k: v for k, v in row.items() if k != "type"}) is None:

@@ -30,7 +30,7 @@ from ..config import DebugConfig
 from .anomaly import Anomaly
 from .jsonio import dumps, dumps_plain, encode_chunks, to_jsonable, write_atomic
 from .run_claim import RunLock, claim_run_dir
-from .run_dir import new_run_name
+from .run_dir import new_run_name, step_key
 
 READINGS_FILE = "modules.jsonl"
 
@@ -174,6 +174,23 @@ class RunRecord:
                 row.update(values)
                 break
         self._write({"type": "step_amended", "step": step, "values": values})
+
+    def amend_rank_step(self, rank: int, step: Any, values: dict[str, Any]) -> bool:
+        """Another rank's row of ``step``, kept here as a copy, read anew as that rank read its own
+        (:meth:`amend_step` there, its ``step_amended`` in its own events file): every copy of that rank's ``step``
+        (a step number the loop repeated: each, as :func:`~.run_dir.every_rank_steps` amends that rank's rows; a
+        step matched as it matches, ``3`` and ``3.0`` alike) takes ``values``, and the stream a ``step_amended``
+        entry of that rank (a summary rebuilt from this file reads it so). False, nothing written, when no copy of
+        that row is kept or every one holds ``values`` already."""
+        values = to_jsonable(values)
+        key = step_key({"step": step})
+        rows = [row for row in self.rank_steps if row.get("rank") == rank and step_key(row) == key]
+        if all(all(k in row and row[k] == v for k, v in values.items()) for row in rows):
+            return False
+        for row in rows:
+            row.update(values)
+        self._write({"type": "step_amended", "step": step, "rank": rank, "values": values})
+        return True
 
     def add_rank_step(self, row: dict[str, Any]) -> None:
         """Another rank's step row (it carries its ``rank``), kept apart from this process's own."""

@@ -152,10 +152,13 @@ def _group(
     under_of: dict[int, list[Anomaly]],
 ) -> dict[str, Any]:
     """One kind: its guide, its cards (``head``, the headline, first), each with what follows from its
-    anomalies (``under_of``, by ``id``) folded in, and, when cards do not show every anomaly, all its rows."""
+    anomalies (``under_of``, by ``id``) folded in, and, when cards do not show every anomaly, all its rows.
+    Its split counts each anomaly at its diagnosis's severity (with what follows from it), as its card's chip
+    shows it; the verdict's chips count the record's own severities, as summary.json and the terminal do."""
     severities: dict[str, int] = {}
     for a in members:
-        severities[a.severity] = severities.get(a.severity, 0) + 1
+        severity = diagnosis_severity(a, under_of.get(id(a), ()))
+        severities[severity] = severities.get(severity, 0) + 1
     guide = kind_info(kind)
     clusters = _clusters(members)
     if head is not None:  # the headline's card first

@@ -58,6 +58,7 @@ from .measure.step_row import StepLayout
 from .measure.wrappers import unwrap_model
 from .monitor import StepMonitor
 from .oom_watch import training_oom_watch
+from .ranks.elsewhere import RankFiles
 from .ranks.processes import RankContext, environment_world_size, open_shared_run
 from .reporting import LIVE_ENDPOINTS, TrainingResults
 from .signatures import check_accelerator, check_loss, check_policy, check_trainable
@@ -152,6 +153,7 @@ class TrainingDebugger(TrainingResults, Localization, Lifecycle):
             ctx, lambda name: open_run(config, kind="training", name=name, rank=ctx.rank, events_name=events)
         )
         self.sink = AnomalySink(self.record, config, logger)
+        self._rank_files = RankFiles(self.record.run_dir, ctx.rank, self.record.max_anomalies)  # read by main's report
         buckets = TimestepBuckets(
             config.timestep_buckets,
             timesteps if timesteps is not None else num_train_timesteps(noise_scheduler),

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from ..core import DebugReport
 from ..record import RunRecord, headline
 from .measure.gradients import TrainableParameters
-from .ranks.origin import causes_kept_elsewhere
+from .ranks.elsewhere import RankFiles, causes_kept_elsewhere, kept_elsewhere
 from .ranks.processes import RankContext
 from .step.state import History
 from .watched_models import WatchedModels
@@ -25,16 +25,25 @@ def training_report(
     params: TrainableParameters,
     ctx: RankContext,
     training_summary: dict[str, Any],
+    files: RankFiles | None = None,
 ) -> DebugReport:
-    """The record so far as a :class:`~diffusion_debug.core.DebugReport` (no collective)."""
+    """The record so far as a :class:`~diffusion_debug.core.DebugReport` (no collective). ``files``: the other
+    ranks' events files, which the main process reads from where its last report stopped (None: none read)."""
     buckets = history.buckets
     timesteps = {"loss_by_timestep_bucket": buckets.summary(), "num_train_timesteps": buckets.num_train_timesteps}
     health = history.health.summary() if history.health is not None else {}
     components = {"model": {**watched.component_summary(params), **history.modules.summary(), **health, **timesteps}}
     full = len(record.anomalies) >= record.max_anomalies  # a full record would count it again at each report
-    if ctx.is_main and ctx.world_size > 1 and not full:  # a cause only its rank recorded (a forward's error) joins
-        for cause in causes_kept_elsewhere(record.anomalies, record.run_dir, ctx.rank):
+    if ctx.is_main and ctx.world_size > 1 and files is not None:
+        # what only its rank recorded, outside the step's exchange: a cause (a forward's error) first, then the
+        # rest (a debugger_error recording its step), each once, as that rank's own
+        for cause in causes_kept_elsewhere(record.anomalies, files, ctx.rank) if not full else ():
             record.add_anomaly(cause)
+        for own in kept_elsewhere(record.anomalies, files, ctx.rank, ctx.world_size) if not full else ():
+            record.add_anomaly(own)
+        files.read(range(ctx.world_size))  # (read already, unless the record is full)
+        for (rank, step), values in files.amended.items():  # a row its rank read anew (unscaled): the copy too
+            record.amend_rank_step(rank, step, values)
     summary = {
         **record.summary(),
         "headline": headline(record.anomalies, ctx.world_size),  # the anomaly to fix first (cause before consequence)
@@ -101,7 +110,8 @@ class TrainingResults:
         record it again."""
         self._steps.judge_last_skip("report")
         history = self._steps.history
-        return training_report(self.record, history, self.watched, self.params, self._ctx, self.get_summary())
+        summary = self.get_summary()
+        return training_report(self.record, history, self.watched, self.params, self._ctx, summary, self._rank_files)
 
     def clear_debug_history(self) -> None:
         """Forget the recorded steps and anomalies, and the counts with them (the schedules'
@@ -109,6 +119,7 @@ class TrainingResults:
         on is reported again in the new record."""
         self.record.clear()
         self.sink.clear()
+        self._rank_files.clear()
         self._steps.history.counts.clear()
         self._steps.history.clear_reported()
 

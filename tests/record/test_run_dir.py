@@ -273,3 +273,23 @@ def test_a_repeat_written_without_details_folds_on_the_anomaly_at_its_place(tmp_
     events.write_text("".join(json.dumps(row) + "\n" for row in rows))
     [anomaly] = load_run(record.run_dir).anomalies
     assert (anomaly.step, anomaly.details["count"], anomaly.details["last_step"]) == (24, 2, 30)
+
+
+def test_a_loaded_runs_anomalies_are_the_same_objects_at_each_read_so_a_cause_keeps_its_consequences(tmp_path):
+    """``consequences`` finds the cause by identity: a cause read once and the list read again (the terminal's
+    and report.html's two reads) found none while ``RunData.anomalies`` built new objects at each access."""
+    from diffusion_debug.record import cause_reference, consequences, dumps
+
+    lr = {"reason": "lr_jump", "lr_before": 1e-4, "lr": 1.0, "factor": 1e4}
+    jump = make_anomaly("lr_spike", component="optimizer", step=10, details=lr)
+    loss = {"cause": cause_reference(jump), "loss": "nan"}
+    nan = make_anomaly("nonfinite_loss", component="model", step=16, details=loss)
+    (tmp_path / "summary.json").write_text(
+        dumps({"kind": "training", "anomalies": [jump.to_dict(), nan.to_dict()]}), encoding="utf-8"
+    )
+    run = load_run(tmp_path)
+    cause = run.anomalies[0]
+    assert [a.kind for a in consequences(run.anomalies, cause)] == ["nonfinite_loss"]
+    assert run.anomalies is run.anomalies
+    run.summary["anomalies"] = run.summary["anomalies"][1:]  # another list: read anew
+    assert [a.kind for a in run.anomalies] == ["nonfinite_loss"]

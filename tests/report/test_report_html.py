@@ -406,3 +406,22 @@ def test_the_why_note_is_on_the_page_beside_its_verdict(inference_run_dir, tmp_p
     write_why(run_dir, WhyResult("transformer", "proj_out", 1, as_is, [], verdict))  # no note: none shown
     page = write_html(run_dir).read_text(encoding="utf-8")
     assert "(<a href='why.md'>the replays</a>)</p>" in page and "replayed without its caching hooks" not in page
+
+
+def test_a_kinds_split_counts_its_anomalies_as_their_cards_chips_show_them(tmp_path):
+    """A warning that an error follows from heads a diagnosis of error: its card's chip says error, and its kind's
+    split said "1 warning" (the anomaly's own severity) above it; now both say error. The verdict's chips keep
+    the record's own severities (summary.json's severity_counts, the terminal's count)."""
+    from diffusion_debug.record import cause_reference
+
+    lr = {"reason": "lr_jump", "lr_before": 1e-4, "lr": 1.0, "factor": 1e4}
+    jump = Anomaly("lr_spike", "warning", "The learning rate jumped.", component="optimizer", step=10, details=lr)
+    cause = {"cause": cause_reference(jump)}
+    nan = Anomaly("nonfinite_loss", "error", "The loss is nan.", "model", step=16, details=cause)
+    run_dir = _write_run(tmp_path / "split", {"kind": "training", "anomalies": [jump.to_dict(), nan.to_dict()]})
+    text = write_html(run_dir).read_text(encoding="utf-8")
+    assert "<h3>lr_spike <span class='count'>× 1 (1 error)</span></h3>" in text
+    card = text[text.index("<li class='anomaly ") :]
+    assert card.startswith("<li class='anomaly error'><span class='chip error'>error</span>")
+    verdict = "<span class='chip error'>1 error</span><span class='chip warning'>1 warning</span>"
+    assert verdict in text.replace("\n", "")

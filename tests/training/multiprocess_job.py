@@ -12,6 +12,8 @@ is NaN at step 3, a step whose details are exchanged, and its per-module norms
 (gradients.ModuleNormBook.update) raise after the gather) |
 judge_fails_quietly_rank1 (rank 1's per-module norms raise at step 3, a step nobody else finds special) |
 record_fails_rank1_raise (policy raise; rank 1's loss is NaN at step 3 and its record.add_step raises then) |
+record_fails_rank1 (policy record; rank 1's record.add_step raises at step 3, a clean step: its debugger_error,
+recorded after the step's collectives, is in rank 1's events file alone) |
 finetune_nan_loss_rank1 (the diffusers-style job of ``diffusion-debug train``: tiny UNet, DDPM noise, MSE;
 rank 1's loss is NaN at step 5; the job builds its own Accelerator, so the finetune scenarios run after the others) |
 finetune_lr_jump10 (the same job, 18 steps, its AdamW's learning rate x1e4 from step 10 on) |
@@ -79,7 +81,8 @@ from accelerate import Accelerator
 from diffusion_debug import DebugConfig, DiffusionDebugError, TrainingDebugger
 from diffusion_debug.training.measure import gradients
 
-_HTML = ("nan_rank1", "nan_grad_rank1")  # the scenarios whose tests read report.html (seconds to draw each)
+# the scenarios whose tests read report.html (seconds to draw each)
+_HTML = ("nan_rank1", "nan_grad_rank1", "record_fails_rank1")
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")
 _called: list[str] | None = None  # the collectives called while the debugger monitors a step
 
@@ -597,7 +600,7 @@ def run_scenario(accelerator: Accelerator, output_dir: str, scenario: str) -> No
             planted.enter_context(_fail_at(step_box, rank, gradients, "grad_norms"))
         if scenario in ("judge_fails_rank1", "judge_fails_quietly_rank1"):
             planted.enter_context(_fail_at(step_box, rank, gradients.ModuleNormBook, "update"))
-        if scenario == "record_fails_rank1_raise":
+        if scenario in ("record_fails_rank1_raise", "record_fails_rank1"):
             planted.enter_context(_fail_at(step_box, rank, tdbg.record, "add_step"))
         try:
             train(accelerator, model, optimizer, tdbg, scenario, step_box)

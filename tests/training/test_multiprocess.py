@@ -36,6 +36,7 @@ SCENARIOS = (
     "measure_fails_rank1",
     "judge_fails_rank1",
     "record_fails_rank1_raise",
+    "record_fails_rank1",
     "judge_fails_quietly_rank1",
     "models_and_samples_rank1",
     "closure_scaler_rank1",
@@ -245,6 +246,43 @@ def test_failure_recording_on_rank1_still_raises_on_both_ranks(scenario):
     assert [(e["rank"], e["step"], e["details"]["where"]) for e in late] == [(1, 3, "recording")]
 
 
+def test_a_debugger_error_only_rank1_recorded_reaches_the_main_report_once_as_its_own(scenario, capsys, monkeypatch):
+    # rank 1's record.add_step raises at step 3, a clean step: its debugger_error is recorded after the step's
+    # collectives, in rank 1's events file alone; main's report reads it from there, once, at its rank and severity
+    done, run_dir = scenario("record_fails_rank1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 DONE 6" in done.stdout and "RANK 1 DONE 6" in done.stdout
+    message = (
+        "Rank 1 failed to record step 3 (RuntimeError: planted failure in add_step) and training went on; "
+        "set strict=True to see the traceback."
+    )
+    summary = load_json(run_dir / "summary.json")
+    found = [(a["kind"], a["severity"], a["rank"], a["step"], a["details"]["where"]) for a in summary["anomalies"]]
+    assert found == [("debugger_error", "warning", 1, 3, "recording")]
+    assert summary["anomalies"][0]["message"] == message
+    assert summary["headline"] == {
+        "kind": "debugger_error",
+        "severity": "warning",
+        "where": "model, step 3, rank 1",
+        "message": message,
+    }
+    assert (summary["anomaly_counts"], summary["severity_counts"]) == ({"debugger_error": 1}, {"warning": 1})
+    monkeypatch.setenv("COLUMNS", "160")
+    capsys.readouterr()
+    assert main(["report", str(run_dir), "--no-html"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:5] == [
+        "anomalies: 1 (1 warning)",
+        "severity  kind            where                  message",
+        "--------  --------------  ---------------------  " + "-" * 100,
+        "warning   debugger_error  model, step 3, rank 1  " + message[: message.index("; set") + 5],
+    ]
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "Most important: debugger_error at model, step 3, rank 1." in page
+    assert page.count("<li class='anomaly ") == 1
+    assert "<li class='anomaly warning'><span class='chip warning'>warning</span>" in page
+
+
 def test_summary_counts_are_identical_on_every_rank(scenario):
     # rank 1 alone fails to judge step 3 (nothing special elsewhere): the step counts still agree
     done, run_dir = scenario("judge_fails_quietly_rank1")
@@ -390,6 +428,15 @@ def test_an_unpassed_scalers_finite_held_step_is_recorded_unscaled_on_every_rank
     extremes = row["ranks"]["grad_norm"]
     assert [extremes["min"], extremes["max"]] == pytest.approx([min(reference), max(reference)], rel=1e-6)
     assert row["grad_norm_clipped"] is False
+    # rank 1's row as the main process copied it (summary.json's, the live report's) is the one rank 1 read anew
+    # (its step_amended), as load_run reads it from rank 1's own file; it kept its scaled norm (65536x) before
+    copy = next(r for r in load_json(run_dir / "summary.json")["steps"] if r["step"] == 0 and r["rank"] == 1)
+    own = next(r for r in load_run(run_dir).rank_steps if r["step"] == 0 and r["rank"] == 1)
+    assert copy["grad_norm"] == pytest.approx(reference[1], rel=1e-6) and copy["grad_scale"] == 65536.0
+    (amended,) = [e["values"] for e in read_jsonl(run_dir / "events-rank1.jsonl") if e["type"] == "step_amended"]
+    assert {k: copy[k] for k in amended} == {k: own[k] for k in amended} == amended
+    (run_dir / "events-rank1.jsonl").unlink()  # rank 1's own file gone: the main's copy, read anew, stands in
+    assert next(r for r in load_run(run_dir).rank_steps if (r["step"], r["rank"]) == (0, 1)) == copy
 
 
 # -- eight processes: one launch, its scenarios one after the other ---------------------------------

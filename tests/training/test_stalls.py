@@ -1079,7 +1079,7 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     the headline is rank 1's error at its block, an error. Once in the record it is not read again; a rank
     that wrote nothing leaves the stall to head itself."""
     from diffusion_debug.record import RunRecord, diagnosis_severity, folded, headline, make_anomaly
-    from diffusion_debug.training.ranks.origin import causes_kept_elsewhere
+    from diffusion_debug.training.ranks.elsewhere import RankFiles, causes_kept_elsewhere
 
     details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
     cause = make_anomaly("step_error", component="model", module="conv_in", step=3, rank=1, details=details)
@@ -1091,7 +1091,7 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     rank1.close()
     stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=details["error"])])
     desync = stall_anomaly(stall, {"end": False, "by": 0})
-    (found,) = causes_kept_elsewhere([desync], tmp_path, rank=0)
+    (found,) = causes_kept_elsewhere([desync], RankFiles(tmp_path, rank=0), rank=0)
     assert found.to_dict() == cause.to_dict()
     top = headline([desync, found], world_size=2)
     assert (top["kind"], top["where"], diagnosis_severity(*folded([desync, found])[0])) == (
@@ -1099,6 +1099,146 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
         "model conv_in, step 3, rank 1",
         "error",
     )
-    assert causes_kept_elsewhere([desync, found], tmp_path, rank=0) == []  # once in the record: not read again
+    assert causes_kept_elsewhere([desync, found], RankFiles(tmp_path, 0), rank=0) == []  # once in the record
     (tmp_path / "events-rank1.jsonl").unlink()
-    assert causes_kept_elsewhere([desync], tmp_path, rank=0) == []  # that rank wrote nothing: the stall heads
+    assert causes_kept_elsewhere([desync], RankFiles(tmp_path, 0), rank=0) == []  # that rank wrote nothing
+
+
+def test_the_other_ranks_events_file_is_read_once_however_many_reports_wait_for_a_cause_it_never_wrote(tmp_path):
+    """A killed rank's cause stays missing: each report used to read its whole file again. Now each line is read
+    once (an offset per file): three reads of a file that did not grow read its lines once; a line written after
+    is read from where the last read stopped, a line still being written (cut) waits for the next read; a file
+    unreadable leaves a cause not read yet unknown (what was read stays), and the read goes on once it is back."""
+    from diffusion_debug.record import RunRecord, make_anomaly
+    from diffusion_debug.training.ranks.elsewhere import RankFiles, causes_kept_elsewhere, kept_elsewhere
+
+    details = {"error": "ValueError: a bad batch", "error_type": "ValueError", "phase": "forward"}
+    earlier = make_anomaly("step_error", component="model", module="conv_in", step=2, rank=1, details=details)
+    config = DebugConfig(output_dir=str(tmp_path))
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    rank1.add_anomaly(earlier)
+    path = tmp_path / "events-rank1.jsonl"
+    assert len(path.read_text().splitlines()) == 2  # the start event, the earlier error
+    stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=details["error"])])
+    desync = stall_anomaly(stall, {"end": False, "by": 0})
+    files = RankFiles(tmp_path, rank=0)
+    for _ in range(3):  # three reports while the cause stays missing
+        assert causes_kept_elsewhere([desync, earlier], files, rank=0) == []
+    assert files.lines_read == 2
+    cause = make_anomaly("step_error", component="model", module="conv_in", step=3, rank=1, details=details)
+    rank1.add_anomaly(cause)
+    rank1.close()
+    with open(path, "ab") as handle:
+        handle.write(b'{"type": "anomaly", "kind": "st')  # a line its writer has not finished
+    (found,) = causes_kept_elsewhere([desync, earlier], files, rank=0)
+    assert (found.to_dict(), files.lines_read) == (cause.to_dict(), 3)
+    assert kept_elsewhere([desync, earlier, found], files, 0, world_size=2) == []
+    assert files.lines_read == 3  # nothing new: nothing parsed
+    path.rename(tmp_path / "away.jsonl")
+    path.mkdir()  # open() fails (OSError): the cause stays unknown, the report goes on
+    assert causes_kept_elsewhere([desync], RankFiles(tmp_path, 0), rank=0) == []
+    assert [a.to_dict() for a in kept_elsewhere([desync], files, 0, 2)] == [earlier.to_dict(), cause.to_dict()]
+    path.rmdir()
+    (tmp_path / "away.jsonl").rename(path)  # back: read on from where the last read stopped
+    assert [a.to_dict() for a in kept_elsewhere([desync], files, 0, 2)] == [earlier.to_dict(), cause.to_dict()]
+    assert files.lines_read == 3
+
+
+def test_what_another_rank_recorded_alone_joins_the_main_record_once_as_its_own(tmp_path):
+    """Rank 1's file: its debugger_error (outside the exchange), its copy of an exchanged nonfinite (which main's
+    record holds, with the details the exchange added and another severity), its skipped_step of a step whose
+    skip main holds as rank 0's (one a step). Only the debugger_error joins, as rank 1 wrote it; once."""
+    from diffusion_debug.record import RunRecord, make_anomaly, rebuilt
+    from diffusion_debug.training.ranks.elsewhere import RankFiles, kept_elsewhere
+
+    error = make_anomaly("debugger_error", step=3, rank=1, details={"where": "recording", "error": "OSError: x"})
+    grads = make_anomaly("nonfinite", component="model", module="0", parameter="0.weight", step=4, rank=1,
+                         details={"nonfinite_parameters": 1})  # fmt: skip
+    skip = {"scale_before": 16.0, "scale_after": 8.0, "reason": "grad_scaler"}
+    skips = [make_anomaly("skipped_step", component="model", step=4, rank=r, details=skip) for r in (0, 1)]
+    rank1 = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training", run_dir=tmp_path, rank=1,
+                      events_name="events-rank1.jsonl")  # fmt: skip
+    for a in (error, grads, skips[1]):
+        rank1.add_anomaly(a)
+    rank1.close()
+    exchanged = rebuilt(grads, severity="info", details={**grads.details, "follows": {"kind": "nonfinite", "rank": 0}})
+    main = [exchanged, skips[0]]
+    files = RankFiles(tmp_path, rank=0)
+    (added,) = kept_elsewhere(main, files, 0, world_size=2)
+    assert added.to_dict() == error.to_dict()
+    assert kept_elsewhere([*main, added], files, 0, world_size=2) == []
+
+
+def test_a_kind_every_rank_records_for_itself_is_not_copied_and_only_one_ranks_kinds_are_parsed(tmp_path, monkeypatch):
+    """Rank 1's file: a start, 40 step rows, its own unwatched_parameters (every rank records it alike, the main
+    its own), a step_amended of step 2, its debugger_error. Read 64 bytes at a time (rows split across reads): only
+    the debugger_error is copied, the amended values are read, every line is counted once and only the two lines
+    that name a kept kind or step_amended are parsed (json)."""
+    from diffusion_debug.record import RunRecord, make_anomaly
+    from diffusion_debug.training.ranks import elsewhere
+
+    unwatched = make_anomaly("unwatched_parameters", message="2 parameters in no optimizer", component="model",
+                             step=0, rank=1, details={"outside": {"count": 2}})  # fmt: skip
+    error = make_anomaly("debugger_error", step=3, rank=1, details={"where": "recording", "error": "OSError: x"})
+    rank1 = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training", run_dir=tmp_path, rank=1,
+                      events_name="events-rank1.jsonl")  # fmt: skip
+    for step in range(40):
+        rank1.add_step({"step": step, "loss": 0.5, "rank": 1})
+    rank1.add_anomaly(unwatched)
+    rank1.amend_step(2, {"loss": 0.25})
+    rank1.add_anomaly(error)
+    rank1.close()
+    lines = (tmp_path / "events-rank1.jsonl").read_bytes().count(b"\n")
+    parsed = []
+    monkeypatch.setattr(elsewhere, "_CHUNK", 64)
+    monkeypatch.setattr(elsewhere, "_row", lambda line, row=elsewhere._row: parsed.append(line) or row(line))
+    files = elsewhere.RankFiles(tmp_path, rank=0)
+    (added,) = elsewhere.kept_elsewhere([], files, 0, world_size=2)
+    assert added.to_dict() == error.to_dict()
+    assert (files.amended, files.lines_read, len(parsed)) == ({(1, 2): {"loss": 0.25}}, lines, 2)
+
+
+def test_the_main_copy_of_another_ranks_anomaly_takes_the_repeats_its_rank_folded(tmp_path):
+    """Rank 1's debugger_error at step 3, again at steps 4 and 5 (its sink folds them: count 3, last_step 5).
+    A report after step 3 copies it (count 1); the next report's copy, and the one added before, read 3 and 5."""
+    import logging
+
+    from diffusion_debug.core import AnomalySink
+    from diffusion_debug.record import RunRecord
+    from diffusion_debug.training.ranks.elsewhere import RankFiles, kept_elsewhere
+
+    config = DebugConfig(output_dir=str(tmp_path))
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    sink = AnomalySink(rank1, config, logging.getLogger("test"))
+    files = RankFiles(tmp_path, rank=0)
+    for step in (3, 4, 5):
+        sink.debugger_error("recording", OSError("disk"), step=step, rank=1)
+        sink.end_step()
+        rank1.flush_to_disk()
+        if step == 3:
+            (earlier,) = kept_elsewhere([], files, 0, world_size=2)
+    own = [(a.step, a.details["count"], a.details["last_step"]) for a in rank1.anomalies]
+    (fresh,) = kept_elsewhere([], RankFiles(tmp_path, rank=0), 0, world_size=2)
+    assert kept_elsewhere([earlier], files, 0, world_size=2) == []
+    assert own == [(3, 3, 5)]
+    assert [(a.step, a.details["count"], a.details["last_step"]) for a in (fresh, earlier)] == own * 2
+    assert earlier.details["count"] == 3
+
+
+def test_a_copy_of_another_ranks_step_is_amended_as_every_rank_steps_reads_it(tmp_path):
+    """The main process keeps rank 1's rows of steps 2, 2 (a loop that repeated its step number) and 3. Rank 1
+    read its step 2 anew (loss 0.25, given as 2.0): both copies of step 2 take it, step 3 not, one step_amended
+    is written; the same values again write nothing. every_rank_steps of the run reads the same rows."""
+    from diffusion_debug.record import RunRecord
+    from diffusion_debug.record.run_dir import every_rank_steps
+
+    main = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training", run_dir=tmp_path, rank=0)
+    for step in (2, 2, 3):
+        main.add_rank_step({"step": step, "loss": 1.0, "rank": 1})
+    assert main.amend_rank_step(1, 2.0, {"loss": 0.25}) is True
+    assert main.amend_rank_step(1, 2, {"loss": 0.25}) is False
+    main.close()
+    assert [(r["step"], r["loss"]) for r in main.rank_steps] == [(2, 0.25), (2, 0.25), (3, 1.0)]
+    written = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [r["values"] for r in written if r["type"] == "step_amended"] == [{"loss": 0.25}]
+    assert [(r["step"], r["loss"]) for r in every_rank_steps(tmp_path)] == [(2, 0.25), (3, 1.0)]

@@ -30,11 +30,9 @@ step's detail exchange every rank receives every row, so every rank names the sa
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from ...record import Anomaly, distinct_details, followed_key, follows_key, make_anomaly, read_jsonl, rebuilt
-from ...record.run_dir import anomaly_problem
+from ...record import Anomaly, distinct_details, make_anomaly, rebuilt
 
 
 def copy_key(anomaly: Anomaly) -> tuple:
@@ -181,39 +179,3 @@ def name_overflow(anomalies: list[Anomaly], step: Any, origins: list[int]) -> li
         else a
         for a in anomalies
     ]
-
-
-def causes_kept_elsewhere(anomalies: Sequence[Anomaly], run_dir: Path, rank: int) -> list[Anomaly]:
-    """What another rank recorded in its own events file (``events-rank<r>.jsonl``) alone and one of
-    ``anomalies`` (this process's record) follows (``details["follows"]``): a rank's forward error
-    (``step_error``, found outside the step's exchange) that left the others in a collective, which the
-    ``rank_desync`` every rank records names. Added to the main process's record, it is the headline, at its
-    block and rank, over the stall it caused. A file is read only for such a cause (a clean run reads none).
-
-    Limits: the other rank's file is read as far as that rank flushed it (every anomaly is flushed as it is
-    written); a cause that rank never wrote (it was killed first) stays unknown, and the stall heads itself.
-    """
-    have = {follows_key(a) for a in anomalies}
-    wanted: dict[int, set[tuple]] = {}
-    for a in anomalies:
-        follows = a.details.get("follows") if isinstance(a.details, dict) else None
-        if not isinstance(follows, Mapping) or not isinstance(follows.get("rank"), int) or follows["rank"] == rank:
-            continue
-        key = followed_key(follows, a.step, a.rank)
-        if key not in have:
-            wanted.setdefault(follows["rank"], set()).add(key)
-    found = []
-    for other, keys in sorted(wanted.items()):
-        try:  # a file gone or unreadable (a killed rank's disk, NFS): the cause stays unknown, the report goes on
-            rows = read_jsonl(Path(run_dir) / f"events-rank{other}.jsonl")
-        except OSError:
-            continue
-        for row in rows:
-            data = {k: v for k, v in row.items() if k not in ("type", "time")}
-            if row.get("type") != "anomaly" or anomaly_problem(data) is not None:
-                continue
-            anomaly = Anomaly.from_dict(data)
-            if follows_key(anomaly) in keys:
-                keys.discard(follows_key(anomaly))
-                found.append(anomaly)
-    return found
