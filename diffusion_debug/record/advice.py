@@ -33,6 +33,8 @@ def vae_advice(
     upcast: bool | None = None,
     video: bool = False,
     sdxl: bool = False,
+    casts: bool | None = None,
+    decode: str | None = None,
     subject: str = "it",
     check: str = "its weights and inputs",
     finite: str = "they",
@@ -45,7 +47,12 @@ reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``; No
     upscale's are other latent spaces); where it is not read, the float32 decode is the
     user's own (``pipe.vae.to(torch.float32)``, which may fail on float16 latents the pipeline does not cast: then
     the latents decoded in float32; ``video``: with the pipeline's ``decode_latents``, 5-D video latents being no
-    ``vae.decode``'s). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 or bfloat16,
+    ``vae.decode``'s). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 as the
+    pipeline's call takes it (``casts``: ``details["casts_latents"]``, :func:`~diffusion_debug.diffusion.components.\
+vae_details.cast_details`): ``pipe.vae.to(torch.float32)`` alone where the call casts its latents to the VAE's dtype
+    (Wan's, PixArt-Sigma's); where it hands them uncast (Flux's, SD3's: the float32 VAE raises on them), the latents
+    decoded in float32 by the user (``decode``: ``details["latent_decode"]``, the expression for that pipeline, where
+    one says it) or the whole pipeline in bfloat16; not known (None), in float32 or bfloat16,
     and one not called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE under
     ``force_upcast`` too) or bfloat16 (float32's range: no wider dtype holds more) is told so: no dtype advice fits it;
     but under a ``torch.autocast`` of another dtype than its weights' (``autocast``: the dtype it computed in,
@@ -56,6 +63,13 @@ reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``; No
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
+    >>> vae_advice("vae", casts=True)
+    "keep the VAE in float32: pipe.vae.to(torch.float32) (this pipeline casts its latents to the VAE's dtype)"
+    >>> scaled = "pipe.vae.decode((latents / pipe.vae.config.scaling_factor).float())"
+    >>> print(vae_advice("vae", casts=False, decode=scaled))
+    this pipeline hands the VAE its latents uncast, so pipe.vae.to(torch.float32) alone fails on them: after it, call \
+the pipeline with output_type="latent" and decode them in float32 (pipe.vae.decode((latents / \
+pipe.vae.config.scaling_factor).float())), or run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16))
     >>> vae_advice("vae", True, upcast=True, sdxl=True)
     'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
 the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix'
@@ -113,6 +127,16 @@ float32 movq in float16 too)'
         outside = f", decoded outside the float16 autocast (which computes a float32 {named} in float16 too)"
     if component != "vae":
         return f"keep {component} in float32 (pipe.{component}.to(torch.float32)){outside}"
+    if not sd_vae and casts:
+        cast = "this pipeline casts its latents to the VAE's dtype"
+        return f"keep the VAE in float32: pipe.vae.to(torch.float32) ({cast}){outside}"
+    if not sd_vae and casts is False:
+        how = f"({decode})" if decode else "(as its call does before its vae.decode, then .float())"
+        return (
+            "this pipeline hands the VAE its latents uncast, so pipe.vae.to(torch.float32) alone fails on them: after "
+            f'it, call the pipeline with output_type="latent" and decode them in float32 {how}{outside}, or run the '
+            "whole pipeline in bfloat16 (pipe.to(torch.bfloat16))"
+        )
     if not sd_vae:
         return f"keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32){outside}"
     if upcast:
@@ -133,12 +157,14 @@ float32 movq in float16 too)'
 
 
 def upcast_of(details: dict[str, Any]) -> dict[str, Any]:
-    """:func:`vae_advice`'s ``upcast``, ``video`` and ``sdxl``, read from an anomaly's details (not there: not known;
-    not SDXL's)."""
+    """:func:`vae_advice`'s ``upcast``, ``video``, ``sdxl``, ``casts`` and ``decode``, read from an anomaly's details
+    (not there: not known; not SDXL's)."""
     return {
         "upcast": details.get("reads_force_upcast"),
         "video": details.get("decode_latents", False),
         "sdxl": details.get("sdxl_vae", False),
+        "casts": details.get("casts_latents"),
+        "decode": details.get("latent_decode"),
     }
 
 
