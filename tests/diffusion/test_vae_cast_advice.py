@@ -1,0 +1,223 @@
+"""A non-SD VAE's fp16 overflow is told the float32 decode that works on its pipeline, read from the pipeline's call
+with ``ast`` (:func:`~diffusion_debug.diffusion.components.vae_details.call_facts`): ``pipe.vae.to(torch.float32)``
+alone where the call casts its latents to the VAE's dtype on every path to ``self.vae.decode``; the latent-output
+decode in float32 (or the pipeline in bfloat16) where it hands them uncast (Flux's: a float32 VAE there raises on the
+float16 latents). Checked against every pipeline class of this diffusers that decodes in its call (the cases a
+line-and-regex read got wrong, by name) and against what each tiny zoo pipeline's decode is handed when its VAE is
+float32 and the rest float16; the Flux advice followed matches a float32 pipeline; a clean call reads no source."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+from unittest import mock
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from diffusion_helpers import plant
+
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.components import vae_details
+from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import kind_missing
+from diffusion_debug.testing.flux import FLUX_CALL
+
+# what a line-and-regex read of the source got wrong (diag36): a cast in a sibling force_upcast branch taken for the
+# decode's; a cast through vae_dtype = self.vae.dtype, z.to(self.vae.dtype) or a call over several lines missed
+CASES = {
+    "StableDiffusionXLControlNetInpaintPipeline": False,
+    "StableDiffusionXLControlNetUnionInpaintPipeline": False,
+    "StableDiffusionXLControlNetXSPipeline": False,
+    "WanVACEPipeline": True,
+    "CosmosVideoToWorldPipeline": True,
+    "Cosmos3OmniPipeline": True,
+    "Ideogram4Pipeline": True,
+    "JoyImageEditPlusPipeline": True,
+    "HeliosPipeline": True,
+    "HeliosPyramidPipeline": True,
+    "HunyuanVideoFramepackPipeline": True,
+    # and the ones the behaviour below shows, named
+    "FluxPipeline": False,
+    "StableDiffusion3Pipeline": False,
+    "StableDiffusionXLPipeline": False,
+    "StableDiffusionPipeline": False,
+    "Lumina2Pipeline": False,
+    "ChromaPipeline": False,
+    "WanPipeline": True,
+    "PixArtSigmaPipeline": True,
+    "SanaPipeline": True,
+    "AuraFlowPipeline": True,
+    "StableDiffusionUpscalePipeline": True,
+    "HunyuanVideoPipeline": True,
+    "Cosmos2_5_TransferPipeline": True,  # its decode in a function made in the call
+    "AnimateDiffPipeline": None,  # decodes in its decode_latents: not followed
+}
+
+
+def decodes_in_call(cls: type) -> bool:
+    """Whether the ``__call__`` ``cls`` runs calls ``self.vae.decode`` (read apart, by ``ast.walk``)."""
+    owner = next((base for base in cls.__mro__ if "__call__" in vars(base)), None)
+    try:
+        tree = ast.parse(inspect.getsource(owner.__call__).strip().replace("\n    ", "\n"))
+    except Exception:
+        return False
+    return any(isinstance(node, ast.Call) and ast.unparse(node.func) == "self.vae.decode" for node in ast.walk(tree))
+
+
+def test_every_pipeline_class_that_decodes_in_its_call_is_read_and_the_cases_regex_got_wrong_are_right():
+    """All of this diffusers' pipeline classes whose call has a ``self.vae.decode`` are read as casting or not
+    (none not known), and the named cases are as their calls are."""
+    classes = {}
+    for name in dir(diffusers):
+        if "Pipeline" in name:
+            try:
+                cls = getattr(diffusers, name)
+            except Exception:  # (a pipeline whose optional dependency is missing)
+                continue
+            if isinstance(cls, type) and decodes_in_call(cls):
+                classes[name] = cls
+    found = {name: vae_details.call_facts(cls).casts_latents for name, cls in classes.items()}
+    assert [name for name, casts in found.items() if casts is None] == []
+    present = {name: casts for name, casts in CASES.items() if hasattr(diffusers, name)}
+    assert {name: vae_details.call_facts(getattr(diffusers, name)).casts_latents for name in present} == present
+    if diffusers.__version__ == "0.42.1":  # (the floor's diffusers has fewer)
+        assert (len(found), sum(found.values())) == (207, 83)
+
+
+# the zoo kinds whose VAE decodes in the call (SD and SDXL's upcast advice stays theirs, and is checked the same)
+ZOO = (
+    "sd", "sdxl", "sd3", "img2img", "inpaint", "controlnet", "dit", "instruct_pix2pix", "t2i_adapter", "lcm",
+    "lumina2", "flux", "flux_kontext", "flux_fill", "chroma", "sd_upscale", "pixart_sigma", "sana", "auraflow",
+    "hunyuan_video", "wan22",
+)  # fmt: skip
+
+
+CASTING = {"sd_upscale", "pixart_sigma", "sana", "auraflow", "hunyuan_video", "wan22"}
+
+
+def zoo_call(kind: str) -> dict:
+    """The keyword arguments of ``kind``'s tiny call (no generator, no step count)."""
+    from diffusion_debug.testing import zoo, zoo_more, zoo_newer, zoo_video_audio
+
+    calls = {kind: c[0] for family in (zoo, zoo_newer) for kind, c in family.ZOO_CALLS.items()}
+    calls |= {kind: c[0] for family in (zoo_more, zoo_video_audio) for kind, c in family.CALLS.items()}
+    calls |= {"flux": FLUX_CALL[0], "wan22": zoo_video_audio.WAN22_CALL}
+    return calls[kind]() if kind in calls else {"prompt": "a cat"}
+
+
+def handed_to_decode(pipe, call: dict) -> list[str]:
+    """The dtypes ``pipe``'s decodes are handed with its VAE in float32 and the rest in float16 (its encode of an
+    input image run by a float16 copy, as the float16 pipeline's; each decode then run on float32 latents)."""
+    half = copy.deepcopy(pipe.vae)
+    pipe.vae.to(torch.float32)
+    seen, decode = [], pipe.vae.decode
+
+    def recorded(z, *args, **kwargs):
+        seen.append(str(z.dtype).removeprefix("torch."))
+        return decode(z.float(), *args, **kwargs)
+
+    pipe.vae.decode = recorded
+    pipe.vae.encode = lambda x, *args, **kwargs: half.encode(x.half(), *args, **kwargs)
+    with torch.no_grad():
+        pipe(**call, num_inference_steps=1, generator=torch.Generator().manual_seed(0))
+    return seen
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=pytest.mark.skipif(bool(kind_missing(k)), reason="not here")) for k in ZOO]
+)
+def test_whether_the_call_casts_is_what_its_decode_is_handed_with_a_float32_vae_and_the_rest_float16(kind):
+    """The behaviour: a float32 VAE in a float16 pipeline is handed float32 latents where the call casts them (the
+    float32 VAE alone then decodes), float16 where it does not (and the float32 VAE alone raises)."""
+    pipe = tiny_pipeline(kind, dtype=torch.float16)
+    casts = vae_details.call_facts(type(pipe)).casts_latents
+    handed = handed_to_decode(pipe, zoo_call(kind))
+    assert handed and set(handed) == {"float32" if casts else "float16"}
+    assert casts is (kind in CASTING)  # (session 36 measured the same: the float32 VAE alone raised on the others)
+
+
+def past_fp16(out):
+    """An fp16 VAE's overflow: the conv's output scaled to 1e5, Inf in float16, finite in float32."""
+    return (out.float() * (1e5 / out.detach().abs().amax().float())).to(out.dtype)
+
+
+CONV = "decoder.up_blocks.0.resnets.0.conv2"
+FLUX_DECODE = (
+    "pipe.vae.decode((pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor) / "
+    "pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor).float()).sample"
+)
+
+
+def watched(pipe, tmp_path, call, fault=True):
+    """The output and the error anomalies of one watched call of ``pipe`` (``fault``: its VAE's ``CONV``
+    overflowing float16)."""
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", level="basic"))
+    try:
+        with plant(pipe.vae.get_submodule(CONV), 0 if fault else 10**9, past_fp16), dbg:
+            out = pipe(**call, generator=torch.Generator().manual_seed(0))
+        return out, [a for a in dbg.report().anomalies if a.severity == "error"]
+    finally:
+        dbg.close()
+
+
+def test_a_flux_fp16_vae_overflow_is_told_its_latents_decoded_in_float32_which_followed_matches_float32(tmp_path):
+    """Flux's call hands the VAE its latents uncast: "pipe.vae.to(torch.float32)" alone (the advice before) raises
+    on them. Told the latent-output decode as an expression for Flux (unpacked, unscaled, shifted, in float32), which
+    followed as written gives a finite image equal to a float32 pipeline's within 2e-2 (the float16 transformer's
+    rounding), the same fault planted; the whole pipeline in bfloat16, the other advice, is finite too."""
+    call = {**FLUX_CALL[0](), "num_inference_steps": 1, "output_type": "np"}
+    pipe = tiny_pipeline("flux", dtype=torch.float16)
+    out, errors = watched(pipe, tmp_path / "fp16", call)
+    assert np.isnan(out.images).all()
+    assert [(a.kind, a.component, a.module) for a in errors] == [("nonfinite", "vae", CONV)]
+    assert {k: errors[0].details.get(k) for k in ("casts_latents", "latent_decode")} == {
+        "casts_latents": False,
+        "latent_decode": FLUX_DECODE,
+    }
+    assert errors[0].message == (
+        f"vae.{CONV} produced NaN/Inf from finite inputs (this pipeline hands the VAE its latents uncast, so "
+        'pipe.vae.to(torch.float32) alone fails on them: after it, call the pipeline with output_type="latent" and '
+        f"decode them in float32 ({FLUX_DECODE}), or run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16)))."
+    )
+    pipe_32 = tiny_pipeline("flux")
+    with plant(pipe_32.vae.get_submodule(CONV), 0, past_fp16):
+        reference = pipe_32(**call, generator=torch.Generator().manual_seed(0)).images
+    pipe.vae.to(torch.float32)  # the advice, followed
+    with plant(pipe.vae.get_submodule(CONV), 0, past_fp16):
+        with pytest.raises(RuntimeError):  # alone: float16 latents into float32 weights
+            pipe(**call, generator=torch.Generator().manual_seed(0))
+        latents = pipe(**{**call, "output_type": "latent"}, generator=torch.Generator().manual_seed(0)).images
+        assert latents.dtype == torch.float16
+        with torch.no_grad():
+            named = {"pipe": pipe, "latents": latents, "height": call["height"], "width": call["width"]}
+            image = eval(FLUX_DECODE, named)  # as the advice writes it
+    image = pipe.image_processor.postprocess(image, output_type="np")
+    assert np.isfinite(image).all() and np.abs(image - reference).max() < 2e-2
+    pipe.to(torch.bfloat16)  # the other advice
+    with plant(pipe.vae.get_submodule(CONV), 0, past_fp16):
+        assert np.isfinite(pipe(**call, generator=torch.Generator().manual_seed(0)).images).all()
+
+
+def test_a_clean_watched_call_reads_no_source_and_a_vae_anomaly_reads_its_class_once(tmp_path):
+    """The call's source is read where a VAE anomaly's advice is built, once per class (both facts from that one
+    read), never on a clean call (before: on each class's first watched call, clean or not)."""
+    getsource = inspect.getsource
+    read: list[str] = []
+
+    def counted(obj):
+        read.append(getattr(obj, "__qualname__", ""))
+        return getsource(obj)
+
+    call = {**FLUX_CALL[0](), "num_inference_steps": 1, "output_type": "np"}
+    pipe = tiny_pipeline("flux", dtype=torch.float16)
+    vae_details._READS.pop(type(pipe), None)
+    with mock.patch.object(inspect, "getsource", counted):
+        watched(pipe, tmp_path / "clean", call, fault=False)
+        assert read == []
+        watched(pipe, tmp_path / "fault", call)
+        assert [name for name in read if name.endswith("__call__")] == ["FluxPipeline.__call__"]
+        watched(pipe, tmp_path / "again", call)
+        assert [name for name in read if name.endswith("__call__")] == ["FluxPipeline.__call__"]
