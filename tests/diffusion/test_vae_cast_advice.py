@@ -96,6 +96,7 @@ ZOO = (
 
 
 CASTING = {"sd_upscale", "pixart_sigma", "sana", "auraflow", "hunyuan_video", "wan22"}
+HELPER = {"t2i_adapter"}  # StableDiffusionAdapterPipeline decodes in its decode_latents: not known (its advice hedges)
 
 
 def zoo_call(kind: str) -> dict:
@@ -131,12 +132,14 @@ def handed_to_decode(pipe, call: dict) -> list[str]:
 )
 def test_whether_the_call_casts_is_what_its_decode_is_handed_with_a_float32_vae_and_the_rest_float16(kind):
     """The behaviour: a float32 VAE in a float16 pipeline is handed float32 latents where the call casts them (the
-    float32 VAE alone then decodes), float16 where it does not (and the float32 VAE alone raises)."""
+    float32 VAE alone then decodes), float16 where it does not (and the float32 VAE alone raises) or where its decode
+    is in a helper the read does not follow (not known)."""
     pipe = tiny_pipeline(kind, dtype=torch.float16)
     casts = vae_details.call_facts(type(pipe)).casts_latents
     handed = handed_to_decode(pipe, zoo_call(kind))
     assert handed and set(handed) == {"float32" if casts else "float16"}
-    assert casts is (kind in CASTING)  # (session 36 measured the same: the float32 VAE alone raised on the others)
+    # (session 36 measured the same: the float32 VAE alone raised on the others)
+    assert casts is (None if kind in HELPER else kind in CASTING)
 
 
 def past_fp16(out):
