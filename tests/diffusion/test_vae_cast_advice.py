@@ -53,7 +53,8 @@ CASES = {
     "StableDiffusionUpscalePipeline": True,
     "HunyuanVideoPipeline": True,
     "Cosmos2_5_TransferPipeline": True,  # its decode in a function made in the call
-    "AnimateDiffPipeline": None,  # decodes in its decode_latents: not followed
+    "AnimateDiffPipeline": False,  # its decode in its decode_latents, read there
+    "CogVideoXPipeline": False,
 }
 
 
@@ -91,12 +92,11 @@ def test_every_pipeline_class_that_decodes_in_its_call_is_read_and_the_cases_reg
 ZOO = (
     "sd", "sdxl", "sd3", "img2img", "inpaint", "controlnet", "dit", "instruct_pix2pix", "t2i_adapter", "lcm",
     "lumina2", "flux", "flux_kontext", "flux_fill", "chroma", "sd_upscale", "pixart_sigma", "sana", "auraflow",
-    "hunyuan_video", "wan22",
+    "hunyuan_video", "wan22", "cogvideox",
 )  # fmt: skip
 
 
 CASTING = {"sd_upscale", "pixart_sigma", "sana", "auraflow", "hunyuan_video", "wan22"}
-HELPER = {"t2i_adapter"}  # StableDiffusionAdapterPipeline decodes in its decode_latents: not known (its advice hedges)
 
 
 def zoo_call(kind: str) -> dict:
@@ -132,14 +132,14 @@ def handed_to_decode(pipe, call: dict) -> list[str]:
 )
 def test_whether_the_call_casts_is_what_its_decode_is_handed_with_a_float32_vae_and_the_rest_float16(kind):
     """The behaviour: a float32 VAE in a float16 pipeline is handed float32 latents where the call casts them (the
-    float32 VAE alone then decodes), float16 where it does not (and the float32 VAE alone raises) or where its decode
-    is in a helper the read does not follow (not known)."""
+    float32 VAE alone then decodes), float16 where it does not (and the float32 VAE alone raises); the T2I-Adapter's
+    and CogVideoX's decode in their ``decode_latents``, read there."""
     pipe = tiny_pipeline(kind, dtype=torch.float16)
     casts = vae_details.call_facts(type(pipe)).casts_latents
     handed = handed_to_decode(pipe, zoo_call(kind))
     assert handed and set(handed) == {"float32" if casts else "float16"}
     # (session 36 measured the same: the float32 VAE alone raised on the others)
-    assert casts is (None if kind in HELPER else kind in CASTING)
+    assert casts is (kind in CASTING)
 
 
 def past_fp16(out):
@@ -224,3 +224,21 @@ def test_a_clean_watched_call_reads_no_source_and_a_vae_anomaly_reads_its_class_
         assert [name for name in read if name.endswith("__call__")] == ["FluxPipeline.__call__"]
         watched(pipe, tmp_path / "again", call)
         assert [name for name in read if name.endswith("__call__")] == ["FluxPipeline.__call__"]
+
+
+def test_cogvideoxs_vae_is_told_its_own_decode_latents_in_float32_which_followed_decodes(tmp_path):
+    """CogVideoX decodes in its ``decode_latents`` (permuted, unscaled), handed float16 latents: told that method
+    on the latents in float32 after ``pipe.vae.to(torch.float32)``, which decodes them to finite frames equal to the
+    float16 pipeline's own within 2e-2 (no fault: the same latents)."""
+    from diffusion_debug.diffusion.components.vae_details import cast_details
+
+    pipe = tiny_pipeline("cogvideox", dtype=torch.float16)
+    assert cast_details(pipe) == {"casts_latents": False, "latent_decode": "pipe.decode_latents(latents.float())"}
+    call = {**zoo_call("cogvideox"), "num_inference_steps": 1, "output_type": "latent"}
+    latents = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    with torch.no_grad():
+        own = pipe.decode_latents(latents)
+        pipe.vae.to(torch.float32)  # the advice, followed
+        frames = eval("pipe.decode_latents(latents.float())", {"pipe": pipe, "latents": latents})
+    assert frames.dtype == torch.float32 and torch.isfinite(frames).all()
+    assert (frames - own.float()).abs().max() < 2e-2

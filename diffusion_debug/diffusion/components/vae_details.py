@@ -17,6 +17,29 @@ components), an override of ``__call__`` over a base whose ``__call__`` reads it
 read for the decode, rightly where it is AnimateDiff video2video's (``prepare_latents`` upcasts the VAE for the encode
 of the input video and casts it back: the decode runs in float16 whatever the flag). Limit: a Modular pipeline whose
 blocks are not under ``sub_blocks`` (an older diffusers') counts as not reading it.
+
+From the same one read (parsed with :mod:`ast`, :func:`call_facts`): whether the latents the call hands
+``self.vae.decode`` are cast to the VAE's dtype on every path to it (:func:`cast_details`: where they are,
+``pipe.vae.to(torch.float32)`` alone decodes in float32; where not, a float32 VAE raises on float16 latents).
+
+>>> import diffusers
+>>> call_facts(diffusers.WanPipeline).casts_latents, call_facts(diffusers.FluxPipeline).casts_latents
+(True, False)
+
+A cast dominates a decode where it is made on every path to it: one in a sibling branch (SDXL's ``force_upcast``
+branch, whose ``elif`` casts the VAE on Apple MPS alone) does not, nor one undone before it (``.half()``, another
+dtype). A cast is a ``.to(...)`` to the VAE's dtype: ``self.vae.dtype`` and any ``self.vae....dtype``
+(``next(iter(self.vae.post_quant_conv.parameters())).dtype``), a name bound to one (``vae_dtype = self.vae.dtype``)
+or the ``.dtype`` of a value so cast, positional or ``dtype=``, on one line or many; ``.float()`` and
+``.to(torch.float32)`` decode in float32 too. A value made from a cast one (arithmetic, a slice, a method or a call
+given it: ``latents / latents_std + latents_mean``, ``self._unpack_latents(latents, ...)``) keeps its cast (torch's
+type promotion keeps the wider float32). Read lazily: the localizer's details are a :class:`LazyUpcast`, read where a
+VAE anomaly's advice is built, never on a clean call. A method of the pipeline the call hands its latents
+(``self.decode_latents(latents)``: AnimateDiff's, CogVideoX's) is read where it decodes (two calls deep at most), its
+parameters bound to what it is given; where every decode is in one, the user's float32 decode is that method's
+(``CallFacts.decoder``). Limits: a loop's body is read twice (its second pass from what the first left); a value kept
+in an attribute or a container (``self._latents``) is not followed (not cast); a function made in the call is read
+where it is made.
 """
 
 from __future__ import annotations
@@ -62,17 +85,20 @@ def upcast_details(pipe: Any) -> dict[str, Any]:
 
 
 def cast_details(pipe: Any) -> dict[str, Any]:
-    """Where ``pipe`` is no Modular pipeline and its call's ``vae.decode`` is read (:func:`casts_latents`):
+    """Where ``pipe`` is no Modular pipeline and its call's ``vae.decode`` is read (:func:`call_facts`):
     ``casts_latents`` and, where it hands the VAE its latents uncast and the decode is one an expression says,
-    ``latent_decode``: what decodes ``latents`` (``output_type="latent"``'s) in float32, as its call does (Flux's
-    unpacked, every one unscaled, shifted where its VAE is), to follow ``pipe.vae.to(torch.float32)``; none where
-    the VAE normalizes its latents by ``latents_mean`` (a video VAE's) or the latents are packed otherwise."""
+    ``latent_decode``: what decodes ``latents`` (``output_type="latent"``'s) in float32, as its call does (its own
+    ``decode_latents`` where it decodes there; Flux's unpacked, every one unscaled, shifted where its VAE is), to
+    follow ``pipe.vae.to(torch.float32)``; none where the VAE normalizes its latents by ``latents_mean`` (a video
+    VAE's) or the latents are packed otherwise."""
     try:
         if getattr(pipe, "blocks", None) is not None or watchable_kind(pipe) == "manager":
             return {}
-        casts = call_facts(type(pipe)).casts_latents
+        casts, decoder = call_facts(type(pipe))[1:]
         if casts is not False:
             return {} if casts is None else {"casts_latents": True}
+        if decoder is not None:  # (its own decode of the latents, handed them in float32)
+            return {"casts_latents": False, "latent_decode": f"pipe.{decoder}(latents.float())"}
         config = pipe.vae.config
         unpack = getattr(pipe, "_unpack_latents", None)
         latents = "latents"
@@ -143,6 +169,8 @@ class CallFacts(NamedTuple):
 
     reads_force_upcast: bool | None
     casts_latents: bool | None
+    decoder: str | None = None
+    """The method of the pipeline every decode is in where it is not the call (``decode_latents``)."""
 
 
 _READS: weakref.WeakKeyDictionary[type, CallFacts] = weakref.WeakKeyDictionary()
@@ -172,12 +200,12 @@ def _read_call(cls: type) -> CallFacts:
         reads = False if above is None or _call_reads_force_upcast(above) is False else None
     try:
         function = ast.parse(source).body[0]
-        casts = (
-            _Flow().decodes_cast(function) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
-        )
+        flow = _Flow(owner)
+        casts = flow.decodes_cast(function) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        decoder = next(iter(flow.helpers)) if len(flow.helpers) == 1 and not flow.direct else None
     except Exception:  # (a source that does not parse alone: not known)
-        casts = None
-    return CallFacts(reads, casts)
+        casts = decoder = None
+    return CallFacts(reads, casts, decoder)
 
 
 _UNDOING = frozenset({"half", "bfloat16", "double", "type", "int", "long"})
@@ -215,10 +243,14 @@ def _decode_call(node: ast.AST) -> bool:
 class _Flow:
     """Which names hold a value cast to the VAE's dtype (``cast``) and which name the VAE's dtype (``dtypes``),
     statement by statement; a branch's end merged by intersection (cast on every path), a path that returns or
-    raises dropped. ``found`` collects, per decode met, whether its latents were cast."""
+    raises dropped. ``found`` collects, per decode met, whether its latents were cast; a method of ``owner`` the
+    call calls (``self.decode_latents(latents)``) is read where it decodes, its parameters bound to what it is given
+    (``helpers``: those that decode; ``direct``: a decode in the call itself)."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: type | None = None) -> None:
         self.found: list[bool] = []
+        self.owner, self.helpers, self.direct, self.depth = owner, set(), False, 0
+        self.parsed: dict[str, Any] = {}
 
     def decodes_cast(self, function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool | None:
         self.block(function.body, (frozenset(), frozenset()))
@@ -287,8 +319,36 @@ class _Flow:
             state = self.comprehension(node, state)
         if _decode_call(node):
             self.found.append(bool(node.args) and self.cast(node.args[0], state))
+            self.direct = self.direct or self.depth == 0
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and self.depth < 2:
+            if isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+                self.helper(node.func.attr, node, state)
         for child in ast.iter_child_nodes(node):
             self.decodes_in(child, state)
+
+    def helper(self, name: str, call: ast.Call, state: tuple[frozenset, frozenset]) -> None:
+        """The decodes in the method ``name`` of the owner that ``call`` calls, its parameters bound to its
+        arguments' casts."""
+        if name not in self.parsed:
+            self.parsed[name] = None
+            method = inspect.getattr_static(self.owner, name, None) if self.owner is not None else None
+            if inspect.isfunction(method):
+                source = textwrap.dedent(inspect.getsource(method))
+                self.parsed[name] = ast.parse(source).body[0] if "self.vae.decode" in source else None
+        function = self.parsed[name]
+        if function is None:
+            return
+        params = [arg.arg for arg in [*function.args.posonlyargs, *function.args.args]][1:]
+        given = {**dict(zip(params, call.args)), **{kw.arg: kw.value for kw in call.keywords if kw.arg}}
+        casts = frozenset(param for param, value in given.items() if self.cast(value, state))
+        dtypes = frozenset(param for param, value in given.items() if self.vae_dtype(value, state))
+        before, self.depth = len(self.found), self.depth + 1
+        try:
+            self.block(function.body, (casts, dtypes))
+        finally:
+            self.depth -= 1
+        if len(self.found) > before:
+            self.helpers.add(name)
 
     # -- statements
     def bind(
