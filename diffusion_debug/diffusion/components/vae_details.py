@@ -178,7 +178,8 @@ _READS: weakref.WeakKeyDictionary[type, CallFacts] = weakref.WeakKeyDictionary()
 
 def call_facts(cls: type) -> CallFacts:
     """:class:`CallFacts` of ``cls``, read once (kept weakly) from one read of the source of the ``__call__`` it
-    runs, parsed once: a subclass that keeps its parent's is its parent's."""
+    runs, parsed once; the methods that call hands its latents (``decode_latents``) are ``cls``'s own, a subclass's
+    overrides read where it has them."""
     if cls not in _READS:
         _READS[cls] = _read_call(cls)
     return _READS[cls]
@@ -200,7 +201,7 @@ def _read_call(cls: type) -> CallFacts:
         reads = False if above is None or _call_reads_force_upcast(above) is False else None
     try:
         function = ast.parse(source).body[0]
-        flow = _Flow(owner)
+        flow = _Flow(cls)
         casts = flow.decodes_cast(function) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
         decoder = next(iter(flow.helpers)) if len(flow.helpers) == 1 and not flow.direct else None
     except Exception:  # (a source that does not parse alone: not known)
