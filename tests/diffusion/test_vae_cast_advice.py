@@ -242,3 +242,19 @@ def test_cogvideoxs_vae_is_told_its_own_decode_latents_in_float32_which_followed
         frames = eval("pipe.decode_latents(latents.float())", {"pipe": pipe, "latents": latents})
     assert frames.dtype == torch.float32 and torch.isfinite(frames).all()
     assert (frames - own.float()).abs().max() < 2e-2
+        "then .float()), or run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16)))."
+    )
+
+
+class _CastingCogVideoX(diffusers.CogVideoXPipeline):
+    """CogVideoX's call, its ``decode_latents`` overridden to cast the latents to the VAE's dtype."""
+
+    def decode_latents(self, latents):
+        return self.vae.decode(latents.to(self.vae.dtype)).sample
+
+
+def test_a_subclass_that_keeps_the_call_is_read_through_its_own_override_of_the_method_that_decodes():
+    """The call is the parent's, the method it hands its latents is the subclass's: read there (before: the
+    parent's, not cast, whatever the override does)."""
+    assert vae_details.call_facts(diffusers.CogVideoXPipeline).casts_latents is False
+    assert vae_details.call_facts(_CastingCogVideoX).casts_latents is True
