@@ -242,8 +242,6 @@ def test_cogvideoxs_vae_is_told_its_own_decode_latents_in_float32_which_followed
         frames = eval("pipe.decode_latents(latents.float())", {"pipe": pipe, "latents": latents})
     assert frames.dtype == torch.float32 and torch.isfinite(frames).all()
     assert (frames - own.float()).abs().max() < 2e-2
-        "then .float()), or run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16)))."
-    )
 
 
 class _CastingCogVideoX(diffusers.CogVideoXPipeline):
