@@ -154,6 +154,14 @@ FLUX_DECODE = (
 )
 
 
+FLUX_ADVICE = (
+    "this pipeline hands the VAE its latents uncast, so pipe.vae.to(torch.float32) alone may fail on them: call the "
+    'pipeline with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and decode them in '
+    f"float32 ({FLUX_DECODE}; height, width: the call's, by default pipe.default_sample_size * "
+    "pipe.vae_scale_factor), or run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16))"
+)
+
+
 def watched(pipe, tmp_path, call, fault=True):
     """The output and the error anomalies of one watched call of ``pipe`` (``fault``: its VAE's ``CONV``
     overflowing float16)."""
@@ -180,20 +188,16 @@ def test_a_flux_fp16_vae_overflow_is_told_its_latents_decoded_in_float32_which_f
         "casts_latents": False,
         "latent_decode": FLUX_DECODE,
     }
-    assert errors[0].message == (
-        f"vae.{CONV} produced NaN/Inf from finite inputs (this pipeline hands the VAE its latents uncast, so "
-        'pipe.vae.to(torch.float32) alone fails on them: after it, call the pipeline with output_type="latent" and '
-        f"decode them in float32 ({FLUX_DECODE}), or run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16)))."
-    )
+    assert errors[0].message == (f"vae.{CONV} produced NaN/Inf from finite inputs ({FLUX_ADVICE}).")
     pipe_32 = tiny_pipeline("flux")
     with plant(pipe_32.vae.get_submodule(CONV), 0, past_fp16):
         reference = pipe_32(**call, generator=torch.Generator().manual_seed(0)).images
-    pipe.vae.to(torch.float32)  # the advice, followed
-    with plant(pipe.vae.get_submodule(CONV), 0, past_fp16):
-        with pytest.raises(RuntimeError):  # alone: float16 latents into float32 weights
-            pipe(**call, generator=torch.Generator().manual_seed(0))
+    with plant(pipe.vae.get_submodule(CONV), 0, past_fp16):  # the advice, followed
         latents = pipe(**{**call, "output_type": "latent"}, generator=torch.Generator().manual_seed(0)).images
         assert latents.dtype == torch.float16
+        pipe.vae.to(torch.float32)
+        with pytest.raises(RuntimeError):  # alone: float16 latents into float32 weights
+            pipe(**call, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             named = {"pipe": pipe, "latents": latents, "height": call["height"], "width": call["width"]}
             image = eval(FLUX_DECODE, named)  # as the advice writes it
@@ -242,6 +246,48 @@ def test_cogvideoxs_vae_is_told_its_own_decode_latents_in_float32_which_followed
         frames = eval("pipe.decode_latents(latents.float())", {"pipe": pipe, "latents": latents})
     assert frames.dtype == torch.float32 and torch.isfinite(frames).all()
     assert (frames - own.float()).abs().max() < 2e-2
+
+
+def test_flux_fills_advice_followed_in_the_order_it_says_gives_a_finite_image_and_kontext_is_told_no_expression(
+    tmp_path,
+):
+    """Flux Fill encodes its input image (and masked image) with the VAE in the call: told the latent-output call
+    first (the VAE as it is), then the float32 VAE and the decode. Followed step by step in the order the message
+    says them (the steps found in its text), it gives a finite image (the advice before said the float32 VAE first:
+    the call then raised in its float16 encode). Kontext's size is its input image's, resized: told the generic
+    decode, no expression with a height and width it does not take."""
+    call = {**zoo_call("flux_fill"), "num_inference_steps": 1}
+    pipe = tiny_pipeline("flux_fill", dtype=torch.float16)
+    _, errors = watched(pipe, tmp_path / "fill", {**call, "output_type": "pt"})
+    assert [(a.kind, a.component, a.module) for a in errors] == [("nonfinite", "vae", CONV)]
+    message = errors[0].message
+    assert message == f"vae.{CONV} produced NaN/Inf from finite inputs ({FLUX_ADVICE})."
+    steps = {  # each step of the advice, where its text says it
+        message.index('output_type="latent"'): "latents",
+        message.index("then pipe.vae.to(torch.float32)"): "float32",
+        message.index(f"({FLUX_DECODE}"): "decode",
+    }
+    latents = image = None
+    with plant(pipe.vae.get_submodule(CONV), 0, past_fp16), torch.no_grad():
+        for _, step in sorted(steps.items()):
+            if step == "latents":
+                out = pipe(**{**call, "output_type": "latent"}, generator=torch.Generator().manual_seed(0))
+                latents = out.images
+            elif step == "float32":
+                pipe.vae.to(torch.float32)
+            else:
+                named = {"pipe": pipe, "latents": latents, "height": call["height"], "width": call["width"]}
+                image = eval(FLUX_DECODE, named)
+    assert image.dtype == torch.float32 and image.shape == (1, 3, 16, 16) and torch.isfinite(image).all()
+    kontext = tiny_pipeline("flux_kontext", dtype=torch.float16)
+    assert vae_details.cast_details(kontext) == {"casts_latents": False}
+    _, errors = watched(kontext, tmp_path / "kontext", {**zoo_call("flux_kontext"), "num_inference_steps": 1})
+    assert errors[0].message == (
+        f"vae.{CONV} produced NaN/Inf from finite inputs (this pipeline hands the VAE its latents uncast, so "
+        'pipe.vae.to(torch.float32) alone may fail on them: call the pipeline with output_type="latent" (its VAE as '
+        "it is), then pipe.vae.to(torch.float32) and decode them in float32 (as its call does before its vae.decode, "
+        "then .float()), or run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16)))."
+    )
 
 
 class _CastingCogVideoX(diffusers.CogVideoXPipeline):

@@ -90,13 +90,17 @@ def cast_details(pipe: Any) -> dict[str, Any]:
     ``latent_decode``: what decodes ``latents`` (``output_type="latent"``'s) in float32, as its call does (its own
     ``decode_latents`` where it decodes there; Flux's unpacked, every one unscaled, shifted where its VAE is), to
     follow ``pipe.vae.to(torch.float32)``; none where the VAE normalizes its latents by ``latents_mean`` (a video
-    VAE's) or the latents are packed otherwise."""
+    VAE's), the latents are packed otherwise or unpacked to a size the call does not default to
+    ``pipe.default_sample_size * pipe.vae_scale_factor`` (Kontext's, its input image's resized). ``input_image``
+    where the call casts them and takes an input image (``image``, ``video``, ``mask_image``, ``control_image``): its
+    encode of that image may not be cast."""
     try:
         if getattr(pipe, "blocks", None) is not None or watchable_kind(pipe) == "manager":
             return {}
-        casts, decoder = call_facts(type(pipe))[1:]
+        facts = call_facts(type(pipe))
+        casts, decoder = facts.casts_latents, facts.decoder
         if casts is not False:
-            return {} if casts is None else {"casts_latents": True}
+            return {} if casts is None else {"casts_latents": True, **({"input_image": True} if facts.input else {})}
         if decoder is not None:  # (its own decode of the latents, handed them in float32)
             return {"casts_latents": False, "latent_decode": f"pipe.{decoder}(latents.float())"}
         config = pipe.vae.config
@@ -104,6 +108,8 @@ def cast_details(pipe: Any) -> dict[str, Any]:
         latents = "latents"
         if unpack is not None:
             if list(inspect.signature(unpack).parameters) != ["latents", "height", "width", "vae_scale_factor"]:
+                return {"casts_latents": False}
+            if not facts.sized:  # (Kontext's size is its input image's, resized: no expression says it)
                 return {"casts_latents": False}
             latents = "pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)"
         if getattr(config, "latents_mean", None) is not None or getattr(config, "scaling_factor", None) is None:
@@ -139,7 +145,7 @@ class LazyUpcast(Mapping):
 
 
 #: The keys of :func:`cast_details`: a VAE not Stable Diffusion's is told them alone (its advice, ``vae_advice``'s).
-CAST_KEYS = ("casts_latents", "latent_decode")
+CAST_KEYS = ("casts_latents", "latent_decode", "input_image")
 
 
 def reads_force_upcast(pipe: Any) -> bool | None:
@@ -171,6 +177,15 @@ class CallFacts(NamedTuple):
     casts_latents: bool | None
     decoder: str | None = None
     """The method of the pipeline every decode is in where it is not the call (``decode_latents``)."""
+    sized: bool = False
+    """The call's ``height`` and ``width`` default to ``self.default_sample_size * self.vae_scale_factor`` and are
+    not resized from an input image (``_auto_resize``: Kontext's)."""
+    input: bool = False
+    """The call takes an input image or video (a parameter :data:`INPUTS` names)."""
+
+
+#: The parameters of a pipeline's call that are an image or video its VAE may encode.
+INPUTS = frozenset({"image", "video", "mask_image", "control_image", "image_reference"})
 
 
 _READS: weakref.WeakKeyDictionary[type, CallFacts] = weakref.WeakKeyDictionary()
@@ -206,7 +221,15 @@ def _read_call(cls: type) -> CallFacts:
         decoder = next(iter(flow.helpers)) if len(flow.helpers) == 1 and not flow.direct else None
     except Exception:  # (a source that does not parse alone: not known)
         casts = decoder = None
-    return CallFacts(reads, casts, decoder)
+    sized = _DEFAULT_SIZE in source and "_auto_resize" not in source
+    try:
+        given = INPUTS.intersection(inspect.signature(owner.__call__).parameters)
+    except Exception:  # (a signature not read: no input said)
+        given = set()
+    return CallFacts(reads, casts, decoder, sized, bool(given))
+
+
+_DEFAULT_SIZE = "height = height or self.default_sample_size * self.vae_scale_factor"
 
 
 _UNDOING = frozenset({"half", "bfloat16", "double", "type", "int", "long"})
