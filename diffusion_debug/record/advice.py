@@ -85,12 +85,14 @@ the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix'
     'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
 the latents)'
     >>> print(vae_advice("vae", True, upcast=False))
-    this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32), and where its \
-float16 latents then fail in the VAE, call it with output_type="latent" and decode the latents cast to float32
+    this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32); where the call \
+then fails in the VAE (its float16 latents or input image), instead call it with output_type="latent" (its VAE as \
+it is), then pipe.vae.to(torch.float32) and decode the latents cast to float32
     >>> print(vae_advice("vae", True))
     keep the VAE in float32 for the decode: vae.config.force_upcast=True where the pipeline reads it (SDXL's do), \
-otherwise pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with \
-output_type="latent" and decode the latents cast to float32
+otherwise pipe.vae.to(torch.float32); where the call then fails in the VAE (its float16 latents or input image), \
+instead call it with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and decode the \
+latents cast to float32
     >>> vae_advice("vae", True, dtype="bfloat16")
     "it ran in bfloat16, whose range is float32's, so this is no overflow of a narrow dtype: check its weights and \
 inputs"
@@ -160,8 +162,9 @@ float32 movq in float16 too)'
         )
     decode = "them with pipe.decode_latents(latents.float())" if video else "the latents cast to float32"
     own = (  # the upcast SDXL's pipelines make, made by the user (SD 1.5's pipeline hands float16 latents to the VAE)
-        "pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with "
-        f'output_type="latent" and decode {decode}{outside}'
+        "pipe.vae.to(torch.float32); where the call then fails in the VAE (its float16 latents or input image), "
+        f'instead call it with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and decode '
+        f"{decode}{outside}"
     )
     if upcast is False:  # SD 1.5's StableDiffusionPipeline and its kin
         return f"this pipeline does not read vae.config.force_upcast (SDXL's do): {own}"

@@ -302,3 +302,22 @@ def test_a_subclass_that_keeps_the_call_is_read_through_its_own_override_of_the_
     parent's, not cast, whatever the override does)."""
     assert vae_details.call_facts(diffusers.CogVideoXPipeline).casts_latents is False
     assert vae_details.call_facts(_CastingCogVideoX).casts_latents is True
+
+
+def test_sd_img2imgs_advice_falls_back_to_the_latent_output_with_the_vae_as_it_is_then_decodes_finite():
+    """SD 1.5 img2img reads no ``force_upcast`` and encodes its input image in float16: the float32 VAE first
+    raises in that encode (the fallback before said to call with output_type="latent" after it, which raised the
+    same); the advice's route, the latent output with the VAE as it is and then the float32 VAE, decodes finite."""
+    from diffusion_helpers import SD_FP16_VAE
+
+    assert SD_FP16_VAE.index('output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32)') > 0
+    call = {**zoo_call("img2img"), "num_inference_steps": 2}
+    pipe = tiny_pipeline("img2img", dtype=torch.float16)
+    assert vae_details.upcast_details(pipe) == {"reads_force_upcast": False}
+    with torch.no_grad():
+        latents = pipe(**call, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+        pipe.vae.to(torch.float32)
+        with pytest.raises(RuntimeError):  # the float32 VAE first: the float16 input image into float32 weights
+            pipe(**call, generator=torch.Generator().manual_seed(0))
+        image = pipe.vae.decode(latents.float() / pipe.vae.config.scaling_factor).sample
+    assert image.dtype == torch.float32 and torch.isfinite(image).all()
