@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
+import textwrap
 from unittest import mock
 
 import diffusers
@@ -59,13 +61,24 @@ CASES = {
 
 
 def decodes_in_call(cls: type) -> bool:
-    """Whether the ``__call__`` ``cls`` runs calls ``self.vae.decode`` (read apart, by ``ast.walk``)."""
-    owner = next((base for base in cls.__mro__ if "__call__" in vars(base)), None)
+    """Whether the ``__call__`` ``cls`` runs calls ``self.vae.decode`` (read apart, by ``ast.walk``; once per class
+    that defines it)."""
+    return _owner_decodes(next((base for base in cls.__mro__ if "__call__" in vars(base)), None))
+
+
+@functools.cache
+def _owner_decodes(owner: type | None) -> bool:
     try:
-        tree = ast.parse(inspect.getsource(owner.__call__).strip().replace("\n    ", "\n"))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(owner.__call__)))
     except Exception:
         return False
-    return any(isinstance(node, ast.Call) and ast.unparse(node.func) == "self.vae.decode" for node in ast.walk(tree))
+    return any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "decode"  # (before unparsing it)
+        and ast.unparse(node.func) == "self.vae.decode"
+        for node in ast.walk(tree)
+    )
 
 
 def test_every_pipeline_class_that_decodes_in_its_call_is_read_and_the_cases_regex_got_wrong_are_right():
