@@ -34,7 +34,7 @@ from .components.call_sites import CallSiteHooks, kept_arguments
 from .components.computes_in import autocast_over, computes_in, weights_finite
 from .components.inventory import role_of, stable_diffusion_vae
 from .components.made import MadeNonfinite, made_origin
-from .components.vae_details import upcast_details
+from .components.vae_details import LazyUpcast
 from .replay.decide import (
     ALREADY_REPORTED,
     NOTHING,
@@ -96,7 +96,7 @@ class Localizer:
         """Each component's role (its checks' advice comes from it); ``other`` for one not known."""
         self.sd_vaes = {name for name, module in modules.items() if stable_diffusion_vae(module)}
         """The components that are Stable Diffusion's VAE (the fp16-fixed VAE is advice for them only)."""
-        self.upcast: dict = {}  # whether the pipeline reads vae.config.force_upcast (new_run: a new pipe's)
+        self.upcast: dict | LazyUpcast = {}  # what its call does with the VAE, read lazily (new_run: a new pipe's)
         self.levels = levels if levels is not None else {}
         """Probe level per component (``full`` readings name the module without a replay); updated at every attach."""
         self.inputs = origins.RunInputs()  # what the user passed to this run (see new_run)
@@ -134,7 +134,7 @@ class Localizer:
         """``same_call``: a run in the run before's call (FreeInit) keeps its NaN/Inf origin and replays' memory."""
         self.inputs = inputs if inputs is not None else origins.RunInputs()
         if self.inputs.pipe is not None and self.inputs.pipe is not self.made.pipe:  # (a new pipe's class read once)
-            self.made.pipe, self.upcast = self.inputs.pipe, upcast_details(self.inputs.pipe)
+            self.made.pipe, self.upcast = self.inputs.pipe, LazyUpcast(self.inputs.pipe)
         if self.made.pending:  # a method that made a NaN/Inf in the run before: what it returned, kept weakly
             self.made.settle()
         if not same_call:

@@ -33,6 +33,9 @@ def vae_advice(
     upcast: bool | None = None,
     video: bool = False,
     sdxl: bool = False,
+    casts: bool | None = None,
+    decode: str | None = None,
+    encodes: bool = False,
     subject: str = "it",
     check: str = "its weights and inputs",
     finite: str = "they",
@@ -45,7 +48,15 @@ reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``; No
     upscale's are other latent spaces); where it is not read, the float32 decode is the
     user's own (``pipe.vae.to(torch.float32)``, which may fail on float16 latents the pipeline does not cast: then
     the latents decoded in float32; ``video``: with the pipeline's ``decode_latents``, 5-D video latents being no
-    ``vae.decode``'s). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 or bfloat16,
+    ``vae.decode``'s). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 as the
+    pipeline's call takes it (``casts``: ``details["casts_latents"]``, :func:`~diffusion_debug.diffusion.components.\
+vae_details.cast_details`): ``pipe.vae.to(torch.float32)`` alone where the call casts its latents to the VAE's dtype
+    (Wan's, PixArt-Sigma's; ``encodes``: ``details["input_image"]``, a call that takes an input image, whose encode
+    is not read: the whole pipeline in bfloat16 where it fails); where it hands them uncast (Flux's, SD3's: the
+    float32 VAE may raise on them), the latent output of a call with the VAE as it is (the float32 VAE before the
+    call raises in the float16 encode of an image-conditioned one's input: Flux Fill's, Kontext's, SD3 img2img's),
+    then decoded in float32 by the user (``decode``: ``details["latent_decode"]``, the expression for that pipeline,
+    where one says it) or the whole pipeline in bfloat16; not known (None), in float32 or bfloat16,
     and one not called ``vae`` (Kandinsky's ``movq``) is named as it is. One that ran in float32 (SDXL's fp16 VAE under
     ``force_upcast`` too) or bfloat16 (float32's range: no wider dtype holds more) is told so: no dtype advice fits it;
     but under a ``torch.autocast`` of another dtype than its weights' (``autocast``: the dtype it computed in,
@@ -56,6 +67,17 @@ reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``; No
 
     >>> vae_advice("vae")
     'keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32)'
+    >>> vae_advice("vae", casts=True)
+    "keep the VAE in float32: pipe.vae.to(torch.float32) (this pipeline casts its latents to the VAE's dtype)"
+    >>> vae_advice("vae", casts=True, encodes=True).split("; ")[1]
+    'where its encode of the input image then fails on float16, run the whole pipeline in bfloat16 \
+(pipe.to(torch.bfloat16)))'
+    >>> scaled = "pipe.vae.decode((latents / pipe.vae.config.scaling_factor).float())"
+    >>> print(vae_advice("vae", casts=False, decode=scaled))
+    this pipeline hands the VAE its latents uncast, so pipe.vae.to(torch.float32) alone may fail on them: call the \
+pipeline with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and decode them in float32 \
+(pipe.vae.decode((latents / pipe.vae.config.scaling_factor).float())), or run the whole pipeline in bfloat16 \
+(pipe.to(torch.bfloat16))
     >>> vae_advice("vae", True, upcast=True, sdxl=True)
     'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
 the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix'
@@ -63,12 +85,14 @@ the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix'
     'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
 the latents)'
     >>> print(vae_advice("vae", True, upcast=False))
-    this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32), and where its \
-float16 latents then fail in the VAE, call it with output_type="latent" and decode the latents cast to float32
+    this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32); where the call \
+then fails in the VAE (its float16 latents or input image), instead call it with output_type="latent" (its VAE as \
+it is), then pipe.vae.to(torch.float32) and decode the latents cast to float32
     >>> print(vae_advice("vae", True))
     keep the VAE in float32 for the decode: vae.config.force_upcast=True where the pipeline reads it (SDXL's do), \
-otherwise pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with \
-output_type="latent" and decode the latents cast to float32
+otherwise pipe.vae.to(torch.float32); where the call then fails in the VAE (its float16 latents or input image), \
+instead call it with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and decode the \
+latents cast to float32
     >>> vae_advice("vae", True, dtype="bfloat16")
     "it ran in bfloat16, whose range is float32's, so this is no overflow of a narrow dtype: check its weights and \
 inputs"
@@ -113,6 +137,21 @@ float32 movq in float16 too)'
         outside = f", decoded outside the float16 autocast (which computes a float32 {named} in float16 too)"
     if component != "vae":
         return f"keep {component} in float32 (pipe.{component}.to(torch.float32)){outside}"
+    bf16 = "run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16))"
+    if not sd_vae and casts:
+        cast = "this pipeline casts its latents to the VAE's dtype"
+        if encodes:  # (its encode of the input image not read: it may hand the float32 VAE a float16 image)
+            cast += f"; where its encode of the input image then fails on float16, {bf16}"
+        return f"keep the VAE in float32: pipe.vae.to(torch.float32) ({cast}){outside}"
+    if not sd_vae and casts is False:
+        how = f"({decode})" if decode else "(as its call does before its vae.decode, then .float())"
+        if "height" in (decode or ""):
+            how = f"({decode}; height, width: the call's, by default pipe.default_sample_size * pipe.vae_scale_factor)"
+        return (  # (the VAE cast after the call: one that encodes an input image encodes it in float16, as before)
+            "this pipeline hands the VAE its latents uncast, so pipe.vae.to(torch.float32) alone may fail on them: "
+            'call the pipeline with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and '
+            f"decode them in float32 {how}{outside}, or {bf16}"
+        )
     if not sd_vae:
         return f"keep the VAE in float32 or bfloat16: pipe.vae.to(torch.float32){outside}"
     if upcast:
@@ -123,8 +162,9 @@ float32 movq in float16 too)'
         )
     decode = "them with pipe.decode_latents(latents.float())" if video else "the latents cast to float32"
     own = (  # the upcast SDXL's pipelines make, made by the user (SD 1.5's pipeline hands float16 latents to the VAE)
-        "pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with "
-        f'output_type="latent" and decode {decode}{outside}'
+        "pipe.vae.to(torch.float32); where the call then fails in the VAE (its float16 latents or input image), "
+        f'instead call it with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and decode '
+        f"{decode}{outside}"
     )
     if upcast is False:  # SD 1.5's StableDiffusionPipeline and its kin
         return f"this pipeline does not read vae.config.force_upcast (SDXL's do): {own}"
@@ -133,12 +173,15 @@ float32 movq in float16 too)'
 
 
 def upcast_of(details: dict[str, Any]) -> dict[str, Any]:
-    """:func:`vae_advice`'s ``upcast``, ``video`` and ``sdxl``, read from an anomaly's details (not there: not known;
-    not SDXL's)."""
+    """:func:`vae_advice`'s ``upcast``, ``video``, ``sdxl``, ``casts`` and ``decode``, read from an anomaly's details
+    (not there: not known; not SDXL's)."""
     return {
         "upcast": details.get("reads_force_upcast"),
         "video": details.get("decode_latents", False),
         "sdxl": details.get("sdxl_vae", False),
+        "casts": details.get("casts_latents"),
+        "decode": details.get("latent_decode"),
+        "encodes": details.get("input_image", False),
     }
 
 

@@ -13,14 +13,16 @@ from diffusion_debug import DebugConfig, DiffusionModelDebugger
 PROMPT = "a photo of a cat"
 
 SD_FP16_VAE = (
-    "this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32), and where its "
-    'float16 latents then fail in the VAE, call it with output_type="latent" and decode the latents cast to float32'
+    "this pipeline does not read vae.config.force_upcast (SDXL's do): pipe.vae.to(torch.float32); where the call "
+    'then fails in the VAE (its float16 latents or input image), instead call it with output_type="latent" (its VAE '
+    "as it is), then pipe.vae.to(torch.float32) and decode the latents cast to float32"
 )
 """The advice for a float16 SD 1.5 VAE: ``StableDiffusionPipeline`` reads no ``force_upcast``."""
 ANY_FP16_VAE = (
     "keep the VAE in float32 for the decode: vae.config.force_upcast=True where the pipeline reads it (SDXL's do), "
-    "otherwise pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with "
-    'output_type="latent" and decode the latents cast to float32'
+    "otherwise pipe.vae.to(torch.float32); where the call then fails in the VAE (its float16 latents or input "
+    'image), instead call it with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and '
+    "decode the latents cast to float32"
 )
 """The advice for a float16 SD VAE where whether its pipeline reads ``force_upcast`` is not known."""
 SDXL_FP16_VAE = (

@@ -169,8 +169,9 @@ def test_an_animatediff_fp16_vae_overflow_is_told_its_pipelines_decode_latents_w
     assert [(a.kind, a.component, a.module) for a in errors] == [("nonfinite", "vae", CONV)]
     assert errors[0].message == (
         f"vae.{CONV} produced NaN/Inf from finite inputs (this pipeline does not read vae.config.force_upcast "
-        "(SDXL's do): pipe.vae.to(torch.float32), and where its float16 latents then fail in the VAE, call it with "
-        'output_type="latent" and decode them with pipe.decode_latents(latents.float())).'
+        "(SDXL's do): pipe.vae.to(torch.float32); where the call then fails in the VAE (its float16 latents or input "
+        'image), instead call it with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and '
+        "decode them with pipe.decode_latents(latents.float()))."
     )
     latents = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="latent").frames
     pipe.vae.to(torch.float32)  # the advice, followed

@@ -17,13 +17,39 @@ components), an override of ``__call__`` over a base whose ``__call__`` reads it
 read for the decode, rightly where it is AnimateDiff video2video's (``prepare_latents`` upcasts the VAE for the encode
 of the input video and casts it back: the decode runs in float16 whatever the flag). Limit: a Modular pipeline whose
 blocks are not under ``sub_blocks`` (an older diffusers') counts as not reading it.
+
+From the same one read (parsed with :mod:`ast`, :func:`call_facts`): whether the latents the call hands
+``self.vae.decode`` are cast to the VAE's dtype on every path to it (:func:`cast_details`: where they are,
+``pipe.vae.to(torch.float32)`` alone decodes in float32; where not, a float32 VAE raises on float16 latents).
+
+>>> import diffusers
+>>> call_facts(diffusers.WanPipeline).casts_latents, call_facts(diffusers.FluxPipeline).casts_latents
+(True, False)
+
+A cast dominates a decode where it is made on every path to it: one in a sibling branch (SDXL's ``force_upcast``
+branch, whose ``elif`` casts the VAE on Apple MPS alone) does not, nor one undone before it (``.half()``, another
+dtype). A cast is a ``.to(...)`` to the VAE's dtype: ``self.vae.dtype`` and any ``self.vae....dtype``
+(``next(iter(self.vae.post_quant_conv.parameters())).dtype``), a name bound to one (``vae_dtype = self.vae.dtype``)
+or the ``.dtype`` of a value so cast, positional or ``dtype=``, on one line or many; ``.float()`` and
+``.to(torch.float32)`` decode in float32 too. A value made from a cast one (arithmetic, a slice, a method or a call
+given it: ``latents / latents_std + latents_mean``, ``self._unpack_latents(latents, ...)``) keeps its cast (torch's
+type promotion keeps the wider float32). Read lazily: the localizer's details are a :class:`LazyUpcast`, read where a
+VAE anomaly's advice is built, never on a clean call. A method of the pipeline the call hands its latents
+(``self.decode_latents(latents)``: AnimateDiff's, CogVideoX's) is read where it decodes (two calls deep at most), its
+parameters bound to what it is given; where every decode is in one, the user's float32 decode is that method's
+(``CallFacts.decoder``). Limits: a loop's body is read twice (its second pass from what the first left); a value kept
+in an attribute or a container (``self._latents``) is not followed (not cast); a function made in the call is read
+where it is made.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 import weakref
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -58,6 +84,70 @@ def upcast_details(pipe: Any) -> dict[str, Any]:
     }
 
 
+def cast_details(pipe: Any) -> dict[str, Any]:
+    """Where ``pipe`` is no Modular pipeline and its call's ``vae.decode`` is read (:func:`call_facts`):
+    ``casts_latents`` and, where it hands the VAE its latents uncast and the decode is one an expression says,
+    ``latent_decode``: what decodes ``latents`` (``output_type="latent"``'s) in float32, as its call does (its own
+    ``decode_latents`` where it decodes there; Flux's unpacked, every one unscaled, shifted where its VAE is), to
+    follow ``pipe.vae.to(torch.float32)``; none where the VAE normalizes its latents by ``latents_mean`` (a video
+    VAE's), the latents are packed otherwise or unpacked to a size the call does not default to
+    ``pipe.default_sample_size * pipe.vae_scale_factor`` (Kontext's, its input image's resized). ``input_image``
+    where the call casts them and takes an input image (``image``, ``video``, ``mask_image``, ``control_image``): its
+    encode of that image may not be cast."""
+    try:
+        if getattr(pipe, "blocks", None) is not None or watchable_kind(pipe) == "manager":
+            return {}
+        facts = call_facts(type(pipe))
+        casts, decoder = facts.casts_latents, facts.decoder
+        if casts is not False:
+            return {} if casts is None else {"casts_latents": True, **({"input_image": True} if facts.input else {})}
+        if decoder is not None:  # (its own decode of the latents, handed them in float32)
+            return {"casts_latents": False, "latent_decode": f"pipe.{decoder}(latents.float())"}
+        config = pipe.vae.config
+        unpack = getattr(pipe, "_unpack_latents", None)
+        latents = "latents"
+        if unpack is not None:
+            if list(inspect.signature(unpack).parameters) != ["latents", "height", "width", "vae_scale_factor"]:
+                return {"casts_latents": False}
+            if not facts.sized:  # (Kontext's size is its input image's, resized: no expression says it)
+                return {"casts_latents": False}
+            latents = "pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)"
+        if getattr(config, "latents_mean", None) is not None or getattr(config, "scaling_factor", None) is None:
+            return {"casts_latents": False}
+        shift = " + pipe.vae.config.shift_factor" if getattr(config, "shift_factor", None) is not None else ""
+        unscaled = f"({latents} / pipe.vae.config.scaling_factor{shift}).float()"
+        return {"casts_latents": False, "latent_decode": f"pipe.vae.decode({unscaled}).sample"}
+    except Exception:  # (a debugger error never escapes into the user's run)
+        return {}
+
+
+class LazyUpcast(Mapping):
+    """:func:`upcast_details` and :func:`cast_details` of ``pipe``, read on their first use (a VAE anomaly's advice
+    built): a clean call reads no source."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe: Any = pipe
+        self._read: dict[str, Any] | None = None
+
+    def _details(self) -> dict[str, Any]:
+        if self._read is None:
+            self._read, self._pipe = {**upcast_details(self._pipe), **cast_details(self._pipe)}, None
+        return self._read
+
+    def __getitem__(self, key: str) -> Any:
+        return self._details()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._details())
+
+    def __len__(self) -> int:
+        return len(self._details())
+
+
+#: The keys of :func:`cast_details`: a VAE not Stable Diffusion's is told them alone (its advice, ``vae_advice``'s).
+CAST_KEYS = ("casts_latents", "latent_decode", "input_image")
+
+
 def reads_force_upcast(pipe: Any) -> bool | None:
     """Whether ``pipe``'s call reads ``vae.config.force_upcast`` (None: not known); a ``ModularPipeline``'s where
     any of its blocks' does (SDXL's decode step)."""
@@ -80,24 +170,291 @@ def _block_classes(block: Any) -> set[type]:
     return {type(block)}.union(*(_block_classes(sub) for sub in subs))
 
 
-_READS: weakref.WeakKeyDictionary[type, bool | None] = weakref.WeakKeyDictionary()
+class CallFacts(NamedTuple):
+    """What a pipeline class's ``__call__`` does with its VAE (None: not known)."""
+
+    reads_force_upcast: bool | None
+    casts_latents: bool | None
+    decoder: str | None = None
+    """The method of the pipeline every decode is in where it is not the call (``decode_latents``)."""
+    sized: bool = False
+    """The call's ``height`` and ``width`` default to ``self.default_sample_size * self.vae_scale_factor`` and are
+    not resized from an input image (``_auto_resize``: Kontext's)."""
+    input: bool = False
+    """The call takes an input image or video (a parameter :data:`INPUTS` names)."""
 
 
-def _call_reads_force_upcast(cls: type) -> bool | None:
+#: The parameters of a pipeline's call that are an image or video its VAE may encode.
+INPUTS = frozenset({"image", "video", "mask_image", "control_image", "image_reference"})
+
+
+_READS: weakref.WeakKeyDictionary[type, CallFacts] = weakref.WeakKeyDictionary()
+
+
+def call_facts(cls: type) -> CallFacts:
+    """:class:`CallFacts` of ``cls``, read once (kept weakly) from one read of the source of the ``__call__`` it
+    runs, parsed once; the methods that call hands its latents (``decode_latents``) are ``cls``'s own, a subclass's
+    overrides read where it has them."""
     if cls not in _READS:
-        _READS[cls] = _source_reads(cls)
+        _READS[cls] = _read_call(cls)
     return _READS[cls]
 
 
-def _source_reads(cls: type) -> bool | None:
+def _call_reads_force_upcast(cls: type) -> bool | None:
+    return call_facts(cls).reads_force_upcast
+
+
+def _read_call(cls: type) -> CallFacts:
     owner = next((base for base in cls.__mro__ if "__call__" in vars(base)), None)
     try:
-        if "config.force_upcast" in inspect.getsource(owner.__call__):
-            return True
+        source = textwrap.dedent(inspect.getsource(owner.__call__))
     except Exception:  # no source: none (a ComponentsManager's), a class made in a REPL, a .pyc alone
+        return CallFacts(None, None)
+    reads: bool | None = True
+    if "config.force_upcast" not in source:
+        above = next((base for base in owner.__mro__[1:] if "__call__" in vars(base)), None)
+        reads = False if above is None or _call_reads_force_upcast(above) is False else None
+    try:
+        function = ast.parse(source).body[0]
+        flow = _Flow(cls)
+        casts = flow.decodes_cast(function) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        decoder = next(iter(flow.helpers)) if len(flow.helpers) == 1 and not flow.direct else None
+    except Exception:  # (a source that does not parse alone: not known)
+        casts = decoder = None
+    sized = _DEFAULT_SIZE in source and "_auto_resize" not in source
+    try:
+        given = INPUTS.intersection(inspect.signature(owner.__call__).parameters)
+    except Exception:  # (a signature not read: no input said)
+        given = set()
+    return CallFacts(reads, casts, decoder, sized, bool(given))
+
+
+_DEFAULT_SIZE = "height = height or self.default_sample_size * self.vae_scale_factor"
+
+
+_UNDOING = frozenset({"half", "bfloat16", "double", "type", "int", "long"})
+_FLOAT32 = frozenset({"float32", "float"})
+
+
+def _self_vae(node: ast.AST) -> bool:
+    """Whether ``node`` is ``self.vae`` or an attribute, call or subscript on it (``self.vae.config``,
+    ``next(iter(self.vae.post_quant_conv.parameters()))``)."""
+    while True:
+        if isinstance(node, ast.Attribute):
+            if node.attr == "vae" and isinstance(node.value, ast.Name) and node.value.id == "self":
+                return True
+            node = node.value
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func.value
+        elif isinstance(node, ast.Call) and node.args:
+            node = node.args[0]
+        else:
+            return False
+
+
+def _decode_call(node: ast.AST) -> bool:
+    func = getattr(node, "func", None)
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(func, ast.Attribute)
+        and func.attr == "decode"
+        and (_self_vae(func.value) and isinstance(func.value, ast.Attribute) and func.value.attr == "vae")
+    )
+
+
+class _Flow:
+    """Which names hold a value cast to the VAE's dtype (``cast``) and which name the VAE's dtype (``dtypes``),
+    statement by statement; a branch's end merged by intersection (cast on every path), a path that returns or
+    raises dropped. ``found`` collects, per decode met, whether its latents were cast; a method of ``owner`` the
+    call calls (``self.decode_latents(latents)``) is read where it decodes, its parameters bound to what it is given
+    (``helpers``: those that decode; ``direct``: a decode in the call itself)."""
+
+    def __init__(self, owner: type | None = None) -> None:
+        self.found: list[bool] = []
+        self.owner, self.helpers, self.direct, self.depth = owner, set(), False, 0
+        self.parsed: dict[str, Any] = {}
+
+    def decodes_cast(self, function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool | None:
+        self.block(function.body, (frozenset(), frozenset()))
+        return all(self.found) if self.found else None
+
+    # -- expressions
+    def vae_dtype(self, node: ast.AST, state: tuple[frozenset, frozenset]) -> bool:
+        """Whether ``node`` names the VAE's dtype, or float32 (a float32 VAE's)."""
+        if isinstance(node, ast.Name):
+            return node.id in state[1]
+        if isinstance(node, ast.Attribute):
+            if node.attr == "dtype":
+                return _self_vae(node.value) or self.cast(node.value, state)
+            return node.attr in _FLOAT32 and isinstance(node.value, ast.Name) and node.value.id == "torch"
+        return False
+
+    def cast(self, node: ast.AST | None, state: tuple[frozenset, frozenset]) -> bool:
+        """Whether the value of ``node`` is cast to the VAE's dtype."""
+        if node is None:
+            return False
+        if isinstance(node, ast.Name):
+            return node.id in state[0]
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute):
+                if func.attr == "to":
+                    dtypes = [*node.args, *(kw.value for kw in node.keywords if kw.arg == "dtype")]
+                    if any(self.vae_dtype(arg, state) for arg in dtypes):
+                        return True
+                    if any(kw.arg == "dtype" for kw in node.keywords) or any(_dtype_like(arg) for arg in node.args):
+                        return False  # another dtype
+                    return self.cast(func.value, state)  # (a device alone)
+                if func.attr == "float":
+                    return True
+                if func.attr in _UNDOING:
+                    return False
+                if self.cast(func.value, state):  # a method of a cast value (.permute, .unsqueeze, .clone)
+                    return True
+            args = [*node.args, *(kw.value for kw in node.keywords)]
+            return any(self.cast(arg, state) for arg in args)  # torch.cat([...]), self._unpack_latents(latents)
+        if isinstance(node, ast.BinOp):
+            return self.cast(node.left, state) or self.cast(node.right, state)
+        if isinstance(node, ast.UnaryOp):
+            return self.cast(node.operand, state)
+        if isinstance(node, ast.IfExp):
+            return self.cast(node.body, state) and self.cast(node.orelse, state)
+        if isinstance(node, (ast.Subscript, ast.Starred)):
+            return self.cast(node.value, state)
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return bool(node.elts) and all(self.cast(elt, state) for elt in node.elts)
+        if isinstance(node, (ast.ListComp, ast.GeneratorExp)):
+            return self.cast(node.elt, self.comprehension(node, state))
+        return False
+
+    def comprehension(self, node: Any, state: tuple[frozenset, frozenset]) -> tuple[frozenset, frozenset]:
+        """``state`` with each generator's target bound to its iterable's cast."""
+        for generator in node.generators:
+            state = self.bind(generator.target, self.cast(generator.iter, state), False, state)
+        return state
+
+    def decodes_in(self, node: ast.AST, state: tuple[frozenset, frozenset]) -> None:
+        """Every ``self.vae.decode`` call in the expression ``node``, judged in ``state``."""
+        if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return
+        if isinstance(node, (ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)):
+            state = self.comprehension(node, state)
+        if _decode_call(node):
+            self.found.append(bool(node.args) and self.cast(node.args[0], state))
+            self.direct = self.direct or self.depth == 0
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and self.depth < 2:
+            if isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+                self.helper(node.func.attr, node, state)
+        for child in ast.iter_child_nodes(node):
+            self.decodes_in(child, state)
+
+    def helper(self, name: str, call: ast.Call, state: tuple[frozenset, frozenset]) -> None:
+        """The decodes in the method ``name`` of the owner that ``call`` calls, its parameters bound to its
+        arguments' casts."""
+        if name not in self.parsed:
+            self.parsed[name] = None
+            method = inspect.getattr_static(self.owner, name, None) if self.owner is not None else None
+            if inspect.isfunction(method):
+                source = textwrap.dedent(inspect.getsource(method))
+                self.parsed[name] = ast.parse(source).body[0] if "self.vae.decode" in source else None
+        function = self.parsed[name]
+        if function is None:
+            return
+        params = [arg.arg for arg in [*function.args.posonlyargs, *function.args.args]][1:]
+        given = {**dict(zip(params, call.args)), **{kw.arg: kw.value for kw in call.keywords if kw.arg}}
+        casts = frozenset(param for param, value in given.items() if self.cast(value, state))
+        dtypes = frozenset(param for param, value in given.items() if self.vae_dtype(value, state))
+        before, self.depth = len(self.found), self.depth + 1
+        try:
+            self.block(function.body, (casts, dtypes))
+        finally:
+            self.depth -= 1
+        if len(self.found) > before:
+            self.helpers.add(name)
+
+    # -- statements
+    def bind(
+        self, target: ast.AST, cast: bool, dtype: bool, state: tuple[frozenset, frozenset]
+    ) -> tuple[frozenset, frozenset]:
+        if isinstance(target, ast.Name):
+            casts, dtypes = state[0] - {target.id}, state[1] - {target.id}
+            return (casts | {target.id} if cast else casts, dtypes | {target.id} if dtype else dtypes)
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for elt in target.elts:
+                state = self.bind(elt, False, False, state)
+        return state
+
+    def block(self, body: list[ast.stmt], state: tuple[frozenset, frozenset] | None) -> Any:
+        for statement in body:
+            if state is None:
+                return None
+            state = self.statement(statement, state)
+        return state
+
+    def statement(self, node: ast.stmt, state: tuple[frozenset, frozenset]) -> Any:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):  # (its decodes, read where it is made)
+            own = {arg.arg for arg in ast.walk(node.args) if isinstance(arg, ast.arg)}
+            self.block(node.body, (state[0] - own, state[1] - own))
+            return state
+        if isinstance(node, ast.ClassDef):
+            return state
+        if isinstance(node, (ast.Return, ast.Raise, ast.Break, ast.Continue)):
+            self.decodes_in(node, state)
+            return None
+        if isinstance(node, ast.If):
+            self.decodes_in(node.test, state)
+            return _merge(self.block(node.body, state), self.block(node.orelse, state))
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            head = node.iter if isinstance(node, (ast.For, ast.AsyncFor)) else node.test
+            self.decodes_in(head, state)
+            entry = state
+            for _ in range(2):  # the body's second pass starts from what the first left
+                inside = state
+                if isinstance(node, (ast.For, ast.AsyncFor)):
+                    inside = self.bind(node.target, self.cast(node.iter, state), False, state)
+                state = _merge(entry, self.block(node.body, inside))
+            return _merge(state, self.block(node.orelse, state))
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                self.decodes_in(item.context_expr, state)
+            return self.block(node.body, state)
+        if isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
+            done = self.block(node.body, state)
+            ends = [self.block(handler.body, state) for handler in node.handlers]
+            after = _merge(done, *ends) if node.handlers else done
+            after = self.block(node.orelse, after) if node.orelse and after is not None else after
+            return self.block(node.finalbody, after) if node.finalbody and after is not None else after
+        self.decodes_in(node, state)
+        if isinstance(node, ast.Assign):
+            cast, dtype = self.cast(node.value, state), self.vae_dtype(node.value, state)
+            for target in node.targets:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    for elt, value in zip(target.elts, node.value.elts):
+                        state = self.bind(elt, self.cast(value, state), self.vae_dtype(value, state), state)
+                else:
+                    state = self.bind(target, cast, dtype, state)
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            state = self.bind(node.target, self.cast(node.value, state), self.vae_dtype(node.value, state), state)
+        elif isinstance(node, ast.AugAssign):
+            state = self.bind(node.target, self.cast(node.target, state) or self.cast(node.value, state), False, state)
+        return state
+
+
+def _merge(*states: Any) -> Any:
+    """What holds on every path that goes on (None: none does)."""
+    going = [state for state in states if state is not None]
+    if not going:
         return None
-    above = next((base for base in owner.__mro__[1:] if "__call__" in vars(base)), None)
-    return False if above is None or _call_reads_force_upcast(above) is False else None
+    return (frozenset.intersection(*(s[0] for s in going)), frozenset.intersection(*(s[1] for s in going)))
+
+
+def _dtype_like(node: ast.AST) -> bool:
+    """Whether ``node`` reads as a dtype (``torch.float16``, ``dtype``, ``x.dtype``): a ``.to`` to it casts."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "dtype" or isinstance(node.value, ast.Name) and node.value.id == "torch"
+    return isinstance(node, ast.Name) and "dtype" in node.id
 
 
 def vae_details(
@@ -109,7 +466,12 @@ def vae_details(
     if not has_check(role, "vae"):
         return {"vae_role": False}
     ran = {"vae_autocast": autocast} if autocast else {}
-    ran |= (upcast or {}) if sd_vae else {}
+    upcast = upcast or {}  # (an SD VAE's advice is its upcast's; another's, whether the call casts its latents)
+    ran |= (
+        {k: v for k, v in upcast.items() if k not in CAST_KEYS}
+        if sd_vae
+        else {k: upcast[k] for k in CAST_KEYS if k in upcast}
+    )
     return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {}), **ran}
 
 
