@@ -9,8 +9,8 @@ SIGINT and SIGTERM, where the script left their default handlers, raise where th
 ``KeyboardInterrupt``, :class:`Interrupted` for SIGTERM) so that the run is saved; a SIGTERM then ends
 the process by the signal, as it would have ended it. While the run is being saved a signal is noted
 and not raised, so that a second Ctrl-C does not cut summary.json or report.html; the same signal
-again within :data:`REPEAT_S` of the first is noted too (the launcher forwards a signal that may have
-reached the script from the group already).
+again within :data:`REPEAT_S` of the first is noted too (a sender that signals every process of the job,
+the launcher's too, which forwards it; the launcher in a terminal's foreground, whose script shares its group).
 
 ``DIFFUSION_DEBUG_NO_HTML=1`` in the launch's environment (:data:`NO_HTML`): the run is saved without
 report.html (a CI job that reads summary.json saves the seconds the page takes to build);
@@ -159,6 +159,25 @@ def end_by(signum: int) -> None:
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     raise SystemExit(128 + signum)  # the signal is blocked or delayed: the same exit status
+
+
+OWN_GROUP = "DIFFUSION_DEBUG_OWN_GROUP"
+"""Set by the one-process launcher outside a terminal's foreground for the script it starts (launch.py's
+"Signals"): the script leaves the launcher's process group."""
+
+
+def leave_launcher_group(environ: Any = os.environ) -> None:
+    """The one-process launcher's script (:data:`OWN_GROUP` set): a process group of its own in the launcher's
+    session, so that a signal to the launcher's group (``kill -TERM -PGID``, the command forwarding one) reaches
+    the launcher alone, which forwards it to this group once. Run before the script, so no handler of the
+    script's own is installed yet; the variable is taken out, so the script's subprocesses stay where it starts
+    them."""
+    if environ.pop(OWN_GROUP, None) != "1":
+        return
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # a group leader already: the launcher forwards to its group as to any other
+        pass
 
 
 def die_with_parent(c_library: Any = None) -> None:

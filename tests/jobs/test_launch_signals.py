@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import termios
+import time
 from pathlib import Path
 
 import psutil
@@ -129,9 +130,9 @@ def test_a_killed_command_ends_the_launcher_and_the_script_with_a_saved_run(tmp_
 def test_a_sigterm_to_the_launcher_started_directly_ends_it_after_the_scripts_cleanup_and_run(tmp_path, to):
     """``python -m diffusion_debug.jobs.launch`` started by a supervisor itself: a SIGTERM to its pid alone
     reaches the script too (the launcher forwards it: it waited its GRACE_S, 60 s, with the script training
-    on, and ended before the script), and one to its whole group, which the script gets twice (from the group
-    and forwarded), does not cut the script's own 3 s cleanup: the launcher ends by SIGTERM once the script
-    ended, the run saved."""
+    on, and ended before the script), and so does one to its whole group (the script, in a group of its own,
+    gets it forwarded), without cutting the script's own 3 s cleanup: the launcher ends by SIGTERM once the
+    script ended, the run saved."""
     launcher, script_pid = _launch_until(tmp_path, 3, "--cleanup-s", "3", module="diffusion_debug.jobs.launch")
     (os.kill if to == "launcher" else os.killpg)(launcher.pid, signal.SIGTERM)
     try:
@@ -171,14 +172,16 @@ def test_the_same_signal_again_within_repeat_s_is_noted_not_raised_again(monkeyp
 
 # a script with its own graceful stop (a checkpoint saved on SIGTERM or Ctrl-C, its handler counting its
 # calls) gets a signal sent to the launcher's pid alone (a supervisor, `kill PID`) once, forwarded; one sent
-# to the launcher's whole group it gets twice, from the group and forwarded (a known limit: launch.py's
-# docstring), and the terminal's Ctrl-C once (below)
+# to the launcher's whole group without a terminal (a scheduler) once too, forwarded (before, the script
+# shared the launcher's group and had it twice, from the group and forwarded), and the terminal's Ctrl-C
+# once (below)
+@pytest.mark.parametrize("to", ["launcher", "group"])
 @pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-def test_a_scripts_own_signal_handler_is_called_once_for_one_signal_to_the_launcher(tmp_path, sent):
+def test_a_scripts_own_signal_handler_is_called_once_for_one_signal_to_the_launcher(tmp_path, sent, to):
     count = tmp_path / "handled.txt"
     args = ("--count-signals", str(count), "--cleanup-s", "2")
     launcher, script_pid = _launch_until(tmp_path, 3, *args, module="diffusion_debug.jobs.launch")
-    os.kill(launcher.pid, sent)
+    (os.kill if to == "launcher" else os.killpg)(launcher.pid, sent)
     stdout, stderr = _end(launcher)
     assert launcher.returncode == -sent, stderr[-3000:]
     assert _gone(script_pid) and stdout.endswith("\n") and stdout.splitlines()[-1].startswith("trained ")
@@ -215,3 +218,104 @@ def test_a_sigint_to_the_launcher_started_directly_ends_it_with_the_scripts_clea
     run = load_run(_run_dir(tmp_path))
     assert run.summary["end"] == {"status": "interrupted", "signal": "SIGINT"}
     assert run.summary["training"]["total_steps"] >= 3
+
+
+def _launcher_of(command: subprocess.Popen) -> int:
+    """The pid of the launcher (``python -m diffusion_debug.jobs.launch``) that ``diffusion-debug launch``
+    started, the leader of its process group."""
+    (launcher,) = psutil.Process(command.pid).children()
+    return launcher.pid
+
+
+def test_a_sigterm_to_the_launchers_group_reaches_the_scripts_handler_once_and_the_command_waits(tmp_path):
+    """``kill -TERM -PGID`` of the launcher's group (a scheduler signalling the job's group, no terminal): the
+    script's own handler is called once (before: twice, from the group and forwarded), and the command
+    returns once the script's 3 s save is done, ending by SIGTERM."""
+    count = tmp_path / "handled.txt"
+    command, script_pid = _launch_until(tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "3")
+    os.killpg(_launcher_of(command), signal.SIGTERM)
+    try:
+        command.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        stop_launch(command)
+        pytest.fail("the command did not end after the signal")
+    script_gone = _gone(script_pid)
+    stdout, stderr = _end(command)
+    assert command.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert script_gone and stdout.splitlines()[-1].startswith("trained ")
+    assert count.read_text() == "SIGTERM\n"
+
+
+# SIGQUIT, SIGUSR1 and SIGUSR2 sent to the command reach the script's own handler once, forwarded (before, they
+# ended the command at their default; the launcher then had SIGTERM as its parent died, and so had the script);
+# SIGQUIT stops the run as SIGTERM does and the command ends by it; SIGUSR1 is the script's to answer, and the
+# command ends as the script did (here: it finished)
+@pytest.mark.parametrize(("sent", "returncode"), [(signal.SIGQUIT, -signal.SIGQUIT), (signal.SIGUSR1, 0)])
+def test_sigquit_and_sigusr1_to_the_command_reach_the_scripts_own_handler_once(tmp_path, sent, returncode):
+    count = tmp_path / "handled.txt"
+    command, script_pid = _launch_until(tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "1")
+    os.kill(command.pid, sent)
+    stdout, stderr = _end(command)
+    assert command.returncode == returncode, stderr[-3000:]
+    assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
+    assert count.read_text() == f"{sent.name}\n"
+
+
+def test_a_script_that_calls_setpgrp_runs_and_gets_a_group_signal_once(tmp_path):
+    """A script that calls ``os.setpgrp()`` (it signals its own subprocesses as a group) runs under launch as
+    under accelerate launch: not EPERM (a script made a session leader would have it), and a SIGTERM to the
+    launcher's group reaches its handler once."""
+    count = tmp_path / "handled.txt"
+    args = ("--setpgrp", "--count-signals", str(count), "--cleanup-s", "1")
+    launcher, script_pid = _launch_until(tmp_path, 3, *args, module="diffusion_debug.jobs.launch")
+    assert os.getpgid(script_pid) == script_pid
+    os.killpg(launcher.pid, signal.SIGTERM)
+    stdout, stderr = _end(launcher)
+    assert launcher.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
+    assert count.read_text() == "SIGTERM\n"
+
+
+def test_a_sigkill_to_the_launchers_group_leaves_no_script_and_the_command_waits_for_its_save(tmp_path):
+    """``kill -KILL -PGID`` of the launcher's group (no terminal): the script, in a group of its own, gets
+    SIGTERM as its launcher dies and saves its run in its own 3 s cleanup; the command, their subreaper,
+    returns (137, as the launcher ended) only once the script ended: no script is left running."""
+    command, script_pid = _launch_until(tmp_path, 3, "--cleanup-s", "3")
+    os.killpg(_launcher_of(command), signal.SIGKILL)
+    try:
+        command.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        stop_launch(command)
+        pytest.fail("the command did not end after the SIGKILL")
+    script_gone = _gone(script_pid)
+    stdout, stderr = _end(command)
+    assert command.returncode == 137, stderr[-3000:]
+    assert script_gone and stdout.endswith("cleaned up\n"), stdout[-300:]
+    assert load_run(_run_dir(tmp_path)).summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
+
+
+def _until_status(pid: int, stopped: bool) -> bool:
+    """Whether the process ``pid`` is (``stopped``) or is not stopped, looked at until it is, for up to 120 s."""
+    for _ in range(1200):
+        if (psutil.Process(pid).status() == psutil.STATUS_STOPPED) == stopped:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_sigtstp_to_the_launcher_stops_the_script_and_sigcont_continues_it(tmp_path):
+    """Without a terminal (the forwarding path; a terminal's Ctrl-Z reaches the script and the launcher that
+    share its foreground group, as before): a SIGTSTP to the launcher stops the script (before: the launcher
+    alone, the script training on), and a SIGCONT continues it; a SIGTERM then ends the launch as usual."""
+    launcher, script_pid = _launch_until(tmp_path, 3, module="diffusion_debug.jobs.launch")
+    os.kill(launcher.pid, signal.SIGTSTP)
+    stopped = _until_status(script_pid, stopped=True) and _until_status(launcher.pid, stopped=True)
+    os.kill(launcher.pid, signal.SIGCONT)
+    continued = _until_status(script_pid, stopped=False)
+    if not (stopped and continued):
+        stop_launch(launcher)  # the script's whole session, as the launcher had it
+    assert (stopped, continued) == (True, True)
+    os.kill(launcher.pid, signal.SIGTERM)
+    _, stderr = _end(launcher)
+    assert launcher.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert load_run(_run_dir(tmp_path)).summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
