@@ -250,7 +250,9 @@ def test_a_sigterm_to_the_launchers_group_reaches_the_scripts_handler_once_and_t
 # ended the command at their default; the launcher then had SIGTERM as its parent died, and so had the script);
 # SIGQUIT stops the run as SIGTERM does and the command ends by it; SIGUSR1 is the script's to answer, and the
 # command ends as the script did (here: it finished)
-@pytest.mark.parametrize(("sent", "returncode"), [(signal.SIGQUIT, -signal.SIGQUIT), (signal.SIGUSR1, 0)])
+@pytest.mark.parametrize(
+    ("sent", "returncode"), [(signal.SIGQUIT, -signal.SIGQUIT), (signal.SIGUSR1, 0)], ids=["SIGQUIT", "SIGUSR1"]
+)
 def test_sigquit_and_sigusr1_to_the_command_reach_the_scripts_own_handler_once(tmp_path, sent, returncode):
     count = tmp_path / "handled.txt"
     command, script_pid = _launch_until(tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "1")
