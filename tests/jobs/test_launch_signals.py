@@ -207,6 +207,27 @@ def test_one_ctrl_c_in_the_terminal_reaches_the_scripts_own_handler_once(tmp_pat
     assert count.read_text() == "SIGINT\n"
 
 
+def test_a_sigterm_to_the_command_in_a_terminal_reaches_the_scripts_own_handler_once(tmp_path):
+    """``diffusion-debug launch`` in a terminal's foreground, where the script shares the launcher's group (it
+    reads the terminal, it has the terminal's Ctrl-C itself): a SIGTERM to the command's pid goes to the
+    launcher's pid alone, which forwards it (before: to the launcher's group and forwarded, twice)."""
+    master, slave = pty.openpty()
+    count = tmp_path / "handled.txt"
+    try:
+        launcher, script_pid = _launch_until(
+            tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "2", terminal=slave
+        )
+        assert os.getpgid(script_pid) == _launcher_of(launcher)  # in the launcher's group, the foreground
+        os.kill(launcher.pid, signal.SIGTERM)
+        stdout, stderr = _end(launcher)
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert launcher.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
+    assert count.read_text() == "SIGTERM\n"
+
+
 def test_a_sigint_to_the_launcher_started_directly_ends_it_with_the_scripts_cleanup_and_run(tmp_path):
     """A SIGINT to the pid of ``python -m diffusion_debug.jobs.launch`` alone (no terminal): the script gets
     it (KeyboardInterrupt), runs its cleanup and saves its run; the launcher ends by SIGINT."""
