@@ -342,3 +342,27 @@ def test_sigtstp_to_the_launcher_stops_the_script_and_sigcont_continues_it(tmp_p
     _, stderr = _end(launcher)
     assert launcher.returncode == -signal.SIGTERM, stderr[-3000:]
     assert load_run(_run_dir(tmp_path)).summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
+
+
+def test_ctrl_z_in_the_terminal_stops_the_script_and_the_launcher(tmp_path):
+    """In a terminal's foreground (a pty, as a shell runs the command) Ctrl-Z stops the training (the script,
+    in the launcher's group, the terminal's foreground) with its launcher, as under a plain launch; a SIGCONT
+    to the group continues both, and a Ctrl-C then ends the launch by SIGINT."""
+    master, slave = pty.openpty()
+    try:
+        command, script_pid = _launch_until(tmp_path, 3, terminal=slave)
+        group = _launcher_of(command)
+        os.write(master, b"\x1a")  # the terminal's suspend character: SIGTSTP to its foreground group
+        stopped = _until_status(script_pid, stopped=True) and _until_status(group, stopped=True)
+        os.killpg(group, signal.SIGCONT)  # as a shell's fg does
+        continued = _until_status(script_pid, stopped=False)
+        if not (stopped and continued):
+            stop_launch(command)
+        assert (stopped, continued) == (True, True)
+        os.write(master, b"\x03")
+        _, stderr = _end(command)
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert command.returncode == -signal.SIGINT, stderr[-3000:]
+    assert load_run(_run_dir(tmp_path)).summary["end"] == {"status": "interrupted", "signal": "SIGINT"}
