@@ -21,9 +21,10 @@ SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) sent to the command's pid alone are 
 the terminal's foreground SIGTERM, SIGUSR1 and SIGUSR2 to the launcher's pid alone, which forwards them; one
 the command was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored), and a SIGKILL of it
 sends SIGTERM to the launcher (Linux; the script's process then gets SIGTERM as its parent ends). After an
-interrupt or a failure the command, subreaper of what it started, waits for every process left (the
-script's, saving its run) before it returns, up to :data:`GRACE_S`: on Ctrl-C it returns once report.html
-is written. The launcher and the command then end by the signal itself (a shell loop or a scheduler sees "killed
+interrupt or a failure the command, subreaper of what it started, waits for every process left in its session (the
+script's, saving its run; not a daemon the script started in a session of its own) before it returns, up to
+:data:`GRACE_S`: on Ctrl-C it returns once report.html is written. The launcher and the command then end by the
+signal itself (a shell loop or a scheduler sees "killed
 by SIGINT / SIGTERM", not an exit status 130 / 143), under every accelerate: the one-process launcher
 waits for the script instead of answering the signal (accelerate 1.16's terminates the script and kills
 it 5 seconds later, before report.html), and accelerate 1.16's exit status 128 + N after torch's elastic
@@ -34,7 +35,10 @@ its code runs (:func:`~diffusion_debug.jobs.launch_end.leave_launcher_group`): a
 group (``kill -TERM -PGID``, the command forwarding one) or to its pid reaches the launcher alone, which
 forwards it to the script (not to its DataLoader workers, which end with it). SIGINT, SIGTERM, SIGHUP and
 SIGQUIT stop the run (the launcher waits for the script, then ends by the signal); SIGUSR1 and SIGUSR2 are
-the script's to answer (a checkpoint before a preemption: the launch ends as the script does); SIGTSTP
+the script's to answer (a checkpoint before a preemption: the launch ends as the script does). One of SIGHUP,
+SIGQUIT, SIGUSR1 and SIGUSR2 that the script leaves at its default (no handler in its /proc/PID/status SigCgt,
+not ignored), which would end it with nothing saved, is sent to it as SIGTERM: it saves its run, and the
+launcher ends by the signal it had (SLURM's ``--signal=USR1@60`` to a script without a handler); SIGTSTP
 stops the script and the launcher, SIGCONT continues both. A ``kill -KILL -PGID`` ends the launcher alone:
 the script gets SIGTERM as its parent dies (PR_SET_PDEATHSIG, set by the bootstrap), saves its run and ends,
 and the command waits for it. SIGTERM rather than SIGKILL: a save that outlives the launcher's GRACE_S is
@@ -52,16 +56,20 @@ failed script (its summary and traceback printed twice): the launcher raises the
 accelerate up to 1.15 raised it. DeepSpeed's multi-node launch (pdsh) is left to accelerate: under 1.16 a
 signal still terminates it and kills it 5 seconds later.
 
-Limits: a sender that signals every process of the job itself (a SLURM cgroup, systemd), or the whole
-group of a launcher in a terminal's foreground (``kill -TERM -PGID`` from another terminal), reaches the
-one-process script twice: REPEAT_S drops the repeat for our own handler only, so a SIGTERM handler of the
-script's own (a checkpoint saved on it) is called twice. A SIGINT, SIGHUP or SIGQUIT sent to the pid of a
-launcher in a terminal's foreground is not forwarded (the terminal's would be had twice). Outside a
-terminal's foreground: an ``os.setsid()`` in the script fails (EPERM, a group leader), as it does in a job a
-shell starts and in torchrun's workers; a launch started with ``&`` and brought to the foreground keeps its
-script in its own group, which stops (SIGTTIN) if it reads the terminal; a script that ignores SIGTERM runs
-on after a ``kill -KILL -PGID``; a SIGTSTP or SIGCONT sent to the command is not forwarded. An mpirun
-(accelerate's CPU multi-node launch) is the one-process launcher's child as the script is.
+Limits: a sender that signals every process of the job itself (a SLURM cgroup, systemd), or the whole group of a
+launcher in a terminal's foreground (``kill -TERM -PGID`` from another terminal), reaches the one-process script
+twice: REPEAT_S drops the repeat for our own handler only, so a SIGTERM handler of the script's own (a checkpoint
+saved on it) is called twice. A SIGINT, SIGHUP or SIGQUIT sent to the pid of a launcher in a terminal's foreground
+is not forwarded (the terminal's would be had twice). Outside a terminal's foreground: an ``os.setsid()`` in the
+script fails with EPERM (it leads its group; in a terminal's foreground, and under ``accelerate launch``, it
+works), as it does in torchrun's workers; a launch started with ``&`` and brought to the foreground keeps its
+script in its own group, which stops (SIGTTIN) if it reads the terminal; a script that ignores SIGTERM runs on
+after a ``kill -KILL -PGID``; a SIGTSTP or SIGCONT sent to the command is not forwarded. An mpirun (accelerate's
+CPU multi-node launch) is the one-process launcher's child as the script is, and stays in its group. A signal to
+the launcher's group in the script's first moments, before the bootstrap left it, reaches the script from the group
+too.
+Long because the signal paths of the command, the launcher and its one-process launcher are one design, read
+together, and split they would each need the others' docstring.
 """
 
 from __future__ import annotations
@@ -77,7 +85,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
-from .launch_end import OWN_GROUP, die_with_parent, end_by, libc
+from .launch_end import OWN_GROUP, as_forwarded, die_with_parent, end_by, libc, session_children
 
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 """The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
@@ -314,14 +322,16 @@ def _take_terminal_back(terminal: int | None) -> None:
 
 
 def _wait_for_children(group: int, reaper: bool, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Until no process is left (as subreaper: every orphan reaped, the script's too, which runs in a group of
-    its own; else: none of ``group`` answers a signal 0), or :data:`GRACE_S` has passed."""
+    """Until no process is left (as subreaper: every orphan in this session reaped, the script's too, which runs
+    in a group of its own; else: none of ``group`` answers a signal 0), or :data:`GRACE_S` has passed."""
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:
         try:
             if reaper:
                 if os.waitpid(-1, os.WNOHANG)[0] != 0:
                     continue  # one reaped: look again at once
+                if session_children() == []:  # a daemon the script started (its own session) is not waited for
+                    return
             else:
                 os.killpg(group, 0)
         except (ChildProcessError, ProcessLookupError):
@@ -410,20 +420,24 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
         own_group = not _terminal_foreground()  # else the script shares this group, the terminal's foreground
 
         def note(signum: int, frame: Any) -> None:
-            if signum not in ENDING:  # SIGUSR1 / SIGUSR2; SIGTSTP and SIGCONT (own_group)
+            if signum in (signal.SIGTSTP, signal.SIGCONT):  # own_group
                 _forward_to_children(signum)
                 if signum == signal.SIGTSTP:
                     os.kill(os.getpid(), signal.SIGSTOP)  # stopped with its script; SIGCONT continues both
+                return
+            if signum in USER_SIGNALS:  # the script's to answer; one it leaves at its default: sent as SIGTERM
+                if _forward_to_children(signum, as_sigterm=True):
+                    received.append((signum, time.monotonic()))  # the run saved, the launch ends by signum
                 return
             received.append((signum, time.monotonic()))
             if os.getppid() != parent:
                 end_by(signum)
             if own_group or (len(received) == 1 and not (signum != signal.SIGTERM and _terminal_foreground())):
-                _forward_to_children(signum)
+                _forward_to_children(signum, as_sigterm=True)
 
         stops = (signal.SIGTSTP, signal.SIGCONT) if own_group else ()
         previous = _handle((*FORWARDED, *stops), note)
-        if own_group:
+        if own_group and not getattr(args, "mpirun_hostfile", None):  # not for an mpirun: the script's own
             os.environ[OWN_GROUP] = "1"  # the script leaves this group (launch_end.leave_launcher_group)
         thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
         try:
@@ -463,18 +477,24 @@ def _terminal_foreground() -> bool:
         os.close(fd)
 
 
-def _forward_to_children(signum: int) -> None:
+def _forward_to_children(signum: int, as_sigterm: bool = False) -> bool:
     """``signum`` to this process's child processes still running (the script's, or torchrun's workers), each
     alone: its DataLoader workers are left to it (they end with it), as they are under a signal sent to its pid.
     Where a script sharing this group had it from the group too (a terminal's foreground group signalled whole),
-    the repeat is noted there, not raised again (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`)."""
+    the repeat is noted there, not raised again (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`).
+    ``as_sigterm``: SIGTERM instead to a child that leaves ``signum`` at a default that ends it
+    (:func:`~diffusion_debug.jobs.launch_end.as_forwarded`: its run is saved); whether one was sent that."""
     import psutil
 
+    replaced = False
     for child in psutil.Process().children():
+        sent = as_forwarded(child.pid, signum) if as_sigterm else signum
         try:
-            child.send_signal(signum)
+            child.send_signal(sent)
         except psutil.Error:  # ended meanwhile
-            pass
+            continue
+        replaced |= sent != signum
+    return replaced
 
 
 def _end_by_agent_signal(error: BaseException) -> None:
