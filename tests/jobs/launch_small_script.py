@@ -10,7 +10,8 @@ then plants a NaN in the model's gradient at round S); --pipeline-debugger DIR (
 call of a tiny SD pipeline whose UNet makes an Inf at its second step, watched by the script's own
 DiffusionModelDebugger writing to DIR); --cleanup-s S (interrupted, the script's own cleanup sleeps S seconds, then
 prints "cleaned up"); --count-signals FILE (the script's own graceful stop, as a checkpointing script has it:
-its SIGTERM, SIGINT, SIGQUIT, SIGUSR1 and SIGUSR2 handler counts its calls and stops the loop at the first;
+its SIGTERM, SIGINT, SIGQUIT, SIGUSR1 and SIGUSR2 handler counts its calls and stops the loop at the first but
+SIGUSR1, a checkpoint-and-continue;
 each round waits 0.2 s for its data (where a signal finds it, the handler runs at once: one that came twice is
 counted twice); the script then saves for --cleanup-s seconds and writes the names of the signals its handler
 had to FILE, one a line); --setpgrp (the script calls os.setpgrp() first, as one that signals its own
@@ -78,7 +79,7 @@ if args.count_signals:
 
 step = 0
 try:
-    while not handled and (args.forever or step < args.steps):
+    while not (set(handled) - {signal.SIGUSR1}) and (args.forever or step < args.steps):
         x = torch.randn(4, 8, generator=generator)
         if args.optimizers == "gan":  # the discriminator's step, then the generator's, each on its own backward
             fake = first(x)
