@@ -180,9 +180,10 @@ def test_the_same_signal_again_within_repeat_s_is_noted_not_raised_again(monkeyp
 # calls) gets a signal sent to the launcher's pid alone (a supervisor, `kill PID`) once, forwarded (SIGTERM:
 # below, with SIGTSTP, SIGCONT and SIGUSR1); one sent to the launcher's whole group without a terminal (a
 # scheduler, `kill -TERM -PGID`) once too, forwarded (before, the script shared the launcher's group and had it
-# twice, from the group and forwarded), also where the script calls os.setpgrp() itself (not EPERM, as a script
-# made a session leader would have it), and `diffusion-debug launch` returns only once the script's save is
-# done; the terminal's Ctrl-C once (below)
+# twice, from the group and forwarded), and `diffusion-debug launch` returns only once the script's save is done;
+# the terminal's Ctrl-C once (below). [SIGINT-launcher]'s script calls os.setpgrp() itself and runs (not EPERM,
+# as a script made a session leader would have it); not [SIGTERM-group]'s, which would leave the group itself
+# and have the signal once on main too
 @pytest.mark.parametrize(
     ("sent", "to"), [(signal.SIGINT, "launcher"), (signal.SIGTERM, "group")], ids=lambda v: getattr(v, "name", v)
 )
@@ -190,11 +191,11 @@ def test_a_scripts_own_signal_handler_is_called_once_for_one_signal_to_the_launc
     count = tmp_path / "handled.txt"
     args = ("--count-signals", str(count), "--cleanup-s", "1")
     if to == "launcher":
-        command, script_pid = _launch_until(tmp_path, 3, *args, module="diffusion_debug.jobs.launch")
+        command, script_pid = _launch_until(tmp_path, 3, *args, "--setpgrp", module="diffusion_debug.jobs.launch")
+        assert os.getpgid(script_pid) == script_pid
         os.kill(command.pid, sent)
     else:
-        command, script_pid = _launch_until(tmp_path, 3, *args, "--setpgrp")
-        assert os.getpgid(script_pid) == script_pid
+        command, script_pid = _launch_until(tmp_path, 3, *args)
         os.killpg(_launcher_of(command), sent)
     try:
         command.wait(timeout=300)
