@@ -16,20 +16,39 @@ The command's own process imports no torch: it only starts the launcher (the cos
 one Python that imports torch fewer than a launch that parses accelerate's options itself).
 
 Signals: the launcher runs in a process group of its own (the terminal's foreground, where the
-command had it), so Ctrl-C in the terminal reaches it and the script as under a plain launch;
-SIGINT, SIGTERM or SIGHUP sent to the command's pid alone are forwarded to that group (one the
-command was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored), and a SIGKILL of
-it sends SIGTERM to the launcher (Linux; the script's process then gets SIGTERM as its parent ends).
-After an interrupt or a failure the command waits for the group's processes (the script's, saving
-its run) before it returns, up to :data:`GRACE_S`: on Ctrl-C it returns once report.html is written.
-The launcher and the command then end by the signal itself (a shell loop or a scheduler sees "killed
+command had it), so Ctrl-C in the terminal reaches it as under a plain launch; :data:`FORWARDED` (SIGINT,
+SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) sent to the command's pid alone are forwarded to that group (in
+the terminal's foreground SIGTERM, SIGUSR1 and SIGUSR2 to the launcher's pid alone, which forwards them; one
+the command was started ignoring, as ``nohup`` or a shell's ``&`` do, stays ignored), and a SIGKILL of it
+sends SIGTERM to the launcher (Linux; the script's process then gets SIGTERM as its parent ends). After an
+interrupt or a failure the command, subreaper of what it started, waits for every process left in its session (the
+script's, saving its run; not a daemon the script started in a session of its own) before it returns, up to
+:data:`GRACE_S`: on Ctrl-C it returns once report.html is written. The launcher and the command then end by the
+signal itself (a shell loop or a scheduler sees "killed
 by SIGINT / SIGTERM", not an exit status 130 / 143), under every accelerate: the one-process launcher
 waits for the script instead of answering the signal (accelerate 1.16's terminates the script and kills
 it 5 seconds later, before report.html), and accelerate 1.16's exit status 128 + N after torch's elastic
-agent was signalled becomes the signal N again. The one-process launcher forwards the signal to the script
-(a supervisor that started ``python -m diffusion_debug.jobs.launch`` itself may signal its pid alone),
-except a Ctrl-C or hangup of the terminal whose foreground it is; where the script had it from the group too,
-the repeat is noted, not raised into its cleanup (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`).
+agent was signalled becomes the signal N again. SIGUSR1 and SIGUSR2 reach torchrun's workers (forwarded).
+Each signal reaches the one-process script once. Outside a terminal's foreground (no terminal: a scheduler,
+a supervisor, ``&``) the script leaves the launcher's group for one of its own in the same session before
+its code runs (:func:`~diffusion_debug.jobs.launch_end.leave_launcher_group`): a signal to the launcher's
+group (``kill -TERM -PGID``, the command forwarding one) or to its pid reaches the launcher alone, which
+forwards it to the script (not to its DataLoader workers, which end with it). SIGINT, SIGTERM, SIGHUP and
+SIGQUIT stop the run (the launcher waits for the script, then ends by the signal); SIGUSR1 and SIGUSR2 are
+the script's to answer (a checkpoint before a preemption: the launch ends as the script does). One of SIGHUP,
+SIGQUIT, SIGUSR1 and SIGUSR2 that the script leaves at its default (no handler in its /proc/PID/status SigCgt,
+not ignored), which would end it with nothing saved, is sent to it as SIGTERM: it saves its run, and the
+launcher ends by the signal it had (SLURM's ``--signal=USR1@60`` to a script without a handler); SIGTSTP
+stops the script and the launcher, SIGCONT continues both. A ``kill -KILL -PGID`` ends the launcher alone:
+the script gets SIGTERM as its parent dies (PR_SET_PDEATHSIG, set by the bootstrap), saves its run and ends,
+and the command waits for it. SIGTERM rather than SIGKILL: a save that outlives the launcher's GRACE_S is
+not cut. The script leads its group, so an ``os.setpgrp()`` of its own does nothing. In a terminal's
+foreground the script stays in the launcher's group, so it reads the terminal (pdb) and has the terminal's
+Ctrl-C, Ctrl-\\ and Ctrl-Z itself, the launcher with it; the launcher forwards to it only what a terminal
+never sends (SIGTERM, the first one; SIGUSR1, SIGUSR2). Why not tell a group signal from one to the
+launcher's pid instead: from one sender, ``kill(-PGID)`` and ``kill(PID)`` give the same siginfo (si_pid,
+si_code SI_USER), and whether the script had it too (SigPnd / ShdPnd in its /proc/PID/status) is gone once
+its handler ran.
 Under accelerate 1.16 the one-process script's stderr is a pipe through the launcher (accelerate keeps its
 tail for the error it raises): the script sees no terminal there, and what it writes to stderr after the
 launcher ended (a SIGKILLed command) is lost. accelerate 1.16 raises that tail again in its error for a
@@ -37,13 +56,20 @@ failed script (its summary and traceback printed twice): the launcher raises the
 accelerate up to 1.15 raised it. DeepSpeed's multi-node launch (pdsh) is left to accelerate: under 1.16 a
 signal still terminates it and kills it 5 seconds later.
 
-Limits: a SIGTERM or SIGINT sent to the launcher's whole group without a terminal (``kill -TERM -PGID``, a
-scheduler signalling the job's group) reaches the one-process script twice, from the group and forwarded:
-REPEAT_S drops the repeat for our own handler only, so a SIGTERM handler of the script's own (a checkpoint
-saved on it) is called twice; so is it where a sender signals every process of the job (a SLURM cgroup,
-systemd). The script stays in the launcher's group on purpose: a ``kill -KILL -PGID`` still reaches it, our
-own handler drops the repeat in its cleanup, a signal to the launcher alone does not reach the script's
-DataLoader workers, and an mpirun gets a Ctrl-C once (not forwarded: its second is a forced stop).
+Limits: a sender that signals every process of the job itself (a SLURM cgroup, systemd), or the whole group of a
+launcher in a terminal's foreground (``kill -TERM -PGID`` from another terminal), reaches the one-process script
+twice: REPEAT_S drops the repeat for our own handler only, so a SIGTERM handler of the script's own (a checkpoint
+saved on it) is called twice. A SIGINT, SIGHUP or SIGQUIT sent to the pid of a launcher in a terminal's foreground
+is not forwarded (the terminal's would be had twice). Outside a terminal's foreground: an ``os.setsid()`` in the
+script fails with EPERM (it leads its group; in a terminal's foreground, and under ``accelerate launch``, it
+works), as it does in torchrun's workers; a launch started with ``&`` and brought to the foreground keeps its
+script in its own group, which stops (SIGTTIN) if it reads the terminal; a script that ignores SIGTERM runs on
+after a ``kill -KILL -PGID``; a SIGTSTP or SIGCONT sent to the command is not forwarded. An mpirun (accelerate's
+CPU multi-node launch) is the one-process launcher's child as the script is, and stays in its group. A signal to
+the launcher's group in the script's first moments, before the bootstrap left it, reaches the script from the group
+too.
+Long because the signal paths of the command, the launcher and its one-process launcher are one design, read
+together, and split they would each need the others' docstring.
 """
 
 from __future__ import annotations
@@ -59,14 +85,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
-from .launch_end import die_with_parent, end_by, libc
+from .launch_end import OWN_GROUP, as_forwarded, die_with_parent, end_by, libc, session_children
 
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 """The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
 BOOTSTRAP = "diffusion_debug.jobs.launched"
 OWN_OPTIONS = ("--debug-output-dir", "--debug-config", "--level", "--policy")
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_AGENT_SIGNALS = frozenset(int(s) for s in (*FORWARDED, signal.SIGQUIT))
+ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+"""The signals that stop a run: the launcher waits for the script's save, then ends by the signal."""
+USER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+"""The script's to answer (a checkpoint before a preemption): forwarded; the launch ends as the script does."""
+FORWARDED = (*ENDING, *USER_SIGNALS)
+_DIRECTED = (signal.SIGTERM, *USER_SIGNALS)
+"""What a terminal never sends: the launcher forwards these to a script that shares its group, too."""
+_AGENT_SIGNALS = frozenset(int(s) for s in ENDING)
 """The signals torch's elastic agent turns into a SignalException (accelerate 1.16: exit status 128 + N)."""
 GRACE_S = 60.0
 """How long the launcher waits, after an interrupt or a failure, for the processes still saving."""
@@ -222,9 +254,10 @@ def run_launch(argv: list[str]) -> int:
 
 
 def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
-    """Run ``command`` in a process group of its own, forward SIGINT, SIGTERM and SIGHUP to the
-    group, and after an interrupt or a failure wait for the group's processes (up to
-    :data:`GRACE_S`); the command's return code (negative: the signal that ended it)."""
+    """Run ``command`` in a process group of its own, forward :data:`FORWARDED` to it (to its group; in the
+    terminal's foreground, :data:`_DIRECTED` to its pid alone: it forwards those to its script), and after an
+    interrupt or a failure wait for the processes left (up to :data:`GRACE_S`); the command's return code
+    (negative: the signal that ended it)."""
     c_library = libc()
     reaper = c_library is not None and c_library.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
     terminal = _foreground_terminal()
@@ -235,7 +268,7 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     def forward(signum: int, frame: Any) -> None:
         forwarded.append(signum)
         try:
-            os.killpg(group, signum)
+            (os.kill if terminal is not None and signum in _DIRECTED else os.killpg)(group, signum)
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -244,7 +277,7 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     try:
         returncode = process.wait()
         if forwarded or returncode != 0:  # the script's processes may still be saving their run
-            _wait_for_group(group, reaper)
+            _wait_for_children(group, reaper)
     finally:
         _take_terminal_back(terminal)
         for signum, handler in previous.items():
@@ -288,15 +321,17 @@ def _take_terminal_back(terminal: int | None) -> None:
         _set_foreground(terminal, os.getpgrp())
 
 
-def _wait_for_group(group: int, reaper: bool, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Until no process of ``group`` is left (as subreaper: reaped; else: none answers a signal 0),
-    or :data:`GRACE_S` has passed."""
+def _wait_for_children(group: int, reaper: bool, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Until no process is left (as subreaper: every orphan in this session reaped, the script's too, which runs
+    in a group of its own; else: none of ``group`` answers a signal 0), or :data:`GRACE_S` has passed."""
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:
         try:
             if reaper:
-                if os.waitpid(-group, os.WNOHANG)[0] != 0:
+                if os.waitpid(-1, os.WNOHANG)[0] != 0:
                     continue  # one reaped: look again at once
+                if session_children() == []:  # a daemon the script started (its own session) is not waited for
+                    return
             else:
                 os.killpg(group, 0)
         except (ChildProcessError, ProcessLookupError):
@@ -334,6 +369,9 @@ def main(argv: list[str]) -> int:
     simple_launcher = getattr(accelerate_launch, "simple_launcher", None)  # detected, never assumed
     if simple_launcher is not None:
         accelerate_launch.simple_launcher = _waiting_for_the_script(simple_launcher)
+    # SIGUSR1 / SIGUSR2 to the script's processes (torchrun's workers run in sessions of their own): left at
+    # their default, they would end this launcher and leave the script to its parent-death SIGTERM
+    previous = _handle(USER_SIGNALS, lambda signum, frame: _forward_to_children(signum))
     try:
         accelerate_launch.launch_command(args)
     except BaseException as error:  # accelerate's SystemExit(128 + N) too (1.16)
@@ -342,21 +380,32 @@ def main(argv: list[str]) -> int:
     finally:
         if simple_launcher is not None:
             accelerate_launch.simple_launcher = simple_launcher
+        _restore(previous)
     return 0
+
+
+def _handle(signals: tuple[int, ...], handler: Callable[[int, Any], None]) -> dict[int, Any]:
+    """``handler`` for each of ``signals`` not ignored (a job started with nohup, or by a shell's ``&``, keeps
+    them ignored); the handlers it replaced."""
+    return {s: signal.signal(s, handler) for s in signals if signal.getsignal(s) != signal.SIG_IGN}
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[[Any], None]:
     """accelerate's one-process launcher, run so that a signal leaves the script its time to save its run
-    and the launcher then ends by that signal, under every accelerate. The signal reaches the script from
-    the group (the terminal's Ctrl-C, or :func:`run_forwarding`); this process only notes it and waits for
-    the script, up to :data:`GRACE_S`. accelerate 1.16 would otherwise answer it by terminating the script
-    and killing it 5 seconds later (``_terminate_process_tree``: no report.html, no terminal summary) and
-    exit 143 / 130; up to 1.15 this process died by the signal at once. Run in a thread, accelerate's
-    launcher leaves the signals to this (main) thread; the launcher that started this process gone (its
-    SIGKILL sends SIGTERM here), it ends at once, as before: the script then gets SIGTERM as its parent ends.
-    Else the first signal is forwarded to the script (:func:`_forward_to_children`): one sent to this pid
-    alone would leave the script training for GRACE_S; a Ctrl-C or hangup of the terminal whose foreground
-    group this is reached the script already and is not."""
+    and the launcher then ends by that signal, under every accelerate: this process forwards the signal to the
+    script (:func:`_forward_to_children`) and waits for it, up to :data:`GRACE_S`. accelerate 1.16 would
+    otherwise answer it by terminating the script and killing it 5 seconds later (``_terminate_process_tree``:
+    no report.html, no terminal summary) and exit 143 / 130; up to 1.15 this process died by the signal at once.
+    Run in a thread, accelerate's launcher leaves the signals to this (main) thread; the launcher that started
+    this process gone (its SIGKILL sends SIGTERM here), it ends at once, as before: the script then gets SIGTERM
+    as its parent ends. Outside a terminal's foreground the script runs in a group of its own and every signal
+    is forwarded (the module docstring's "Signals"); in it, the script shares this group: the first SIGTERM is
+    forwarded, and a SIGINT, SIGHUP or SIGQUIT is not (the terminal's reached the script already)."""
 
     def run(args: Any) -> None:
         raised: list[BaseException] = []
@@ -368,26 +417,41 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
                 raised.append(error)
 
         parent, received = os.getppid(), []
+        own_group = not _terminal_foreground()  # else the script shares this group, the terminal's foreground
 
         def note(signum: int, frame: Any) -> None:
+            if signum in (signal.SIGTSTP, signal.SIGCONT):  # own_group
+                _forward_to_children(signum)
+                if signum == signal.SIGTSTP:
+                    os.kill(os.getpid(), signal.SIGSTOP)  # stopped with its script; SIGCONT continues both
+                return
+            if signum in USER_SIGNALS:  # the script's to answer; one it leaves at its default: sent as SIGTERM
+                if _forward_to_children(signum, as_sigterm=True):
+                    received.append((signum, time.monotonic()))  # the run saved, the launch ends by signum
+                return
             received.append((signum, time.monotonic()))
             if os.getppid() != parent:
                 end_by(signum)
-            if len(received) == 1 and not (signum != signal.SIGTERM and _terminal_foreground()):
-                _forward_to_children(signum)
+            if own_group or (len(received) == 1 and not (signum != signal.SIGTERM and _terminal_foreground())):
+                _forward_to_children(signum, as_sigterm=True)
 
-        previous = {s: signal.signal(s, note) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
+        stops = (signal.SIGTSTP, signal.SIGCONT) if own_group else ()
+        previous = _handle((*FORWARDED, *stops), note)
+        if own_group and not getattr(args, "mpirun_hostfile", None):  # not for an mpirun: the script's own
+            os.environ[OWN_GROUP] = "1"  # the script leaves this group (launch_end.leave_launcher_group)
         thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
         try:
             thread.start()
             while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):
                 thread.join(0.1)
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            os.environ.pop(OWN_GROUP, None)
+            _restore(previous)
         if received:
             end_by(received[0][0])
         error = raised[0] if raised else None
+        if isinstance(error, subprocess.CalledProcessError) and -error.returncode in USER_SIGNALS:
+            end_by(-error.returncode)  # the script ended by a SIGUSR1 / SIGUSR2 it left at its default: so does this
         if isinstance(error, subprocess.CalledProcessError) and error.stderr is not None:
             # accelerate 1.16 raises the tail of the script's stderr again, which it wrote through already
             # (the script's summary and traceback, twice): the error as accelerate up to 1.15 raised it
@@ -413,18 +477,24 @@ def _terminal_foreground() -> bool:
         os.close(fd)
 
 
-def _forward_to_children(signum: int) -> None:
-    """``signum`` to this process's child processes still running (the script's): a signal sent to this
-    launcher alone (``kill PID`` of ``python -m diffusion_debug.jobs.launch``) reaches the script too.
-    Where the script had it from the group already, the repeat is noted there and not raised again
-    (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`)."""
+def _forward_to_children(signum: int, as_sigterm: bool = False) -> bool:
+    """``signum`` to this process's child processes still running (the script's, or torchrun's workers), each
+    alone: its DataLoader workers are left to it (they end with it), as they are under a signal sent to its pid.
+    Where a script sharing this group had it from the group too (a terminal's foreground group signalled whole),
+    the repeat is noted there, not raised again (:data:`~diffusion_debug.jobs.launch_end.REPEAT_S`).
+    ``as_sigterm``: SIGTERM instead to a child that leaves ``signum`` at a default that ends it
+    (:func:`~diffusion_debug.jobs.launch_end.as_forwarded`: its run is saved); whether one was sent that."""
     import psutil
 
+    replaced = False
     for child in psutil.Process().children():
+        sent = as_forwarded(child.pid, signum) if as_sigterm else signum
         try:
-            child.send_signal(signum)
+            child.send_signal(sent)
         except psutil.Error:  # ended meanwhile
-            pass
+            continue
+        replaced |= sent != signum
+    return replaced
 
 
 def _end_by_agent_signal(error: BaseException) -> None:

@@ -9,8 +9,8 @@ SIGINT and SIGTERM, where the script left their default handlers, raise where th
 ``KeyboardInterrupt``, :class:`Interrupted` for SIGTERM) so that the run is saved; a SIGTERM then ends
 the process by the signal, as it would have ended it. While the run is being saved a signal is noted
 and not raised, so that a second Ctrl-C does not cut summary.json or report.html; the same signal
-again within :data:`REPEAT_S` of the first is noted too (the launcher forwards a signal that may have
-reached the script from the group already).
+again within :data:`REPEAT_S` of the first is noted too (a sender that signals every process of the job,
+the launcher's too, which forwards it; the launcher in a terminal's foreground, whose script shares its group).
 
 ``DIFFUSION_DEBUG_NO_HTML=1`` in the launch's environment (:data:`NO_HTML`): the run is saved without
 report.html (a CI job that reads summary.json saves the seconds the page takes to build);
@@ -159,6 +159,75 @@ def end_by(signum: int) -> None:
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     raise SystemExit(128 + signum)  # the signal is blocked or delayed: the same exit status
+
+
+OWN_GROUP = "DIFFUSION_DEBUG_OWN_GROUP"
+"""Set by the one-process launcher outside a terminal's foreground for the script it starts (launch.py's
+"Signals"): the script leaves the launcher's process group."""
+
+
+def leave_launcher_group(environ: Any = os.environ) -> None:
+    """The one-process launcher's script (:data:`OWN_GROUP` set): a process group of its own in the launcher's
+    session, so that a signal to the launcher's group (``kill -TERM -PGID``, the command forwarding one) reaches
+    the launcher alone, which forwards it to this process's pid, once. Run before the script, so no handler of
+    the script's own is installed yet; the variable is taken out, so the script's subprocesses stay where it
+    starts them. A signal to the launcher's group that comes before this line (the script's first moments)
+    reaches the script from the group too."""
+    if environ.pop(OWN_GROUP, None) != "1":
+        return
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # a group leader already: the launcher signals its pid as any other's
+        pass
+
+
+ENDS_AT_DEFAULT = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+"""Forwarded signals that end a process at their default: :func:`as_forwarded` sends SIGTERM instead to a
+script that neither catches nor ignores one, so that the bootstrap saves its run."""
+
+
+def as_forwarded(pid: int, signum: int) -> int:
+    """The signal the launcher sends the script ``pid`` for ``signum``: SIGTERM for one of :data:`ENDS_AT_DEFAULT`
+    the script left at its default (SigCgt and SigIgn in /proc/PID/status; the bootstrap handles SIGTERM and
+    saves the run, where ``signum`` would end the script with nothing saved), else ``signum`` (the script's own
+    handler answers it, or it cannot be read).
+
+    >>> as_forwarded(os.getpid(), signal.SIGINT) == signal.SIGINT
+    True
+    """
+    if signum not in ENDS_AT_DEFAULT:
+        return signum
+    masks: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                name, _, value = line.partition(":")
+                if name in ("SigCgt", "SigIgn"):
+                    masks[name] = int(value, 16)
+    except (OSError, ValueError):
+        return signum
+    bit = 1 << (signum - 1)
+    if len(masks) < 2 or (masks["SigCgt"] | masks["SigIgn"]) & bit:
+        return signum
+    return signal.SIGTERM
+
+
+def session_children() -> list[int] | None:
+    """This process's children in its own session (the orphans it reaps as subreaper among them; a daemon that
+    left the session with ``setsid`` is not one), or None where /proc does not list children."""
+    lists = list(Path("/proc/self/task").glob("*/children"))
+    if not lists:
+        return None
+    session, found = os.getsid(0), []
+    for children in lists:
+        for pid in children.read_text(encoding="ascii").split():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+            except OSError:  # reaped meanwhile
+                continue
+            if int(stat.rpartition(")")[2].split()[3]) == session:  # state, ppid, pgrp, session
+                found.append(int(pid))
+    return found
 
 
 def die_with_parent(c_library: Any = None) -> None:

@@ -89,7 +89,16 @@ from torch import nn
 from ..probes.tracing import compile_callback, compile_wrapper, eager_frame, eager_module, run_eagerly
 from .launch import ENVIRONMENT
 from .launch_deepspeed import inner_optimizers, patch_engine_backward
-from .launch_end import Interrupted, Signals, describe_end, die_with_parent, end_by_signal, saved_line, writes_html
+from .launch_end import (
+    Interrupted,
+    Signals,
+    describe_end,
+    die_with_parent,
+    end_by_signal,
+    leave_launcher_group,
+    saved_line,
+    writes_html,
+)
 from .launch_first_forward import FirstForwardHooks
 from .launch_inputs import InputWatch, frozen_models, script_modules
 from .launch_plain import (
@@ -1080,6 +1089,7 @@ def main(argv: list[str] | None = None) -> None:
     if as_module:
         args = args[1:]
     script, script_args = args[0], args[1:]
+    leave_launcher_group()  # the one-process script outside a terminal: each signal once, forwarded by the launcher
     die_with_parent()  # a launcher killed with SIGKILL leaves no process running on
     try:
         settings = json.loads(os.environ.get(ENVIRONMENT, "{}"))

@@ -10,9 +10,12 @@ then plants a NaN in the model's gradient at round S); --pipeline-debugger DIR (
 call of a tiny SD pipeline whose UNet makes an Inf at its second step, watched by the script's own
 DiffusionModelDebugger writing to DIR); --cleanup-s S (interrupted, the script's own cleanup sleeps S seconds, then
 prints "cleaned up"); --count-signals FILE (the script's own graceful stop, as a checkpointing script has it:
-its SIGTERM and SIGINT handler counts its calls and stops the loop at the first; each round waits 0.2 s for its
-data (where a signal finds it, the handler runs at once: one that came twice is counted twice); the script then
-saves for --cleanup-s seconds and writes the names of the signals its handler had to FILE, one a line)."""
+its SIGTERM, SIGINT, SIGQUIT, SIGUSR1 and SIGUSR2 handler counts its calls and stops the loop at the first but
+SIGUSR1, a checkpoint-and-continue;
+each round waits 0.2 s for its data (where a signal finds it, the handler runs at once: one that came twice is
+counted twice); the script then saves for --cleanup-s seconds and writes the names of the signals its handler
+had to FILE, one a line); --setpgrp (the script calls os.setpgrp() first, as one that signals its own
+subprocesses as a group does)."""
 
 import argparse
 import os
@@ -36,7 +39,10 @@ parser.add_argument("--own-debugger")
 parser.add_argument("--pipeline-debugger")
 parser.add_argument("--cleanup-s", type=float)
 parser.add_argument("--count-signals")
+parser.add_argument("--setpgrp", action="store_true")
 args = parser.parse_args()
+if args.setpgrp:
+    os.setpgrp()
 
 
 class Generator(nn.Sequential):
@@ -68,12 +74,12 @@ if args.own_debugger:
 
 handled: list[int] = []
 if args.count_signals:
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, lambda signum, frame: handled.append(signum))
 
 step = 0
 try:
-    while not handled and (args.forever or step < args.steps):
+    while not (set(handled) - {signal.SIGUSR1}) and (args.forever or step < args.steps):
         x = torch.randn(4, 8, generator=generator)
         if args.optimizers == "gan":  # the discriminator's step, then the generator's, each on its own backward
             fake = first(x)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import termios
+import time
 from pathlib import Path
 
 import psutil
@@ -88,17 +89,23 @@ def _gone(pid: int) -> bool:
 
 
 # the launcher ends by the signal itself (Popen's returncode -N), as a plain `accelerate launch` does:
-# a shell loop or a script running it stops on Ctrl-C, where an exit status 130 would go on
-@pytest.mark.parametrize(("sent", "returncode"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)])
-def test_a_signal_to_the_launcher_ends_the_script_with_a_saved_run(tmp_path, sent, returncode):
+# a shell loop or a script running it stops on Ctrl-C, where an exit status 130 would go on. A SIGUSR1 (SLURM's
+# --signal=USR1@60) to a script without a handler for it, which it would end with nothing saved, reaches it as
+# SIGTERM: the run is saved, and the command ends by SIGUSR1 (before this fix: by SIGUSR1 with events.jsonl only)
+@pytest.mark.parametrize(
+    ("sent", "saved_as"),
+    [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGINT), (signal.SIGUSR1, signal.SIGTERM)],
+    ids=lambda s: s.name,
+)
+def test_a_signal_to_the_launcher_ends_the_script_with_a_saved_run(tmp_path, sent, saved_as):
     launcher, script_pid = _launch_until(tmp_path, 3)
     os.kill(launcher.pid, sent)  # to the launcher alone, as a job scheduler or `kill PID` sends it
     _, stderr = _end(launcher)
-    assert launcher.returncode == returncode, stderr[-3000:]
+    assert launcher.returncode == -sent, stderr[-3000:]
     assert _gone(script_pid)  # the launcher returned once the script's process had ended
     run_dir = _run_dir(tmp_path)
     run = load_run(run_dir)
-    name = signal.Signals(sent).name
+    name = saved_as.name
     assert run.summary["end"] == {"status": "interrupted", "signal": name}
     assert run.summary["training"]["total_steps"] >= 3
     said = f"The run was interrupted by {name} before the script finished; the figures stop there."
@@ -129,9 +136,9 @@ def test_a_killed_command_ends_the_launcher_and_the_script_with_a_saved_run(tmp_
 def test_a_sigterm_to_the_launcher_started_directly_ends_it_after_the_scripts_cleanup_and_run(tmp_path, to):
     """``python -m diffusion_debug.jobs.launch`` started by a supervisor itself: a SIGTERM to its pid alone
     reaches the script too (the launcher forwards it: it waited its GRACE_S, 60 s, with the script training
-    on, and ended before the script), and one to its whole group, which the script gets twice (from the group
-    and forwarded), does not cut the script's own 3 s cleanup: the launcher ends by SIGTERM once the script
-    ended, the run saved."""
+    on, and ended before the script), and so does one to its whole group (the script, in a group of its own,
+    gets it forwarded), without cutting the script's own 3 s cleanup: the launcher ends by SIGTERM once the
+    script ended, the run saved."""
     launcher, script_pid = _launch_until(tmp_path, 3, "--cleanup-s", "3", module="diffusion_debug.jobs.launch")
     (os.kill if to == "launcher" else os.killpg)(launcher.pid, signal.SIGTERM)
     try:
@@ -170,30 +177,99 @@ def test_the_same_signal_again_within_repeat_s_is_noted_not_raised_again(monkeyp
 
 
 # a script with its own graceful stop (a checkpoint saved on SIGTERM or Ctrl-C, its handler counting its
-# calls) gets a signal sent to the launcher's pid alone (a supervisor, `kill PID`) once, forwarded; one sent
-# to the launcher's whole group it gets twice, from the group and forwarded (a known limit: launch.py's
-# docstring), and the terminal's Ctrl-C once (below)
-@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-def test_a_scripts_own_signal_handler_is_called_once_for_one_signal_to_the_launcher(tmp_path, sent):
+# calls) gets a signal sent to the launcher's pid alone (a supervisor, `kill PID`) once, forwarded (SIGTERM:
+# below, with SIGTSTP, SIGCONT and SIGUSR1); one sent to the launcher's whole group without a terminal (a
+# scheduler, `kill -TERM -PGID`) once too, forwarded (before, the script shared the launcher's group and had it
+# twice, from the group and forwarded), and `diffusion-debug launch` returns only once the script's save is done;
+# the terminal's Ctrl-C once (below). [SIGINT-launcher]'s script calls os.setpgrp() itself and runs (not EPERM,
+# as a script made a session leader would have it); not [SIGTERM-group]'s, which would leave the group itself
+# and have the signal once on main too
+@pytest.mark.parametrize(
+    ("sent", "to"), [(signal.SIGINT, "launcher"), (signal.SIGTERM, "group")], ids=lambda v: getattr(v, "name", v)
+)
+def test_a_scripts_own_signal_handler_is_called_once_for_one_signal_to_the_launcher(tmp_path, sent, to):
     count = tmp_path / "handled.txt"
-    args = ("--count-signals", str(count), "--cleanup-s", "2")
-    launcher, script_pid = _launch_until(tmp_path, 3, *args, module="diffusion_debug.jobs.launch")
-    os.kill(launcher.pid, sent)
-    stdout, stderr = _end(launcher)
-    assert launcher.returncode == -sent, stderr[-3000:]
-    assert _gone(script_pid) and stdout.endswith("\n") and stdout.splitlines()[-1].startswith("trained ")
+    args = ("--count-signals", str(count), "--cleanup-s", "1")
+    if to == "launcher":
+        command, script_pid = _launch_until(tmp_path, 3, *args, "--setpgrp", module="diffusion_debug.jobs.launch")
+        assert os.getpgid(script_pid) == script_pid
+        os.kill(command.pid, sent)
+    else:
+        command, script_pid = _launch_until(tmp_path, 3, *args)
+        os.killpg(_launcher_of(command), sent)
+    try:
+        command.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        stop_launch(command)
+        pytest.fail("the command did not end after the signal")
+    script_gone = _gone(script_pid)  # as the command ended: it waited for the script
+    stdout, stderr = _end(command)
+    assert command.returncode == -sent, stderr[-3000:]
+    assert script_gone and stdout.endswith("\n") and stdout.splitlines()[-1].startswith("trained ")
     assert count.read_text() == f"{sent.name}\n"
+
+
+def _until_status(pid: int, stopped: bool) -> bool:
+    """Whether the process ``pid`` is (``stopped``) or is not stopped, looked at until it is, for up to 120 s."""
+    for _ in range(1200):
+        if (psutil.Process(pid).status() == psutil.STATUS_STOPPED) == stopped:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _rounds(launcher: subprocess.Popen, rounds: int) -> None:
+    """Read the launcher's stdout on, until the script printed ``rounds`` more rounds."""
+    for line in launcher.stdout:
+        rounds -= line.startswith("round ")
+        if rounds == 0:
+            return
+    pytest.fail("the launched script stopped training")
+
+
+def test_sigtstp_sigcont_sigusr1_then_sigterm_to_the_launcher_reach_the_script(tmp_path):
+    """Without a terminal (the forwarding path; a terminal's Ctrl-Z: below): a SIGTSTP to the launcher stops the
+    script (before: the launcher alone, the script training on), a SIGCONT continues it; a SIGUSR1 reaches the
+    script's own handler once (a checkpoint: it trains on; before, it ended the launcher at its default), and a
+    SIGTERM then ends the launch by SIGTERM, the script's handler called once for it."""
+    count = tmp_path / "handled.txt"
+    args = ("--count-signals", str(count), "--cleanup-s", "1")
+    launcher, script_pid = _launch_until(tmp_path, 3, *args, module="diffusion_debug.jobs.launch")
+    os.kill(launcher.pid, signal.SIGTSTP)
+    stopped = _until_status(script_pid, stopped=True) and _until_status(launcher.pid, stopped=True)
+    os.kill(launcher.pid, signal.SIGCONT)
+    continued = _until_status(script_pid, stopped=False)
+    if not (stopped and continued):
+        stop_launch(launcher)  # the script's whole session, as the launcher had it
+    assert (stopped, continued) == (True, True)
+    os.kill(launcher.pid, signal.SIGUSR1)
+    _rounds(launcher, 2)  # trains on after its checkpoint
+    os.kill(launcher.pid, signal.SIGTERM)
+    stdout, stderr = _end(launcher)
+    assert launcher.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
+    assert count.read_text() == "SIGUSR1\nSIGTERM\n"
 
 
 def test_one_ctrl_c_in_the_terminal_reaches_the_scripts_own_handler_once(tmp_path):
     """``diffusion-debug launch`` in a terminal (a pty whose foreground is the command's group, as a shell
-    runs it): one Ctrl-C is one call of the script's SIGINT handler, and the command ends by SIGINT."""
+    runs it): Ctrl-Z stops the training (the script, in the launcher's group, the terminal's foreground) with its
+    launcher, as under a plain launch, and a SIGCONT to the group continues both; then one Ctrl-C is one call of
+    the script's SIGINT handler, and the command ends by SIGINT."""
     master, slave = pty.openpty()
     count = tmp_path / "handled.txt"
     try:
         launcher, script_pid = _launch_until(
-            tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "2", terminal=slave
+            tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "1", terminal=slave
         )
+        group = _launcher_of(launcher)
+        os.write(master, b"\x1a")  # the terminal's suspend character: SIGTSTP to its foreground group
+        stopped = _until_status(script_pid, stopped=True) and _until_status(group, stopped=True)
+        os.killpg(group, signal.SIGCONT)  # as a shell's fg does
+        continued = _until_status(script_pid, stopped=False)
+        if not (stopped and continued):
+            stop_launch(launcher)
+        assert (stopped, continued) == (True, True)
         os.write(master, b"\x03")  # the terminal's interrupt character: SIGINT to its foreground group
         stdout, stderr = _end(launcher)
     finally:
@@ -202,6 +278,27 @@ def test_one_ctrl_c_in_the_terminal_reaches_the_scripts_own_handler_once(tmp_pat
     assert launcher.returncode == -signal.SIGINT, stderr[-3000:]
     assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
     assert count.read_text() == "SIGINT\n"
+
+
+def test_a_sigterm_to_the_command_in_a_terminal_reaches_the_scripts_own_handler_once(tmp_path):
+    """``diffusion-debug launch`` in a terminal's foreground, where the script shares the launcher's group (it
+    reads the terminal, it has the terminal's Ctrl-C itself): a SIGTERM to the command's pid goes to the
+    launcher's pid alone, which forwards it (before: to the launcher's group and forwarded, twice)."""
+    master, slave = pty.openpty()
+    count = tmp_path / "handled.txt"
+    try:
+        launcher, script_pid = _launch_until(
+            tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "1", terminal=slave
+        )
+        assert os.getpgid(script_pid) == _launcher_of(launcher)  # in the launcher's group, the foreground
+        os.kill(launcher.pid, signal.SIGTERM)
+        stdout, stderr = _end(launcher)
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert launcher.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
+    assert count.read_text() == "SIGTERM\n"
 
 
 def test_a_sigint_to_the_launcher_started_directly_ends_it_with_the_scripts_cleanup_and_run(tmp_path):
@@ -215,3 +312,41 @@ def test_a_sigint_to_the_launcher_started_directly_ends_it_with_the_scripts_clea
     run = load_run(_run_dir(tmp_path))
     assert run.summary["end"] == {"status": "interrupted", "signal": "SIGINT"}
     assert run.summary["training"]["total_steps"] >= 3
+
+
+def _launcher_of(command: subprocess.Popen) -> int:
+    """The pid of the launcher (``python -m diffusion_debug.jobs.launch``) that ``diffusion-debug launch``
+    started, the leader of its process group."""
+    (launcher,) = psutil.Process(command.pid).children()
+    return launcher.pid
+
+
+# SIGQUIT sent to the command reaches the script's own handler once, forwarded (before, it ended the command at
+# its default; the launcher then had SIGTERM as its parent died, and so had the script), and stops the run as
+# SIGTERM does: the command ends by it (SIGUSR1, the script's to answer: above, sent to the launcher)
+def test_a_sigquit_to_the_command_reaches_the_scripts_own_handler_once(tmp_path):
+    count = tmp_path / "handled.txt"
+    command, script_pid = _launch_until(tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "1")
+    os.kill(command.pid, signal.SIGQUIT)
+    stdout, stderr = _end(command)
+    assert command.returncode == -signal.SIGQUIT, stderr[-3000:]
+    assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
+    assert count.read_text() == "SIGQUIT\n"
+
+
+def test_a_sigkill_to_the_launchers_group_leaves_no_script_and_the_command_waits_for_its_save(tmp_path):
+    """``kill -KILL -PGID`` of the launcher's group (no terminal): the script, in a group of its own, gets
+    SIGTERM as its launcher dies and saves its run in its own 1 s cleanup; the command, their subreaper,
+    returns (137, as the launcher ended) only once the script ended: no script is left running."""
+    command, script_pid = _launch_until(tmp_path, 3, "--cleanup-s", "1")
+    os.killpg(_launcher_of(command), signal.SIGKILL)
+    try:
+        command.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        stop_launch(command)
+        pytest.fail("the command did not end after the SIGKILL")
+    script_gone = _gone(script_pid)
+    stdout, stderr = _end(command)
+    assert command.returncode == 137, stderr[-3000:]
+    assert script_gone and stdout.endswith("cleaned up\n"), stdout[-300:]
+    assert load_run(_run_dir(tmp_path)).summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
