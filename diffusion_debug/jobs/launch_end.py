@@ -220,7 +220,11 @@ def session_children() -> list[int] | None:
         return None
     session, found = os.getsid(0), []
     for children in lists:
-        for pid in children.read_text(encoding="ascii").split():
+        try:
+            pids = children.read_text(encoding="ascii").split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        for pid in pids:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
             except OSError:  # reaped meanwhile
