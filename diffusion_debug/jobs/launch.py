@@ -28,7 +28,8 @@ signal itself (a shell loop or a scheduler sees "killed
 by SIGINT / SIGTERM", not an exit status 130 / 143), under every accelerate: the one-process launcher
 waits for the script instead of answering the signal (accelerate 1.16's terminates the script and kills
 it 5 seconds later, before report.html), and accelerate 1.16's exit status 128 + N after torch's elastic
-agent was signalled becomes the signal N again. SIGUSR1 and SIGUSR2 reach torchrun's workers (forwarded).
+agent was signalled becomes the signal N again. SIGUSR1 and SIGUSR2 reach torchrun's workers (forwarded; as
+SIGTERM to a worker that leaves it at its default, so its run is saved; torchrun then ends with exit status 1).
 Each signal reaches the one-process script once. Outside a terminal's foreground (no terminal: a scheduler,
 a supervisor, ``&``) the script leaves the launcher's group for one of its own in the same session before
 its code runs (:func:`~diffusion_debug.jobs.launch_end.leave_launcher_group`): a signal to the launcher's
@@ -370,8 +371,9 @@ def main(argv: list[str]) -> int:
     if simple_launcher is not None:
         accelerate_launch.simple_launcher = _waiting_for_the_script(simple_launcher)
     # SIGUSR1 / SIGUSR2 to the script's processes (torchrun's workers run in sessions of their own): left at
-    # their default, they would end this launcher and leave the script to its parent-death SIGTERM
-    previous = _handle(USER_SIGNALS, lambda signum, frame: _forward_to_children(signum))
+    # their default, they would end this launcher and leave the script to its parent-death SIGTERM; a worker that
+    # leaves one at its default gets SIGTERM instead, so that its run is saved (as_forwarded)
+    previous = _handle(USER_SIGNALS, lambda signum, frame: _forward_to_children(signum, as_sigterm=True))
     try:
         accelerate_launch.launch_command(args)
     except BaseException as error:  # accelerate's SystemExit(128 + N) too (1.16)

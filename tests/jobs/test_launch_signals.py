@@ -38,6 +38,7 @@ def _launch_until(
     *script_args: str,
     module: str = "diffusion_debug.cli launch",
     terminal: int | None = None,
+    processes: list[str] = ONE_PROCESS,
 ) -> tuple[subprocess.Popen, int]:
     """``diffusion-debug launch`` (one process; ``module``: the launcher's module run directly) of a script
     training until stopped, read until it printed ``rounds`` rounds; the launcher and the script's pid.
@@ -45,7 +46,7 @@ def _launch_until(
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     command = [sys.executable, "-m", *module.split(), "--debug-output-dir", str(tmp_path / "runs")]
-    command += [*ONE_PROCESS, str(SCRIPT), "--forever", *script_args]
+    command += [*processes, str(SCRIPT), "--forever", *script_args]
 
     def started() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # not ignored, as under `cmd &`
@@ -110,6 +111,22 @@ def test_a_signal_to_the_launcher_ends_the_script_with_a_saved_run(tmp_path, sen
     assert run.summary["training"]["total_steps"] >= 3
     said = f"The run was interrupted by {name} before the script finished; the figures stop there."
     assert said in (run_dir / "report.html").read_text(encoding="utf-8") and said in stderr
+
+
+def test_a_sigusr1_to_a_two_process_launch_reaches_a_plain_scripts_workers_as_sigterm_with_a_saved_run(tmp_path):
+    """torchrun's workers (sessions of their own) get the command's SIGUSR1 from the launcher; a worker that leaves it
+    at its default gets SIGTERM instead, so its run is saved (before: both workers died by SIGUSR1, events files
+    only). The launch then ends as torchrun ends for workers ended by SIGTERM (exit status 1)."""
+    two = ["--num_processes", "2", *ONE_PROCESS[2:]]
+    launcher, _ = _launch_until(tmp_path, 3, processes=two)
+    os.kill(launcher.pid, signal.SIGUSR1)
+    _, stderr = _end(launcher)
+    assert "(SIGUSR1)" not in stderr, stderr[-3000:]
+    run_dir = _run_dir(tmp_path)
+    run = load_run(run_dir)
+    assert run.summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
+    assert run.summary["training"]["total_steps"] >= 3
+    assert (run_dir / "report.html").is_file()
 
 
 def test_a_killed_command_ends_the_launcher_and_the_script_with_a_saved_run(tmp_path):
