@@ -1196,6 +1196,8 @@ def test_a_kind_every_rank_records_for_itself_is_not_copied_and_only_one_ranks_k
     (added,) = elsewhere.kept_elsewhere([], files, 0, world_size=2)
     assert added.to_dict() == error.to_dict()
     assert (files.amended, files.lines_read, len(parsed)) == ({(1, 2): {"loss": 0.25}}, lines, 2)
+    files.clear()  # clear_debug_history: the amended rows read go too (a later step 2 of a new phase keeps its own)
+    assert (files.amended, elsewhere.kept_elsewhere([], files, 0, world_size=2)) == ({}, [])
 
 
 def test_the_main_copy_of_another_ranks_anomaly_takes_the_repeats_its_rank_folded(tmp_path):

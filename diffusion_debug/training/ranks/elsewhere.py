@@ -62,9 +62,11 @@ class RankFiles:
         return [a for other in wanted for a in self._theirs.get(other, [])]
 
     def clear(self) -> None:
-        """Forget the anomalies read (``clear_debug_history``); what is read from now on is what is written later."""
+        """Forget the anomalies and amended rows read (``clear_debug_history``); what is read from now on is what is
+        written later."""
         self._theirs.clear()
         self._open.clear()
+        self.amended.clear()
 
     def _read_one(self, other: int) -> None:
         path = self.run_dir / f"events-rank{other}.jsonl"
