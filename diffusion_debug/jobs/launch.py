@@ -65,7 +65,8 @@ is not forwarded (the terminal's would be had twice). Outside a terminal's foreg
 script fails with EPERM (it leads its group; in a terminal's foreground, and under ``accelerate launch``, it
 works), as it does in torchrun's workers; a launch started with ``&`` and brought to the foreground keeps its
 script in its own group, which stops (SIGTTIN) if it reads the terminal; a script that ignores SIGTERM runs on
-after a ``kill -KILL -PGID``; a SIGTSTP or SIGCONT sent to the command is not forwarded. An mpirun (accelerate's
+after a ``kill -KILL -PGID``, and after a SIGHUP, SIGQUIT, SIGUSR1 or SIGUSR2 it leaves at its default (sent as
+SIGTERM); a SIGTSTP or SIGCONT sent to the command is not forwarded. An mpirun (accelerate's
 CPU multi-node launch) is the one-process launcher's child as the script is, and stays in its group. A signal to
 the launcher's group in the script's first moments, before the bootstrap left it, reaches the script from the group
 too.
