@@ -49,7 +49,8 @@ def _launch_until(
     command += [*processes, str(SCRIPT), "--forever", *script_args]
 
     def started() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # not ignored, as under `cmd &`
+        for sent in (signal.SIGINT, signal.SIGQUIT):  # not ignored, as a shell without job control leaves them
+            signal.signal(sent, signal.SIG_DFL)  # for `cmd &` (the command keeps a signal ignored ignored)
         if terminal is not None:
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # its group the terminal's foreground, as a shell's job
 
