@@ -34,7 +34,9 @@ def _message(by, scale):
     )
 
 
-def test_a_grad_scaler_loop_that_skips_every_step_warns_at_the_16th_naming_the_scale(tmp_path):
+def _every_step_nan(tmp_path, pass_scaler: bool) -> TrainingDebugger:
+    """30 fp32 steps under a GradScaler (scale 2**16) whose gradients are NaN at every step, the scaler passed to
+    ``monitor_training_step`` or not (found on the optimizer); the debugger closed (it judges the last step's skip)."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
@@ -44,11 +46,16 @@ def test_a_grad_scaler_loop_that_skips_every_step_warns_at_the_16th_naming_the_s
     for step in range(30):
         loss = model(x).pow(2).mean()
         scaler.scale(loss).backward()
-        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, scaler=scaler)
+        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, **({"scaler": scaler} if pass_scaler else {}))
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
-    tdbg.close()  # judges the last step's skip
+    tdbg.close()
+    return tdbg
+
+
+def test_a_grad_scaler_loop_that_skips_every_step_warns_at_the_16th_naming_the_scale(tmp_path):
+    tdbg = _every_step_nan(tmp_path, pass_scaler=True)
     # 15 skips of the settling (info, folded), then a warning from step 15 (scale 2**16 / 2**16) to 29
     assert _skips(tdbg) == [
         ("info", 0, 0, "grad_scaler", None, 32768.0, 15),
@@ -64,20 +71,7 @@ def test_a_grad_scaler_not_passed_that_skips_every_step_counts_its_held_first_sk
     is confirmed at step 1, and its skip released then. That skip counts in the row from the start as a judged one
     does: the warning comes at the 16th skip, since step 0, as with the scaler passed. Before, the released skip
     went around the count: the row began at step 1 and the warning came one skip later, at step 16."""
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    model[2].weight.register_hook(lambda g: g * math.nan)
-    tdbg = TrainingDebugger(model, config=DebugConfig(output_dir=str(tmp_path), stream_events=False))
-    x = torch.randn(16, 4)
-    for step in range(30):
-        loss = model(x).pow(2).mean()
-        scaler.scale(loss).backward()
-        tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-    tdbg.close()
+    tdbg = _every_step_nan(tmp_path, pass_scaler=False)
     assert _skips(tdbg) == [
         ("info", 0, 0, "grad_scaler", None, 32768.0, 15),
         ("warning", 15, 0, "grad_scaler", 0, 1.0, 15),
