@@ -466,12 +466,13 @@ def vae_details(
     if not has_check(role, "vae"):
         return {"vae_role": False}
     ran = {"vae_autocast": autocast} if autocast else {}
-    upcast = upcast or {}  # (an SD VAE's advice is its upcast's; another's, whether the call casts its latents)
-    ran |= (
-        {k: v for k, v in upcast.items() if k not in CAST_KEYS}
-        if sd_vae
-        else {k: upcast[k] for k in CAST_KEYS if k in upcast}
-    )
+    upcast = upcast or {}  # (an SD VAE's advice is its upcast's, and the cast where no force_upcast is read;
+    if sd_vae:  # another's, whether the call casts its latents)
+        ran |= {k: v for k, v in upcast.items() if k not in CAST_KEYS}
+        if upcast.get("reads_force_upcast") is False and upcast.get("casts_latents"):  # (PixArt-Sigma's)
+            ran |= {k: upcast[k] for k in CAST_KEYS if k in upcast}
+    else:
+        ran |= {k: upcast[k] for k in CAST_KEYS if k in upcast}
     return {"vae_role": True, "sd_vae": sd_vae, **({"vae_dtype": dtype} if dtype else {}), **ran}
 
 
