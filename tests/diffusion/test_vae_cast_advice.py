@@ -60,6 +60,24 @@ CASES = {
 }
 
 
+# whether the call reaches the VAE's encode (its input image's), read by following the call (before: from its
+# parameters' names, which named a ControlNet's control image, SD upscale's low-res image concatenated to the latents
+# and an image variation's CLIP input, and missed OmniGen's input_images and Stable Audio's initial audio)
+ENCODES = {
+    "StableDiffusionControlNetPipeline": False,
+    "StableDiffusionUpscalePipeline": False,
+    "StableDiffusionImageVariationPipeline": False,
+    "WanPipeline": False,
+    "OmniGenPipeline": True,
+    "StableAudioPipeline": True,
+    "WanImageToVideoPipeline": True,  # in prepare_latents
+    "VisualClozeGenerationPipeline": True,  # three calls deep
+    "HunyuanVideo15ImageToVideoPipeline": True,  # a static method given self.vae
+    "AnyFlowPipeline": True,  # self.vae._encode
+    "ZImageImg2ImgPipeline": True,
+}
+
+
 def decodes_in_call(cls: type) -> bool:
     """Whether the ``__call__`` ``cls`` runs calls ``self.vae.decode`` (read apart, by ``ast.walk``; once per class
     that defines it)."""
@@ -83,7 +101,7 @@ def _owner_decodes(owner: type | None) -> bool:
 
 def test_every_pipeline_class_that_decodes_in_its_call_is_read_and_the_cases_regex_got_wrong_are_right():
     """All of this diffusers' pipeline classes whose call has a ``self.vae.decode`` are read as casting or not
-    (none not known), and the named cases are as their calls are."""
+    (none not known), and the named cases are as their calls are; so is whether the call reaches the VAE's encode."""
     classes = {}
     for name in dir(diffusers):
         if "Pipeline" in name:
@@ -97,8 +115,12 @@ def test_every_pipeline_class_that_decodes_in_its_call_is_read_and_the_cases_reg
     assert [name for name, casts in found.items() if casts is None] == []
     present = {name: casts for name, casts in CASES.items() if hasattr(diffusers, name)}
     assert {name: vae_details.call_facts(getattr(diffusers, name)).casts_latents for name in present} == present
+    encodes = {name: vae_details.call_facts(cls).input for name, cls in classes.items()}
+    assert {name: encodes[name] for name in ENCODES if name in encodes} == {
+        name: reads for name, reads in ENCODES.items() if hasattr(diffusers, name)
+    }
     if diffusers.__version__ == "0.42.1":  # (the floor's diffusers has fewer)
-        assert (len(found), sum(found.values())) == (207, 83)
+        assert (len(found), sum(found.values()), sum(encodes.values())) == (207, 83, 123)
 
 
 # the zoo kinds whose VAE decodes in the call (SD and SDXL's upcast advice stays theirs, and is checked the same)
@@ -301,6 +323,36 @@ def test_flux_fills_advice_followed_in_the_order_it_says_gives_a_finite_image_an
         "it is), then pipe.vae.to(torch.float32) and decode them in float32 (as its call does before its vae.decode, "
         "then .float()), or run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16)))."
     )
+
+
+def test_z_image_img2imgs_advice_followed_the_float32_vae_fails_in_its_encode_then_bfloat16_matches_float32(tmp_path):
+    """Z-Image img2img casts its latents to the VAE's dtype and reaches ``self.vae.encode`` (its input image):
+    told the float32 VAE, and bfloat16 where its encode then fails. Followed in that order, the same fault planted:
+    the float32 VAE raises in the encode of the float16 image, and the whole pipeline in bfloat16 gives a finite
+    image equal to a float32 pipeline's within 3e-2 (measured 1.3e-2: bfloat16's rounding)."""
+    from diffusion_debug.testing.zoo_recent import ZOO_CALLS
+
+    call = {**ZOO_CALLS["z_image_img2img"][0](), "num_inference_steps": 1, "output_type": "np"}
+    pipe = tiny_pipeline("z_image_img2img", dtype=torch.float16)
+    _, errors = watched(pipe, tmp_path, call)
+    assert [(a.kind, a.component, a.module, a.details["input_image"]) for a in errors] == [
+        ("nonfinite", "vae", CONV, True)
+    ]
+    assert errors[0].message == (
+        f"vae.{CONV} produced NaN/Inf from finite inputs (keep the VAE in float32: pipe.vae.to(torch.float32) (this "
+        "pipeline casts its latents to the VAE's dtype; where its encode of the input image then fails on float16, "
+        "run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16))))."
+    )
+    with plant(pipe.vae.get_submodule(CONV), 0, past_fp16), torch.no_grad():
+        pipe.vae.to(torch.float32)  # the advice, followed
+        with pytest.raises(RuntimeError, match="Half"):  # its encode: the float16 image into float32 weights
+            pipe(**call, generator=torch.Generator().manual_seed(0))
+        pipe.to(torch.bfloat16)
+        images = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    reference = tiny_pipeline("z_image_img2img")
+    with plant(reference.vae.get_submodule(CONV), 0, past_fp16), torch.no_grad():
+        reference = reference(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(images).all() and np.abs(images - reference).max() < 3e-2
 
 
 class _CastingCogVideoX(diffusers.CogVideoXPipeline):
