@@ -119,6 +119,8 @@ def test_every_pipeline_class_that_decodes_in_its_call_is_read_and_the_cases_reg
     assert {name: encodes[name] for name in ENCODES if name in encodes} == {
         name: reads for name, reads in ENCODES.items() if hasattr(diffusers, name)
     }
+    # Mochi's de-normalization said as an expression: no other call's read so (SDXL's mean and std are 4-D)
+    assert [name for name, cls in classes.items() if vae_details.call_facts(cls).denormalized] == ["MochiPipeline"]
     if diffusers.__version__ == "0.42.1":  # (the floor's diffusers has fewer)
         assert (len(found), sum(found.values()), sum(encodes.values())) == (207, 83, 123)
 
@@ -353,6 +355,53 @@ def test_z_image_img2imgs_advice_followed_the_float32_vae_fails_in_its_encode_th
     with plant(reference.vae.get_submodule(CONV), 0, past_fp16), torch.no_grad():
         reference = reference(**call, generator=torch.Generator().manual_seed(0)).images
     assert np.isfinite(images).all() and np.abs(images - reference).max() < 3e-2
+
+
+MOCHI_DECODE = (
+    "pipe.vae.decode(latents.float() * torch.tensor(pipe.vae.config.latents_std, device=latents.device).view(1, -1, "
+    "1, 1, 1) / pipe.vae.config.scaling_factor + torch.tensor(pipe.vae.config.latents_mean, device=latents.device)"
+    ".view(1, -1, 1, 1, 1)).sample"
+)
+
+
+def channel_past_fp16(out):
+    """The output's first channel past float16's max (7e4): Inf in float16, finite in float32."""
+    wide = out.float().clone()
+    wide[:, 0] = 7e4
+    return wide.to(out.dtype)
+
+
+def test_mochis_vae_is_told_its_calls_denormalization_which_followed_matches_a_float32_pipeline(tmp_path):
+    """Mochi hands its VAE float16 latents de-normalized by the VAE config's mean and std: it was told the generic
+    "as its call does before its vae.decode". Told that de-normalization as an expression, which followed as written
+    (the latent output with the VAE as it is, then the float32 VAE), the same fault planted (a channel past float16's
+    max: scaling the whole output saturates the frames, which then differ by the transformer's rounding's sign flips),
+    decodes finite frames equal to a float32 pipeline's within 1e-2 (measured 7e-4)."""
+    conv = "decoder.up_blocks.2.resnets.0.conv1.conv"
+    call = {**zoo_call("mochi"), "num_inference_steps": 2}  # (its schedule divides by half the steps)
+    pipe = tiny_pipeline("mochi", dtype=torch.float16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", level="basic"))
+    try:
+        with plant(pipe.vae.get_submodule(conv), 0, channel_past_fp16), dbg:
+            frames = pipe(**call, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+        errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    finally:
+        dbg.close()
+    assert frames.isnan().all()
+    assert [(a.kind, a.component, a.module, a.details["latent_decode"]) for a in errors] == [
+        ("nonfinite", "vae", conv, MOCHI_DECODE)
+    ]
+    assert f"decode them in float32 ({MOCHI_DECODE}), or run the whole pipeline in bfloat16" in errors[0].message
+    with plant(pipe.vae.get_submodule(conv), 0, channel_past_fp16), torch.no_grad():  # the advice, followed
+        latents = pipe(**call, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+        pipe.vae.to(torch.float32)
+        video = eval(MOCHI_DECODE, {"pipe": pipe, "latents": latents, "torch": torch})
+    video = pipe.video_processor.postprocess_video(video, output_type="pt")
+    reference = tiny_pipeline("mochi")
+    with plant(reference.vae.get_submodule(conv), 0, channel_past_fp16), torch.no_grad():
+        reference = reference(**call, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+    assert (latents.dtype, video.dtype) == (torch.float16, torch.float32) and reference.std() > 0.05
+    assert video.isfinite().all() and (video - reference).abs().max() < 1e-2
 
 
 class _CastingCogVideoX(diffusers.CogVideoXPipeline):

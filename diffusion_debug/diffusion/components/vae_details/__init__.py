@@ -90,8 +90,10 @@ def cast_details(pipe: Any) -> dict[str, Any]:
     ``casts_latents`` and, where it hands the VAE its latents uncast and the decode is one an expression says,
     ``latent_decode``: what decodes ``latents`` (``output_type="latent"``'s) in float32, as its call does (its own
     ``decode_latents`` where it decodes there; Flux's unpacked, every one unscaled, shifted where its VAE is), to
-    follow ``pipe.vae.to(torch.float32)``; none where the VAE normalizes its latents by ``latents_mean`` (a video
-    VAE's), the latents are packed otherwise or unpacked to a size the call does not default to
+    follow ``pipe.vae.to(torch.float32)``; Mochi's de-normalized by its VAE's ``latents_mean`` and ``latents_std``
+    as its call does (``CallFacts.denormalized``); none where another call normalizes them so (LTX's: unpacked
+    too, to the call's frame count and size, noised for a timestep-conditioned VAE's decode), the latents are packed
+    otherwise or unpacked to a size the call does not default to
     ``pipe.default_sample_size * pipe.vae_scale_factor`` (Kontext's, its input image's resized). ``input_image``
     where the call casts them and reaches ``self.vae.encode`` (``CallFacts.input``): its encode of the input image
     may not be cast."""
@@ -113,8 +115,14 @@ def cast_details(pipe: Any) -> dict[str, Any]:
             if not facts.sized:  # (Kontext's size is its input image's, resized: no expression says it)
                 return {"casts_latents": False}
             latents = "pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)"
-        if getattr(config, "latents_mean", None) is not None or getattr(config, "scaling_factor", None) is None:
+        if getattr(config, "scaling_factor", None) is None:
             return {"casts_latents": False}
+        if getattr(config, "latents_mean", None) is not None:  # (Mochi's call's de-normalization, said)
+            if not (facts.denormalized and unpack is None and getattr(config, "latents_std", None) is not None):
+                return {"casts_latents": False}
+            stat = "torch.tensor(pipe.vae.config.latents_{}, device=latents.device).view(1, -1, 1, 1, 1)"
+            z = f"latents.float() * {stat.format('std')} / pipe.vae.config.scaling_factor + {stat.format('mean')}"
+            return {"casts_latents": False, "latent_decode": f"pipe.vae.decode({z}).sample"}
         shift = " + pipe.vae.config.shift_factor" if getattr(config, "shift_factor", None) is not None else ""
         unscaled = f"({latents} / pipe.vae.config.scaling_factor{shift}).float()"
         return {"casts_latents": False, "latent_decode": f"pipe.vae.decode({unscaled}).sample"}
@@ -184,6 +192,9 @@ class CallFacts(NamedTuple):
     input: bool = False
     """The call reaches ``self.vae.encode`` (an input image's or video's), itself or in a method it calls
     (:meth:`~.call_read.Flow.encodes`)."""
+    denormalized: bool = False
+    """The call de-normalizes 5-D latents by the VAE config's ``latents_mean`` and ``latents_std`` before its
+    decode, as Mochi's does (``latents * latents_std / self.vae.config.scaling_factor + latents_mean``)."""
 
 
 _READS: weakref.WeakKeyDictionary[type, CallFacts] = weakref.WeakKeyDictionary()
@@ -222,10 +233,13 @@ def _read_call(cls: type) -> CallFacts:
         casts = decoder = None
         encodes = False
     sized = _DEFAULT_SIZE in source and "_auto_resize" not in source
-    return CallFacts(reads, casts, decoder, sized, encodes)
+    denormalized = _DENORMALIZED in source and _FIVE_D in source
+    return CallFacts(reads, casts, decoder, sized, encodes, denormalized)
 
 
 _DEFAULT_SIZE = "height = height or self.default_sample_size * self.vae_scale_factor"
+_DENORMALIZED = "latents = latents * latents_std / self.vae.config.scaling_factor + latents_mean"
+_FIVE_D = ", 1, 1, 1).to(latents.device, latents.dtype)"  # (Mochi's mean and std viewed 5-D: SDXL's are 4-D)
 
 
 def vae_details(
