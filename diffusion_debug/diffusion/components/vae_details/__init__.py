@@ -39,7 +39,13 @@ VAE anomaly's advice is built, never on a clean call. A method of the pipeline t
 parameters bound to what it is given; where every decode is in one, the user's float32 decode is that method's
 (``CallFacts.decoder``). Limits: a loop's body is read twice (its second pass from what the first left); a value kept
 in an attribute or a container (``self._latents``) is not followed (not cast); a function made in the call is read
-where it is made.
+where it is made. The reading itself is :mod:`.call_read`'s, which also says whether the call reaches the VAE's
+encode (``CallFacts.input``: a casting call's input image may still reach the float32 VAE in float16).
+
+Not read: a Modular pipeline's decode step (``components.vae.decode(block_state.latents)``): its blocks name the VAE
+``components.vae``, and the recipes said where its latents are uncast are a ``DiffusionPipeline``'s
+(``output_type="latent"``, ``pipe._unpack_latents``), which a ``ModularPipeline`` has not (it picks its outputs with
+``output=``): not known (None).
 """
 
 from __future__ import annotations
