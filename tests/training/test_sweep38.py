@@ -2,7 +2,9 @@
 tiny SD UNet, with and without the debugger: the losses and the final weights are bitwise the same,
 the steps before the planted fault are quiet (no warning or error, no ``debugger_error``), and the
 fault is the first error, named at its origin (kind, module, step). Stacks: a GradScaler (fp16
-autocast on the CPU) whose loss is inf at a known step (the scaler skips it)."""
+autocast on the CPU) whose loss is inf at a known step (the scaler skips it); gradient checkpointing
+(non-reentrant) with a weight written inf between steps; SD3 flow matching with timesteps drawn by
+``compute_density_for_timestep_sampling`` and the SD3 loss weighting."""
 
 import copy
 import math
@@ -94,3 +96,112 @@ def test_fp16_grad_scaler_a_step_whose_loss_is_inf_is_named_there_and_skipped(_t
     assert [(a.kind, a.module, a.step, a.severity) for a in serious] == [("nonfinite_loss", "", 2, "error")]
     skipped = [a for a in tdbg.report().anomalies if a.kind == "skipped_step"]
     assert [(a.step, a.details["reason"]) for a in skipped] == [(2, "grad_scaler")]
+
+
+CONV = "down_blocks.1.resnets.0.conv2"
+
+
+def _checkpointed(unet):
+    import functools
+
+    unet.enable_gradient_checkpointing(functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
+    assert unet.is_gradient_checkpointing
+
+
+def _inf_weight_at(step, unet, at):
+    """The step's loss after an inf written into :data:`CONV`'s weight before the forward of step ``at``
+    (code writing the weights between steps): the forward, recomputed by the checkpoint in backward, makes NaN."""
+    if step == at:
+        with torch.no_grad():
+            unet.get_submodule(CONV).weight.view(-1)[0] = math.inf
+    return _mse(step, unet)
+
+
+def test_gradient_checkpointing_a_weight_made_inf_between_steps_is_named_at_its_module(_tiny_unet, tmp_path):
+    """Gradient checkpointing (non-reentrant: diffusers' default) recomputes each block's forward in
+    backward: the weight written inf after step 1's optimizer step is the first error, named at its
+    module and at step 1 (the interval it was written in); the NaN loss and gradients of step 2 follow it."""
+    tdbg = _twice(
+        _tiny_unet, tmp_path, 3, setup=_checkpointed, step_loss=lambda step, unet: _inf_weight_at(step, unet, 2)
+    )
+    serious = _serious(tdbg)
+    assert [(a.kind, a.module, a.step, a.severity) for a in serious] == [
+        ("nonfinite_update", CONV, 1, "error"),
+        ("nonfinite_loss", "", 2, "error"),
+        ("nonfinite", "conv_in", 2, "error"),
+    ]
+    assert (
+        "it follows the nonfinite_update at model down_blocks.1.resnets.0.conv2.weight, step 1" in serious[1].message
+    )
+
+
+def _flow_matching_loss(transformer, scheduler, generator):
+    """train_dreambooth_sd3's loss: timesteps drawn by ``compute_density_for_timestep_sampling``
+    (logit-normal, from the global generator), the flow-matching target, the SD3 loss weighting."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+    config = transformer.config
+    latents = torch.randn(2, config.in_channels, 8, 8, generator=generator)
+    noise = torch.randn(latents.shape, generator=generator)
+    context = torch.randn(2, 5, config.joint_attention_dim, generator=generator)
+    pooled = torch.randn(2, config.pooled_projection_dim, generator=generator)
+    u = compute_density_for_timestep_sampling(
+        weighting_scheme="logit_normal", batch_size=2, logit_mean=0.0, logit_std=1.0
+    )
+    indices = (u * scheduler.config.num_train_timesteps).long()
+    timesteps, sigmas = scheduler.timesteps[indices], scheduler.sigmas[indices].view(-1, 1, 1, 1)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    pred = transformer(
+        hidden_states=noisy,
+        timestep=timesteps,
+        encoder_hidden_states=context,
+        pooled_projections=pooled,
+        return_dict=False,
+    )[0]
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme="logit_normal", sigmas=sigmas)
+    per_sample = (weighting * (pred - (noise - latents)) ** 2).reshape(2, -1).mean(1)
+    return per_sample, timesteps
+
+
+def test_sd3_flow_matching_with_density_sampled_timesteps_trains_unchanged_and_quiet(tmp_path):
+    """The timesteps (floats from the flow-matching schedule) and the per-sample losses passed to the
+    monitor: the run is bitwise as without the debugger, the global generator the density sampling
+    draws from is not moved by the monitor, and the clean run is quiet."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from diffusion_debug.testing import tiny_pipeline
+
+    original = tiny_pipeline("sd3").transformer
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000)
+    runs = []
+    for watch in (False, True):
+        transformer = copy.deepcopy(original).train()
+        optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-4)
+        config = DebugConfig(output_dir=str(tmp_path), log_level="error")
+        tdbg = TrainingDebugger(transformer, config=config, noise_scheduler=scheduler) if watch else None
+        torch.manual_seed(0)
+        generator, losses = torch.Generator().manual_seed(0), []
+        for step in range(4):
+            per_sample, timesteps = _flow_matching_loss(transformer, scheduler, generator)
+            loss = per_sample.mean()
+            loss.backward()
+            losses.append(loss.item())
+            if tdbg is not None:
+                state = torch.get_rng_state()
+                tdbg.monitor_training_step(
+                    loss, optimizer=optimizer, step=step, timesteps=timesteps, per_sample_loss=per_sample.detach()
+                )
+                assert torch.equal(state, torch.get_rng_state())
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append((tdbg, losses, {k: v.detach().clone() for k, v in transformer.state_dict().items()}))
+    (_, reference_losses, reference), (tdbg, losses, weights) = runs
+    tdbg.close()
+    assert [str(x) for x in losses] == [str(x) for x in reference_losses]
+    assert [k for k in reference if not torch.equal(reference[k], weights[k])] == []
+    anomalies = tdbg.report().anomalies
+    assert [
+        (a.kind, a.severity, a.step) for a in anomalies if severity_rank(a.severity) >= severity_rank("warning")
+    ] == []
+    assert [a for a in anomalies if a.kind == "debugger_error"] == []
+    assert tdbg.get_summary()["total_steps"] == 4
