@@ -205,3 +205,37 @@ def test_sd3_flow_matching_with_density_sampled_timesteps_trains_unchanged_and_q
     ] == []
     assert [a for a in anomalies if a.kind == "debugger_error"] == []
     assert tdbg.get_summary()["total_steps"] == 4
+
+
+LORA_B = "mid_block.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.default"
+
+
+def _lora(unet):
+    """PEFT's default init (``lora_B`` zero: ``lora_A``'s gradients are exactly zero at step 0), only the
+    adapter trainable, cast to float32 as diffusers' LoRA scripts do."""
+    from diffusers.training_utils import cast_training_params
+    from peft import LoraConfig
+
+    unet.requires_grad_(False)
+    torch.manual_seed(0)
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    cast_training_params(unet, dtype=torch.float32)
+
+
+def test_lora_with_the_zero_init_of_lora_b_is_quiet_and_a_nan_in_lora_b_is_named_there(_tiny_unet, tmp_path):
+    """The frozen base is neither "not learning" nor unwatched noise, the zero gradients of ``lora_A``
+    at step 0 are no finding, and a NaN planted in one ``lora_B``'s gradient at the last step is the
+    first error, named at that module."""
+
+    def plant(step, unet):
+        loss = _mse(step, unet)
+        if step == 5:
+            weight = unet.get_submodule(LORA_B).weight
+            loss = loss + 0 * weight.sum()
+            weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), math.nan))
+        return loss
+
+    tdbg = _twice(_tiny_unet, tmp_path, 6, setup=_lora, step_loss=plant)
+    serious = _serious(tdbg)
+    assert [(a.kind, a.module, a.step, a.severity) for a in serious][:1] == [("nonfinite", LORA_B, 5, "error")]
+    assert all(a.step == 5 for a in serious)
