@@ -1,10 +1,12 @@
 """Fine-tuning stacks beyond ``test_user_training_stacks``, each trained twice on a fresh copy of the
-tiny SD UNet, with and without the debugger: the losses and the final weights are bitwise the same,
-the steps before the planted fault are quiet (no warning or error, no ``debugger_error``), and the
-fault is the first error, named at its origin (kind, module, step). Stacks: a GradScaler (fp16
-autocast on the CPU) whose loss is inf at a known step (the scaler skips it); gradient checkpointing
-(non-reentrant) with a weight written inf between steps; SD3 flow matching with timesteps drawn by
-``compute_density_for_timestep_sampling`` and the SD3 loss weighting."""
+tiny SD UNet (or SD3 transformer), with and without the debugger: the losses and the final weights
+are bitwise the same, the steps before the planted fault are quiet (no warning or error, no
+``debugger_error``), and the fault is the first error, named at its origin (kind, module, step).
+Stacks: a GradScaler (fp16 autocast on the CPU) whose loss is inf at a known step (the scaler skips
+it); gradient checkpointing (non-reentrant) with a weight written inf between steps; SD3 flow
+matching with timesteps drawn by ``compute_density_for_timestep_sampling`` and the SD3 loss
+weighting; PEFT LoRA with its default (zero ``lora_B``) init, a NaN planted in one ``lora_B``'s
+gradient."""
 
 import copy
 import math
