@@ -200,12 +200,14 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
     """One row per step and rank, ordered by step then rank: each rank's rows from its own event
     file (``events.jsonl`` is the main process's, ``events-rank<r>.jsonl`` rank r's); a rank with no
     file of its own keeps the copies another file holds (the main's, of the steps it exchanged).
-    ``fallback`` (the summary's rows) where the run has no event file."""
+    ``fallback`` (the summary's rows) where the run has no event file. A row read anew or found skipped after it
+    was written (``step_amended``, ``step_skipped``) is the one its entry names: a rank's own, the last of that
+    step its file holds before the entry; a copy, the one taken at the monitored step the entry names
+    (``joined``): never a later row of a step number the loop repeated."""
     files = sorted(Path(run_dir).glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
     own: dict[int, list[dict[str, Any]]] = {}
     copies: dict[int, dict[Any, dict[str, Any]]] = {}
-    skipped: dict[tuple[int, Any], str] = {}  # RunRecord.mark_skipped: found after the row was written
-    amended: dict[tuple[int, Any], dict] = {}  # RunRecord.amend_rank_step: another rank's copies read anew
+    amended: dict[tuple, dict] = {}  # RunRecord.amend_rank_step: the copy of another rank's row read anew
     for path in files:
         try:
             rows = _read_events(path)
@@ -216,34 +218,39 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         owner = int(match.group(1)) if match else start.get("rank", 0)
         latest: dict[Any, dict[str, Any]] = {}  # this file's own last row of each step, as written so far
         for row in rows:
-            if row.get("type") == "step_skipped":
-                skipped[(row.get("rank", owner), step_key(row))] = row.get("reason")
-            if row.get("type") == "step_amended" and isinstance(row.get("values"), dict):
+            kind = row.get("type")
+            if kind == "step_skipped" and row.get("rank", owner) == owner:  # RunRecord.mark_skipped: the row it
+                latest.get(step_key(row), {})["skipped"] = row.get("reason")  # names, its process's last of it
+            elif kind == "step_amended" and isinstance(row.get("values"), dict):
                 if row.get("rank", owner) == owner:  # RunRecord.amend_step: the row it names, its process's last
                     latest.get(step_key(row), {}).update(row["values"])  # of that step written before it
-                else:  # RunRecord.amend_rank_step: another rank's copies of that step
-                    amended.setdefault((row.get("rank"), step_key(row)), {}).update(row["values"])
-            if row.get("type") != "step":
+                else:  # RunRecord.amend_rank_step: the copy it names
+                    amended.setdefault(_named(row, owner), {}).update(row["values"])
+            if kind != "step":
                 continue
-            step = {k: v for k, v in row.items() if k not in ("type", "time")}
+            step = {k: v for k, v in row.items() if k not in ("type", "time", "joined")}
             rank = step.get("rank", owner)
             if rank == owner:
                 own.setdefault(owner, []).append(step)
                 latest[step_key(step)] = step
             else:
-                copies.setdefault(rank, {}).setdefault(step_key(step), step)
+                copies.setdefault(rank, {}).setdefault(_named(row, owner), step)
     if not own and not copies:
         return list(fallback)
-    for rank, rows in own.items():
-        for row in rows:
-            if (rank, step_key(row)) in skipped:
-                row["skipped"] = skipped[(rank, step_key(row))]
     for rank, kept in copies.items():  # a copy read anew (RunRecord.amend_rank_step), where its rank has no file
         for key, row in kept.items():
-            row.update(amended.get((rank, key), {}))
+            row.update(amended.get(key, {}))
     out = [row for rows in own.values() for row in rows]
     out += [row for rank, rows in copies.items() if rank not in own for row in rows.values()]
     return sorted(out, key=lambda row: (step_key(row), _order(row.get("rank", 0))))
+
+
+def _named(row: dict[str, Any], owner: int) -> tuple:
+    """What names a step row in the stream of rank ``owner``, and what a ``step_amended`` or ``step_skipped`` entry
+    names: its rank and step, and for a copy of another rank's row the monitored step it was taken at (``joined``;
+    None in a file written before copies named it). Its own rows are named by their step alone (its last of it)."""
+    rank = row.get("rank", owner)
+    return (rank, step_key(row), None if rank == owner else row.get("joined"))
 
 
 def step_key(row: dict[str, Any]) -> tuple[int, Any]:
@@ -285,7 +292,8 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
     """The summary of a run that never wrote summary.json, from its event files (every rank's):
     the start event's kind and config, every step row of the main events file, every anomaly
     (with the counts of its folded repeats and the repro bundle saved after it), marked ``incomplete``. A row
-    read anew after it was written (``step_amended``, :meth:`~.run_record.RunRecord.amend_step`) is read so."""
+    read anew or found skipped after it was written (``step_amended``, ``step_skipped``) is read so, the one row its
+    entry names, as :func:`every_rank_steps` reads it."""
     files = sorted(run_dir.glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
     summary: dict[str, Any] = {"kind": "unknown", "run_dir": str(run_dir), "incomplete": True}
     anomalies: list[dict[str, Any]] = []
@@ -293,6 +301,8 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
     bad: dict[str, list[int]] = {}
     by_key: dict[tuple, dict[str, Any]] = {}
     by_place: dict[tuple, dict[str, Any]] = {}
+    named: dict[tuple, dict[str, Any]] = {}
+    owner = 0  # the main events file's process (its start event's rank)
     for path in files:
         rows = _read_events(path)
         if rows.bad_lines:
@@ -300,17 +310,20 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
         for row in rows:
             kind = row.get("type")
             if kind == "start":
+                owner = row.get("rank", 0) if path.name == "events.jsonl" else owner
                 summary.setdefault("started", row.get("time"))
                 for key in ("kind", "config", "versions"):
                     if key in row:
                         summary[key] = row[key]
             elif kind == "step" and path.name == "events.jsonl":
-                steps.append({k: v for k, v in row.items() if k not in ("type", "time")})
-            elif kind == "step_amended" and path.name == "events.jsonl" and isinstance(row.get("values"), dict):
-                key = (row.get("rank", 0), step_key(row))  # this process's own row, written before it
-                own = next((r for r in reversed(steps) if (r.get("rank", 0), step_key(r)) == key), None)
-                if own is not None:
-                    own.update(row["values"])
+                steps.append({k: v for k, v in row.items() if k not in ("type", "time", "joined")})
+                named[_named(row, owner)] = steps[-1]  # its last row of each step, each copy by its joined
+            elif kind in ("step_amended", "step_skipped") and path.name == "events.jsonl":
+                named_row = named.get(_named(row, owner))  # as every_rank_steps reads them: the row it names
+                if named_row is not None and isinstance(row.get("values"), dict):
+                    named_row.update(row["values"])
+                elif named_row is not None and kind == "step_skipped":
+                    named_row["skipped"] = row.get("reason")
             elif kind == "anomaly" and anomaly_problem({k: v for k, v in row.items() if k != "type"}) is None:
                 anomaly = {k: v for k, v in row.items() if k not in ("type", "time")}
                 anomalies.append(anomaly)

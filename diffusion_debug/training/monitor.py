@@ -286,7 +286,7 @@ class StepMonitor:
             return
         with self.sink.guard("looking for a GradScaler not passed", step=step.index, rank=self.ctx.rank):
             own = [a for a in judged.anomalies if a.kind != "skipped_step"]
-            if self.found.hold(call.optimizer, step.index, own, call.max_grad_norm):
+            if self.found.hold(call.optimizer, step.index, own, call.max_grad_norm, self.history.joined):
                 judged.anomalies = [a for a in judged.anomalies if a.kind == "skipped_step"]
                 flags = judged.flags  # counted when released (in place: :meth:`_after_reduce`)
                 step.held_flags = {"nonfinite": flags.nonfinite, "explosion": flags.explosion}
@@ -332,12 +332,12 @@ class StepMonitor:
 
     def _unscale_row(self) -> None:
         """The held step's recorded row, its scaler confirmed: read unscaled (``found_scaler.unscaled_values``)."""
-        (index, scale, max_grad_norm), self.found.confirmed_at = self.found.confirmed_at, None
+        (index, scale, max_grad_norm, joined), self.found.confirmed_at = self.found.confirmed_at, None
         with self.sink.guard("unscaling the held step's row", step=index, rank=self.ctx.rank):
             record, key = self.sink.record, to_jsonable(index)  # (the row keeps the step as the record wrote it)
             row = next((r for r in reversed(record.steps) if r.get("step") == key), None)
             if row is not None:
-                record.amend_step(index, unscaled_values(row, scale, max_grad_norm))
+                record.amend_step(index, unscaled_values(row, scale, max_grad_norm), joined=joined)
 
     def _release(
         self, step: MonitoredStep, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]
@@ -658,12 +658,12 @@ class StepMonitor:
             row = dict(step.record, **{k: info[k] for k in ("ranks", "losses_by_rank") if k in info})
             if "grad_norms_by_rank" in info:
                 row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
+            for skip in skipped + late_skips:  # an earlier step's, found now: its row says so (marked before this
+                self.sink.record.mark_skipped(skip.step, skip.details["reason"])  # row: a repeated step number's)
             self.sink.record.add_step(row)
-            for skip in skipped + late_skips:  # an earlier step's, found now: its row says so
-                self.sink.record.mark_skipped(skip.step, skip.details["reason"])
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
-                for other in self.exchange.unrecorded(step.details):
-                    self.sink.record.add_rank_step(other)
+                for joined, other in self.exchange.unrecorded(step.details):
+                    self.sink.record.add_rank_step(other, joined=joined)
                 for rank, buckets in enumerate(step.details.buckets):
                     if buckets and rank != ctx.rank:  # its own are added every step
                         history.buckets.add(buckets)

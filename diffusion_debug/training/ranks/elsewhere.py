@@ -50,9 +50,11 @@ class RankFiles:
         self._at: dict[int, tuple[Any, int]] = {}  # per rank: its file's identity and offset
         self._theirs: dict[int, list[Anomaly]] = {}
         self._open: dict[int, dict[tuple, Anomaly]] = {}  # per rank: its anomalies by fold key and by place
-        self.amended: dict[tuple[int, Any], dict[str, Any]] = {}
-        """Per (rank, step): the values that rank read its own row of the step anew with (its ``step_amended``,
-        ``RunRecord.amend_step``), at most ``limit`` steps: what the main process's copy of the row takes."""
+        self.amended: dict[tuple[int, Any, Any], dict[str, Any]] = {}
+        """Per (rank, step, joined): the values that rank read its own row of the step, taken at monitored step
+        ``joined``, anew with (its ``step_amended``, ``RunRecord.amend_step``), at most ``limit`` rows: what the
+        main process's copy of that one row takes (``RunRecord.amend_rank_step``), not its later rows of a step
+        number the loop repeated."""
 
     def read(self, ranks: Iterable[int]) -> list[Anomaly]:
         """Each rank of ``ranks`` (not this one)'s own anomalies, read so far, by rank then as written."""
@@ -96,7 +98,7 @@ class RankFiles:
             return
         kind = row.get("type")
         if kind == "step_amended" and isinstance(row.get("values"), dict):
-            key = (other, row.get("step"))
+            key = (other, row.get("step"), row.get("joined"))
             if key in self.amended or len(self.amended) < self.limit:
                 self.amended.setdefault(key, {}).update(row["values"])
         elif kind == "anomaly_repeated" and row.get("kind") in ONE_RANK_KINDS:  # as rebuild_summary folds it

@@ -179,15 +179,16 @@ class RankExchange:
         if record is not None:
             self.context.append((joined, record))
 
-    def unrecorded(self, details: Details) -> list[dict]:
-        """Main process: the other ranks' record rows it has not recorded yet, oldest first."""
+    def unrecorded(self, details: Details) -> list[tuple[int, dict]]:
+        """Main process: the other ranks' record rows it has not recorded yet, oldest first, each with the
+        monitored step it was taken at (``joined``, what a rank's ``step_amended`` names it by)."""
         out = []
         for rank, rows in enumerate(details.records):
             if rank == self.ctx.rank:
                 continue
             for joined, row in rows:
                 if joined > self.recorded.get(rank, -1):
-                    out.append(row)
+                    out.append((joined, row))
                     self.recorded[rank] = joined
         return out
 
