@@ -284,8 +284,30 @@ def _place(row: dict[str, Any]) -> tuple:
     )
 
 
-def _first(row: dict[str, Any], by_key: dict[tuple, dict[str, Any]], by_place: dict[tuple, dict[str, Any]]) -> Any:
-    return by_key.get(_fold_key(row)) if "details" in row else by_place.get(_place(row))
+class FirstAnomalies:
+    """The anomalies of a run's events, as the rows that repeat them or save their bundle after them name them
+    (``anomaly_repeated``, ``anomaly_bundle``): by fold key, and by place for a row with no details."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, Any] = {}
+        self._by_place: dict[tuple, Any] = {}
+
+    def add(self, row: dict[str, Any], anomaly: Any) -> None:
+        """``anomaly`` (anything: a dict, an Anomaly) is the one named at ``row``'s place from now on."""
+        self._by_key[_fold_key(row)] = self._by_place[_place(row)] = anomaly
+
+    def named(self, row: dict[str, Any]) -> Any:
+        """The anomaly ``row`` names (None: none)."""
+        return self._by_key.get(_fold_key(row)) if "details" in row else self._by_place.get(_place(row))
+
+
+def fold_repeat(details: dict[str, Any], row: dict[str, Any]) -> None:
+    """An ``anomaly_repeated`` row folded into the ``details`` of the anomaly it repeats: its count, its last step,
+    and a later run's name (the sink's ``last_run``)."""
+    details["count"] = row.get("count", details.get("count", 1))
+    details["last_step"] = row.get("step")
+    if row.get("run") is not None:
+        details["last_run"] = row["run"]
 
 
 def rebuild_summary(run_dir: Path) -> dict[str, Any]:
@@ -299,8 +321,7 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
     anomalies: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
     bad: dict[str, list[int]] = {}
-    by_key: dict[tuple, dict[str, Any]] = {}
-    by_place: dict[tuple, dict[str, Any]] = {}
+    first_anomalies = FirstAnomalies()
     named: dict[tuple, dict[str, Any]] = {}
     owner = 0  # the main events file's process (its start event's rank)
     for path in files:
@@ -327,16 +348,13 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
             elif kind == "anomaly" and anomaly_problem({k: v for k, v in row.items() if k != "type"}) is None:
                 anomaly = {k: v for k, v in row.items() if k not in ("type", "time")}
                 anomalies.append(anomaly)
-                by_key[_fold_key(anomaly)] = by_place[_place(anomaly)] = anomaly
+                first_anomalies.add(anomaly, anomaly)
             elif kind == "anomaly_repeated":
-                first = _first(row, by_key, by_place)
+                first = first_anomalies.named(row)
                 if first is not None and isinstance(first.get("details"), dict):
-                    first["details"]["count"] = row.get("count", first["details"].get("count", 1))
-                    first["details"]["last_step"] = row.get("step")
-                    if row.get("run") is not None:  # a later run's repeat (the sink's last_run)
-                        first["details"]["last_run"] = row["run"]
+                    fold_repeat(first["details"], row)
             elif kind == "anomaly_bundle":  # saved after the anomaly's event (why checks the path)
-                first = _first(row, by_key, by_place)
+                first = first_anomalies.named(row)
                 if first is not None and isinstance(first.get("details"), dict) and isinstance(row.get("bundle"), str):
                     first["details"]["bundle"] = row["bundle"]
     summary.update(
