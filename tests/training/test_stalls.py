@@ -1091,8 +1091,13 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     rank1.close()
     stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=details["error"])])
     desync = stall_anomaly(stall, {"end": False, "by": 0})
-    (found,) = causes_kept_elsewhere([desync], RankFiles(tmp_path, rank=0), rank=0)
+    files = RankFiles(tmp_path, rank=0)
+    (found,) = causes_kept_elsewhere([desync], files, rank=0)
     assert found.to_dict() == cause.to_dict()
+    # the record's own copy: what the record and RankFiles (which folds that rank's repeats in) each edit is theirs
+    assert [a for a in files.read([1]) if a is found] == [] and found.to_dict() in [
+        a.to_dict() for a in files.read([1])
+    ]
     top = headline([desync, found], world_size=2)
     assert (top["kind"], top["where"], diagnosis_severity(*folded([desync, found])[0])) == (
         "step_error",

@@ -190,5 +190,5 @@ def causes_kept_elsewhere(anomalies: Sequence[Anomaly], files: RankFiles, rank: 
         keys = wanted[anomaly.rank]
         if follows_key(anomaly) in keys:
             keys.discard(follows_key(anomaly))
-            found.append(anomaly)
+            found.append(Anomaly.from_dict(anomaly.to_dict()))  # the record's own (RankFiles' folds repeats in)
     return found
