@@ -6,6 +6,7 @@ it is never shared by two runs.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import secrets
@@ -34,10 +35,11 @@ class RunData:
     def anomalies(self) -> list[Anomaly]:
         """summary.json's anomalies, built once: the same objects at every read, so what finds one by identity
         (:func:`~.anomaly.consequences`, a report's cause and its folded copies) finds it across two reads. Built
-        anew only when ``summary["anomalies"]`` is another list or has grown."""
+        anew only when ``summary["anomalies"]`` is another list or holds other values than when they were built
+        (compared with a copy of them: an entry appended, replaced or edited in place)."""
         rows = self.summary.get("anomalies", [])
-        if self._anomalies is None or self._anomalies[0] is not rows or self._anomalies[1] != len(rows):
-            self._anomalies = (rows, len(rows), [Anomaly.from_dict(a) for a in rows])
+        if self._anomalies is None or self._anomalies[0] is not rows or self._anomalies[1] != rows:
+            self._anomalies = (rows, copy.deepcopy(rows), [Anomaly.from_dict(a) for a in rows])
         return self._anomalies[2]
 
     @property
@@ -59,7 +61,7 @@ class RunData:
         return self._rank_steps
 
     _rank_steps: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
-    _anomalies: tuple[list, int, list[Anomaly]] | None = field(default=None, repr=False, compare=False)
+    _anomalies: tuple[list, list, list[Anomaly]] | None = field(default=None, repr=False, compare=False)
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:
