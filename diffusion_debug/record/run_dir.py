@@ -6,7 +6,6 @@ it is never shared by two runs.
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import secrets
@@ -14,6 +13,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from operator import is_not
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +35,13 @@ class RunData:
     def anomalies(self) -> list[Anomaly]:
         """summary.json's anomalies, built once: the same objects at every read, so what finds one by identity
         (:func:`~.anomaly.consequences`, a report's cause and its folded copies) finds it across two reads. Built
-        anew only when ``summary["anomalies"]`` is another list or holds other values than when they were built
-        (compared with a copy of them: an entry appended, replaced or edited in place)."""
+        anew only when ``summary["anomalies"]`` is another list or holds other entries than when they were built
+        (appended, removed or replaced: compared by identity, entry by entry, not by value; a caller editing an
+        entry in place assigns the list or the entry anew, as no library code edits one)."""
         rows = self.summary.get("anomalies", [])
-        if self._anomalies is None or self._anomalies[0] is not rows or self._anomalies[1] != rows:
-            self._anomalies = (rows, copy.deepcopy(rows), [Anomaly.from_dict(a) for a in rows])
+        held = self._anomalies
+        if held is None or held[0] is not rows or len(held[1]) != len(rows) or any(map(is_not, held[1], rows)):
+            self._anomalies = (rows, list(rows), [Anomaly.from_dict(a) for a in rows])
         return self._anomalies[2]
 
     @property
