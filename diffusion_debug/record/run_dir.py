@@ -205,9 +205,9 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
     file (``events.jsonl`` is the main process's, ``events-rank<r>.jsonl`` rank r's); a rank with no
     file of its own keeps the copies another file holds (the main's, of the steps it exchanged).
     ``fallback`` (the summary's rows) where the run has no event file. A row read anew or found skipped after it
-    was written (``step_amended``, ``step_skipped``) is the one its entry names: a rank's own, the last of that
-    step its file holds before the entry; a copy, the one taken at the monitored step the entry names
-    (``joined``): never a later row of a step number the loop repeated."""
+    was written (``step_amended``, ``step_skipped``) is the one its entry names, taken at the monitored step it
+    names (``joined``; a rank's own row in a file without it: the last of that step its file holds before the
+    entry): never another row of a step number the loop repeated (a later one, another optimizer's)."""
     files = sorted(Path(run_dir).glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
     own: dict[int, list[dict[str, Any]]] = {}
     copies: dict[int, dict[Any, dict[str, Any]]] = {}
@@ -220,14 +220,14 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         match = re.fullmatch(r"events-rank(\d+)\.jsonl", path.name)
         start = next((r for r in rows if r.get("type") == "start"), {})
         owner = int(match.group(1)) if match else start.get("rank", 0)
-        latest: dict[Any, dict[str, Any]] = {}  # this file's own last row of each step, as written so far
+        latest: dict[Any, dict[str, Any]] = {}  # this file's own rows as written so far: _named's, and its last
         for row in rows:
             kind = row.get("type")
             if kind == "step_skipped" and row.get("rank", owner) == owner:  # RunRecord.mark_skipped: the row it
-                latest.get(step_key(row), {})["skipped"] = row.get("reason")  # names, its process's last of it
+                latest.get(_named(row, owner), {})["skipped"] = row.get("reason")  # names
             elif kind == "step_amended" and isinstance(row.get("values"), dict):
-                if row.get("rank", owner) == owner:  # RunRecord.amend_step: the row it names, its process's last
-                    latest.get(step_key(row), {}).update(row["values"])  # of that step written before it
+                if row.get("rank", owner) == owner:  # RunRecord.amend_step: the row it names
+                    latest.get(_named(row, owner), {}).update(row["values"])
                 else:  # RunRecord.amend_rank_step: the copy it names
                     amended.setdefault(_named(row, owner), {}).update(row["values"])
             if kind != "step":
@@ -236,7 +236,7 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
             rank = step.get("rank", owner)
             if rank == owner:
                 own.setdefault(owner, []).append(step)
-                latest[step_key(step)] = step
+                latest[(owner, step_key(step), None)] = latest[_named(row, owner)] = step
             else:
                 copies.setdefault(rank, {}).setdefault(_named(row, owner), step)
     if not own and not copies:
@@ -251,10 +251,9 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
 
 def _named(row: dict[str, Any], owner: int) -> tuple:
     """What names a step row in the stream of rank ``owner``, and what a ``step_amended`` or ``step_skipped`` entry
-    names: its rank and step, and for a copy of another rank's row the monitored step it was taken at (``joined``;
-    None in a file written before copies named it). Its own rows are named by their step alone (its last of it)."""
-    rank = row.get("rank", owner)
-    return (rank, step_key(row), None if rank == owner else row.get("joined"))
+    names: its rank and step, and the monitored step it was taken at (``joined``; None in a file written before
+    rows named it, or an entry naming none: for ``owner``'s own rows, its last row of that step)."""
+    return (row.get("rank", owner), step_key(row), row.get("joined"))
 
 
 def step_key(row: dict[str, Any]) -> tuple[int, Any]:
@@ -342,7 +341,9 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
                         summary[key] = row[key]
             elif kind == "step" and path.name == "events.jsonl":
                 steps.append({k: v for k, v in row.items() if k not in ("type", "time", "joined")})
-                named[_named(row, owner)] = steps[-1]  # its last row of each step, each copy by its joined
+                named[_named(row, owner)] = steps[-1]  # each row by its joined (a copy's, its own's)
+                if row.get("rank", owner) == owner:  # and its own last row of each step
+                    named[(owner, step_key(row), None)] = steps[-1]
             elif kind in ("step_amended", "step_skipped") and path.name == "events.jsonl":
                 named_row = named.get(_named(row, owner))  # as every_rank_steps reads them: the row it names
                 if named_row is not None and isinstance(row.get("values"), dict):

@@ -91,6 +91,7 @@ class RunRecord:
         self.steps: deque[dict[str, Any]] = deque(maxlen=config.history_size)
         self.rank_steps: deque[dict[str, Any]] = deque(maxlen=config.history_size)
         self._rank_joined: deque[int | None] = deque(maxlen=config.history_size)  # each one's (add_rank_step)
+        self._joined: deque[tuple[int, dict[str, Any]]] = deque(maxlen=config.history_size)  # (add_step)
         self.events: deque[dict[str, Any]] = deque(maxlen=config.history_size)
         self.anomalies: list[Anomaly] = []
         self.max_anomalies = 10 * config.history_size
@@ -148,36 +149,50 @@ class RunRecord:
             except Exception:  # pragma: no cover - reporting the loss must not break the run either
                 pass
 
-    def add_step(self, row: dict[str, Any]) -> None:
+    def add_step(self, row: dict[str, Any], *, joined: int | None = None) -> None:
+        """This process's row; ``joined``: its monitored step on the clock every rank shares (``History.joined``, a
+        training run's), kept beside it and in its streamed entry (not in the row): what names this one row where
+        the loop repeats a step number (:meth:`amend_step`, :meth:`mark_skipped`)."""
         row = to_jsonable(row)
         self.steps.append(row)
-        self._write({"type": "step", **row})
+        if joined is None:  # (a pipeline's: no call more per step)
+            self._write({"type": "step", **row})
+        else:
+            self._joined.append((joined, row))
+            self._write({"type": "step", **row, "joined": joined})
 
-    def mark_skipped(self, step: Any, reason: str) -> None:
+    def step_row(self, step: Any, joined: int | None = None) -> dict[str, Any] | None:
+        """This process's kept row of ``step`` (as :meth:`add_step` wrote it) taken at monitored step ``joined``;
+        ``joined`` None: its last row of ``step``. None where none is kept."""
+        step = to_jsonable(step)
+        rows = reversed(self.steps) if joined is None else (row for at, row in reversed(self._joined) if at == joined)
+        return next((row for row in rows if row.get("step") == step), None)
+
+    def mark_skipped(self, step: Any, reason: str, *, joined: int | None = None) -> None:
         """This process's row of ``step`` says that its optimizer step was skipped (``reason``:
         ``grad_scaler``, ``deepspeed_overflow``, ``policy``), learnt after the row was written (a
         GradScaler's skip shows at the next step): the kept row gets ``skipped``, and the stream a
-        ``step_skipped`` entry that :func:`~.run_dir.every_rank_steps` puts into the streamed row. Both are the
-        last row of ``step`` recorded: marked before a later row is added (a loop that repeats step numbers)."""
+        ``step_skipped`` entry that :func:`~.run_dir.every_rank_steps` puts into the streamed row. Both are the row
+        taken at monitored step ``joined`` (:meth:`step_row`), else the last row of ``step`` recorded (marked
+        before a later row is added: a loop that repeats step numbers with one optimizer)."""
         step = to_jsonable(step)
-        for row in reversed(self.steps):
-            if row.get("step") == step:
-                row["skipped"] = reason
-                break
-        self._write({"type": "step_skipped", "step": step, "reason": reason})
+        row = self.step_row(step, joined)
+        if row is not None:
+            row["skipped"] = reason
+        named = {} if joined is None else {"joined": joined}
+        self._write({"type": "step_skipped", "step": step, **named, "reason": reason})
 
     def amend_step(self, step: Any, values: dict[str, Any], *, joined: int | None = None) -> None:
         """This process's row of ``step`` read anew (``values`` replace its fields), learnt after the row was
-        written (a GradScaler not passed, confirmed a step later: the row unscaled): the kept row takes them, and
-        the stream a ``step_amended`` entry that :func:`~.run_dir.every_rank_steps` puts into the streamed row
-        (the last of that step written before it: this one). ``joined``: the row's monitored step on the clock
-        every rank shares (``History.joined``), in the entry: what names the main process's copy of this very row
-        (:meth:`amend_rank_step`) where the loop repeated the step number."""
+        written (a GradScaler not passed, confirmed a step later: the row unscaled): the row taken at monitored
+        step ``joined`` (:meth:`step_row`: not another optimizer's row of the same step number, a GAN's; None: the
+        last of that step) takes them, and the stream a ``step_amended`` entry naming it that
+        :func:`~.run_dir.every_rank_steps` puts into the streamed row; ``joined`` also names the main process's
+        copy of this very row (:meth:`amend_rank_step`)."""
         step, values = to_jsonable(step), to_jsonable(values)
-        for row in reversed(self.steps):
-            if row.get("step") == step:
-                row.update(values)
-                break
+        row = self.step_row(step, joined)
+        if row is not None:
+            row.update(values)
         named = {} if joined is None else {"joined": joined}
         self._write({"type": "step_amended", "step": step, **named, "values": values})
 
@@ -271,6 +286,7 @@ class RunRecord:
         self.steps.clear()
         self.rank_steps.clear()
         self._rank_joined.clear()
+        self._joined.clear()
         self.events.clear()
         self.anomalies.clear()
         self.anomaly_counts.clear()

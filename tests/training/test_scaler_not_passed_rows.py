@@ -54,3 +54,48 @@ def test_each_skip_marks_the_row_of_the_call_it_skipped_where_step_numbers_repea
     marked = [["skipped" in row for row in rows][:7] for rows in (tdbg.record.steps, every_rank_steps(run_dir))]
     assert marked == [skipped, skipped]
     assert [row.get("skipped") for row in rebuild_summary(run_dir)["steps"]][:4] == ["grad_scaler"] * 3 + [None]
+
+
+def test_a_gan_s_held_row_read_unscaled_is_its_own_optimizer_s_not_the_other_s_of_the_same_step(tmp_path):
+    """A GAN-style loop monitors D then G under the same step number, one GradScaler (1024) not passed stepping
+    both. D's step 0 is held and confirmed at G's; D's row of step 0 is read unscaled (its norm over 1024, the naive
+    reference from its own gradients), G's row of step 0 stays as it was measured, in the kept rows, the stream and
+    a rebuilt summary alike. Before, the row was picked by step number: G's row (the last of step 0) took D's
+    unscaled values' place (its own norm over 1024) and D's held row stayed scaled."""
+    import torch
+
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    nets = {
+        name: torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, n))
+        for name, n in (("D", 1), ("G", 8))
+    }
+    opts = {name: torch.optim.SGD(net.parameters(), lr=1e-4) for name, net in nets.items()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    tdbg = TrainingDebugger(nets, config=DebugConfig(output_dir=str(tmp_path)))
+    g, norms = torch.Generator().manual_seed(1), []
+    for step in range(3):
+        x = torch.randn(16, 8, generator=g)
+        for name, target in (("D", 1.0), ("G", 0.5)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (nets[name](x) - target).square().mean()
+            opts[name].zero_grad()
+            scaler.scale(loss).backward()
+            norms.append(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in nets[name].parameters()])))
+            tdbg.monitor_training_step(loss, optimizer=opts[name], step=step)
+        scaler.step(opts["D"])
+        scaler.step(opts["G"])
+        scaler.update()
+    kept, run_dir = [dict(row) for row in tdbg.record.steps], tdbg.record.run_dir
+    tdbg.close()
+    d0, g0 = kept[0], kept[1]
+    assert (d0["step"], g0["step"]) == (0, 0)
+    assert d0["grad_norm"] == pytest.approx(float(norms[0]) / 1024, rel=1e-4) and d0["grad_scale"] == 1024.0
+    assert g0["grad_norm"] == pytest.approx(float(norms[1]), rel=1e-4) and g0.get("grad_scale") is None
+    fields = ("step", "grad_norm", "grad_scale")
+    expected = [[row.get(f) for f in fields] for row in kept]
+    assert [[row.get(f) for f in fields] for row in every_rank_steps(run_dir)] == expected
+    assert [[row.get(f) for f in fields] for row in rebuild_summary(run_dir)["steps"]] == expected
+    (amended,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["type"] == "step_amended"]
+    assert (amended["step"], amended["joined"]) == (0, 1)

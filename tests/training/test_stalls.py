@@ -1235,9 +1235,10 @@ def test_the_main_copy_of_another_ranks_anomaly_takes_the_repeats_its_rank_folde
 def test_a_copy_of_another_ranks_row_read_anew_is_the_one_its_rank_named_where_its_step_number_repeats(tmp_path):
     """Rank 1 (a RunRecord writing its own events file) records step 2 at monitored step 1 (held, its norm scaled:
     65536.0), reads it anew at the next (``amend_step``: 1.0, ``joined=1``), then records step 2 again at
-    monitored step 2 (its scaler skipped step 1: the count stayed; 2.0) and step 3 (3.0). The main process keeps a
-    copy of each, with its monitored step. Its report (``RankFiles`` reads rank 1's step_amended) amends the copy
-    taken at monitored step 1 alone (given as 2.0: ``3`` and ``3.0`` alike; the same values again write nothing):
+    monitored step 2 (its scaler skipped step 1: the count stayed; 2.0) and step 3 (3.0), each row with its
+    monitored step. The main process keeps a copy of each, with its monitored step. Its report (``RankFiles``
+    reads rank 1's step_amended) amends the copy taken at monitored step 1 alone (given as 2.0: ``3`` and ``3.0``
+    alike; the same values again write nothing):
     in its record, as rank 1's own file reads, and from the main's events file alone (rank 1's file gone:
     ``every_rank_steps``' copies and ``rebuild_summary``), the rows holding no ``joined``. Before, both copies of
     step 2 took 1.0 (the later one the held row's values), in summary.json and the rebuilt summary."""
@@ -1252,7 +1253,7 @@ def test_a_copy_of_another_ranks_row_read_anew_is_the_one_its_rank_named_where_i
         {"step": 3, "grad_norm": 3.0, "rank": 1}
     ]
     for joined, row in enumerate(rows, 1):
-        rank1.add_step(row)
+        rank1.add_step(row, joined=joined)
         main.add_rank_step(row, joined=joined)
         if joined == 1:
             rank1.amend_step(2, {"grad_norm": 1.0}, joined=1)
