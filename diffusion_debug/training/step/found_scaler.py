@@ -34,8 +34,9 @@ the one that did not (a NaN loss at the first step) hold together there. Limits:
 on its heap is not told apart (it reads the step as scaled; the policy still acts alike on every rank, from the
 exchange); once confirmed, the held step's recorded row is read unscaled (``RunRecord.amend_step``: the kept row
 and the stream, every rank's norm in it too) on its own rank, and the main process's copy of that one row (from its
-detail exchange) at the main's next report (``amend_rank_step``, matched by the held step's monitored step: not a
-later row of a step number the loop repeated); at close a pending trial is decided the same way, with no policy
+detail exchange) at the main's next report (``amend_rank_step``); each is the row taken at the held step's
+monitored step (``joined``), not another row of its step number (a later one the loop repeated, or the other
+optimizer's of a GAN monitored twice a step); at close a pending trial is decided the same way, with no policy
 after it, except where the optimizer has not stepped since (the script failed between the monitor and
 ``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real NaN stays an error)
 with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can be decided leaves
