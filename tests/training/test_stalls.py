@@ -1205,6 +1205,39 @@ def test_a_kind_every_rank_records_for_itself_is_not_copied_and_only_one_ranks_k
     assert (files.amended, elsewhere.kept_elsewhere([], files, 0, world_size=2)) == ({}, [])
 
 
+def test_a_copy_of_another_ranks_row_found_skipped_after_it_was_written_is_marked_as_its_rank_marked_it(tmp_path):
+    """Rank 1 records step 2 at monitored steps 1 and 2 (its count stayed: the first was skipped, found at the
+    next call: ``mark_skipped``, ``joined=1``) and step 3. The main process keeps a copy of each; its report
+    (``RankFiles`` reads rank 1's step_skipped, as ``training_report`` hands it on) marks the copy taken at
+    monitored step 1 alone, in its record and in its events file (rank 1's file gone: ``every_rank_steps``).
+    Before, the main's copies never said the step was skipped."""
+    from diffusion_debug.record import RunRecord
+    from diffusion_debug.record.run_dir import every_rank_steps
+    from diffusion_debug.training.ranks.elsewhere import RankFiles
+
+    config = DebugConfig(output_dir=str(tmp_path))
+    main = RunRecord(config, kind="training", run_dir=tmp_path, rank=0)
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    rows = [{"step": step, "loss": 0.5, "rank": 1} for step in (2, 2, 3)]
+    for joined, row in enumerate(rows, 1):
+        rank1.add_step(row, joined=joined)
+        main.add_rank_step(row, joined=joined)
+        if joined == 2:
+            rank1.mark_skipped(2, "grad_scaler", joined=1)
+    rank1.close()
+    files = RankFiles(tmp_path, rank=0)
+    files.read([1])
+    assert files.amended == {(1, 2, 1): {"skipped": "grad_scaler"}}
+    for (rank, step, joined), values in files.amended.items():
+        main.amend_rank_step(rank, step, values, joined=joined)
+    main.close()
+    expected = [{"step": 2, "loss": 0.5, "rank": 1, "skipped": "grad_scaler"}, *rows[1:]]
+    assert list(main.rank_steps) == expected
+    assert every_rank_steps(tmp_path) == expected  # rank 1's own file
+    (tmp_path / "events-rank1.jsonl").unlink()
+    assert every_rank_steps(tmp_path) == expected  # the main's copies stand in
+
+
 def test_the_main_copy_of_another_ranks_anomaly_takes_the_repeats_its_rank_folded(tmp_path):
     """Rank 1's debugger_error at step 3, again at steps 4 and 5 (its sink folds them: count 3, last_step 5).
     A report after step 3 copies it (count 1); the next report's copy, and the one added before, read 3 and 5."""

@@ -31,7 +31,7 @@ from .origin import copy_key
 ONE_RANK_KINDS = ("debugger_error", "step_error")
 """The kinds a rank records for itself alone, outside the step's exchange: the main process's record lacks them."""
 
-_WANTED = (*(f'"{kind}"'.encode() for kind in ONE_RANK_KINDS), b'"step_amended"')
+_WANTED = (*(f'"{kind}"'.encode() for kind in ONE_RANK_KINDS), b'"step_amended"', b'"step_skipped"')
 _CHUNK = 1 << 20  # bytes read at a time: a long file costs no more memory than this and its kept rows
 
 
@@ -53,9 +53,9 @@ class RankFiles:
         self._open: dict[int, FirstAnomalies] = {}  # per rank: its anomalies, as its repeats' rows name them
         self.amended: dict[tuple[int, Any, Any], dict[str, Any]] = {}
         """Per (rank, step, joined): the values that rank read its own row of the step, taken at monitored step
-        ``joined``, anew with (its ``step_amended``, ``RunRecord.amend_step``), at most ``limit`` rows: what the
-        main process's copy of that one row takes (``RunRecord.amend_rank_step``), not its later rows of a step
-        number the loop repeated."""
+        ``joined``, anew with (its ``step_amended``, ``RunRecord.amend_step``; its ``step_skipped``, as
+        ``skipped``), at most ``limit`` rows: what the main process's copy of that one row takes
+        (``RunRecord.amend_rank_step``), not its later rows of a step number the loop repeated."""
 
     def read(self, ranks: Iterable[int]) -> list[Anomaly]:
         """Each rank of ``ranks`` (not this one)'s own anomalies, read so far, by rank then as written."""
@@ -98,10 +98,11 @@ class RankFiles:
         if row is None or row.get("rank") != other:
             return
         kind = row.get("type")
-        if kind == "step_amended" and isinstance(row.get("values"), dict):
+        if kind in ("step_amended", "step_skipped"):  # a skip found after its row: the copy says so too
+            values = row.get("values") if kind == "step_amended" else {"skipped": row.get("reason")}
             key = (other, row.get("step"), row.get("joined"))
-            if key in self.amended or len(self.amended) < self.limit:
-                self.amended.setdefault(key, {}).update(row["values"])
+            if isinstance(values, dict) and (key in self.amended or len(self.amended) < self.limit):
+                self.amended.setdefault(key, {}).update(values)
         elif kind == "anomaly_repeated" and row.get("kind") in ONE_RANK_KINDS:  # as rebuild_summary folds it
             first = self._open[other].named(row) if other in self._open else None
             if first is not None:
