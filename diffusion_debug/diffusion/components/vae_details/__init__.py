@@ -23,7 +23,7 @@ From the same one read (parsed with :mod:`ast`, :func:`call_facts`): whether the
 ``pipe.vae.to(torch.float32)`` alone decodes in float32; where not, a float32 VAE raises on float16 latents).
 
 >>> import diffusers
->>> call_facts(diffusers.WanPipeline).casts_latents, call_facts(diffusers.FluxPipeline).casts_latents
+>>> call_facts(diffusers.HunyuanVideoPipeline).casts_latents, call_facts(diffusers.FluxPipeline).casts_latents
 (True, False)
 
 A cast dominates a decode where it is made on every path to it: one in a sibling branch (SDXL's ``force_upcast``
