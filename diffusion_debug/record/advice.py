@@ -71,7 +71,7 @@ vae_details.cast_details`): ``pipe.vae.to(torch.float32)`` alone where the call 
     >>> vae_advice("vae", casts=True)
     "keep the VAE in float32: pipe.vae.to(torch.float32) (this pipeline casts its latents to the VAE's dtype)"
     >>> vae_advice("vae", casts=True, encodes=True).split("; ")[1]
-    'where its encode of the input image then fails on float16, run the whole pipeline in bfloat16 \
+    'where its encode of the input image or video then fails on float16, run the whole pipeline in bfloat16 \
 (pipe.to(torch.bfloat16)))'
     >>> scaled = "pipe.vae.decode((latents / pipe.vae.config.scaling_factor).float())"
     >>> print(vae_advice("vae", casts=False, decode=scaled))
@@ -143,8 +143,8 @@ float32 movq in float16 too)'
     bf16 = "run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16))"
     if casts and (not sd_vae or upcast is False):  # (an SD VAE's too where no force_upcast is read: PixArt-Sigma's)
         cast = "this pipeline casts its latents to the VAE's dtype"
-        if encodes:  # (its encode of the input image not read: it may hand the float32 VAE a float16 image)
-            cast += f"; where its encode of the input image then fails on float16, {bf16}"
+        if encodes:  # (its encode of the input image or video not read: it may hand the float32 VAE a float16 image)
+            cast += f"; where its encode of the input image or video then fails on float16, {bf16}"
         fixed = f", or use an fp16-fixed VAE such as {FP16_FIX_VAE}" if sdxl else ""
         return f"keep the VAE in float32: pipe.vae.to(torch.float32) ({cast}){outside}{fixed}"
     if not sd_vae and casts is False:

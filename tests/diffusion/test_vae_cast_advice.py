@@ -115,7 +115,11 @@ def test_every_pipeline_class_that_decodes_in_its_call_is_read_and_the_cases_reg
     assert [name for name, casts in found.items() if casts is None] == []
     present = {name: casts for name, casts in CASES.items() if hasattr(diffusers, name)}
     assert {name: vae_details.call_facts(getattr(diffusers, name)).casts_latents for name in present} == present
-    encodes = {name: vae_details.call_facts(cls).input for name, cls in classes.items()}
+    encodes = {name: vae_details.reaches_encode(cls) for name, cls in classes.items()}
+    # read only where the call casts (the one advice that says it)
+    assert {name: vae_details.call_facts(cls).input for name, cls in classes.items()} == {
+        name: reaches and found[name] for name, reaches in encodes.items()
+    }
     assert {name: encodes[name] for name in ENCODES if name in encodes} == {
         name: reads for name, reads in ENCODES.items() if hasattr(diffusers, name)
     }
@@ -342,8 +346,8 @@ def test_z_image_img2imgs_advice_followed_the_float32_vae_fails_in_its_encode_th
     ]
     assert errors[0].message == (
         f"vae.{CONV} produced NaN/Inf from finite inputs (keep the VAE in float32: pipe.vae.to(torch.float32) (this "
-        "pipeline casts its latents to the VAE's dtype; where its encode of the input image then fails on float16, "
-        "run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16))))."
+        "pipeline casts its latents to the VAE's dtype; where its encode of the input image or video then fails on "
+        "float16, run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16))))."
     )
     with plant(pipe.vae.get_submodule(CONV), 0, past_fp16), torch.no_grad():
         pipe.vae.to(torch.float32)  # the advice, followed
@@ -416,6 +420,63 @@ def test_a_subclass_that_keeps_the_call_is_read_through_its_own_override_of_the_
     parent's, not cast, whatever the override does)."""
     assert vae_details.call_facts(diffusers.CogVideoXPipeline).casts_latents is False
     assert vae_details.call_facts(_CastingCogVideoX).casts_latents is True
+
+
+def _made_by_exec(base: type, method: str) -> type:
+    """A subclass of ``base`` made by ``exec`` (as in a notebook cell), overriding ``method`` alone: no source."""
+    space = {"base": base}
+    exec(f"class Mine(base):\n    def {method}(self, *args, **kwargs):\n        return 0\n", space)
+    return space["Mine"]
+
+
+def test_a_method_whose_source_cannot_be_read_leaves_the_cast_reading_and_the_advice_as_its_parents():
+    """A subclass made by ``exec`` that overrides a method the call calls: that method reads as no source, the rest
+    as the parent's (before: inspect.getsource's OSError, shared with the encode reading's, made the cast not known,
+    and Flux's advice lost its latent-output recipe); one that overrides where the encode is reads as no encode."""
+    flux = _made_by_exec(diffusers.FluxPipeline, "_get_t5_prompt_embeds")
+    wan = _made_by_exec(diffusers.WanPipeline, "_get_t5_prompt_embeds")
+    i2v = _made_by_exec(diffusers.WanImageToVideoPipeline, "prepare_latents")
+    assert vae_details.call_facts(flux) == vae_details.call_facts(diffusers.FluxPipeline)
+    assert vae_details.call_facts(flux)[:2] == (False, False)
+    assert vae_details.call_facts(wan) == vae_details.call_facts(diffusers.WanPipeline)
+    assert vae_details.call_facts(wan)[:2] == (False, True)
+    facts = vae_details.call_facts(diffusers.WanImageToVideoPipeline), vae_details.call_facts(i2v)
+    assert [(fact.casts_latents, fact.input) for fact in facts] == [(True, True), (True, False)]
+
+
+class _EncodeBase(diffusers.DiffusionPipeline):
+    def prepare_latents(self, image):
+        return self._prepare(image)
+
+    def _prepare(self, image):
+        return self._encode_vae_image(image)
+
+    def _encode_vae_image(self, image):
+        return self.vae.encode(image).latent_dist.sample()
+
+
+class _MetDeepFirst(_EncodeBase):
+    """Its call reaches ``prepare_latents`` three calls deep first (through ``outer`` and ``middle``), where the
+    encode two calls further is past the reading's depth, then directly, where it is within it."""
+
+    def outer(self):
+        return self.middle()
+
+    def middle(self):
+        return self.prepare_latents(None)
+
+    def __call__(self, image=None):
+        self.outer()
+        latents = self.prepare_latents(image)
+        return self.vae.decode(latents.to(self.vae.dtype)).sample
+
+
+def test_a_method_met_deep_first_is_read_again_where_the_call_meets_it_shallower():
+    """``prepare_latents`` met first at the depth where its own calls are not followed, then in the call itself:
+    read again there, it reaches the encode (before: read once, at the first depth, the encode missed)."""
+    facts = vae_details.call_facts(_MetDeepFirst)
+    assert (facts.casts_latents, facts.input) == (True, True)
+    assert vae_details.reaches_encode(_MetDeepFirst) is True
 
 
 def test_sd_img2imgs_advice_falls_back_to_the_latent_output_with_the_vae_as_it_is_then_decodes_finite():

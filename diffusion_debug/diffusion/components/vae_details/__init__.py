@@ -101,8 +101,8 @@ def cast_details(pipe: Any) -> dict[str, Any]:
     too, to the call's frame count and size, noised for a timestep-conditioned VAE's decode), the latents are packed
     otherwise or unpacked to a size the call does not default to
     ``pipe.default_sample_size * pipe.vae_scale_factor`` (Kontext's, its input image's resized). ``input_image``
-    where the call casts them and reaches ``self.vae.encode`` (``CallFacts.input``): its encode of the input image
-    may not be cast."""
+    where the call casts them and reaches ``self.vae.encode`` (``CallFacts.input``): its encode of the input image or
+    video may not be cast."""
     try:
         if getattr(pipe, "blocks", None) is not None or watchable_kind(pipe) == "manager":
             return {}
@@ -196,8 +196,8 @@ class CallFacts(NamedTuple):
     """The call's ``height`` and ``width`` default to ``self.default_sample_size * self.vae_scale_factor`` and are
     not resized from an input image (``_auto_resize``: Kontext's)."""
     input: bool = False
-    """The call reaches ``self.vae.encode`` (an input image's or video's), itself or in a method it calls
-    (:meth:`~.call_read.Flow.encodes`)."""
+    """The call casts its latents and reaches ``self.vae.encode`` (an input image's or video's), itself or in a
+    method it calls (:func:`reaches_encode`; read only where it casts, the one advice that says it)."""
     denormalized: bool = False
     """The call de-normalizes 5-D latents by the VAE config's ``latents_mean`` and ``latents_std`` before its
     decode, as Mochi's does (``latents * latents_std / self.vae.config.scaling_factor + latents_mean``)."""
@@ -219,25 +219,42 @@ def _call_reads_force_upcast(cls: type) -> bool | None:
     return call_facts(cls).reads_force_upcast
 
 
-def _read_call(cls: type) -> CallFacts:
+def _call_source(cls: type) -> tuple[type | None, str | None]:
+    """The class whose ``__call__`` ``cls`` runs and that call's source (None: none, a ComponentsManager's; a class
+    made in a REPL or by ``exec``, a .pyc alone)."""
     owner = next((base for base in cls.__mro__ if "__call__" in vars(base)), None)
     try:
-        source = textwrap.dedent(inspect.getsource(owner.__call__))
-    except Exception:  # no source: none (a ComponentsManager's), a class made in a REPL, a .pyc alone
+        return owner, textwrap.dedent(inspect.getsource(owner.__call__))
+    except Exception:
+        return owner, None
+
+
+def reaches_encode(cls: type, flow: Flow | None = None) -> bool:
+    """Whether the ``__call__`` ``cls`` runs reaches the VAE's encode (:meth:`~.call_read.Flow.encodes`; False:
+    not, or not known). :func:`call_facts` reads it only where the call casts its latents (``CallFacts.input``)."""
+    try:
+        function = ast.parse(_call_source(cls)[1]).body[0]
+        return (flow or Flow(cls)).encodes(function, 0)
+    except Exception:  # (no source, one that does not parse alone, a method's that raises: not known)
+        return False
+
+
+def _read_call(cls: type) -> CallFacts:
+    owner, source = _call_source(cls)
+    if owner is None or source is None:
         return CallFacts(None, None)
     reads: bool | None = True
     if "config.force_upcast" not in source:
         above = next((base for base in owner.__mro__[1:] if "__call__" in vars(base)), None)
         reads = False if above is None or _call_reads_force_upcast(above) is False else None
+    flow = Flow(cls)
     try:
         function = ast.parse(source).body[0]
-        flow = Flow(cls)
         casts = flow.decodes_cast(function) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
         decoder = next(iter(flow.helpers)) if len(flow.helpers) == 1 and not flow.direct else None
-        encodes = flow.encodes(function, 0)
     except Exception:  # (a source that does not parse alone: not known)
         casts = decoder = None
-        encodes = False
+    encodes = casts is True and reaches_encode(cls, flow)  # (its own try: an error there leaves casts as read)
     sized = _DEFAULT_SIZE in source and "_auto_resize" not in source
     denormalized = _DENORMALIZED in source and _FIVE_D in source
     return CallFacts(reads, casts, decoder, sized, encodes, denormalized)

@@ -56,8 +56,8 @@ class Flow:
         self.found: list[bool] = []
         self.owner, self.helpers, self.direct, self.depth = owner, set(), False, 0
         self.parsed: dict[str, Any] = {}
-        self.sources: dict[tuple[str, bool], str] = {}
-        self.seen: set[str] = set()  # (the methods :meth:`encodes` read)
+        self.sources: dict[str, tuple[str, bool]] = {}
+        self.seen: dict[str, int] = {}  # (the methods :meth:`encodes` read, by the least depth met at)
 
     def decodes_cast(self, function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool | None:
         self.block(function.body, (frozenset(), frozenset()))
@@ -134,13 +134,18 @@ class Flow:
             self.decodes_in(child, state)
 
     def source(self, name: str, static: bool = False) -> str:
-        """The source of the owner's method ``name`` ("": none; ``static``: a static method's too), read once."""
-        if (name, static) not in self.sources:
+        """The source of the owner's method ``name`` ("": none, or not readable: made by ``exec``, in a REPL;
+        ``static``: a static or class method's too), read once per name whether ``static`` or not."""
+        if name not in self.sources:
             method = inspect.getattr_static(self.owner, name, None) if self.owner is not None else None
-            method = getattr(method, "__func__", method) if static else method
-            read = textwrap.dedent(inspect.getsource(method)) if inspect.isfunction(method) else ""
-            self.sources[name, static] = read
-        return self.sources[name, static]
+            function = getattr(method, "__func__", method)
+            try:
+                read = textwrap.dedent(inspect.getsource(function)) if inspect.isfunction(function) else ""
+            except (OSError, TypeError):
+                read = ""
+            self.sources[name] = (read, function is not method)
+        read, wrapped = self.sources[name]
+        return read if static or not wrapped else ""
 
     def encodes(self, function: ast.AST, depth: int) -> bool:
         """Whether ``function`` reaches the VAE's encode (``self.vae.encode``, ``._encode``, ``vae.encode`` of a
@@ -152,8 +157,8 @@ class Flow:
                 continue
             if func.attr in _ENCODES and (_self_vae(func.value) or getattr(func.value, "id", None) == "vae"):
                 return True
-            if getattr(func.value, "id", None) == "self" and depth < 3 and func.attr not in self.seen:
-                self.seen.add(func.attr)
+            if getattr(func.value, "id", None) == "self" and depth < self.seen.get(func.attr, 3):
+                self.seen[func.attr] = depth  # (met shallower than before: read again, its calls deeper)
                 source = self.source(func.attr, static=True)
                 if ("self." in source or "vae." in source) and self.encodes(ast.parse(source), depth + 1):
                     return True
