@@ -645,15 +645,17 @@ class CallEvents:
         with full probes (DESIGN: a near-overflow output is localised by a replay). The debugger's replay memory
         makes it once per debugger (its later calls: :data:`EARLIER_REPLAY`); a debugger made per call replays once
         per call while the near-max persists, the price of a name that is right after the inputs or the weights
-        changed (on the warning path only). A compiled one's inside is not read (said so); the advice (upcast, the
-        VAE's own) is the component's."""
+        changed (on the warning path only). A compiled VAE's or text encoder's too (no probe inside it: its end
+        modules' near-max is seen here alone), by an eager replay as its NaN/Inf is (vae37; it said 'its inside is not
+        read'); a compiled denoiser's, read from the step's row at every step, is said to be unread inside, no replay;
+        the advice (upcast, the VAE's own) is the component's."""
         with self.guard("overflow_risk"):
             compiled = site.component in self.probes.compiled
             reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
-            if not compiled:  # one replay of the kept call, with full probes (none: named by an earlier call's)
+            if not compiled or site.role != "denoiser":  # one replay of the kept call (or an earlier call's)
                 seen = checks.Suspects(None, None, reading)
                 found = self.localizer.check(
-                    site.component, [reading], seen, True, step, timestep, phase, site.prefix, OUTPUT_CHECK
+                    site.component, [reading], seen, True, step, timestep, phase, site.prefix, OUTPUT_CHECK, compiled
                 )
                 self.emit(found)
                 return

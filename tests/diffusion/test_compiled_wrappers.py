@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusion_helpers import changed_weight, dynamo_counts, inf_weight
+from diffusion_helpers import SD_FP16_VAE, changed_weight, dynamo_counts, inf_weight, scaled
 from torch._dynamo.utils import counters
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
@@ -218,3 +218,63 @@ def test_compare_compile_side_names_a_change_inside_the_compiled_unet():
     d = c.first_divergence
     assert (d.component, d.module, d.step, d.made_here) == ("unet", FAULTY, 0, True)
     assert dynamo_counts() == (0, 1) and pipe.unet is unet
+
+
+def compile_decoder(vae, how: str) -> None:
+    """``vae.decoder.compile()``, or each of its blocks compiled in place (regional: its ``conv_in``,
+    ``conv_norm_out`` and ``conv_out`` stay eager, as ``compile_repeated_blocks`` leaves a model's ends)."""
+    if how == "vae.decoder.compile()":
+        vae.decoder.compile(backend="eager")
+    else:
+        for block in (*vae.decoder.up_blocks, vae.decoder.mid_block):
+            block.compile(backend="eager")
+
+
+@pytest.mark.parametrize("how", ["vae.decoder.compile()", "its blocks compiled in place"])
+def test_an_fp16_near_overflow_at_a_compiled_decoders_conv_out_is_named_there_by_one_eager_replay(how, tmp_path):
+    """A compiled fp16 VAE decoder has no probe inside (its sentinel would be traced; the end modules' hooks too), so
+    a near-max its ``conv_out`` (an end module) makes is seen at the decode's output, from the abs-max measured there
+    anyway. It is named at ``decoder.conv_out`` by one eager replay of the kept decode with full probes, as its
+    NaN/Inf is (vae37; before: ``vae.decoder`` output, 'its inside is not read', no module named), with the SD VAE's
+    upcast advice; the next call's from that replay (the debugger's replay memory). No graph break or graph added, the
+    images are the plain compiled call's. Backend ``eager``: aot_eager fails on this tiny fp16 decoder without the
+    debugger, compiled whole or by blocks (torch 2.13 on CPU, ``Expected X.is_contiguous(memory_format)`` in its
+    group norm; test_compiled.py)."""
+    pipe = fresh(torch.float16)
+    conv_out = pipe.vae.decoder.conv_out
+    peaks = []  # the naive reference: the eager conv_out's abs-max, before anything is compiled
+    with conv_out.register_forward_hook(lambda m, a, out: peaks.append(float(out.abs().amax()))):
+        one_step(pipe)
+    factor = 0.61 * torch.finfo(torch.float16).max / peaks[0]  # its output at 61% of fp16's max
+    compile_decoder(pipe.vae, how)
+    plain, expected = one_step(pipe), dynamo_counts()
+    assert expected[0] == 0 and expected[1] >= 1
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        watched = one_step(pipe)
+    np.testing.assert_array_equal(watched, plain)
+    for _ in range(2):
+        with scaled(conv_out, factor), dbg:  # (its weight and bias: a compiled graph reads them, no recompile)
+            one_step(pipe)
+    assert dynamo_counts() == expected, "the debugger added a graph break or a graph"
+    np.testing.assert_array_equal(one_step(pipe), plain)  # nothing left behind
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert [(a.component, a.module, a.step, a.details["localized_by"]) for a in risks] == [
+        ("vae", "decoder.conv_out", None, "output check -> replay with full probes"),
+        ("vae", "decoder.conv_out", None, "output check -> an earlier call's replay"),
+    ]
+    assert [a.details["run"] for a in risks] == [2, 3]
+    for risk in risks:
+        assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+        assert risk.message.startswith("vae.decoder.conv_out output reached 61% of the float16 maximum")
+        assert risk.message.endswith(f"; {SD_FP16_VAE}.")
+    assert [e["component"] for e in dbg.record.events if e["type"] == "replay"] == ["vae"]
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+def one_step(pipe):
+    """A 1-step fp16 call; its ``callback_on_step_end`` takes the debugger's step-end watch off before the decode
+    (test_compiled.py's compiled decode: a global pre-hook dynamo would guard on)."""
+    generator, same = torch.Generator().manual_seed(0), lambda pipe, step, timestep, kwargs: kwargs
+    return pipe("a cat", num_inference_steps=1, output_type="np", generator=generator, callback_on_step_end=same)[0]
