@@ -14,8 +14,7 @@ A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBr
 the watched call's cache context from the hooks' state as that call began, and every hook's state is put back
 afterwards (:mod:`~.components.cache_hooks`), so the image and later calls do not change.
 
-Limits: other hidden state that changes per call (a stateful attention processor) sees one extra call; a replay
-only happens after something went wrong."""
+Limits: other hidden state that changes per call (a stateful attention processor) sees one extra call, on a finding."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ Finding = tuple[Anomaly, "tuple | None"]
 
 
 class Localizer:
-    """Checks a component's readings for NaN/Inf and near-overflow, names the module that made them, and hands the
-    anomalies to the sink.
+    """Checks a component's readings for NaN/Inf and near-overflow and names the module that made them.
 
     With full probes the readings already name the module; at block level a leaf producer is named as is, and a
     block is replayed with full probes on the call's kept arguments to find the module inside it (within the
@@ -251,7 +249,7 @@ class Localizer:
             if plan.failed and "overflow_risk" in plan.failed:  # (its NaN/Inf named above all the same)
                 raise plan.failed["overflow_risk"]
             if plan.overflow is not None:
-                risks = self.overflow(component, plan.overflow, step=step, timestep=timestep, phase=phase, by=output)
+                risks = self.overflow(component, plan.overflow, step, timestep, phase, output, compiled)
                 named = {a.module for a, _ in found if "overflowed_in" in a.details}  # a NaN/Inf's cause: said once
                 found += [risk for risk in risks if risk[0].module not in named] if named else risks
         return found
@@ -410,7 +408,7 @@ class Localizer:
 
     # -- overflow risk ------------------------------------------------------------------------------
     def overflow(
-        self, component: str, plan: Overflow, *, step: int | None, timestep, phase: str, by: str | None = None
+        self, component: str, plan: Overflow, step: int | None, timestep, phase: str, by: str | None, compiled: bool
     ) -> list[Finding]:
         """``overflow_risk`` for the module whose output came close to its dtype's maximum (``plan``:
         :func:`~.replay.decide.decide`'s; a block's is replayed to find the module inside).
@@ -423,7 +421,8 @@ class Localizer:
         fraction, shown = self.config.overflow_fraction, None
         if plan.replay is not None:
             replayed = self.replay(component, plan.replay, step)
-            shown = None if replayed is None else overflow_replayed(replayed, plan.replay, fraction, clean=plan.clean)
+            if replayed is not None:  # (``compiled``: passed in is no module named, overflow_replayed)
+                shown = overflow_replayed(replayed, plan.replay, fraction, plan.clean, compiled)
             plan = self.memory.overflow_shown(plan, shown, len(replayed or ()))
         if plan.clipped is not None:  # (its replay's; where the replay showed none, as the sentinel read it: plan.how)
             return self._clipped_inf(component, plan.clipped, plan.how, plan.replayed, step, timestep, phase)
