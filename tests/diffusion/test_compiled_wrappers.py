@@ -347,3 +347,41 @@ def one_step(pipe):
     (test_compiled.py's compiled decode: a global pre-hook dynamo would guard on)."""
     generator, same = torch.Generator().manual_seed(0), lambda pipe, step, timestep, kwargs: kwargs
     return pipe("a cat", num_inference_steps=1, output_type="np", generator=generator, callback_on_step_end=same)[0]
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["planted", "hook-after-compile"])
+def test_a_compiled_text_encoders_near_max_is_named_by_its_replay_or_else_warned_at_its_output_every_call(
+    hooked, tmp_path
+):
+    """``text_encoder.compile()``, its ``final_layer_norm`` at 61% of fp16's max: named there by one eager replay,
+    the next call from it; with a forward hook quartering it added after compiling (skipped by the compiled code, run
+    by the replay) the replay names nothing and the compiled output's warning stands at ``text_encoder`` (module
+    ``""``), each of two calls, from the same one replay. Images the unwatched compiled twin's."""
+    pipe = fresh(torch.float16)
+    name = next(n for n, _ in pipe.text_encoder.named_modules() if n.endswith("final_layer_norm"))
+    norm, peaks = pipe.text_encoder.get_submodule(name), []
+    with norm.register_forward_hook(lambda m, a, out: peaks.append(float(out.abs().amax()))):
+        one_step(pipe)
+    factor = 0.61 * torch.finfo(torch.float16).max / max(peaks)
+    pipe.text_encoder.compile(backend="eager")
+    one_step(pipe)  # compiled at its first call: a hook there before it would be traced in
+    hook = norm.register_forward_hook(lambda m, a, out: out / 4) if hooked else None
+    try:
+        with scaled(norm, factor):
+            twin = one_step(pipe)
+        expected = dynamo_counts()
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        for _ in range(2):
+            with scaled(norm, factor), dbg:
+                np.testing.assert_array_equal(one_step(pipe), twin)
+        assert dynamo_counts() == expected, "the debugger added a graph break or a graph"
+    finally:
+        if hook is not None:
+            hook.remove()
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    named = [(name, REPLAYED), (name, "output check -> an earlier call's replay")]
+    assert [(a.module, a.details["localized_by"]) for a in risks] == (2 * [("", COMPILED_OUTPUT)] if hooked else named)
+    assert [a.details["run"] for a in risks] == [1, 2]
+    assert replays(dbg) == ["text_encoder"]
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
