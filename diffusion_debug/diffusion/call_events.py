@@ -675,7 +675,7 @@ class CallEvents:
                 role=self.localizer.roles.get(site.component, "other"),
                 sd_vae=site.component in self.localizer.sd_vaes,
                 upcast=self.localizer.upcast,
-                compiled=compiled,
+                compiled="replayed" if compiled and site.role in _REPLAYED_COMPILED else compiled,
                 weights_dtype=self.localizer.weights_dtype(site.component, site.prefix),
                 autocast=autocast_over(self.localizer.modules.get(site.component)),
             )

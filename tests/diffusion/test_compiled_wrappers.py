@@ -334,7 +334,8 @@ def test_a_compiled_decoders_near_max_its_eager_replay_does_not_make_is_warned_a
     assert absmax / 65504 == pytest.approx(0.61, abs=1e-3)
     assert [risk.message for risk in risks] == 2 * [
         f"vae.decoder output reached 61% of the float16 maximum (|x|={absmax:.3e}); vae is compiled: its inside is "
-        "not read, so the module that made these values is not named (run it uncompiled once to name it); "
+        "not read, so the module that made these values is not named, and an uncompiled replay of the call stayed "
+        "below that (the compiled code computes otherwise: a hook it skips, a fused rounding); "
         f"{SD_FP16_VAE}."
     ]
     assert replays(dbg) == ["vae"]
@@ -382,6 +383,7 @@ def test_a_compiled_text_encoders_near_max_is_named_by_its_replay_or_else_warned
     named = [(name, REPLAYED), (name, "output check -> an earlier call's replay")]
     assert [(a.module, a.details["localized_by"]) for a in risks] == (2 * [("", COMPILED_OUTPUT)] if hooked else named)
     assert [a.details["run"] for a in risks] == [1, 2]
+    assert [bool(a.details.get("eager_replay")) for a in risks] == [hooked, hooked]  # "an uncompiled replay ..."
     assert replays(dbg) == ["text_encoder"]
     assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
     dbg.close()
