@@ -356,6 +356,42 @@ def test_a_sentinels_inf_its_block_was_read_clipping_is_the_finding_where_the_bl
     assert shown(OverflowReplayed(clipped=replayed)) == (replayed, "sentinel -> replay with full probes", 9, None)
 
 
+def test_a_compiled_components_replay_that_shows_its_near_max_passed_in_names_no_module_and_is_not_made_again():
+    """An output check's replay of a compiled decoder (``decoder``, its output at 61% of fp16's max) in which every
+    near-max module took the values in with its inputs: for an eager call, values passed in (skipped this run, replayed
+    again each run); for a compiled one, whose eager replay is not the values it computed, no module named: kept for
+    the debugger's life as such (the output's own warning, every call), nothing marked passed in, no replay again."""
+    from diffusion_debug.diffusion.replay.decide import (
+        Overflow,
+        OverflowReplayed,
+        ReplayMemory,
+        decide,
+        overflow_replayed,
+    )
+    from diffusion_debug.probes import ModuleReading
+
+    near = 0.61 * 65504
+    given = [ModuleReading("decoder.conv_in", 0, "float16", near, near, "float16"),
+             ModuleReading("decoder", 0, "float16", near, near, "float16")]  # fmt: skip
+    assert overflow_replayed(given, "decoder", 0.5, True) == OverflowReplayed(passed_in=True)
+    assert overflow_replayed(given, "decoder", 0.5, True, compiled=True) == OverflowReplayed()
+    output, key = ModuleReading("decoder", 0, "float16", None, near, signal="absmax"), ("vae", "decoder")
+    memory = ReplayMemory()
+    plan = memory.overflow_shown(Overflow(output, key, replay="decoder"), OverflowReplayed(), len(given))
+    assert (plan.reading, plan.known, plan.skip, memory.passed_in, memory.overflow_where) == (
+        output,
+        None,
+        False,
+        set(),
+        {key: None},
+    )
+    memory.new_run()  # the next call: named from memory as none, not replayed
+    again = decide("vae", checks.Suspects(None, None, output), [output], memory=memory, output_finite=True,
+                   full=False, leaf=lambda c, m: False, received=lambda c, s: False, unwatched=None,
+                   site="decoder", localize=True, fraction=0.5).overflow  # fmt: skip
+    assert (again.replay, again.known, again.skip) == (None, None, False)
+
+
 @pytest.mark.parametrize(
     "dtype, value, at_max",
     [
