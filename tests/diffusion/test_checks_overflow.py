@@ -101,11 +101,13 @@ def test_the_report_guide_next_to_an_overflow_risk_advises_by_dtype_as_its_messa
     from diffusion_debug.record import kind_info
 
     assert kind_info("overflow_risk").action == (
-        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE; SD 1.5's "
-        "pipeline reads no force_upcast: decode in float32 yourself); under float16 autocast, which computes float32 "
-        "weights in float16 too, an upcast helps only with the decode run outside the autocast: autocast to bfloat16 "
-        "instead, or run that component outside autocast; in bfloat16, whose range is float32's, no dtype holds "
-        "more: check the named module's weights and the scale of its inputs."
+        "In float16: run that component in bfloat16 or float32; a VAE as the message says for its pipeline's call "
+        "(force_upcast where the call reads it, SDXL's; SDXL's VAE: the fp16-fix VAE; otherwise "
+        'pipe.vae.to(torch.float32), or where the call hands the VAE its latents uncast, its output_type="latent" '
+        "decoded in float32); under float16 autocast, which computes float32 weights in float16 too, an upcast helps "
+        "only with the decode run outside the autocast: autocast to bfloat16 instead, or run that component outside "
+        "autocast; in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and "
+        "the scale of its inputs."
     )
 
 
