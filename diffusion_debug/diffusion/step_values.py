@@ -150,22 +150,34 @@ def stats_dict(stats: TensorStats) -> dict[str, Any]:
     return stats_dicts({None: stats})[None]
 
 
-def stats_dicts(stats: dict[Any, TensorStats], into: dict[Any, Any] | None = None) -> dict[Any, Any]:
+def stats_dicts(
+    stats: dict[Any, TensorStats], into: dict[Any, Any] | None = None, ready: dict[Any, Any] | None = None
+) -> dict[Any, Any]:
     """:func:`stats_dict` of each of ``stats``, by its label, put into ``into`` (a step row: five a
-    step, spelled out in one call)."""
+    step, spelled out in one call). ``ready``: also, by label, a JSON copy of each whose four floats
+    are finite (the record's, :func:`~diffusion_debug.record.jsonio.to_jsonable`'s ``ready``: its other
+    values are text and ints by :class:`TensorStats`' making), which the record keeps as it is instead
+    of checking it value by value; a NaN, an Inf or a None (no finite element) leaves it to the record."""
     out = {} if into is None else into
     for label, s in stats.items():
-        out[label] = {
-            "shape": list(s.shape),
+        shape, mean, std, absmax, l2 = list(s.shape), s.mean, s.std, s.absmax, s.l2
+        out[label] = entry = {
+            "shape": shape,
             "dtype": s.dtype,
-            "mean": s.mean,
-            "std": s.std,
-            "absmax": s.absmax,
-            "l2": s.l2,
+            "mean": mean,
+            "std": std,
+            "absmax": absmax,
+            "l2": l2,
             "nan": s.nan,
             "posinf": s.posinf,
             "neginf": s.neginf,
         }
+        if ready is not None:
+            try:  # x - x: 0.0 for a finite float, NaN for a NaN or an Inf (no C call); None raises
+                if (mean - mean) + (std - std) + (absmax - absmax) + (l2 - l2) == 0.0:
+                    ready[label] = {**entry, "shape": shape[:]}  # its own copy: the user's row is not the record's
+            except TypeError:  # a None: no finite element (the record checks it value by value)
+                pass
     return out
 
 
@@ -370,8 +382,11 @@ def _readings(probes: list[ProbePart], host: list[list[float]]) -> dict[str, lis
     return readings
 
 
-def build_row(step: int, values: StepValues, *, time_s: float, denoiser_calls: int, run: int) -> dict[str, Any]:
-    """The step's row for the record (``memory`` is added by the caller when tracked)."""
+def build_row(
+    step: int, values: StepValues, *, time_s: float, denoiser_calls: int, run: int, ready: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The step's row for the record (``memory`` is added by the caller when tracked); ``ready``: the JSON
+    copies of its statistics the record can keep as they are (:func:`stats_dicts`)."""
     row: dict[str, Any] = {
         "step": step,
         "timestep": values.scalars["timestep"],
@@ -381,7 +396,7 @@ def build_row(step: int, values: StepValues, *, time_s: float, denoiser_calls: i
         "denoiser_calls": denoiser_calls,
         "run": run,
     }
-    stats_dicts(values.stats, row)
+    stats_dicts(values.stats, row, ready)
     return row
 
 

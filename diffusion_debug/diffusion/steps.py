@@ -401,19 +401,18 @@ class StepPipeline(CallEvents):
         entered = self.run.step if self.run.stepped else None
         try:
             values = rows.finish_step(pending.queued)
-            extra = pending.row
-            row = rows.build_row(
-                pending.step, values, time_s=extra["time_s"], denoiser_calls=extra["denoiser_calls"], run=extra["run"]
-            )
-            if "memory" in extra:
-                row["memory"] = extra["memory"]
+            extra, ready = pending.row, {}  # ready: the record's JSON copies of the row's dicts, made with them
+            step, time_s, calls, runs = pending.step, extra["time_s"], extra["denoiser_calls"], extra["run"]
+            row = rows.build_row(step, values, time_s=time_s, denoiser_calls=calls, run=runs, ready=ready)
+            if "memory" in extra:  # (memory_sample's values: finite floats by its making)
+                row["memory"], ready["memory"] = extra["memory"], {**extra["memory"]}
             if self.config.probes == "full":
                 self.keep_readings(values.readings, pending.step)
             if values.schedule is not None:  # the run's first step: its schedule read with it
                 self.write_schedule(values.schedule, values.scalars["timestep"])
             if len(self.experts) > 1 and extra["expert"] is not None:
                 row["denoiser"] = extra["expert"]  # which expert ran the step
-            self.record.add_step(row)
+            self.record.add_step(row, ready=ready)
             if values.readings and self.probes.pace.sampled:  # a read step's: whether the next ones are read
                 self.probes.pace.note(values.readings)
             # what the step's readings call for, decided once (nothing on a clean step: its latents' warnings at most)

@@ -17,16 +17,21 @@ import os
 import tempfile
 from collections import deque
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
 
 from ..stats import read_now
 
+_NONE_READY: Mapping[str, Any] = MappingProxyType({})
 
-def to_jsonable(obj: Any) -> Any:
+
+def to_jsonable(obj: Any, ready: Mapping[str, Any] = _NONE_READY) -> Any:
     """Plain JSON data for ``obj``: non-finite floats become ``"nan"``/``"inf"``/``"-inf"``;
-    tensors, numpy values, dtypes, paths, enums and dataclasses become lists, numbers or text."""
+    tensors, numpy values, dtypes, paths, enums and dataclasses become lists, numbers or text.
+    ``ready``: for a dict ``obj``, the JSON copies its maker already made of some of its dict values, by key,
+    taken as they are, not walked (a step row's statistics, copied where they are made: ``step_values.py``)."""
     kind = type(obj)
     if kind is dict:  # most of a row or an event: its plain leaves without a call each (a row a step)
         out = {}
@@ -46,6 +51,9 @@ def to_jsonable(obj: Any) -> Any:
                 else:
                     out[key] = value[:]
             elif leaf is dict:  # a row's statistics (five a step), its memory sample: plain leaves copied, no call
+                if key in ready:  # (spelled out: no C call; ~300 bytecodes a statistics dict fewer)
+                    out[key] = ready[key]
+                    continue
                 inner = {}
                 for name, item in value.items():
                     kind = item.__class__

@@ -22,7 +22,7 @@ import sys
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -149,11 +149,14 @@ class RunRecord:
             except Exception:  # pragma: no cover - reporting the loss must not break the run either
                 pass
 
-    def add_step(self, row: dict[str, Any], *, joined: int | None = None) -> None:
+    def add_step(
+        self, row: dict[str, Any], *, joined: int | None = None, ready: Mapping[str, Any] | None = None
+    ) -> None:
         """This process's row; ``joined``: its monitored step on the clock every rank shares (``History.joined``, a
         training run's), kept beside it and in its streamed entry (not in the row): what names this one row where
-        the loop repeats a step number (:meth:`amend_step`, :meth:`mark_skipped`)."""
-        row = to_jsonable(row)
+        the loop repeats a step number (:meth:`amend_step`, :meth:`mark_skipped`). ``ready``: JSON copies of some of
+        the row's dict values, made where they were built, kept as they are (:func:`~.jsonio.to_jsonable`'s)."""
+        row = to_jsonable(row) if ready is None else to_jsonable(row, ready)
         self.steps.append(row)
         if joined is None:  # (a pipeline's: no call more per step)
             self._write({"type": "step", **row})

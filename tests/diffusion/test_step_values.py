@@ -3,6 +3,9 @@ diffusers' own reads subtracted), the CFG output measured once as its halves and
 naive references, and calls checked on their own (no scheduler step)."""
 
 import collections
+import dataclasses
+import json
+import math
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from diffusion_helpers import plant, run
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.diffusion import step_values
 from diffusion_debug.diffusion.components import call_sites
+from diffusion_debug.record import RunRecord, jsonio
 from diffusion_debug.stats import absmax_on_device, batched, collect, measure, merge_stats, tensor_stats
 from diffusion_debug.stats.host import count_host_transfers
 
@@ -289,3 +293,41 @@ def test_merging_a_steps_two_guidance_halves_gives_the_general_merge_bit_for_bit
         general = merge_stats(parts, (2, 4, 8, 8))
         monkeypatch.undo()
         assert fast == general and fast.mean is not None and fast.dtype == str(dtype).removeprefix("torch.")
+
+
+def test_a_step_rows_statistics_made_json_where_they_are_made_are_what_the_record_would_have_written(tmp_path):
+    """cost39: a statistics dict whose four floats are finite is copied as JSON where it is made
+    (``stats_dicts``' ``ready``), and the record keeps that copy instead of checking it value by value;
+    one with a NaN, an Inf or a None is left to the record. Either way the record's row is the one
+    ``to_jsonable`` makes of the row alone (the same text), and shares no dict or list with the row
+    the user is given."""
+    finite = tensor_stats(torch.tensor([[1.0, -2.0], [3.0, 0.5]]))
+    counted = tensor_stats(torch.tensor([1.0, math.nan]))  # a NaN counted; its values over the finite ones
+    none = tensor_stats(torch.empty(0, 3))  # no finite element: mean, std, abs-max and L2 are None
+    big = dataclasses.replace(finite, l2=math.inf)  # finite elements whose L2 overflowed
+    lost = dataclasses.replace(finite, mean=math.nan)
+    stats = {"latents": finite, "model_output": counted, "uncond": none, "cond": big, "pred_original_sample": lost}
+    assert none.mean is None and counted.nan == 1 and counted.mean == 1.0
+    values = step_values.StepValues(stats, {"timestep": 981.0, "sigma": None, "guidance_gap": 0.25}, {}, [], None)
+    ready = {}
+    row = step_values.build_row(3, values, time_s=0.5, denoiser_calls=1, run=2, ready=ready)
+    assert list(ready) == ["latents", "model_output"]  # the others: left to the record
+    assert ready["latents"] == row["latents"] and ready["latents"] is not row["latents"]
+    assert ready["latents"]["shape"] is not row["latents"]["shape"]
+    row["memory"], ready["memory"] = {"rss_mb": 1.5, "vms_mb": 2.0, "percent": 0.1}, {"rss_mb": 1.5}
+    # taken as given, not walked (a memory copy that differs shows it is the one kept)
+    assert jsonio.to_jsonable(row, ready)["memory"] is ready["memory"]
+    ready["memory"] = dict(row["memory"])
+    kept, alone = jsonio.to_jsonable(row, ready), jsonio.to_jsonable(row)
+    assert kept == alone and jsonio.dumps(kept) == jsonio.dumps(alone)
+    assert [kept[k]["mean"] for k in stats] == [finite.mean, 1.0, None, finite.mean, "nan"]
+    assert (kept["model_output"]["nan"], kept["cond"]["l2"]) == (1, "inf")
+    for key in (*stats, "memory"):
+        assert kept[key] is not row[key]
+    record = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="diffusion")
+    record.add_step(row, ready=ready)
+    record.close()
+    assert record.steps[-1] == alone
+    streamed = [json.loads(line) for line in record.events_path.read_text().splitlines()]
+    step = [entry for entry in streamed if entry["type"] == "step"][0]
+    assert {k: v for k, v in step.items() if k not in ("type", "time", "rank")} == alone
