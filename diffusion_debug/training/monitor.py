@@ -668,6 +668,7 @@ class StepMonitor:
                 at = self._held_joined if _among(skip, released) else history.joined - 1
                 self.sink.record.mark_skipped(skip.step, skip.details["reason"], joined=at)
             self.sink.record.add_step(row, joined=history.joined)
+            step.row_joined = history.joined
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
                 for joined, other in self.exchange.unrecorded(step.details):
                     self.sink.record.add_rank_step(other, joined=joined)
