@@ -25,7 +25,10 @@ from .jsonio import load_json, read_jsonl
 @dataclass
 class RunData:
     """What a run directory holds. ``summary["incomplete"]`` is set when summary.json was missing
-    and the summary was rebuilt from the event files (a killed run, or one that never saved)."""
+    and the summary was rebuilt from the event files (a killed run, or one that never saved).
+    :attr:`anomalies` is built from ``summary["anomalies"]`` once and cached by identity: an entry's top-level
+    field edited in place (``summary["anomalies"][0]["message"] = ...``) is not seen; assign the entry or the list
+    anew. Each built anomaly's ``details`` is its entry's own dict (shared): an edit inside it is seen."""
 
     run_dir: Path
     summary: dict[str, Any]
@@ -36,8 +39,10 @@ class RunData:
         """summary.json's anomalies, built once: the same objects at every read, so what finds one by identity
         (:func:`~.anomaly.consequences`, a report's cause and its folded copies) finds it across two reads. Built
         anew only when ``summary["anomalies"]`` is another list or holds other entries than when they were built
-        (appended, removed or replaced: compared by identity, entry by entry, not by value; a caller editing an
-        entry in place assigns the list or the entry anew, as no library code edits one)."""
+        (appended, removed or replaced: compared by identity, entry by entry, not by value). An entry's top-level
+        field edited in place is not seen (its anomaly keeps the old value; no library code edits one): a caller
+        assigns the entry or the list anew. Its ``details`` dict is the entry's own, shared, not a copy: an edit
+        inside it is seen at once."""
         rows = self.summary.get("anomalies", [])
         held = self._anomalies
         if held is None or held[0] is not rows or len(held[1]) != len(rows) or any(map(is_not, held[1], rows)):
@@ -70,7 +75,8 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     """Load a run directory: ``summary.json`` (checked field by field) and ``events.jsonl``.
 
     Without summary.json the summary is rebuilt from ``events*.jsonl`` and marked incomplete.
-    Anything unreadable is one DiffusionDebugError naming the file and the field."""
+    Anything unreadable is one DiffusionDebugError naming the file and the field. Its
+    :attr:`~RunData.anomalies` are cached by identity (an entry's field edited in place is not seen there)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise DiffusionDebugError(f"{str(run_dir)!r} is not a run directory: no such directory.")

@@ -224,6 +224,11 @@ class RunRecord:
         self._write({"type": "step_amended", "step": step, "rank": rank, **named, "values": values})
         return True
 
+    def rank_copies(self) -> set[tuple[Any, int | None]]:
+        """The (rank, joined) of each other rank's row kept here (:meth:`add_rank_step`): what
+        :meth:`amend_rank_step` can find, looked up without its walk over every copy."""
+        return {(row.get("rank"), joined) for row, joined in zip(self.rank_steps, self._rank_joined)}
+
     def add_rank_step(self, row: dict[str, Any], *, joined: int | None = None) -> None:
         """Another rank's step row (it carries its ``rank``), kept apart from this process's own; ``joined``: the
         monitored step it was taken at (the clock every rank shares), which that rank's :meth:`amend_step` names:

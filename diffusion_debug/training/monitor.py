@@ -349,6 +349,7 @@ class StepMonitor:
         (:meth:`_record_step`, from what every rank received)."""
         judged.anomalies = anomalies + skipped + judged.anomalies
         judged.skipped = skipped + judged.skipped
+        step.released_skips = skipped  # they mark the held row, whatever step number this call has
         if anomalies or skipped:
             step.released = (anomalies + skipped)[0].step
 
@@ -642,8 +643,10 @@ class StepMonitor:
             counted, skipped = [a for a in counted if a.step != late], [a for a in skipped if a.step != late]
             nonfinite = any(a.kind == "nonfinite" and a.severity == "error" for a in held)
             history.counts.add_step(held, step_checks.StepFlags(nonfinite=nonfinite), late_skips)
+        released = step.released_skips  # the held step's skips (its row: the one taken at self._held_joined)
         if skipped and self._early == history.joined - 1:  # a report recorded it before this step read it
-            recorded, skipped = [a for a in recorded if a.kind != "skipped_step" or a.step == late], []
+            recorded = [a for a in recorded if a.kind != "skipped_step" or _among(a, released)]
+            skipped = [a for a in skipped if _among(a, released)]
         # its anomaly step counted here, as in a run that does not report (a report counts the skip alone)
         history.counts.add_step(counted, judged.flags, skipped)
         history.previous_step = step.index
@@ -661,11 +664,11 @@ class StepMonitor:
             row = dict(step.record, **{k: info[k] for k in ("ranks", "losses_by_rank") if k in info})
             if "grad_norms_by_rank" in info:
                 row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
-            for skip in skipped:  # the last monitored step's, found now: its row says so
-                self.sink.record.mark_skipped(skip.step, skip.details["reason"], joined=history.joined - 1)
-            for skip in late_skips:  # the held step's
-                self.sink.record.mark_skipped(skip.step, skip.details["reason"], joined=self._held_joined)
+            for skip in skipped + late_skips:  # found now: the held step's row, else the last monitored step's
+                at = self._held_joined if _among(skip, released) else history.joined - 1
+                self.sink.record.mark_skipped(skip.step, skip.details["reason"], joined=at)
             self.sink.record.add_step(row, joined=history.joined)
+            step.row_joined = history.joined
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
                 for joined, other in self.exchange.unrecorded(step.details):
                     self.sink.record.add_rank_step(other, joined=joined)
@@ -678,6 +681,12 @@ class StepMonitor:
             step.late = error
             info["error"] = repr(error)
         return info
+
+
+def _among(anomaly: Anomaly, anomalies: list[Anomaly]) -> bool:
+    """Whether ``anomaly`` is one of ``anomalies`` itself (not an equal one: two skips of one step number, a
+    GAN's optimizers', are equal)."""
+    return any(anomaly is other for other in anomalies)
 
 
 def _trained(fsdp_param: Any) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..core import DebugReport
 from ..record import RunRecord, headline
@@ -26,9 +26,11 @@ def training_report(
     ctx: RankContext,
     training_summary: dict[str, Any],
     files: RankFiles | None = None,
+    received: Mapping[int, int] | None = None,
 ) -> DebugReport:
     """The record so far as a :class:`~diffusion_debug.core.DebugReport` (no collective). ``files``: the other
-    ranks' events files, which the main process reads from where its last report stopped (None: none read)."""
+    ranks' events files, which the main process reads from where its last report stopped (None: none read);
+    ``received``: per rank, the last monitored step whose row the main received (``RankExchange.recorded``)."""
     buckets = history.buckets
     timesteps = {"loss_by_timestep_bucket": buckets.summary(), "num_train_timesteps": buckets.num_train_timesteps}
     health = history.health.summary() if history.health is not None else {}
@@ -42,8 +44,7 @@ def training_report(
         for own in kept_elsewhere(record.anomalies, files, ctx.rank, ctx.world_size) if not full else ():
             record.add_anomaly(own)
         files.read(range(ctx.world_size))  # (read already, unless the record is full)
-        for (rank, step, joined), values in files.amended.items():  # a row its rank read anew (unscaled): its copy
-            record.amend_rank_step(rank, step, values, joined=joined)
+        files.amend_copies(record, received or {})  # a row its rank read anew (unscaled) or found skipped: its copy
     summary = {
         **record.summary(),
         "headline": headline(record.anomalies, ctx.world_size),  # the anomaly to fix first (cause before consequence)
@@ -111,7 +112,8 @@ class TrainingResults:
         self._steps.judge_last_skip("report")
         history = self._steps.history
         summary = self.get_summary()
-        return training_report(self.record, history, self.watched, self.params, self._ctx, summary, self._rank_files)
+        files, received = self._rank_files, self._steps.exchange.recorded
+        return training_report(self.record, history, self.watched, self.params, self._ctx, summary, files, received)
 
     def clear_debug_history(self) -> None:
         """Forget the recorded steps and anomalies, and the counts with them (the schedules'

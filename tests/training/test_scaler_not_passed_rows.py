@@ -99,3 +99,57 @@ def test_a_gan_s_held_row_read_unscaled_is_its_own_optimizer_s_not_the_other_s_o
     assert [[row.get(f) for f in fields] for row in rebuild_summary(run_dir)["steps"]] == expected
     (amended,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["type"] == "step_amended"]
     assert (amended["step"], amended["joined"]) == (0, 1)
+
+
+def test_a_held_step_s_skip_released_at_a_third_optimizer_s_call_marks_the_held_row_not_the_one_before(tmp_path):
+    """Three models monitored under one step number, one GradScaler (1024) not passed: D's step 0 is held (an
+    Inf planted in its gradients), D and G stepped after G's monitor call, E monitored and stepped after them. D's
+    held step is decided at E's call (step 0 too) and its skip released there: it marks D's row of step 0 (the held
+    row, monitored step 1), in the kept rows, the stream and a rebuilt summary alike; the naive reference is the
+    optimizer steps themselves (D's weights unchanged, G's and E's moved). Before, a skip released at a call of
+    the same step number marked the row before that call (G's, monitored step 2), and D's stayed unmarked."""
+    import torch
+
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    names = ("D", "G", "E")
+    nets = {n: torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)) for n in names}
+    opts = {n: torch.optim.SGD(net.parameters(), lr=1e-4) for n, net in nets.items()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    tdbg = TrainingDebugger(nets, config=DebugConfig(output_dir=str(tmp_path)))
+    g = torch.Generator().manual_seed(1)
+    before = {n: [p.detach().clone() for p in net.parameters()] for n, net in nets.items()}
+
+    def monitored(name: str, step: int) -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (nets[name](torch.randn(16, 8, generator=g)) - 0.5).square().mean()
+        opts[name].zero_grad()
+        scaler.scale(loss).backward()
+        if (name, step) == ("D", 0):
+            next(nets[name].parameters()).grad[0, 0] = float("inf")
+        tdbg.monitor_training_step(loss, optimizer=opts[name], step=step)
+
+    moved = {}
+    for step in range(2):
+        monitored("D", step)
+        monitored("G", step)
+        scaler.step(opts["D"])
+        scaler.step(opts["G"])
+        monitored("E", step)
+        scaler.step(opts["E"])
+        scaler.update()
+        if step == 0:
+            moved = {
+                n: any(not torch.equal(a, b) for a, b in zip(before[n], net.parameters())) for n, net in nets.items()
+            }
+    kept, run_dir = [dict(row) for row in tdbg.record.steps], tdbg.record.run_dir
+    tdbg.close()
+    assert moved == {"D": False, "G": True, "E": True}  # the naive reference: D's optimizer step alone skipped
+    truth = ["grad_scaler", None, None, None, None, None]
+    assert [row["step"] for row in kept] == [0, 0, 0, 1, 1, 1]
+    assert [row.get("skipped") for row in kept] == truth
+    assert [row.get("skipped") for row in every_rank_steps(run_dir)] == truth
+    assert [row.get("skipped") for row in rebuild_summary(run_dir)["steps"]] == truth
+    (skip,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["type"] == "step_skipped"]
+    assert (skip["step"], skip["joined"], skip["reason"]) == (0, 1, "grad_scaler")

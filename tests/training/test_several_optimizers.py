@@ -284,3 +284,68 @@ def test_each_optimizers_modules_groups_are_worked_out_once(tmp_path, monkeypatc
     measured, reference, *_ = _gan(lambda models: TrainingDebugger(models, config=config), optimizer=torch.optim.SGD)
     assert measured == pytest.approx(reference, rel=1e-6)
     assert len(made) == 2 and len(set(made)) == 2
+
+
+def _gan_one_step_number(tmp_path, fail_recording_at=None):
+    """D then G monitored under one step number (``step=it``), policy ``skip``, a NaN in G's gradients at
+    iteration 1 (its loss finite). ``fail_recording_at``: the monitored call (1-based) whose ``add_step`` raises
+    (the record failed: the call adds no row). Returns the kept rows, the run directory and the events."""
+    from diffusion_debug.record import read_jsonl
+
+    generator, discriminator = _models()
+    opts = {"D": torch.optim.SGD(discriminator.parameters(), lr=1e-4), "G": torch.optim.SGD(generator.parameters())}
+    config = DebugConfig(output_dir=str(tmp_path), policy="skip")
+    tdbg = TrainingDebugger({"generator": generator, "discriminator": discriminator}, config=config)
+    add_step, calls = tdbg.record.add_step, []
+
+    def failing(row, **named):
+        calls.append(row)
+        if len(calls) == fail_recording_at:
+            raise OSError("disk full")
+        return add_step(row, **named)
+
+    tdbg.record.add_step = failing
+    data, actions = torch.Generator().manual_seed(1), []
+    for it in range(2):
+        real, fake = _batch(generator, data)
+        for name, loss in (
+            ("D", lambda: _loss_d(discriminator, real, fake)),
+            ("G", lambda: _loss_g(discriminator, fake)),
+        ):
+            opts[name].zero_grad()
+            loss().backward()
+            if (name, it) == ("G", 1):
+                generator[0].weight.grad[0, 0] = math.nan
+            actions.append(tdbg.monitor_training_step(loss(), optimizer=opts[name], step=it).get("policy_action"))
+            opts[name].step()
+    kept, run_dir = [dict(row) for row in tdbg.record.steps], tdbg.record.run_dir
+    tdbg.close()
+    assert actions == [None, None, None, "skip"]  # G's step 1 alone
+    return kept, run_dir, read_jsonl(run_dir / "events.jsonl")
+
+
+def test_a_policy_skip_marks_its_own_optimizer_s_row_by_its_monitored_step(tmp_path):
+    """A GAN's D and G monitored under one step number, policy ``skip``, a NaN in G's gradients at step 1: G's row
+    of step 1 says ``skipped: policy``, D's not, in the kept rows and the stream alike; its ``step_skipped`` names
+    that row's monitored step (4), which the main process's copy of it is matched by (``RankFiles`` keys the entry
+    by it: without it, ``(rank, 1, None)`` named no copy, and a rank's policy skip never reached the main's)."""
+    from diffusion_debug.record.run_dir import every_rank_steps
+
+    kept, run_dir, events = _gan_one_step_number(tmp_path)
+    truth = [None, None, None, "policy"]
+    assert [row["step"] for row in kept] == [0, 0, 1, 1]
+    assert [row.get("skipped") for row in kept] == truth
+    assert [row.get("skipped") for row in every_rank_steps(run_dir)] == truth
+    (skip,) = [e for e in events if e["type"] == "step_skipped"]
+    assert (skip["step"], skip["joined"], skip["reason"]) == (1, 4, "policy")
+
+
+def test_a_policy_skip_at_a_call_whose_row_was_not_recorded_marks_no_other_optimizer_s_row(tmp_path):
+    """The same loop, G's step-1 call failing to record its row (``add_step`` raised: a ``debugger_error``): the
+    policy still skips it (its gradients zeroed, its ``policy_skip`` event) and marks no row: D's row of step 1,
+    the last row of that step number, stays unmarked. Before, the skip marked D's row (``mark_skipped`` with no
+    monitored step took the last row of step 1)."""
+    kept, run_dir, events = _gan_one_step_number(tmp_path, fail_recording_at=4)
+    assert [(row["step"], row.get("skipped")) for row in kept] == [(0, None), (0, None), (1, None)]
+    assert [e["type"] for e in events if e["type"] in ("step_skipped", "policy_skip")] == ["policy_skip"]
+    assert [e["details"]["where"] for e in events if e.get("kind") == "debugger_error"] == ["recording"]

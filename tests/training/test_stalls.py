@@ -1238,6 +1238,58 @@ def test_a_copy_of_another_ranks_row_found_skipped_after_it_was_written_is_marke
     assert every_rank_steps(tmp_path) == expected  # the main's copies stand in
 
 
+def test_a_copy_of_another_ranks_row_read_anew_is_amended_past_skips_of_rows_never_copied_and_each_is_tried_once(
+    tmp_path,
+):
+    """Rank 1 records steps 1-3 (its scaler skipped each: ``mark_skipped``), rows the main never copies (no detail
+    step), then step 4 (held, 65536.0, copied by the main), read anew (``amend_step``: 1.0), then step 5 (copied,
+    skipped, the main not yet told: received up to monitored step 4). ``RankFiles(limit=3)``: the three skips fill
+    their own room, the row read anew still gets in; the main's report (``amend_copies``) amends the copy of step 4
+    and drops every entry at or below what it received (tried once: later reports do not scan them again), keeping
+    step 5's skip until its copy comes; the next report, received up to 5, marks that copy and drops it. Before, the
+    three skips took the one ``limit`` of every entry: step 4's copy stayed 65536.0, and every skip stayed forever."""
+    from diffusion_debug.record import RunRecord
+    from diffusion_debug.training.ranks.elsewhere import RankFiles
+
+    config = DebugConfig(output_dir=str(tmp_path))
+    main = RunRecord(config, kind="training", run_dir=tmp_path, rank=0)
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    for joined in (1, 2, 3):
+        rank1.add_step({"step": joined, "grad_norm": 1.0, "rank": 1}, joined=joined)
+        rank1.mark_skipped(joined, "grad_scaler", joined=joined)
+    held = {"step": 4, "grad_norm": 65536.0, "rank": 1}
+    rank1.add_step(held, joined=4)
+    main.add_rank_step(held, joined=4)
+    rank1.amend_step(4, {"grad_norm": 1.0}, joined=4)
+    rank1.add_step({"step": 5, "grad_norm": 2.0, "rank": 1}, joined=5)
+    rank1.mark_skipped(5, "grad_scaler", joined=5)
+    rank1.flush_to_disk()
+    files = RankFiles(tmp_path, rank=0, limit=3)
+    files.read([1])
+    assert files.amended == {
+        **{(1, j, j): {"skipped": "grad_scaler"} for j in (1, 2, 3)},
+        (1, 4, 4): {"grad_norm": 1.0},
+    }  # the fourth skip (step 5's) over the limit of skips
+    files.amend_copies(main, {1: 4})
+    assert list(main.rank_steps) == [{"step": 4, "grad_norm": 1.0, "rank": 1}]
+    assert files.amended == {}  # each tried once, at or below what the main received
+    rank1.add_step({"step": 6, "grad_norm": 3.0, "rank": 1}, joined=6)
+    rank1.mark_skipped(6, "grad_scaler", joined=6)
+    rank1.close()
+    files.read([1])
+    assert files.amended == {(1, 6, 6): {"skipped": "grad_scaler"}}
+    files.amend_copies(main, {1: 4})  # its copy not received yet: kept
+    assert files.amended == {(1, 6, 6): {"skipped": "grad_scaler"}}
+    main.add_rank_step({"step": 6, "grad_norm": 3.0, "rank": 1}, joined=6)  # the next detail step's exchange
+    files.amend_copies(main, {1: 6})
+    main.close()
+    assert files.amended == {}
+    assert list(main.rank_steps) == [
+        {"step": 4, "grad_norm": 1.0, "rank": 1},
+        {"step": 6, "grad_norm": 3.0, "rank": 1, "skipped": "grad_scaler"},
+    ]
+
+
 def test_the_main_copy_of_another_ranks_anomaly_takes_the_repeats_its_rank_folded(tmp_path):
     """Rank 1's debugger_error at step 3, again at steps 4 and 5 (its sink folds them: count 3, last_step 5).
     A report after step 3 copies it (count 1); the next report's copy, and the one added before, read 3 and 5."""

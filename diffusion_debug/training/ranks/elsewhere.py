@@ -39,9 +39,10 @@ class RankFiles:
     """The other ranks' events files, each read as far as its last whole line, once: a later :meth:`read` reads
     what was written since (an offset per file; a file replaced, by a rank that writes its events whole at the
     end, is read anew), ``_CHUNK`` bytes at a time. Keeps each rank's own anomalies of :data:`ONE_RANK_KINDS`
-    (``rank`` its own), with the repeats its ``anomaly_repeated`` rows fold into them, at most ``limit`` a rank; a
-    line that names none of those kinds nor ``step_amended`` (a step row: nearly every line) is not parsed. A file
-    gone or unreadable (a killed rank's disk, NFS) is left out, and read again at the next :meth:`read`."""
+    (``rank`` its own), with the repeats its ``anomaly_repeated`` rows fold into them, at most ``limit`` a rank, and
+    what it read its own rows anew with (:attr:`amended`); a line that names none of those kinds nor
+    ``step_amended`` nor ``step_skipped`` (a step row: nearly every line) is not parsed. A file gone or unreadable
+    (a killed rank's disk, NFS) is left out, and read again at the next :meth:`read`."""
 
     def __init__(self, run_dir: Path, rank: int, limit: int = 10_000):
         self.run_dir, self.rank, self.limit = Path(run_dir), rank, limit
@@ -51,11 +52,8 @@ class RankFiles:
         self._at: dict[int, tuple[Any, int]] = {}  # per rank: its file's identity and offset
         self._theirs: dict[int, list[Anomaly]] = {}
         self._open: dict[int, FirstAnomalies] = {}  # per rank: its anomalies, as its repeats' rows name them
-        self.amended: dict[tuple[int, Any, Any], dict[str, Any]] = {}
-        """Per (rank, step, joined): the values that rank read its own row of the step, taken at monitored step
-        ``joined``, anew with (its ``step_amended``, ``RunRecord.amend_step``; its ``step_skipped``, as
-        ``skipped``), at most ``limit`` rows: what the main process's copy of that one row takes
-        (``RunRecord.amend_rank_step``), not its later rows of a step number the loop repeated."""
+        self._read_anew: dict[tuple[int, Any, Any], dict[str, Any]] = {}  # step_amended's, at most limit rows
+        self._skipped: dict[tuple[int, Any, Any], dict[str, Any]] = {}  # step_skipped's, at most limit rows apart
 
     def read(self, ranks: Iterable[int]) -> list[Anomaly]:
         """Each rank of ``ranks`` (not this one)'s own anomalies, read so far, by rank then as written."""
@@ -64,12 +62,44 @@ class RankFiles:
             self._read_one(other)
         return [a for other in wanted for a in self._theirs.get(other, [])]
 
+    @property
+    def amended(self) -> dict[tuple[int, Any, Any], dict[str, Any]]:
+        """Per (rank, step, joined): the values that rank read its own row of the step, taken at monitored step
+        ``joined``, anew with (its ``step_amended``, ``RunRecord.amend_step``; its ``step_skipped``, as
+        ``skipped``): what the main process's copy of that one row takes (``RunRecord.amend_rank_step``), not its
+        later rows of a step number the loop repeated. At most ``limit`` rows read anew and ``limit`` skipped, apart
+        (skips, one at each of a rank's scaler skips, never crowd a row read anew out); each kept until a report
+        tried it on the main's copies once the main took the copies of that rank up to its row
+        (:meth:`amend_copies`)."""
+        out = {key: dict(values) for key, values in self._skipped.items()}
+        for key, values in self._read_anew.items():
+            out.setdefault(key, {}).update(values)
+        return out
+
+    def amend_copies(self, record: Any, received: Mapping[int, int]) -> None:
+        """The main process's copies (``record``'s, a ``RunRecord``) of the rows their ranks read anew or found
+        skipped (:attr:`amended`) take those values (``RunRecord.amend_rank_step``: a copy not kept, or already
+        holding them, is left as it is). ``received``: per rank, the last monitored step whose row the main has
+        received (``RankExchange.recorded``): an entry of a row at or before it is dropped once tried (its copy
+        was taken, or never will be: the exchange carries a later row only), as is one naming no monitored step
+        (no copy is taken without one); a later row's waits for its copy (the next detail step's exchange). A
+        report reads then the entries written since the last one, and those still waiting, not the run's every
+        skip."""
+        held = record.rank_copies()  # (a copy's walk for each entry: 0.8 s for 10k skips over 1000 copies)
+        for (rank, step, joined), values in self.amended.items():
+            if (rank, joined) in held:
+                record.amend_rank_step(rank, step, values, joined=joined)
+            if joined is None or joined <= received.get(rank, -1):
+                self._read_anew.pop((rank, step, joined), None)
+                self._skipped.pop((rank, step, joined), None)
+
     def clear(self) -> None:
         """Forget the anomalies and amended rows read (``clear_debug_history``); what is read from now on is what is
         written later."""
         self._theirs.clear()
         self._open.clear()
-        self.amended.clear()
+        self._read_anew.clear()
+        self._skipped.clear()
 
     def _read_one(self, other: int) -> None:
         path = self.run_dir / f"events-rank{other}.jsonl"
@@ -100,9 +130,10 @@ class RankFiles:
         kind = row.get("type")
         if kind in ("step_amended", "step_skipped"):  # a skip found after its row: the copy says so too
             values = row.get("values") if kind == "step_amended" else {"skipped": row.get("reason")}
+            kept = self._read_anew if kind == "step_amended" else self._skipped
             key = (other, row.get("step"), row.get("joined"))
-            if isinstance(values, dict) and (key in self.amended or len(self.amended) < self.limit):
-                self.amended.setdefault(key, {}).update(values)
+            if isinstance(values, dict) and (key in kept or len(kept) < self.limit):
+                kept.setdefault(key, {}).update(values)
         elif kind == "anomaly_repeated" and row.get("kind") in ONE_RANK_KINDS:  # as rebuild_summary folds it
             first = self._open[other].named(row) if other in self._open else None
             if first is not None:

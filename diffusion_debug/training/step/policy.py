@@ -51,6 +51,7 @@ class StepPolicy:
         self.save_report = save_report
         self.should_stop = False
         self._acting: Any = None  # the step the policy acts on
+        self._acting_row: int | None = None  # its row's monitored step (None: its row was not recorded)
         self.stop_reason: str | None = None
         """Policy ``stop``: the cause, with its rank (the first error, cause before consequence)."""
 
@@ -70,7 +71,7 @@ class StepPolicy:
                 self._raise_if_strict(rows, step)
 
     def _act(self, step: MonitoredStep, errors: list[Anomaly], info: dict, config: DebugConfig) -> dict:
-        self._acting = step.index
+        self._acting, self._acting_row = step.index, step.row_joined
         info["policy_action"] = apply_policy(config, self, errors)
         return info
 
@@ -90,7 +91,8 @@ class StepPolicy:
         self.history.counts.skipped_steps += 1
         self.history.counts.skipped_by_policy += 1
         self.sink.record.add_event("policy_skip", step=self._acting, anomalies=[a.kind for a in errors])
-        self.sink.record.mark_skipped(self._acting, "policy")
+        if self._acting_row is not None:  # its own row (not another optimizer's of that step number), which the
+            self.sink.record.mark_skipped(self._acting, "policy", joined=self._acting_row)  # main's copy matches
 
     def stop(self, anomaly: Anomaly) -> str | None:
         self.should_stop = True

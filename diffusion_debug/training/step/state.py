@@ -140,6 +140,12 @@ class MonitoredStep:
     """The held step's flags kept out of its counts until released (``nonfinite``, ``explosion``)."""
     released: Any = None
     """The number of an earlier step whose held verdict this step released (None: none): counted as that step."""
+    row_joined: int | None = None
+    """The monitored step (``History.joined``) this call's row was recorded at (``RunRecord.add_step``): what a
+    policy skip marks (None: no row recorded, the record failed first)."""
+    released_skips: list = field(default_factory=list)
+    """The held step's ``skipped_step`` this step released (``StepMonitor._release``): they mark the held row
+    (taken at ``StepMonitor._held_joined``), told apart by identity from the last step's skip this step read."""
 
 
 def recorded_index(step: Any, default: int, offset: int = 0) -> Any:
