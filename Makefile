@@ -16,7 +16,7 @@ FLOOR ?= floor
 # what the floor job runs: the declared-versions checks and the suites that run there in a few minutes. The
 # whole suite passes or skips by feature on the floor (diffusion_debug/testing/features.py) but takes ~20 min
 # with -n 2 on 2 cores: left out are the multi-process launches, the compile tests and the benchmarks.
-FLOOR_TESTS ?= tests/test_declared_versions.py tests/test_stats.py tests/test_probe_techniques.py tests/test_op_count.py \
+FLOOR_TESTS ?= tests/test_declared_versions.py tests/test_stats.py tests/test_record.py tests/test_probe_techniques.py tests/test_op_count.py \
 	tests/test_probes.py tests/test_doctests.py tests/testing/test_pipelines.py tests/toolkit/test_inspect_model.py \
 	tests/diffusion/test_localize.py tests/diffusion/test_true_origins.py tests/diffusion/test_checks.py \
 	tests/diffusion/test_blackouts.py tests/diffusion/test_inference_mode.py tests/diffusion/test_call_sites.py \

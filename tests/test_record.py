@@ -417,8 +417,10 @@ def test_module_readings_with_a_planted_nan_are_written_as_the_long_way_writes_t
         ("unet", 1),
         ("vae", None),
     ]
-    finite = [line for line in lines if '"nan"' not in line and '"inf"' not in line]
-    assert len(finite) == 2  # the encoder's two calls; the NaN made at step 0 reaches everything after it
+    # the encoder's two calls; the NaN made at step 0 reaches everything after it (an "inf" is no sign of it: a
+    # transformers 4.x CLIP hands its attention a causal mask of -inf, read as an input's abs-max)
+    finite = [line for line in lines if '"nan"' not in line]
+    assert len(finite) == 2
     step0 = {m[0]: m for m in strict_loads(lines[2])["modules"]}
     conv = step0["up_blocks.1.resnets.0.conv2"]
     assert conv[3] != "nan" and conv[4] == "nan"  # made there: finite in, NaN out
