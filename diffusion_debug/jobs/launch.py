@@ -45,8 +45,9 @@ the script gets SIGTERM as its parent dies (PR_SET_PDEATHSIG, set by the bootstr
 and the command waits for it. SIGTERM rather than SIGKILL: a save that outlives the launcher's GRACE_S is
 not cut. The script leads its group, so an ``os.setpgrp()`` of its own does nothing. In a terminal's
 foreground the script stays in the launcher's group, so it reads the terminal (pdb) and has the terminal's
-Ctrl-C, Ctrl-\\ and Ctrl-Z itself, the launcher with it; the launcher forwards to it only what a terminal
-never sends (SIGTERM, the first one; SIGUSR1, SIGUSR2). Why not tell a group signal from one to the
+Ctrl-C, Ctrl-\\ and Ctrl-Z itself, the launcher with it (a Ctrl-Z stops the command too, the shell's job, and
+``fg`` or ``bg`` continues all three: :mod:`~diffusion_debug.jobs.launch_job`); the launcher forwards to it only
+what a terminal never sends (SIGTERM, the first one; SIGUSR1, SIGUSR2). Why not tell a group signal from one to the
 launcher's pid instead: from one sender, ``kill(-PGID)`` and ``kill(PID)`` give the same siginfo (si_pid,
 si_code SI_USER), and whether the script had it too (SigPnd / ShdPnd in its /proc/PID/status) is gone once
 its handler ran.
@@ -88,6 +89,7 @@ from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
 from .launch_end import OWN_GROUP, as_forwarded, die_with_parent, end_by, libc, session_children
+from .launch_job import set_foreground, wait_as_job
 
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 """The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
@@ -277,7 +279,7 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     # a signal ignored here (a job started with nohup, or in the background by a shell) stays ignored
     previous = {s: signal.signal(s, forward) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
     try:
-        returncode = process.wait()
+        returncode = wait_as_job(process, terminal)  # the launcher's group stopped (Ctrl-Z): this shell job too
         if forwarded or returncode != 0:  # the script's processes may still be saving their run
             _wait_for_children(group, reaper)
     finally:
@@ -304,23 +306,13 @@ def _own_group(terminal: int | None, c_library: Any) -> None:
     and SIGTERM when the launcher dies."""
     os.setpgid(0, 0)
     if terminal is not None:
-        _set_foreground(terminal, os.getpgrp())
+        set_foreground(terminal, os.getpgrp())
     die_with_parent(c_library)
-
-
-def _set_foreground(terminal: int, group: int) -> None:
-    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may take it
-    try:
-        os.tcsetpgrp(terminal, group)
-    except OSError:
-        pass
-    finally:
-        signal.signal(signal.SIGTTOU, previous)
 
 
 def _take_terminal_back(terminal: int | None) -> None:
     if terminal is not None:
-        _set_foreground(terminal, os.getpgrp())
+        set_foreground(terminal, os.getpgrp())
 
 
 def _wait_for_children(group: int, reaper: bool, sleep: Callable[[float], None] = time.sleep) -> None:
