@@ -31,12 +31,12 @@ it 5 seconds later, before report.html), and accelerate 1.16's exit status 128 +
 agent was signalled becomes the signal N again. SIGUSR1 and SIGUSR2 reach torchrun's workers (forwarded; as
 SIGTERM to a worker that leaves it at its default, so its run is saved; torchrun then ends with exit status 1).
 Each signal reaches the one-process script once. Outside a terminal's foreground (no terminal: a scheduler,
-a supervisor, ``&``) the script leaves the launcher's group for one of its own in the same session before
-its code runs (:func:`~diffusion_debug.jobs.launch_end.leave_launcher_group`): a signal to the launcher's
-group (``kill -TERM -PGID``, the command forwarding one) or to its pid reaches the launcher alone, which
-forwards it to the script (not to its DataLoader workers, which end with it). SIGINT, SIGTERM, SIGHUP and
-SIGQUIT stop the run (the launcher waits for the script, then ends by the signal); SIGUSR1 and SIGUSR2 are
-the script's to answer (a checkpoint before a preemption: the launch ends as the script does). One of SIGHUP,
+a supervisor, ``&``) the script leads a group of its own in the same session before its code runs
+(:func:`~diffusion_debug.jobs.launch_end.script_in_own_group`): a signal to the launcher's group (``kill -TERM
+-PGID``, the command forwarding one) or to its pid reaches the launcher alone, which forwards it to the script
+(not to its DataLoader workers, which end with it). SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the run (the launcher
+waits for the script, then ends by the signal); SIGUSR1 and SIGUSR2 are the script's to answer (a checkpoint before
+a preemption: the launch ends as the script does). One of SIGHUP,
 SIGQUIT, SIGUSR1 and SIGUSR2 that the script leaves at its default (no handler in its /proc/PID/status SigCgt,
 not ignored), which would end it with nothing saved, is sent to it as SIGTERM: it saves its run, and the
 launcher ends by the signal it had (SLURM's ``--signal=USR1@60`` to a script without a handler); SIGTSTP
@@ -67,10 +67,10 @@ script fails with EPERM (it leads its group; in a terminal's foreground, and und
 works), as it does in torchrun's workers; a launch started with ``&`` and brought to the foreground keeps its
 script in its own group, which stops (SIGTTIN) if it reads the terminal; a script that ignores SIGTERM runs on
 after a ``kill -KILL -PGID``, and after a SIGHUP, SIGQUIT, SIGUSR1 or SIGUSR2 it leaves at its default (sent as
-SIGTERM); a SIGTSTP or SIGCONT sent to the command is not forwarded. An mpirun (accelerate's
-CPU multi-node launch) is the one-process launcher's child as the script is, and stays in its group. A signal to
-the launcher's group in the script's first moments, before the bootstrap left it, reaches the script from the group
-too.
+SIGTERM); a SIGTSTP or SIGCONT sent to the command is not forwarded. An mpirun (accelerate's CPU multi-node launch)
+is the one-process launcher's child as the script is, and stays in its group. Under Python 3.10 a signal to the
+launcher's group in the script's first moments, before the bootstrap left it, reaches the script from the group too
+(from 3.11 the launcher starts it in a group of its own: launch_end.script_in_own_group).
 Long because the signal paths of the command, the launcher and its one-process launcher are one design, read
 together, and split they would each need the others' docstring.
 """
@@ -88,7 +88,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
-from .launch_end import OWN_GROUP, as_forwarded, die_with_parent, end_by, libc, session_children
+from .launch_end import OWN_GROUP, as_forwarded, die_with_parent, end_by, libc, script_in_own_group, session_children
 from .launch_job import set_foreground, wait_as_job
 
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
@@ -436,9 +436,10 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
             os.environ[OWN_GROUP] = "1"  # the script leaves this group (launch_end.leave_launcher_group)
         thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
         try:
-            thread.start()
-            while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):
-                thread.join(0.1)
+            with script_in_own_group(simple_launcher.__globals__):  # its group made before it execs
+                thread.start()
+                while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):
+                    thread.join(0.1)
         finally:
             os.environ.pop(OWN_GROUP, None)
             _restore(previous)

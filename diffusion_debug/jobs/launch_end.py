@@ -19,13 +19,15 @@ report.html (a CI job that reads summary.json saves the seconds the page takes t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .pipeline_loading import one_line
 
@@ -171,14 +173,52 @@ def leave_launcher_group(environ: Any = os.environ) -> None:
     session, so that a signal to the launcher's group (``kill -TERM -PGID``, the command forwarding one) reaches
     the launcher alone, which forwards it to this process's pid, once. Run before the script, so no handler of
     the script's own is installed yet; the variable is taken out, so the script's subprocesses stay where it
-    starts them. A signal to the launcher's group that comes before this line (the script's first moments)
-    reaches the script from the group too."""
+    starts them. Where the launcher could not start it in a group of its own (:func:`script_in_own_group`), a
+    signal to the launcher's group that comes before this line (the script's first moments) reaches the script
+    from the group too."""
     if environ.pop(OWN_GROUP, None) != "1":
         return
     try:
         os.setpgid(0, 0)
     except OSError:  # a group leader already: the launcher signals its pid as any other's
         pass
+
+
+@contextlib.contextmanager
+def script_in_own_group(namespace: dict[str, Any]) -> Iterator[None]:
+    """While the one-process launcher runs accelerate's, whose module globals are ``namespace``: the process it
+    starts for the script with :data:`OWN_GROUP` set leads a group of its own before it execs (``Popen``'s
+    ``process_group``, Python 3.11+: psutil's under accelerate 1.16, subprocess's before), so a signal to the
+    launcher's group never reaches it, not in its first moments either (:func:`leave_launcher_group` then finds it
+    leading its group). Elsewhere (Python 3.10, an accelerate without either) the bootstrap leaves the group."""
+    replaced = {}
+    if sys.version_info >= (3, 11):
+        for name in ("psutil", "subprocess"):
+            module = namespace.get(name)
+            if module is not None and hasattr(module, "Popen"):
+                replaced[name], namespace[name] = module, _OwnGroupPopen(module)
+    try:
+        yield
+    finally:
+        namespace.update(replaced)
+
+
+class _OwnGroupPopen:
+    """``module`` (psutil, subprocess) whose ``Popen`` starts a process meant to leave its group in a group of
+    its own (:data:`OWN_GROUP` in its environment), and is ``module`` in all else."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._module, name)
+        return functools.partial(_popen_in_own_group, found) if name == "Popen" else found
+
+
+def _popen_in_own_group(popen: Callable[..., Any], *args: Any, **options: Any) -> Any:
+    if (options.get("env") or os.environ).get(OWN_GROUP) == "1":
+        options.setdefault("process_group", 0)
+    return popen(*args, **options)
 
 
 ENDS_AT_DEFAULT = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)

@@ -42,10 +42,11 @@ def _launch_until(
     *script_args: str,
     module: str = "diffusion_debug.cli launch",
     processes: list[str] = ONE_PROCESS,
+    site: Path | None = None,
 ) -> tuple[subprocess.Popen, int]:
     """``diffusion-debug launch`` (one process; ``module``: the launcher's module run directly) of a script
-    training until stopped, read until it printed ``rounds`` rounds; the launcher and the script's pid (no terminal:
-    in one, :func:`_launch_in_a_shell`)."""
+    training until stopped, read until it printed ``rounds`` rounds (0: not read); the launcher and the script's pid
+    (no terminal: in one, :func:`_launch_in_a_shell`). ``site``: a folder first on the processes' PYTHONPATH."""
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     command = [sys.executable, "-m", *module.split(), "--debug-output-dir", str(tmp_path / "runs")]
@@ -55,9 +56,12 @@ def _launch_until(
         for sent in (signal.SIGINT, signal.SIGQUIT):  # not ignored, as a shell without job control leaves them
             signal.signal(sent, signal.SIG_DFL)  # for `cmd &` (the command keeps a signal ignored ignored)
 
+    environment = cpu_launch_env(ROOT)
+    if site is not None:
+        environment["PYTHONPATH"] = os.pathsep.join([str(site), environment["PYTHONPATH"]])
     launcher = subprocess.Popen(
         command,
-        env=cpu_launch_env(ROOT),
+        env=environment,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -65,9 +69,11 @@ def _launch_until(
         start_new_session=True,  # the test's signal goes to the launcher's pid alone
         preexec_fn=started,
     )
-    for line in launcher.stdout:
+    for line in launcher.stdout if rounds else ():
         if line.startswith(f"round {rounds - 1} "):
             return launcher, int(line.split()[-1])
+    if rounds == 0:
+        return launcher, 0
     stop_launch(launcher)
     pytest.fail(f"the launched script stopped before round {rounds}: {launcher.stderr.read()[-3000:]}")
 
@@ -470,3 +476,35 @@ def test_a_sigkill_to_the_launchers_group_leaves_no_script_and_the_command_waits
     assert command.returncode == 137, stderr[-3000:]
     assert script_gone and stdout.endswith("cleaned up\n"), stdout[-300:]
     assert load_run(_run_dir(tmp_path)).summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
+
+
+FIRST_MOMENTS = """
+import os, signal
+if b"diffusion_debug.jobs.launched" in open("/proc/self/cmdline", "rb").read():  # the script's process alone
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    open(READY, "w").close()
+    sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+    open(SENDERS, "w").write(f"{sender}\\n")
+    os._exit(0)
+"""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the launcher makes the script's group before exec from 3.11")
+def test_a_sigterm_to_the_launchers_group_in_the_scripts_first_moments_reaches_it_once_from_the_launcher(tmp_path):
+    """``kill -TERM -PGID`` of the launcher's group (no terminal) at the script's start, its interpreter not yet at
+    the bootstrap (a sitecustomize that records the sender of the first SIGTERM it gets): the script has it from the
+    launcher alone, forwarded once (before: from the group itself, the sender the test, as it had not left the
+    launcher's group yet, and forwarded again), and the command ends by SIGTERM."""
+    site, ready, senders = tmp_path / "site", tmp_path / "ready", tmp_path / "senders.txt"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"READY, SENDERS = {str(ready)!r}, {str(senders)!r}\n{FIRST_MOMENTS}")
+    command, _ = _launch_until(tmp_path, 0, site=site)
+    for _ in range(3000):
+        if ready.exists() or command.poll() is not None:
+            break
+        time.sleep(0.1)
+    launcher = _launcher_of(command)
+    os.killpg(launcher, signal.SIGTERM)
+    _, stderr = _end(command)
+    assert command.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert senders.read_text() == f"{launcher}\n"
