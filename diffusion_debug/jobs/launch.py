@@ -89,7 +89,7 @@ from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
 from .launch_end import OWN_GROUP, as_forwarded, die_with_parent, end_by, libc, script_in_own_group, session_children
-from .launch_job import set_foreground, wait_as_job
+from .launch_job import set_foreground, take_terminal_back, wait_as_job
 
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 """The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
@@ -283,7 +283,7 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
         if forwarded or returncode != 0:  # the script's processes may still be saving their run
             _wait_for_children(group, reaper)
     finally:
-        _take_terminal_back(terminal)
+        take_terminal_back(terminal, group)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if reaper:
@@ -308,11 +308,6 @@ def _own_group(terminal: int | None, c_library: Any) -> None:
     if terminal is not None:
         set_foreground(terminal, os.getpgrp())
     die_with_parent(c_library)
-
-
-def _take_terminal_back(terminal: int | None) -> None:
-    if terminal is not None:
-        set_foreground(terminal, os.getpgrp())
 
 
 def _wait_for_children(group: int, reaper: bool, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -362,7 +357,7 @@ def main(argv: list[str]) -> int:
     cpu_processes(args, os.environ)
     simple_launcher = getattr(accelerate_launch, "simple_launcher", None)  # detected, never assumed
     if simple_launcher is not None:
-        accelerate_launch.simple_launcher = _waiting_for_the_script(simple_launcher)
+        accelerate_launch.simple_launcher = _waiting_for_the_script(simple_launcher, vars(accelerate_launch))
     # SIGUSR1 / SIGUSR2 to the script's processes (torchrun's workers run in sessions of their own): left at
     # their default, they would end this launcher and leave the script to its parent-death SIGTERM; a worker that
     # leaves one at its default gets SIGTERM instead, so that its run is saved (as_forwarded)
@@ -390,7 +385,9 @@ def _restore(previous: dict[int, Any]) -> None:
         signal.signal(signum, handler)
 
 
-def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[[Any], None]:
+def _waiting_for_the_script(
+    simple_launcher: Callable[[Any], None], namespace: dict[str, Any]
+) -> Callable[[Any], None]:
     """accelerate's one-process launcher, run so that a signal leaves the script its time to save its run
     and the launcher then ends by that signal, under every accelerate: this process forwards the signal to the
     script (:func:`_forward_to_children`) and waits for it, up to :data:`GRACE_S`. accelerate 1.16 would
@@ -436,7 +433,7 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
             os.environ[OWN_GROUP] = "1"  # the script leaves this group (launch_end.leave_launcher_group)
         thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
         try:
-            with script_in_own_group(simple_launcher.__globals__):  # its group made before it execs
+            with script_in_own_group(namespace):  # accelerate's module: the script's group made before it execs
                 thread.start()
                 while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):
                     thread.join(0.1)

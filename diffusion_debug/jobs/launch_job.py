@@ -73,6 +73,23 @@ def _continue(group: int, terminal: int) -> bool:
     return foreground
 
 
+def take_terminal_back(terminal: int | None, group: int) -> None:
+    """The terminal this process's group's again where the launcher's ``group``, or a group gone, holds it (not
+    where the shell took it back: a launch continued with ``bg``)."""
+    if terminal is None:
+        return
+    try:
+        foreground = os.tcgetpgrp(terminal)
+        if foreground != group:
+            os.killpg(foreground, 0)  # raises where no process of it is left
+            return
+    except ProcessLookupError:
+        pass
+    except OSError:
+        return
+    set_foreground(terminal, os.getpgrp())
+
+
 def _foreground(terminal: int) -> int | None:
     try:
         return os.tcgetpgrp(terminal)
