@@ -46,10 +46,10 @@ and the command waits for it. SIGTERM rather than SIGKILL: a save that outlives 
 not cut. The script leads its group, so an ``os.setpgrp()`` of its own does nothing. In a terminal's
 foreground the script stays in the launcher's group, so it reads the terminal (pdb) and has the terminal's
 Ctrl-C, Ctrl-\\ and Ctrl-Z itself, the launcher with it (a Ctrl-Z stops the command too, the shell's job, and
-``fg`` or ``bg`` continues all three: :mod:`~diffusion_debug.jobs.launch_job`); the launcher forwards to it only
-what a terminal never sends (SIGTERM, the first one; SIGUSR1, SIGUSR2). Why not tell a group signal from one to the
-launcher's pid instead: from one sender, ``kill(-PGID)`` and ``kill(PID)`` give the same siginfo (si_pid,
-si_code SI_USER), and whether the script had it too (SigPnd / ShdPnd in its /proc/PID/status) is gone once
+``fg`` or ``bg`` continues all three: :func:`~diffusion_debug.jobs.launch_end.wait_as_job`); the launcher forwards
+to it only what a terminal never sends (SIGTERM, the first one; SIGUSR1, SIGUSR2). Why not tell a group signal from
+one to the launcher's pid instead: from one sender, ``kill(-PGID)`` and ``kill(PID)`` give the same siginfo
+(si_pid, si_code SI_USER), and whether the script had it too (SigPnd / ShdPnd in its /proc/PID/status) is gone once
 its handler ran.
 Under accelerate 1.16 the one-process script's stderr is a pipe through the launcher (accelerate keeps its
 tail for the error it raises): the script sees no terminal there, and what it writes to stderr after the
@@ -88,8 +88,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
-from .launch_end import OWN_GROUP, as_forwarded, die_with_parent, end_by, libc, script_in_own_group, session_children
-from .launch_job import set_foreground, take_terminal_back, wait_as_job
+from .launch_end import (
+    OWN_GROUP,
+    as_forwarded,
+    die_with_parent,
+    end_by,
+    libc,
+    script_in_own_group,
+    session_children,
+    set_foreground,
+    take_terminal_back,
+    wait_as_job,
+)
 
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 """The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
