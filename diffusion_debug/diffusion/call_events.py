@@ -32,7 +32,7 @@ import torch
 
 from ..probes import ModuleReading, readings_by_call
 from ..probes.fused import FUSED_DTYPES, _absmaxes
-from ..record import rebuilt
+from ..record import Anomaly, rebuilt
 from ..stats import (
     absmax_on_device,
     detached,
@@ -645,18 +645,26 @@ class CallEvents:
         with full probes (DESIGN: a near-overflow output is localised by a replay). The debugger's replay memory
         makes it once per debugger (its later calls: :data:`EARLIER_REPLAY`); a debugger made per call replays once
         per call while the near-max persists, the price of a name that is right after the inputs or the weights
-        changed (on the warning path only). A compiled one's inside is not read (said so); the advice (upcast, the
-        VAE's own) is the component's."""
+        changed (on the warning path only). A compiled VAE's or text encoder's too (no probe inside it: its end
+        modules' near-max is seen here alone), by an eager replay as its NaN/Inf is; where that replay names no module
+        (it is not the compiled call: a hook the compiled code skips, their roundings apart) the warning is the
+        compiled output's, 'its inside is not read', every call, replayed once a debugger (its replay memory: no
+        module named). A compiled denoiser's, read from the step's row at every step, is that warning, no replay
+        (:data:`_REPLAYED_COMPILED`); the advice (upcast, the VAE's own) is the component's."""
         with self.guard("overflow_risk"):
             compiled = site.component in self.probes.compiled
             reading = ModuleReading(site.prefix, 0, "float16", None, absmax, signal="absmax")
-            if not compiled:  # one replay of the kept call, with full probes (none: named by an earlier call's)
+            if not compiled or site.role in _REPLAYED_COMPILED:  # one replay of the kept call (or an earlier call's)
                 seen = checks.Suspects(None, None, reading)
                 found = self.localizer.check(
-                    site.component, [reading], seen, True, step, timestep, phase, site.prefix, OUTPUT_CHECK
+                    site.component, [reading], seen, True, step, timestep, phase, site.prefix, OUTPUT_CHECK, compiled
                 )
-                self.emit(found)
-                return
+                if not compiled or any(_named(anomaly, site.prefix) for anomaly, _ in found):
+                    self.emit(found)
+                    return
+                # its eager replay named no module (a hook the compiled code skips, compiled and eager rounding
+                # apart): the compiled output's own warning, every call, as before the replay
+                self.emit([(anomaly, key) for anomaly, key in found if anomaly.kind != "overflow_risk"])
             found = checks.overflow_risk(
                 site.component,
                 reading,
@@ -667,7 +675,7 @@ class CallEvents:
                 role=self.localizer.roles.get(site.component, "other"),
                 sd_vae=site.component in self.localizer.sd_vaes,
                 upcast=self.localizer.upcast,
-                compiled=compiled,
+                compiled="replayed" if compiled and site.role in _REPLAYED_COMPILED else compiled,
                 weights_dtype=self.localizer.weights_dtype(site.component, site.prefix),
                 autocast=autocast_over(self.localizer.modules.get(site.component)),
             )
@@ -707,6 +715,22 @@ class CallEvents:
                     entry = {"run": self.runs, "step": step, "component": component, "site": site}
                     entry.update(signal=found[0].signal, modules=modules)
                     self.record.add_readings(entry)
+
+
+_REPLAYED_COMPILED = ("vae", "text_encoder")
+"""The roles whose compiled component's near-max output is named at its module by one eager replay of the kept call
+(called once an image: a decode, a prompt's encoding); a compiled denoiser's (or ControlNet's, adapter's: every step)
+is warned at its output, read from the step's row."""
+
+
+def _named(anomaly: Anomaly, site: str) -> bool:
+    """Whether a compiled component's output check named where its near-max values came from: a module inside it
+    (or where its own forward built them), an Inf a block clipped, the user's near-max inputs; not its output."""
+    return (
+        anomaly.kind != "overflow_risk"
+        or anomaly.module != site
+        or anomaly.details.get("localized_by") != OUTPUT_CHECK
+    )
 
 
 def _output_absmaxes(outputs: list[torch.Tensor]) -> list[torch.Tensor]:

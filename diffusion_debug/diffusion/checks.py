@@ -281,13 +281,14 @@ def overflow_risk(
     sd_vae: bool = False,
     upcast: dict[str, Any] | None = None,
     between: dict[str, str] | None = None,
-    compiled: bool = False,
+    compiled: bool | str = False,
     weights_dtype: str | None = None,
     autocast: str | None = None,
 ) -> list[Anomaly]:
     """``between``: the modules the component's own forward built the values between
     (:func:`~.replay.decide.overflow_between`), ``reading`` being the component's; ``compiled``: the
-    reading is a compiled component's output, nothing inside it read (its message says so);
+    reading is a compiled component's output, nothing inside it read (its message says so), ``"replayed"``
+    where an uncompiled replay of the call was made and named no module (``eager_replay``: its message says that);
     ``weights_dtype``: the dtype of the module's weights, kept where it is not the output's while an
     autocast region to that dtype is open (:func:`~.components.autocast.autocast_on`: a float32 module's float16
     output ran under ``torch.autocast``, whose advice differs; without one it is a module diffusers keeps in
@@ -311,6 +312,7 @@ def overflow_risk(
                 **vae_details(role, sd_vae, weights_dtype, autocast, upcast),
                 **(between or {}),
                 **({"compiled": True} if compiled else {}),
+                **({"eager_replay": True} if compiled == "replayed" else {}),
                 **autocast_details(weights_dtype, reading.dtype),
             },
         )

@@ -14,9 +14,7 @@ A component under diffusers' stateful hooks (FirstBlockCache, PyramidAttentionBr
 the watched call's cache context from the hooks' state as that call began, and every hook's state is put back
 afterwards (:mod:`~.components.cache_hooks`), so the image and later calls do not change.
 
-Limits: other hidden state that changes per call (a stateful attention processor) sees one extra call; a replay only
-happens after something went wrong.
-"""
+Limits: other hidden state that changes per call (a stateful attention processor) sees one extra call, on a finding."""
 
 from __future__ import annotations
 
@@ -57,8 +55,7 @@ Finding = tuple[Anomaly, "tuple | None"]
 
 
 class Localizer:
-    """Checks a component's readings for NaN/Inf and near-overflow, names the module that made
-    them, and hands the anomalies to the sink.
+    """Checks a component's readings for NaN/Inf and near-overflow and names the module that made them.
 
     With full probes the readings already name the module; at block level a leaf producer is named as is, and a
     block is replayed with full probes on the call's kept arguments to find the module inside it (within the
@@ -72,12 +69,12 @@ class Localizer:
     callback, the pipeline's code, or the component's own state: a cache it filled in an earlier call, never taken
     for an input; an input a watched component made in an earlier run: that component, :mod:`.components.made`) and
     that becomes the origin; every later ``nonfinite`` (a component given non-finite arguments, a repeat) is a
-    warning pointing at the origin's ``where()``. Where a block-level overflow was localised
-    is kept across runs (the same weights overflow in the same place) until :meth:`clear`.
+    warning pointing at the origin's ``where()``. Where a block-level overflow was localised is kept across runs
+    (the same weights overflow in the same place) until :meth:`clear`.
 
-    Limits: a replay sees the call's arguments as kept at the call (its lists and dicts copied
-    then, so a cache the call fills is seen as it was passed); a module that changed a tensor
-    argument in place is replayed on the changed values; ``debug_timeout`` does not interrupt a replay.
+    Limits: a replay sees the call's arguments as kept at the call (its lists and dicts copied then, so a cache the
+    call fills is seen as it was passed); a module that changed a tensor argument in place is replayed on the
+    changed values; ``debug_timeout`` does not interrupt a replay.
     """
 
     def __init__(
@@ -215,11 +212,13 @@ class Localizer:
         phase: str,
         site: str = "",
         output: str | None = None,
+        compiled: bool = False,
     ) -> list[Finding]:
         """``nonfinite`` and ``overflow_risk`` for one component call (or step) whose readings show ``seen``
         (:func:`~.checks.suspects`, read once by the caller): every replay they call for decided at once
         (:func:`~.replay.decide.decide`), then run, then the findings. ``site``: the call site's prefix (the VAE's
-        ``decoder``), where a replay starts when no reading names a block; ``output``: the reading is the output's."""
+        ``decoder``), where a replay starts when no reading names a block; ``output``: the reading is the output's
+        (``compiled``: a compiled component's, no probe inside it whatever its level: a replay names the module)."""
         found: list[Finding] = []
         plan = NOTHING
         with self.guard("nonfinite").at(step):
@@ -231,7 +230,7 @@ class Localizer:
                 readings,
                 memory=self.memory,
                 output_finite=output_finite,
-                full=self.full(component),
+                full=not compiled and self.full(component),
                 leaf=self.is_leaf,
                 received=self._received_nonfinite,
                 unwatched=unwatched_text(component, step) if self.first_unwatched.get(component, -1) == step else None,
@@ -250,7 +249,7 @@ class Localizer:
             if plan.failed and "overflow_risk" in plan.failed:  # (its NaN/Inf named above all the same)
                 raise plan.failed["overflow_risk"]
             if plan.overflow is not None:
-                risks = self.overflow(component, plan.overflow, step=step, timestep=timestep, phase=phase, by=output)
+                risks = self.overflow(component, plan.overflow, step, timestep, phase, output, compiled)
                 named = {a.module for a, _ in found if "overflowed_in" in a.details}  # a NaN/Inf's cause: said once
                 found += [risk for risk in risks if risk[0].module not in named] if named else risks
         return found
@@ -285,9 +284,8 @@ class Localizer:
     def nonfinite(
         self, component: str, seen: checks.Suspects, plan: Decision, probed: bool, step, timestep, phase: str, site=""
     ) -> list[Finding]:
-        """The ``nonfinite`` anomaly (with its fold key) for a call whose readings (what they show: ``seen``;
-        ``probed``: it has some) or output show a NaN/Inf, where ``plan`` found it or its replay shows it,
-        after its origin when no module made it."""
+        """The ``nonfinite`` anomaly (with its fold key) for a call whose readings (``seen``; ``probed``: it has some)
+        or output show a NaN/Inf, where ``plan`` or its replay found it; after its origin if no module made it."""
         first = component not in self.memory.reported
         source, replayed = plan.source, None
         if source is None:
@@ -410,7 +408,7 @@ class Localizer:
 
     # -- overflow risk ------------------------------------------------------------------------------
     def overflow(
-        self, component: str, plan: Overflow, *, step: int | None, timestep, phase: str, by: str | None = None
+        self, component: str, plan: Overflow, step: int | None, timestep, phase: str, by: str | None, compiled: bool
     ) -> list[Finding]:
         """``overflow_risk`` for the module whose output came close to its dtype's maximum (``plan``:
         :func:`~.replay.decide.decide`'s; a block's is replayed to find the module inside).
@@ -423,7 +421,8 @@ class Localizer:
         fraction, shown = self.config.overflow_fraction, None
         if plan.replay is not None:
             replayed = self.replay(component, plan.replay, step)
-            shown = None if replayed is None else overflow_replayed(replayed, plan.replay, fraction, clean=plan.clean)
+            if replayed is not None:  # (``compiled``: passed in is no module named, overflow_replayed)
+                shown = overflow_replayed(replayed, plan.replay, fraction, plan.clean, compiled)
             plan = self.memory.overflow_shown(plan, shown, len(replayed or ()))
         if plan.clipped is not None:  # (its replay's; where the replay showed none, as the sentinel read it: plan.how)
             return self._clipped_inf(component, plan.clipped, plan.how, plan.replayed, step, timestep, phase)

@@ -46,7 +46,8 @@ def vae_advice(
 reads_force_upcast`: SDXL's family, not SD 1.5's ``StableDiffusionPipeline``; None: not known, both said), as does
     the fp16-fixed VAE (offered for SDXL's VAE alone, ``sdxl``: ``details["sdxl_vae"]``; SD 1.5's and SD x4
     upscale's are other latent spaces); where it is not read, the float32 decode is the
-    user's own (``pipe.vae.to(torch.float32)``, which may fail on float16 latents the pipeline does not cast: then
+    user's own (``pipe.vae.to(torch.float32)``: alone where the call casts its latents, ``casts``, as PixArt-Sigma's
+    does, the fp16-fixed VAE offered too; it may fail on float16 latents the pipeline does not cast: then
     the latents decoded in float32; ``video``: with the pipeline's ``decode_latents``, 5-D video latents being no
     ``vae.decode``'s). Another VAE (Flux's, a video VAE such as ``AutoencoderKLWan``) is kept in float32 as the
     pipeline's call takes it (``casts``: ``details["casts_latents"]``, :func:`~diffusion_debug.diffusion.components.\
@@ -70,7 +71,7 @@ vae_details.cast_details`): ``pipe.vae.to(torch.float32)`` alone where the call 
     >>> vae_advice("vae", casts=True)
     "keep the VAE in float32: pipe.vae.to(torch.float32) (this pipeline casts its latents to the VAE's dtype)"
     >>> vae_advice("vae", casts=True, encodes=True).split("; ")[1]
-    'where its encode of the input image then fails on float16, run the whole pipeline in bfloat16 \
+    'where its encode of the input image or video then fails on float16, run the whole pipeline in bfloat16 \
 (pipe.to(torch.bfloat16)))'
     >>> scaled = "pipe.vae.decode((latents / pipe.vae.config.scaling_factor).float())"
     >>> print(vae_advice("vae", casts=False, decode=scaled))
@@ -78,6 +79,8 @@ vae_details.cast_details`): ``pipe.vae.to(torch.float32)`` alone where the call 
 pipeline with output_type="latent" (its VAE as it is), then pipe.vae.to(torch.float32) and decode them in float32 \
 (pipe.vae.decode((latents / pipe.vae.config.scaling_factor).float())), or run the whole pipeline in bfloat16 \
 (pipe.to(torch.bfloat16))
+    >>> vae_advice("vae", True, upcast=False, casts=True)  # PixArt-Sigma's SD VAE: no force_upcast read, cast
+    "keep the VAE in float32: pipe.vae.to(torch.float32) (this pipeline casts its latents to the VAE's dtype)"
     >>> vae_advice("vae", True, upcast=True, sdxl=True)
     'keep the VAE in float32 for the decode (vae.config.force_upcast=True: this pipeline then upcasts the VAE and \
 the latents), or use an fp16-fixed VAE such as madebyollin/sdxl-vae-fp16-fix'
@@ -138,11 +141,12 @@ float32 movq in float16 too)'
     if component != "vae":
         return f"keep {component} in float32 (pipe.{component}.to(torch.float32)){outside}"
     bf16 = "run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16))"
-    if not sd_vae and casts:
+    if casts and (not sd_vae or upcast is False):  # (an SD VAE's too where no force_upcast is read: PixArt-Sigma's)
         cast = "this pipeline casts its latents to the VAE's dtype"
-        if encodes:  # (its encode of the input image not read: it may hand the float32 VAE a float16 image)
-            cast += f"; where its encode of the input image then fails on float16, {bf16}"
-        return f"keep the VAE in float32: pipe.vae.to(torch.float32) ({cast}){outside}"
+        if encodes:  # (its encode of the input image or video not read: it may hand the float32 VAE a float16 image)
+            cast += f"; where its encode of the input image or video then fails on float16, {bf16}"
+        fixed = f", or use an fp16-fixed VAE such as {FP16_FIX_VAE}" if sdxl else ""
+        return f"keep the VAE in float32: pipe.vae.to(torch.float32) ({cast}){outside}{fixed}"
     if not sd_vae and casts is False:
         how = f"({decode})" if decode else "(as its call does before its vae.decode, then .float())"
         if "height" in (decode or ""):

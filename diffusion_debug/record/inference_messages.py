@@ -239,7 +239,12 @@ def overflow_risk(anomaly: Anomaly) -> str:
         )
     unread = (  # a compiled component's output (no probe inside it)
         f" {anomaly.component} is compiled: its inside is not read, so the module that made these values is not "
-        "named (run it uncompiled once to name it);"
+        + (
+            "named, and an uncompiled replay of the call stayed below that (the compiled code computes otherwise: "
+            "a hook it skips, a fused rounding);"
+            if d.get("eager_replay")
+            else "named (run it uncompiled once to name it);"
+        )
         if d.get("compiled")
         else ""
     )

@@ -60,11 +60,13 @@ register_kind(
     colour="#ff7f0e",
     meaning="An activation came close to the largest value its dtype can hold; one more step up and it becomes Inf.",
     action=(  # the message's advice, by the dtype it ran in (advice.overflow_advice)
-        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE; SD 1.5's "
-        "pipeline reads no force_upcast: decode in float32 yourself); under float16 autocast, which computes float32 "
-        "weights in float16 too, an upcast helps only with the decode run outside the autocast: autocast to bfloat16 "
-        "instead, or run that component outside autocast; in bfloat16, whose range is float32's, no dtype holds "
-        "more: check the named module's weights and the scale of its inputs."
+        "In float16: run that component in bfloat16 or float32; a VAE as the message says for its pipeline's call "
+        "(force_upcast where the call reads it, SDXL's; SDXL's VAE: the fp16-fix VAE; otherwise "
+        'pipe.vae.to(torch.float32), or where the call hands the VAE its latents uncast, its output_type="latent" '
+        "decoded in float32); under float16 autocast, which computes float32 weights in float16 too, an upcast helps "
+        "only with the decode run outside the autocast: autocast to bfloat16 instead, or run that component outside "
+        "autocast; in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and "
+        "the scale of its inputs."
     ),
     stable=True,
     fold_key=lambda a: (a.kind, a.component, a.module),  # one a module, whatever the step

@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from operator import is_not
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,13 @@ class RunData:
     def anomalies(self) -> list[Anomaly]:
         """summary.json's anomalies, built once: the same objects at every read, so what finds one by identity
         (:func:`~.anomaly.consequences`, a report's cause and its folded copies) finds it across two reads. Built
-        anew only when ``summary["anomalies"]`` is another list or has grown."""
+        anew only when ``summary["anomalies"]`` is another list or holds other entries than when they were built
+        (appended, removed or replaced: compared by identity, entry by entry, not by value; a caller editing an
+        entry in place assigns the list or the entry anew, as no library code edits one)."""
         rows = self.summary.get("anomalies", [])
-        if self._anomalies is None or self._anomalies[0] is not rows or self._anomalies[1] != len(rows):
-            self._anomalies = (rows, len(rows), [Anomaly.from_dict(a) for a in rows])
+        held = self._anomalies
+        if held is None or held[0] is not rows or len(held[1]) != len(rows) or any(map(is_not, held[1], rows)):
+            self._anomalies = (rows, list(rows), [Anomaly.from_dict(a) for a in rows])
         return self._anomalies[2]
 
     @property
@@ -59,7 +63,7 @@ class RunData:
         return self._rank_steps
 
     _rank_steps: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
-    _anomalies: tuple[list, int, list[Anomaly]] | None = field(default=None, repr=False, compare=False)
+    _anomalies: tuple[list, list, list[Anomaly]] | None = field(default=None, repr=False, compare=False)
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:
@@ -200,12 +204,14 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
     """One row per step and rank, ordered by step then rank: each rank's rows from its own event
     file (``events.jsonl`` is the main process's, ``events-rank<r>.jsonl`` rank r's); a rank with no
     file of its own keeps the copies another file holds (the main's, of the steps it exchanged).
-    ``fallback`` (the summary's rows) where the run has no event file."""
+    ``fallback`` (the summary's rows) where the run has no event file. A row read anew or found skipped after it
+    was written (``step_amended``, ``step_skipped``) is the one its entry names, taken at the monitored step it
+    names (``joined``; a rank's own row in a file without it: the last of that step its file holds before the
+    entry): never another row of a step number the loop repeated (a later one, another optimizer's)."""
     files = sorted(Path(run_dir).glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
     own: dict[int, list[dict[str, Any]]] = {}
     copies: dict[int, dict[Any, dict[str, Any]]] = {}
-    skipped: dict[tuple[int, Any], str] = {}  # RunRecord.mark_skipped: found after the row was written
-    amended: dict[tuple[int, Any], dict] = {}  # RunRecord.amend_rank_step: another rank's copies read anew
+    amended: dict[tuple, dict] = {}  # RunRecord.amend_rank_step: the copy of another rank's row read anew
     for path in files:
         try:
             rows = _read_events(path)
@@ -214,36 +220,40 @@ def every_rank_steps(run_dir: Path, fallback: list[dict[str, Any]] = ()) -> list
         match = re.fullmatch(r"events-rank(\d+)\.jsonl", path.name)
         start = next((r for r in rows if r.get("type") == "start"), {})
         owner = int(match.group(1)) if match else start.get("rank", 0)
-        latest: dict[Any, dict[str, Any]] = {}  # this file's own last row of each step, as written so far
+        latest: dict[Any, dict[str, Any]] = {}  # this file's own rows as written so far: _named's, and its last
         for row in rows:
-            if row.get("type") == "step_skipped":
-                skipped[(row.get("rank", owner), step_key(row))] = row.get("reason")
-            if row.get("type") == "step_amended" and isinstance(row.get("values"), dict):
-                if row.get("rank", owner) == owner:  # RunRecord.amend_step: the row it names, its process's last
-                    latest.get(step_key(row), {}).update(row["values"])  # of that step written before it
-                else:  # RunRecord.amend_rank_step: another rank's copies of that step
-                    amended.setdefault((row.get("rank"), step_key(row)), {}).update(row["values"])
-            if row.get("type") != "step":
+            kind = row.get("type")
+            if kind == "step_skipped" and row.get("rank", owner) == owner:  # RunRecord.mark_skipped: the row it
+                latest.get(_named(row, owner), {})["skipped"] = row.get("reason")  # names
+            elif kind == "step_amended" and isinstance(row.get("values"), dict):
+                if row.get("rank", owner) == owner:  # RunRecord.amend_step: the row it names
+                    latest.get(_named(row, owner), {}).update(row["values"])
+                else:  # RunRecord.amend_rank_step: the copy it names
+                    amended.setdefault(_named(row, owner), {}).update(row["values"])
+            if kind != "step":
                 continue
-            step = {k: v for k, v in row.items() if k not in ("type", "time")}
+            step = {k: v for k, v in row.items() if k not in ("type", "time", "joined")}
             rank = step.get("rank", owner)
             if rank == owner:
                 own.setdefault(owner, []).append(step)
-                latest[step_key(step)] = step
+                latest[(owner, step_key(step), None)] = latest[_named(row, owner)] = step
             else:
-                copies.setdefault(rank, {}).setdefault(step_key(step), step)
+                copies.setdefault(rank, {}).setdefault(_named(row, owner), step)
     if not own and not copies:
         return list(fallback)
-    for rank, rows in own.items():
-        for row in rows:
-            if (rank, step_key(row)) in skipped:
-                row["skipped"] = skipped[(rank, step_key(row))]
     for rank, kept in copies.items():  # a copy read anew (RunRecord.amend_rank_step), where its rank has no file
         for key, row in kept.items():
-            row.update(amended.get((rank, key), {}))
+            row.update(amended.get(key, {}))
     out = [row for rows in own.values() for row in rows]
     out += [row for rank, rows in copies.items() if rank not in own for row in rows.values()]
     return sorted(out, key=lambda row: (step_key(row), _order(row.get("rank", 0))))
+
+
+def _named(row: dict[str, Any], owner: int) -> tuple:
+    """What names a step row in the stream of rank ``owner``, and what a ``step_amended`` or ``step_skipped`` entry
+    names: its rank and step, and the monitored step it was taken at (``joined``; None in a file written before
+    rows named it, or an entry naming none: for ``owner``'s own rows, its last row of that step)."""
+    return (row.get("rank", owner), step_key(row), row.get("joined"))
 
 
 def step_key(row: dict[str, Any]) -> tuple[int, Any]:
@@ -277,22 +287,46 @@ def _place(row: dict[str, Any]) -> tuple:
     )
 
 
-def _first(row: dict[str, Any], by_key: dict[tuple, dict[str, Any]], by_place: dict[tuple, dict[str, Any]]) -> Any:
-    return by_key.get(_fold_key(row)) if "details" in row else by_place.get(_place(row))
+class FirstAnomalies:
+    """The anomalies of a run's events, as the rows that repeat them or save their bundle after them name them
+    (``anomaly_repeated``, ``anomaly_bundle``): by fold key, and by place for a row with no details."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, Any] = {}
+        self._by_place: dict[tuple, Any] = {}
+
+    def add(self, row: dict[str, Any], anomaly: Any) -> None:
+        """``anomaly`` (anything: a dict, an Anomaly) is the one named at ``row``'s place from now on."""
+        self._by_key[_fold_key(row)] = self._by_place[_place(row)] = anomaly
+
+    def named(self, row: dict[str, Any]) -> Any:
+        """The anomaly ``row`` names (None: none)."""
+        return self._by_key.get(_fold_key(row)) if "details" in row else self._by_place.get(_place(row))
+
+
+def fold_repeat(details: dict[str, Any], row: dict[str, Any]) -> None:
+    """An ``anomaly_repeated`` row folded into the ``details`` of the anomaly it repeats: its count, its last step,
+    and a later run's name (the sink's ``last_run``)."""
+    details["count"] = row.get("count", details.get("count", 1))
+    details["last_step"] = row.get("step")
+    if row.get("run") is not None:
+        details["last_run"] = row["run"]
 
 
 def rebuild_summary(run_dir: Path) -> dict[str, Any]:
     """The summary of a run that never wrote summary.json, from its event files (every rank's):
     the start event's kind and config, every step row of the main events file, every anomaly
     (with the counts of its folded repeats and the repro bundle saved after it), marked ``incomplete``. A row
-    read anew after it was written (``step_amended``, :meth:`~.run_record.RunRecord.amend_step`) is read so."""
+    read anew or found skipped after it was written (``step_amended``, ``step_skipped``) is read so, the one row its
+    entry names, as :func:`every_rank_steps` reads it."""
     files = sorted(run_dir.glob("events*.jsonl"), key=lambda p: (p.name != "events.jsonl", p.name))
     summary: dict[str, Any] = {"kind": "unknown", "run_dir": str(run_dir), "incomplete": True}
     anomalies: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
     bad: dict[str, list[int]] = {}
-    by_key: dict[tuple, dict[str, Any]] = {}
-    by_place: dict[tuple, dict[str, Any]] = {}
+    first_anomalies = FirstAnomalies()
+    named: dict[tuple, dict[str, Any]] = {}
+    owner = 0  # the main events file's process (its start event's rank)
     for path in files:
         rows = _read_events(path)
         if rows.bad_lines:
@@ -300,30 +334,32 @@ def rebuild_summary(run_dir: Path) -> dict[str, Any]:
         for row in rows:
             kind = row.get("type")
             if kind == "start":
+                owner = row.get("rank", 0) if path.name == "events.jsonl" else owner
                 summary.setdefault("started", row.get("time"))
                 for key in ("kind", "config", "versions"):
                     if key in row:
                         summary[key] = row[key]
             elif kind == "step" and path.name == "events.jsonl":
-                steps.append({k: v for k, v in row.items() if k not in ("type", "time")})
-            elif kind == "step_amended" and path.name == "events.jsonl" and isinstance(row.get("values"), dict):
-                key = (row.get("rank", 0), step_key(row))  # this process's own row, written before it
-                own = next((r for r in reversed(steps) if (r.get("rank", 0), step_key(r)) == key), None)
-                if own is not None:
-                    own.update(row["values"])
+                steps.append({k: v for k, v in row.items() if k not in ("type", "time", "joined")})
+                named[_named(row, owner)] = steps[-1]  # each row by its joined (a copy's, its own's)
+                if row.get("rank", owner) == owner:  # and its own last row of each step
+                    named[(owner, step_key(row), None)] = steps[-1]
+            elif kind in ("step_amended", "step_skipped") and path.name == "events.jsonl":
+                named_row = named.get(_named(row, owner))  # as every_rank_steps reads them: the row it names
+                if named_row is not None and isinstance(row.get("values"), dict):
+                    named_row.update(row["values"])
+                elif named_row is not None and kind == "step_skipped":
+                    named_row["skipped"] = row.get("reason")
             elif kind == "anomaly" and anomaly_problem({k: v for k, v in row.items() if k != "type"}) is None:
                 anomaly = {k: v for k, v in row.items() if k not in ("type", "time")}
                 anomalies.append(anomaly)
-                by_key[_fold_key(anomaly)] = by_place[_place(anomaly)] = anomaly
+                first_anomalies.add(anomaly, anomaly)
             elif kind == "anomaly_repeated":
-                first = _first(row, by_key, by_place)
+                first = first_anomalies.named(row)
                 if first is not None and isinstance(first.get("details"), dict):
-                    first["details"]["count"] = row.get("count", first["details"].get("count", 1))
-                    first["details"]["last_step"] = row.get("step")
-                    if row.get("run") is not None:  # a later run's repeat (the sink's last_run)
-                        first["details"]["last_run"] = row["run"]
+                    fold_repeat(first["details"], row)
             elif kind == "anomaly_bundle":  # saved after the anomaly's event (why checks the path)
-                first = _first(row, by_key, by_place)
+                first = first_anomalies.named(row)
                 if first is not None and isinstance(first.get("details"), dict) and isinstance(row.get("bundle"), str):
                     first["details"]["bundle"] = row["bundle"]
     summary.update(

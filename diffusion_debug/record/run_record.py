@@ -90,6 +90,8 @@ class RunRecord:
         self.started = time.time()
         self.steps: deque[dict[str, Any]] = deque(maxlen=config.history_size)
         self.rank_steps: deque[dict[str, Any]] = deque(maxlen=config.history_size)
+        self._rank_joined: deque[int | None] = deque(maxlen=config.history_size)  # each one's (add_rank_step)
+        self._joined: deque[tuple[int, dict[str, Any]]] = deque(maxlen=config.history_size)  # (add_step)
         self.events: deque[dict[str, Any]] = deque(maxlen=config.history_size)
         self.anomalies: list[Anomaly] = []
         self.max_anomalies = 10 * config.history_size
@@ -147,56 +149,86 @@ class RunRecord:
             except Exception:  # pragma: no cover - reporting the loss must not break the run either
                 pass
 
-    def add_step(self, row: dict[str, Any]) -> None:
+    def add_step(self, row: dict[str, Any], *, joined: int | None = None) -> None:
+        """This process's row; ``joined``: its monitored step on the clock every rank shares (``History.joined``, a
+        training run's), kept beside it and in its streamed entry (not in the row): what names this one row where
+        the loop repeats a step number (:meth:`amend_step`, :meth:`mark_skipped`)."""
         row = to_jsonable(row)
         self.steps.append(row)
-        self._write({"type": "step", **row})
+        if joined is None:  # (a pipeline's: no call more per step)
+            self._write({"type": "step", **row})
+        else:
+            self._joined.append((joined, row))
+            self._write({"type": "step", **row, "joined": joined})
 
-    def mark_skipped(self, step: Any, reason: str) -> None:
+    def step_row(self, step: Any, joined: int | None = None) -> dict[str, Any] | None:
+        """This process's kept row of ``step`` (as :meth:`add_step` wrote it) taken at monitored step ``joined``;
+        ``joined`` None: its last row of ``step``. None where none is kept."""
+        step = to_jsonable(step)
+        rows = reversed(self.steps) if joined is None else (row for at, row in reversed(self._joined) if at == joined)
+        return next((row for row in rows if row.get("step") == step), None)
+
+    def mark_skipped(self, step: Any, reason: str, *, joined: int | None = None) -> None:
         """This process's row of ``step`` says that its optimizer step was skipped (``reason``:
         ``grad_scaler``, ``deepspeed_overflow``, ``policy``), learnt after the row was written (a
         GradScaler's skip shows at the next step): the kept row gets ``skipped``, and the stream a
-        ``step_skipped`` entry that :func:`~.run_dir.every_rank_steps` puts into the streamed row."""
+        ``step_skipped`` entry that :func:`~.run_dir.every_rank_steps` puts into the streamed row. Both are the row
+        taken at monitored step ``joined`` (:meth:`step_row`), else the last row of ``step`` recorded (marked
+        before a later row is added: a loop that repeats step numbers with one optimizer)."""
         step = to_jsonable(step)
-        for row in reversed(self.steps):
-            if row.get("step") == step:
-                row["skipped"] = reason
-                break
-        self._write({"type": "step_skipped", "step": step, "reason": reason})
+        row = self.step_row(step, joined)
+        if row is not None:
+            row["skipped"] = reason
+        named = {} if joined is None else {"joined": joined}
+        self._write({"type": "step_skipped", "step": step, **named, "reason": reason})
 
-    def amend_step(self, step: Any, values: dict[str, Any]) -> None:
+    def amend_step(self, step: Any, values: dict[str, Any], *, joined: int | None = None) -> None:
         """This process's row of ``step`` read anew (``values`` replace its fields), learnt after the row was
-        written (a GradScaler not passed, confirmed a step later: the row unscaled): the kept row takes them, and
-        the stream a ``step_amended`` entry that :func:`~.run_dir.every_rank_steps` puts into the streamed row."""
+        written (a GradScaler not passed, confirmed a step later: the row unscaled): the row taken at monitored
+        step ``joined`` (:meth:`step_row`: not another optimizer's row of the same step number, a GAN's; None: the
+        last of that step) takes them, and the stream a ``step_amended`` entry naming it that
+        :func:`~.run_dir.every_rank_steps` puts into the streamed row; ``joined`` also names the main process's
+        copy of this very row (:meth:`amend_rank_step`)."""
         step, values = to_jsonable(step), to_jsonable(values)
-        for row in reversed(self.steps):
-            if row.get("step") == step:
-                row.update(values)
-                break
-        self._write({"type": "step_amended", "step": step, "values": values})
+        row = self.step_row(step, joined)
+        if row is not None:
+            row.update(values)
+        named = {} if joined is None else {"joined": joined}
+        self._write({"type": "step_amended", "step": step, **named, "values": values})
 
-    def amend_rank_step(self, rank: int, step: Any, values: dict[str, Any]) -> bool:
+    def amend_rank_step(self, rank: int, step: Any, values: dict[str, Any], *, joined: int | None = None) -> bool:
         """Another rank's row of ``step``, kept here as a copy, read anew as that rank read its own
-        (:meth:`amend_step` there, its ``step_amended`` in its own events file): every copy of that rank's ``step``
-        (a step number the loop repeated: each, as :func:`~.run_dir.every_rank_steps` amends that rank's rows; a
-        step matched as it matches, ``3`` and ``3.0`` alike) takes ``values``, and the stream a ``step_amended``
-        entry of that rank (a summary rebuilt from this file reads it so). False, nothing written, when no copy of
-        that row is kept or every one holds ``values`` already."""
+        (:meth:`amend_step` there, its ``step_amended`` in its own events file): the one copy of it, that rank's
+        row of ``step`` (``3`` and ``3.0`` alike) taken at its monitored step ``joined`` (:meth:`add_rank_step`;
+        the last such copy), takes ``values``, not its later rows of a step number the loop repeated, as
+        :func:`~.run_dir.every_rank_steps` amends that rank's own row; and the stream a ``step_amended`` entry of
+        that rank naming it (a summary rebuilt from this file reads it so). False, nothing written, when no such
+        copy is kept or it holds ``values`` already."""
         values = to_jsonable(values)
         key = step_key({"step": step})
-        rows = [row for row in self.rank_steps if row.get("rank") == rank and step_key(row) == key]
-        if all(all(k in row and row[k] == v for k, v in values.items()) for row in rows):
+        row = next(
+            (
+                row
+                for row, at in zip(reversed(self.rank_steps), reversed(self._rank_joined))
+                if row.get("rank") == rank and at == joined and step_key(row) == key
+            ),
+            None,
+        )
+        if row is None or all(k in row and row[k] == v for k, v in values.items()):
             return False
-        for row in rows:
-            row.update(values)
-        self._write({"type": "step_amended", "step": step, "rank": rank, "values": values})
+        row.update(values)
+        named = {} if joined is None else {"joined": joined}
+        self._write({"type": "step_amended", "step": step, "rank": rank, **named, "values": values})
         return True
 
-    def add_rank_step(self, row: dict[str, Any]) -> None:
-        """Another rank's step row (it carries its ``rank``), kept apart from this process's own."""
+    def add_rank_step(self, row: dict[str, Any], *, joined: int | None = None) -> None:
+        """Another rank's step row (it carries its ``rank``), kept apart from this process's own; ``joined``: the
+        monitored step it was taken at (the clock every rank shares), which that rank's :meth:`amend_step` names:
+        kept beside it, and in its streamed entry (not in the row)."""
         row = to_jsonable(row)
         self.rank_steps.append(row)
-        self._write({"type": "step", **row})
+        self._rank_joined.append(joined)
+        self._write({"type": "step", **row} if joined is None else {"type": "step", **row, "joined": joined})
 
     def all_steps(self) -> list[dict[str, Any]]:
         """This process's rows and the other ranks' rows, by step then rank where steps are numbers
@@ -253,6 +285,8 @@ class RunRecord:
     def clear(self) -> None:
         self.steps.clear()
         self.rank_steps.clear()
+        self._rank_joined.clear()
+        self._joined.clear()
         self.events.clear()
         self.anomalies.clear()
         self.anomaly_counts.clear()

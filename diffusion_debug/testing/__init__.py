@@ -18,7 +18,8 @@
   :mod:`~diffusion_debug.testing.zoo_video_audio` (Stable Video Diffusion, Dance Diffusion, Wan 2.2,
   LTX-2 with audio), :mod:`~diffusion_debug.testing.qwenimage` (QwenImage) and
   :mod:`~diffusion_debug.testing.text_diffusion` (LLaDA2: text diffusion over token ids); their
-  tokenizers and text encoder configs in :mod:`~diffusion_debug.testing.text_encoders`.
+  tokenizers and text encoder configs in :mod:`~diffusion_debug.testing.text_encoders`. Not kinds:
+  :mod:`~diffusion_debug.testing.zoo_no_text_encoder` (the newest families, given the prompt's features).
 * :mod:`~diffusion_debug.testing.faults` -- :func:`plant_nonfinite` and :func:`plant_overflow`,
   forward hooks that make a module misbehave on purpose.
 """

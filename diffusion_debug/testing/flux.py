@@ -53,9 +53,9 @@ def deeper(pipe: Any, seed: int = 0, **layers: int) -> Any:
     return pipe
 
 
-def one_block_vae(latent_channels: int = 1):
+def one_block_vae(latent_channels: int = 1, shift_factor: float = 0.0609, scaling_factor: float = 1.5035):
     """The tiny Flux ``AutoencoderKL``: one block (no downsampling), no quant convs, Flux's shift and
-    scale; Lumina 2 has it with 4 latent channels."""
+    scale by default; Lumina 2 has it with 4 latent channels, PRX with 4 and no shift or scale."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
@@ -68,8 +68,8 @@ def one_block_vae(latent_channels: int = 1):
         norm_num_groups=1,
         use_quant_conv=False,
         use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .text_encoders import qwen_tokenizer
 
-__all__ = ["BUILDERS", "QWENIMAGE_CALL", "qwen25vl_config"]
+__all__ = ["BUILDERS", "QWENIMAGE_CALL", "qwen25vl_config", "qwenimage_vae"]
 
 #: ``(call kwargs without generator and num_inference_steps, denoiser attribute)``.
 QWENIMAGE_CALL: tuple[Callable[[], dict[str, Any]], str] = (
@@ -62,8 +62,23 @@ def qwen25vl_config(vocab_size: int = 152064):
     )
 
 
+def qwenimage_vae(z_dim: int = 4):
+    """QwenImage's tiny video VAE (diffusers' fast test; NucleusMoE-Image's in the sweeps)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage(
+        base_dim=z_dim * 6,
+        z_dim=z_dim,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+    )
+
+
 def build_qwenimage(make) -> dict[str, Any]:
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     text = qwen25vl_config()
@@ -83,18 +98,7 @@ def build_qwenimage(make) -> dict[str, Any]:
                 axes_dims_rope=(8, 4, 4),
             ),
         ),
-        vae=make(
-            "vae",
-            lambda: AutoencoderKLQwenImage(
-                base_dim=z_dim * 6,
-                z_dim=z_dim,
-                dim_mult=[1, 2, 4],
-                num_res_blocks=1,
-                temperal_downsample=[False, True],
-                latents_mean=[0.0] * z_dim,
-                latents_std=[1.0] * z_dim,
-            ),
-        ),
+        vae=make("vae", lambda: qwenimage_vae(z_dim)),
         scheduler=FlowMatchEulerDiscreteScheduler(),
         text_encoder=make("text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(text)),
         tokenizer=qwen_tokenizer(),

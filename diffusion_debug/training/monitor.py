@@ -34,7 +34,7 @@ from torch import nn
 from ..config import DebugConfig
 from ..core import AnomalySink, raised_by_debugger
 from ..probes import BackwardOrder
-from ..record import Anomaly, to_jsonable
+from ..record import Anomaly
 from ..stats import ANY_AUTOCAST, outside_autocast
 from . import failures
 from .judges import step_checks
@@ -123,6 +123,8 @@ class StepMonitor:
         found it (``update()`` replaces it: the step's optimizer step ran, or was skipped) and its ``history.joined``,
         for :meth:`last_skip`. Replaced when the next step counts the skip (``_record_step``), not before: the live
         server's ``get_summary()`` during that step still counts it."""
+        self._held_joined: int | None = None
+        """The monitored step (``history.joined``) of the held step last decided (``_decide_trial``): its row's."""
         self._taken: tuple[int, ...] | None = None
         """A raw DeepSpeed engine's steps taken (``DeepSpeedSteps.steps_taken``) when the last step was monitored:
         once they moved, its optimizer step ran, and a report judges its skip (None: no such engine)."""
@@ -241,7 +243,7 @@ class StepMonitor:
             self._early = last[3]
             for anomaly in skipped:
                 self.sink.emit(anomaly, log=self.ctx.is_main)
-                self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"])
+                self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"], joined=last[3])
             self.history.counts.add_skip(skipped)
 
     def last_skip(self, at: str) -> list[Anomaly] | None:
@@ -286,7 +288,7 @@ class StepMonitor:
             return
         with self.sink.guard("looking for a GradScaler not passed", step=step.index, rank=self.ctx.rank):
             own = [a for a in judged.anomalies if a.kind != "skipped_step"]
-            if self.found.hold(call.optimizer, step.index, own, call.max_grad_norm):
+            if self.found.hold(call.optimizer, step.index, own, call.max_grad_norm, self.history.joined):
                 judged.anomalies = [a for a in judged.anomalies if a.kind == "skipped_step"]
                 flags = judged.flags  # counted when released (in place: :meth:`_after_reduce`)
                 step.held_flags = {"nonfinite": flags.nonfinite, "explosion": flags.explosion}
@@ -321,6 +323,7 @@ class StepMonitor:
         """The held step's anomalies (unscaled where its scaler is confirmed, else as read) and its skip;
         None while the trial waits for the held optimizer's ``scaler.step``."""
         trial = self.found.trial
+        self._held_joined = trial.joined  # what names its row where a GAN's optimizers share a step number
         with self.sink.guard("trying a GradScaler not passed", step=trial.step, rank=self.ctx.rank):
             released = self.found.resolve(optimizer, at)
             for skip in released[1] if released is not None else ():  # in the row from the start, as one judged
@@ -332,12 +335,12 @@ class StepMonitor:
 
     def _unscale_row(self) -> None:
         """The held step's recorded row, its scaler confirmed: read unscaled (``found_scaler.unscaled_values``)."""
-        (index, scale, max_grad_norm), self.found.confirmed_at = self.found.confirmed_at, None
+        (index, scale, max_grad_norm, joined), self.found.confirmed_at = self.found.confirmed_at, None
         with self.sink.guard("unscaling the held step's row", step=index, rank=self.ctx.rank):
-            record, key = self.sink.record, to_jsonable(index)  # (the row keeps the step as the record wrote it)
-            row = next((r for r in reversed(record.steps) if r.get("step") == key), None)
+            record = self.sink.record
+            row = record.step_row(index, joined)  # the held row itself, not another optimizer's of that step
             if row is not None:
-                record.amend_step(index, unscaled_values(row, scale, max_grad_norm))
+                record.amend_step(index, unscaled_values(row, scale, max_grad_norm), joined=joined)
 
     def _release(
         self, step: MonitoredStep, judged: Judgement, anomalies: list[Anomaly], skipped: list[Anomaly]
@@ -355,7 +358,7 @@ class StepMonitor:
         nonfinite = any(a.kind == "nonfinite" and a.severity == "error" for a in anomalies)
         self.history.counts.add_step(anomalies, step_checks.StepFlags(nonfinite=nonfinite), skipped)
         for a in skipped:
-            self.sink.record.mark_skipped(a.step, "grad_scaler")
+            self.sink.record.mark_skipped(a.step, "grad_scaler", joined=self._held_joined)
 
     def _pre_reduction_failed(self, step: MonitoredStep) -> None:
         """A failure of the check inside the engine's hook (the reduction still ran): recorded
@@ -658,12 +661,14 @@ class StepMonitor:
             row = dict(step.record, **{k: info[k] for k in ("ranks", "losses_by_rank") if k in info})
             if "grad_norms_by_rank" in info:
                 row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
-            self.sink.record.add_step(row)
-            for skip in skipped + late_skips:  # an earlier step's, found now: its row says so
-                self.sink.record.mark_skipped(skip.step, skip.details["reason"])
+            for skip in skipped:  # the last monitored step's, found now: its row says so
+                self.sink.record.mark_skipped(skip.step, skip.details["reason"], joined=history.joined - 1)
+            for skip in late_skips:  # the held step's
+                self.sink.record.mark_skipped(skip.step, skip.details["reason"], joined=self._held_joined)
+            self.sink.record.add_step(row, joined=history.joined)
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
-                for other in self.exchange.unrecorded(step.details):
-                    self.sink.record.add_rank_step(other)
+                for joined, other in self.exchange.unrecorded(step.details):
+                    self.sink.record.add_rank_step(other, joined=joined)
                 for rank, buckets in enumerate(step.details.buckets):
                     if buckets and rank != ctx.rank:  # its own are added every step
                         history.buckets.add(buckets)

@@ -42,8 +42,8 @@ def training_report(
         for own in kept_elsewhere(record.anomalies, files, ctx.rank, ctx.world_size) if not full else ():
             record.add_anomaly(own)
         files.read(range(ctx.world_size))  # (read already, unless the record is full)
-        for (rank, step), values in files.amended.items():  # a row its rank read anew (unscaled): the copy too
-            record.amend_rank_step(rank, step, values)
+        for (rank, step, joined), values in files.amended.items():  # a row its rank read anew (unscaled): its copy
+            record.amend_rank_step(rank, step, values, joined=joined)
     summary = {
         **record.summary(),
         "headline": headline(record.anomalies, ctx.world_size),  # the anomaly to fix first (cause before consequence)

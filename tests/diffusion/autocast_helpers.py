@@ -1,12 +1,16 @@
 """Helpers of the float16 autocast tests (test_fp16_autocast*.py): a CPU float16 autocast region, a module's
-float16 output under it scaled to a share of float16's largest value, the anomalies found."""
+float16 output under it scaled to a share of float16's largest value, the anomalies found, the UNet's ``to_out``
+Inf a replay test starts from."""
 
 from __future__ import annotations
+
+import contextlib
+from contextlib import contextmanager
 
 import torch
 from diffusion_helpers import run, scaled
 
-from diffusion_debug import DebugConfig
+from diffusion_debug import DebugConfig, DiffusionModelDebugger
 
 UNET_ATTENTION_OUT = "up_blocks.1.attentions.1.transformer_blocks.0.attn1.to_out.0"
 REPLAYED = "sentinel -> replay with full probes"
@@ -31,19 +35,38 @@ def found(dbg, run_number=None):
     ]
 
 
-def peak_under_autocast(pipe, module, steps) -> float:
-    """The largest |output| of ``module`` in a clean autocast call of ``pipe`` (its planted scale is found from it)."""
+def peak_under_autocast(pipe, module, steps, under_autocast=True) -> float:
+    """The largest |output| of ``module`` in a clean autocast call of ``pipe`` (its planted scale is found from it;
+    ``under_autocast`` False: a call outside autocast, a float16 pipeline's)."""
     peaks = []
     handle = module.register_forward_hook(lambda _m, _a, out: peaks.append(out.abs().max().item()))
     try:
-        with autocast():
+        with autocast() if under_autocast else contextlib.nullcontext():
             run(pipe, steps=steps, output_type="latent")
     finally:
         handle.remove()
     return max(peaks)
 
 
-def near_max(pipe, component, name, fraction, steps=3):
-    """``component.name`` scaled so that its float16 output under autocast peaks at ``fraction`` of 65504."""
+def near_max(pipe, component, name, fraction, steps=3, under_autocast=True):
+    """``component.name`` scaled so that its float16 output under autocast (or outside: ``under_autocast``) peaks at
+    ``fraction`` of 65504."""
     module = getattr(pipe, component).get_submodule(name)
-    return scaled(module, fraction * FP16_MAX / peak_under_autocast(pipe, module, steps))
+    return scaled(module, fraction * FP16_MAX / peak_under_autocast(pipe, module, steps, under_autocast))
+
+
+@contextmanager
+def to_out_inf(pipe, tmp_path, under_autocast=True):
+    """The replay tests' one set-up: ``pipe``'s UNet ``to_out`` at 4x float16's max (its weights put back after), a
+    2-step latent call watched under float16 autocast (or outside it: a float16 pipeline's), whose one error is its
+    Inf at step 0. Yields ``(the debugger, that error)``; the debugger closed after."""
+    steps = 3 if under_autocast else 2  # (the peak each test read its scale from)
+    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0, steps, under_autocast):
+        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
+        try:
+            with dbg, autocast() if under_autocast else contextlib.nullcontext():
+                run(pipe, steps=2, output_type="latent")
+            (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+            yield dbg, error
+        finally:
+            dbg.close()

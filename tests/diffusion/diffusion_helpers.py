@@ -140,3 +140,47 @@ def t5_near_max(t5: torch.nn.Module, call):
             wo.weight.copy_(base * (scale * fp16_max / peaks["wo"]))
 
     return wo_at
+
+
+def assert_watched_unchanged_and_fault_named(
+    tmp_path, build, call, component: str, module: str, from_call: int, step, compiled: bool = False, told=()
+):
+    """The sweeps' one check of a pipeline ``build()`` makes: two ``call``s on one attach and a call after
+    detach bitwise equal to an unwatched twin's three, nothing reported; then on a fresh pipeline an Inf
+    planted in ``component``'s ``module`` from its ``from_call``-th call (0-based) named as the one error,
+    ``nonfinite`` at exactly that component, module and ``step``. ``told``: the kinds the clean run rightly
+    reports (a tiny SD's scheduler at 3 steps: ``scheduler_config``). ``compiled``: dynamo is reset before
+    each pipeline is built (neither reuses the other's code) and each call's graph breaks and graphs made
+    are the twin's."""
+    from diffusion_debug.testing import plant_nonfinite
+
+    def counted(pipe):
+        before = dynamo_counts()
+        image = call(pipe)
+        return image, tuple(after - was for after, was in zip(dynamo_counts(), before))
+
+    if compiled:
+        torch._dynamo.reset()
+    twin = build()
+    expected = [counted(twin) for _ in range(3)]
+    if compiled:
+        torch._dynamo.reset()
+    pipe = build()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "clean"), log_level="error"))
+    with dbg:
+        seen = [counted(pipe), counted(pipe)]
+    seen.append(counted(pipe))  # detached
+    for (image, graphs), (twins, twin_graphs) in zip(seen, expected):
+        torch.testing.assert_close(image, twins, rtol=0, atol=0)
+        assert not compiled or graphs == twin_graphs
+    found = [(a.kind, a.component, a.module, a.step) for a in dbg.report().anomalies]
+    assert found == [(kind, "", "", None) for kind in told]
+    dbg.close()
+
+    pipe = build()
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "fault"), log_level="error"))
+    with plant_nonfinite(getattr(pipe, component).get_submodule(module), from_call=from_call), dbg:
+        call(pipe)
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step) for a in errors] == [("nonfinite", component, module, step)]
+    dbg.close()

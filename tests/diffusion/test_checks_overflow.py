@@ -101,11 +101,13 @@ def test_the_report_guide_next_to_an_overflow_risk_advises_by_dtype_as_its_messa
     from diffusion_debug.record import kind_info
 
     assert kind_info("overflow_risk").action == (
-        "In float16: run that component in bfloat16 or float32 (SDXL VAE: force_upcast or the fp16-fix VAE; SD 1.5's "
-        "pipeline reads no force_upcast: decode in float32 yourself); under float16 autocast, which computes float32 "
-        "weights in float16 too, an upcast helps only with the decode run outside the autocast: autocast to bfloat16 "
-        "instead, or run that component outside autocast; in bfloat16, whose range is float32's, no dtype holds "
-        "more: check the named module's weights and the scale of its inputs."
+        "In float16: run that component in bfloat16 or float32; a VAE as the message says for its pipeline's call "
+        "(force_upcast where the call reads it, SDXL's; SDXL's VAE: the fp16-fix VAE; otherwise "
+        'pipe.vae.to(torch.float32), or where the call hands the VAE its latents uncast, its output_type="latent" '
+        "decoded in float32); under float16 autocast, which computes float32 weights in float16 too, an upcast helps "
+        "only with the decode run outside the autocast: autocast to bfloat16 instead, or run that component outside "
+        "autocast; in bfloat16, whose range is float32's, no dtype holds more: check the named module's weights and "
+        "the scale of its inputs."
     )
 
 
@@ -352,6 +354,42 @@ def test_a_sentinels_inf_its_block_was_read_clipping_is_the_finding_where_the_bl
     assert shown(OverflowReplayed(passed_in=True)) == (read, CLIP_NOT_AGAIN, 9, None)
     replayed = Clip(wo._replace(input_value=1.0), "block.0", 64512.0)  # the replay's own clip: as it read it
     assert shown(OverflowReplayed(clipped=replayed)) == (replayed, "sentinel -> replay with full probes", 9, None)
+
+
+def test_a_compiled_components_replay_that_shows_its_near_max_passed_in_names_no_module_and_is_not_made_again():
+    """An output check's replay of a compiled decoder (``decoder``, its output at 61% of fp16's max) in which every
+    near-max module took the values in with its inputs: for an eager call, values passed in (skipped this run, replayed
+    again each run); for a compiled one, whose eager replay is not the values it computed, no module named: kept for
+    the debugger's life as such (the output's own warning, every call), nothing marked passed in, no replay again."""
+    from diffusion_debug.diffusion.replay.decide import (
+        Overflow,
+        OverflowReplayed,
+        ReplayMemory,
+        decide,
+        overflow_replayed,
+    )
+    from diffusion_debug.probes import ModuleReading
+
+    near = 0.61 * 65504
+    given = [ModuleReading("decoder.conv_in", 0, "float16", near, near, "float16"),
+             ModuleReading("decoder", 0, "float16", near, near, "float16")]  # fmt: skip
+    assert overflow_replayed(given, "decoder", 0.5, True) == OverflowReplayed(passed_in=True)
+    assert overflow_replayed(given, "decoder", 0.5, True, compiled=True) == OverflowReplayed()
+    output, key = ModuleReading("decoder", 0, "float16", None, near, signal="absmax"), ("vae", "decoder")
+    memory = ReplayMemory()
+    plan = memory.overflow_shown(Overflow(output, key, replay="decoder"), OverflowReplayed(), len(given))
+    assert (plan.reading, plan.known, plan.skip, memory.passed_in, memory.overflow_where) == (
+        output,
+        None,
+        False,
+        set(),
+        {key: None},
+    )
+    memory.new_run()  # the next call: named from memory as none, not replayed
+    again = decide("vae", checks.Suspects(None, None, output), [output], memory=memory, output_finite=True,
+                   full=False, leaf=lambda c, m: False, received=lambda c, s: False, unwatched=None,
+                   site="decoder", localize=True, fraction=0.5).overflow  # fmt: skip
+    assert (again.replay, again.known, again.skip) == (None, None, False)
 
 
 @pytest.mark.parametrize(

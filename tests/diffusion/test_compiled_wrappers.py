@@ -10,14 +10,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusion_helpers import changed_weight, dynamo_counts, inf_weight
+from diffusion_helpers import SD_FP16_VAE, changed_weight, dynamo_counts, inf_weight, scaled
 from torch._dynamo.utils import counters
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
+from diffusion_debug.diffusion.call_events import COMPILED_OUTPUT
 from diffusion_debug.diffusion.components.compiled import compile_state
 from diffusion_debug.testing import plant_nonfinite, plant_overflow, tiny_pipeline
 
 FAULTY = "up_blocks.1.resnets.0.conv2"
+REPLAYED = "output check -> replay with full probes"
 VAE_UPSAMPLER = "decoder.up_blocks.0.upsamplers.0.conv"
 
 
@@ -218,3 +220,170 @@ def test_compare_compile_side_names_a_change_inside_the_compiled_unet():
     d = c.first_divergence
     assert (d.component, d.module, d.step, d.made_here) == ("unet", FAULTY, 0, True)
     assert dynamo_counts() == (0, 1) and pipe.unet is unet
+
+
+def compile_decoder(vae, how: str) -> None:
+    """``vae.decoder.compile()``, or each of its blocks compiled in place (regional: its ``conv_in``,
+    ``conv_norm_out`` and ``conv_out`` stay eager, as ``compile_repeated_blocks`` leaves a model's ends)."""
+    if how == "vae.decoder.compile()":
+        vae.decoder.compile(backend="eager")
+    else:
+        for block in (*vae.decoder.up_blocks, vae.decoder.mid_block):
+            block.compile(backend="eager")
+
+
+def planted_conv_out(how: str):
+    """A fresh tiny fp16 SD whose decoder is compiled ``how`` (:func:`compile_decoder`), and the factor that puts its
+    ``conv_out``'s output at 61% of fp16's max (:func:`~diffusion_helpers.scaled`): the naive reference, the eager
+    conv_out's abs-max read before anything is compiled."""
+    pipe = fresh(torch.float16)
+    peaks = []
+    with pipe.vae.decoder.conv_out.register_forward_hook(lambda m, a, out: peaks.append(float(out.abs().amax()))):
+        one_step(pipe)
+    compile_decoder(pipe.vae, how)
+    return pipe, 0.61 * torch.finfo(torch.float16).max / peaks[0]
+
+
+def replays(dbg) -> list[str]:
+    return [e["component"] for e in dbg.record.events if e["type"] == "replay"]
+
+
+@pytest.mark.parametrize("how", ["vae.decoder.compile()", "its blocks compiled in place"])
+def test_an_fp16_near_overflow_at_a_compiled_decoders_conv_out_is_named_there_by_one_eager_replay(how, tmp_path):
+    """A compiled fp16 VAE decoder has no probe inside (its sentinel would be traced; the end modules' hooks too), so
+    a near-max its ``conv_out`` (an end module) makes is seen at the decode's output, from the abs-max measured there
+    anyway. It is named at ``decoder.conv_out`` by one eager replay of the kept decode with full probes, as its
+    NaN/Inf is (vae37; before: ``vae.decoder`` output, 'its inside is not read', no module named), with the SD VAE's
+    upcast advice; the next call's from that replay (the debugger's replay memory; a debugger made per call makes its
+    own: one eager decode, on the finding alone, nothing kept with the pipeline). A clean call replays nothing
+    (counted). No graph break or graph added, the images are the unwatched compiled twin's. Backend ``eager``:
+    aot_eager fails on this tiny fp16 decoder without the debugger, compiled whole or by blocks (torch 2.13 on CPU,
+    ``Expected X.is_contiguous(memory_format)`` in its group norm; test_compiled.py)."""
+    pipe, factor = planted_conv_out(how)
+    conv_out = pipe.vae.decoder.conv_out
+    plain = one_step(pipe)
+    with scaled(conv_out, factor):  # (its weight and bias: a compiled graph reads them, no recompile)
+        twin = one_step(pipe)
+    expected = dynamo_counts()
+    assert expected[0] == 0 and expected[1] >= 1
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        np.testing.assert_array_equal(one_step(pipe), plain)
+    assert replays(dbg) == [], "a clean compiled call was replayed"
+    for _ in range(2):
+        with scaled(conv_out, factor), dbg:
+            np.testing.assert_array_equal(one_step(pipe), twin)
+    assert dynamo_counts() == expected, "the debugger added a graph break or a graph"
+    np.testing.assert_array_equal(one_step(pipe), plain)  # nothing left behind
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert [(a.component, a.module, a.step, a.details["localized_by"]) for a in risks] == [
+        ("vae", "decoder.conv_out", None, REPLAYED),
+        ("vae", "decoder.conv_out", None, "output check -> an earlier call's replay"),
+    ]
+    assert [a.details["run"] for a in risks] == [2, 3]
+    for risk in risks:
+        assert risk.details["dtype_max_fraction"] == pytest.approx(0.61, abs=1e-3)
+        assert risk.message.startswith("vae.decoder.conv_out output reached 61% of the float16 maximum")
+        assert risk.message.endswith(f"; {SD_FP16_VAE}.")
+    assert replays(dbg) == ["vae"]
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+    per_call = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path / "per_call"), log_level="error"))
+    with scaled(conv_out, factor), per_call:  # a debugger made per call: its own replay, on this finding only
+        np.testing.assert_array_equal(one_step(pipe), twin)
+    risks = [a for a in per_call.report().anomalies if a.kind == "overflow_risk"]
+    assert [(a.module, a.details["localized_by"]) for a in risks] == [("decoder.conv_out", REPLAYED)]
+    assert replays(per_call) == ["vae"] and dynamo_counts() == expected
+    per_call.close()
+
+
+def test_a_compiled_decoders_near_max_its_eager_replay_does_not_make_is_warned_at_its_output_every_call(tmp_path):
+    """A forward hook added to ``conv_out`` after ``vae.decoder.compile()`` (quartering its output) is skipped by the
+    compiled code and run by the eager replay: the compiled decode's output is at 61% of fp16's max, the replay's
+    conv_out at 15%, so the replay names no module. The compiled output's own warning stands, at ``vae.decoder``, 'its
+    inside is not read', in each of two calls (vae37 named nothing, or warned once and then read the values as passed
+    in), from one replay (the replay memory: no module named, not replayed again); none on the clean call. Images
+    the unwatched compiled twin's, dynamo's counters unchanged."""
+    pipe, factor = planted_conv_out("vae.decoder.compile()")
+    conv_out = pipe.vae.decoder.conv_out
+    plain = one_step(pipe)
+    quartered = []
+    hook = conv_out.register_forward_hook(lambda m, a, out: quartered.append(float(out.abs().amax()) / 4) or out / 4)
+    try:
+        with scaled(conv_out, factor):
+            twin = one_step(pipe)
+            assert quartered == [], "the compiled decode ran the hook added after compiling"
+        expected = dynamo_counts()
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        with dbg:
+            np.testing.assert_array_equal(one_step(pipe), plain)
+        assert replays(dbg) == []
+        for _ in range(2):
+            with scaled(conv_out, factor), dbg:
+                np.testing.assert_array_equal(one_step(pipe), twin)
+        assert dynamo_counts() == expected, "the debugger added a graph break or a graph"
+    finally:
+        hook.remove()
+    assert len(quartered) == 1 and quartered[0] / 65504 == pytest.approx(0.61 / 4, abs=1e-3)  # the replay's
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    assert [(a.component, a.module, a.details["localized_by"], a.details["run"]) for a in risks] == [
+        ("vae", "decoder", COMPILED_OUTPUT, 2),
+        ("vae", "decoder", COMPILED_OUTPUT, 3),
+    ]
+    absmax = risks[0].details["absmax"]
+    assert absmax / 65504 == pytest.approx(0.61, abs=1e-3)
+    assert [risk.message for risk in risks] == 2 * [
+        f"vae.decoder output reached 61% of the float16 maximum (|x|={absmax:.3e}); vae is compiled: its inside is "
+        "not read, so the module that made these values is not named, and an uncompiled replay of the call stayed "
+        "below that (the compiled code computes otherwise: a hook it skips, a fused rounding); "
+        f"{SD_FP16_VAE}."
+    ]
+    assert replays(dbg) == ["vae"]
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()
+
+
+def one_step(pipe):
+    """A 1-step fp16 call; its ``callback_on_step_end`` takes the debugger's step-end watch off before the decode
+    (test_compiled.py's compiled decode: a global pre-hook dynamo would guard on)."""
+    generator, same = torch.Generator().manual_seed(0), lambda pipe, step, timestep, kwargs: kwargs
+    return pipe("a cat", num_inference_steps=1, output_type="np", generator=generator, callback_on_step_end=same)[0]
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["planted", "hook-after-compile"])
+def test_a_compiled_text_encoders_near_max_is_named_by_its_replay_or_else_warned_at_its_output_every_call(
+    hooked, tmp_path
+):
+    """``text_encoder.compile()``, its ``final_layer_norm`` at 61% of fp16's max: named there by one eager replay,
+    the next call from it; with a forward hook quartering it added after compiling (skipped by the compiled code, run
+    by the replay) the replay names nothing and the compiled output's warning stands at ``text_encoder`` (module
+    ``""``), each of two calls, from the same one replay. Images the unwatched compiled twin's."""
+    pipe = fresh(torch.float16)
+    name = next(n for n, _ in pipe.text_encoder.named_modules() if n.endswith("final_layer_norm"))
+    norm, peaks = pipe.text_encoder.get_submodule(name), []
+    with norm.register_forward_hook(lambda m, a, out: peaks.append(float(out.abs().amax()))):
+        one_step(pipe)
+    factor = 0.61 * torch.finfo(torch.float16).max / max(peaks)
+    pipe.text_encoder.compile(backend="eager")
+    one_step(pipe)  # compiled at its first call: a hook there before it would be traced in
+    hook = norm.register_forward_hook(lambda m, a, out: out / 4) if hooked else None
+    try:
+        with scaled(norm, factor):
+            twin = one_step(pipe)
+        expected = dynamo_counts()
+        dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+        for _ in range(2):
+            with scaled(norm, factor), dbg:
+                np.testing.assert_array_equal(one_step(pipe), twin)
+        assert dynamo_counts() == expected, "the debugger added a graph break or a graph"
+    finally:
+        if hook is not None:
+            hook.remove()
+    risks = [a for a in dbg.report().anomalies if a.kind == "overflow_risk"]
+    named = [(name, REPLAYED), (name, "output check -> an earlier call's replay")]
+    assert [(a.module, a.details["localized_by"]) for a in risks] == (2 * [("", COMPILED_OUTPUT)] if hooked else named)
+    assert [a.details["run"] for a in risks] == [1, 2]
+    assert [bool(a.details.get("eager_replay")) for a in risks] == [hooked, hooked]  # "an uncompiled replay ..."
+    assert replays(dbg) == ["text_encoder"]
+    assert not [a for a in dbg.report().anomalies if a.kind == "debugger_error"]
+    dbg.close()

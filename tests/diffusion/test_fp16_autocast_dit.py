@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from autocast_helpers import autocast
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import tiny_pipeline
@@ -31,10 +32,6 @@ PLANTED = {
 
 def call_kwargs(kind: str) -> dict:
     return ZOO_CALLS["pixart"][0]() if kind == "pixart" else {"prompt": "a cat"}
-
-
-def autocast():
-    return torch.autocast("cpu", dtype=torch.float16)
 
 
 def run(pipe, kind: str, steps: int = 3, output_type: str = "np"):

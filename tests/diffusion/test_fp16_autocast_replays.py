@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 import torch
-from autocast_helpers import FP16_MAX, UNET_ATTENTION_OUT, autocast, cfg, found, near_max
+from autocast_helpers import UNET_ATTENTION_OUT, autocast, cfg, found, to_out_inf
 from diffusion_helpers import run
 
 from diffusion_debug import DiffusionModelDebugger
@@ -74,14 +74,9 @@ def test_why_replays_an_fp16_autocast_overflow_under_the_autocast_it_ran_in(pipe
     meta.json says the autocast. Running outside autocast, or autocasting to bfloat16, makes it finite."""
     from diffusion_debug.diffusion import replay
 
-    pipe = pipes["sd"]
-    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
-        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
-        with dbg, autocast():
-            run(pipe, steps=2, output_type="latent")
-        (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    with to_out_inf(pipes["sd"], tmp_path) as (dbg, error):
         result = dbg.report().why()
-        replayed = replay(dbg.report().save() / error.details["bundle"], pipe.unet)
+        replayed = replay(dbg.report().save() / error.details["bundle"], pipes["sd"].unet)
     assert (error.kind, error.component, error.module, error.step) == ("nonfinite", "unet", UNET_ATTENTION_OUT, 0)
     assert (result.component, result.module, result.step) == ("unet", UNET_ATTENTION_OUT, 0)
     assert (result.baseline.factor, result.baseline.finite) == ("as it was", False)
@@ -90,7 +85,6 @@ def test_why_replays_an_fp16_autocast_overflow_under_the_autocast_it_ran_in(pipe
     rows = {r.factor: r.finite for r in result.replays}
     assert (rows["autocast to bfloat16"], rows["outside autocast"]) == (True, True)
     assert result.fix == "autocast to bfloat16"
-    dbg.close()
 
 
 def test_why_under_the_users_bfloat16_autocast_replays_as_it_ran_and_in_bfloat16_each_in_its_own_dtype(
@@ -99,17 +93,9 @@ def test_why_under_the_users_bfloat16_autocast_replays_as_it_ran_and_in_bfloat16
     """The test above with ``why()`` asked while the user's bfloat16 autocast is on without a region: the row as it
     ran (float16) left its casts in the user's cache, and the bfloat16 row read them ('mat1 and mat2 must have the
     same dtype'): no row finite, no fix. Each row casts for itself; the user's autocast is as it was."""
-    pipe = pipes["sd"]
-    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
-        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
-        try:
-            with dbg, autocast():
-                run(pipe, steps=2, output_type="latent")
-            with users_bfloat16_autocast("no-region"):
-                result = dbg.report().why()
-                still = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
-        finally:
-            dbg.close()
+    with to_out_inf(pipes["sd"], tmp_path) as (dbg, _), users_bfloat16_autocast("no-region"):
+        result = dbg.report().why()
+        still = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
     assert (result.baseline.factor, result.baseline.finite, result.baseline.error) == ("as it was", False, "")
     rows = {r.factor: (r.finite, r.error) for r in result.replays}
     assert (rows["autocast to bfloat16"], rows["outside autocast"]) == ((True, ""), (True, ""))
@@ -153,28 +139,16 @@ def test_why_and_a_bundles_replay_of_a_call_made_outside_autocast_run_outside_th
     from diffusion_debug.testing import tiny_pipeline
 
     pipe = tiny_pipeline("sd", dtype=torch.float16)
-    linear = pipe.unet.get_submodule(UNET_ATTENTION_OUT)
-    peaks = []
-    handle = linear.register_forward_hook(lambda _m, _a, out: peaks.append(out.abs().max().item()))
-    run(pipe, steps=2, output_type="latent")
-    handle.remove()
-    with torch.no_grad():
-        linear.weight.mul_(4 * FP16_MAX / max(peaks))
-        linear.bias.mul_(4 * FP16_MAX / max(peaks))
-    dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
-    with dbg:
-        run(pipe, steps=2, output_type="latent")
-    (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
-    bundle = dbg.report().save() / error.details["bundle"]
     answers = []
-    for inside in (False, True):
-        with torch.autocast("cpu", dtype=torch.bfloat16) if inside else contextlib.nullcontext():
-            result = dbg.report().why()
-            replayed = replay(bundle, pipe.unet)
-        row = (result.baseline.factor, result.baseline.finite, result.baseline.error)
-        answers.append((row, result.module, replayed["module"], replayed["output_finite"], replayed["note"]))
+    with to_out_inf(pipe, tmp_path, under_autocast=False) as (dbg, error):
+        bundle = dbg.report().save() / error.details["bundle"]
+        for inside in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16) if inside else contextlib.nullcontext():
+                result = dbg.report().why()
+                replayed = replay(bundle, pipe.unet)
+            row = (result.baseline.factor, result.baseline.finite, result.baseline.error)
+            answers.append((row, result.module, replayed["module"], replayed["output_finite"], replayed["note"]))
     assert answers == [(("as it was", False, ""), UNET_ATTENTION_OUT, UNET_ATTENTION_OUT, False, "")] * 2
-    dbg.close()
 
 
 def test_a_bundle_saved_under_cuda_autocast_replayed_on_the_cpu_says_it_ran_outside_it(pipes, tmp_path):
@@ -186,24 +160,18 @@ def test_a_bundle_saved_under_cuda_autocast_replayed_on_the_cpu_says_it_ran_outs
 
     from diffusion_debug.diffusion import replay
 
-    pipe = pipes["sd"]
-    with near_max(pipe, "unet", UNET_ATTENTION_OUT, 4.0):
-        dbg = DiffusionModelDebugger(pipe, cfg(tmp_path))
-        with dbg, autocast():
-            run(pipe, steps=2, output_type="latent")
-        (error,) = [a for a in dbg.report().anomalies if a.severity == "error"]
+    with to_out_inf(pipes["sd"], tmp_path) as (dbg, error):
         bundle = dbg.report().save() / error.details["bundle"]
         meta = json.loads((bundle / "meta.json").read_text())
         (bundle / "meta.json").write_text(json.dumps({**meta, "autocast": [["cuda", "float16"]]}))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            replayed = replay(bundle, pipe.unet)
+            replayed = replay(bundle, pipes["sd"].unet)
     assert (replayed["module"], replayed["output_finite"]) == (None, True)
     assert replayed["note"] == (
         "the call ran under cuda float16 autocast, which does not reach cpu, where the model is: replayed outside it"
     )
     assert [str(w.message) for w in caught if "autocast" in str(w.message).lower()] == []
-    dbg.close()
 
 
 @pytest.mark.parametrize(

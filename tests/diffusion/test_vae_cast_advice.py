@@ -60,6 +60,24 @@ CASES = {
 }
 
 
+# whether the call reaches the VAE's encode (its input image's), read by following the call (before: from its
+# parameters' names, which named a ControlNet's control image, SD upscale's low-res image concatenated to the latents
+# and an image variation's CLIP input, and missed OmniGen's input_images and Stable Audio's initial audio)
+ENCODES = {
+    "StableDiffusionControlNetPipeline": False,
+    "StableDiffusionUpscalePipeline": False,
+    "StableDiffusionImageVariationPipeline": False,
+    "WanPipeline": False,
+    "OmniGenPipeline": True,
+    "StableAudioPipeline": True,
+    "WanImageToVideoPipeline": True,  # in prepare_latents
+    "VisualClozeGenerationPipeline": True,  # three calls deep
+    "HunyuanVideo15ImageToVideoPipeline": True,  # a static method given self.vae
+    "AnyFlowPipeline": True,  # self.vae._encode
+    "ZImageImg2ImgPipeline": True,
+}
+
+
 def decodes_in_call(cls: type) -> bool:
     """Whether the ``__call__`` ``cls`` runs calls ``self.vae.decode`` (read apart, by ``ast.walk``; once per class
     that defines it)."""
@@ -83,7 +101,7 @@ def _owner_decodes(owner: type | None) -> bool:
 
 def test_every_pipeline_class_that_decodes_in_its_call_is_read_and_the_cases_regex_got_wrong_are_right():
     """All of this diffusers' pipeline classes whose call has a ``self.vae.decode`` are read as casting or not
-    (none not known), and the named cases are as their calls are."""
+    (none not known), and the named cases are as their calls are; so is whether the call reaches the VAE's encode."""
     classes = {}
     for name in dir(diffusers):
         if "Pipeline" in name:
@@ -97,8 +115,18 @@ def test_every_pipeline_class_that_decodes_in_its_call_is_read_and_the_cases_reg
     assert [name for name, casts in found.items() if casts is None] == []
     present = {name: casts for name, casts in CASES.items() if hasattr(diffusers, name)}
     assert {name: vae_details.call_facts(getattr(diffusers, name)).casts_latents for name in present} == present
+    encodes = {name: vae_details.reaches_encode(cls) for name, cls in classes.items()}
+    # read only where the call casts (the one advice that says it)
+    assert {name: vae_details.call_facts(cls).input for name, cls in classes.items()} == {
+        name: reaches and found[name] for name, reaches in encodes.items()
+    }
+    assert {name: encodes[name] for name in ENCODES if name in encodes} == {
+        name: reads for name, reads in ENCODES.items() if hasattr(diffusers, name)
+    }
+    # Mochi's de-normalization said as an expression: no other call's read so (SDXL's mean and std are 4-D)
+    assert [name for name, cls in classes.items() if vae_details.call_facts(cls).denormalized] == ["MochiPipeline"]
     if diffusers.__version__ == "0.42.1":  # (the floor's diffusers has fewer)
-        assert (len(found), sum(found.values())) == (207, 83)
+        assert (len(found), sum(found.values()), sum(encodes.values())) == (207, 83, 123)
 
 
 # the zoo kinds whose VAE decodes in the call (SD and SDXL's upcast advice stays theirs, and is checked the same)
@@ -303,6 +331,83 @@ def test_flux_fills_advice_followed_in_the_order_it_says_gives_a_finite_image_an
     )
 
 
+def test_z_image_img2imgs_advice_followed_the_float32_vae_fails_in_its_encode_then_bfloat16_matches_float32(tmp_path):
+    """Z-Image img2img casts its latents to the VAE's dtype and reaches ``self.vae.encode`` (its input image):
+    told the float32 VAE, and bfloat16 where its encode then fails. Followed in that order, the same fault planted:
+    the float32 VAE raises in the encode of the float16 image, and the whole pipeline in bfloat16 gives a finite
+    image equal to a float32 pipeline's within 3e-2 (measured 1.3e-2: bfloat16's rounding)."""
+    from diffusion_debug.testing.zoo_recent import ZOO_CALLS
+
+    call = {**ZOO_CALLS["z_image_img2img"][0](), "num_inference_steps": 1, "output_type": "np"}
+    pipe = tiny_pipeline("z_image_img2img", dtype=torch.float16)
+    _, errors = watched(pipe, tmp_path, call)
+    assert [(a.kind, a.component, a.module, a.details["input_image"]) for a in errors] == [
+        ("nonfinite", "vae", CONV, True)
+    ]
+    assert errors[0].message == (
+        f"vae.{CONV} produced NaN/Inf from finite inputs (keep the VAE in float32: pipe.vae.to(torch.float32) (this "
+        "pipeline casts its latents to the VAE's dtype; where its encode of the input image or video then fails on "
+        "float16, run the whole pipeline in bfloat16 (pipe.to(torch.bfloat16))))."
+    )
+    with plant(pipe.vae.get_submodule(CONV), 0, past_fp16), torch.no_grad():
+        pipe.vae.to(torch.float32)  # the advice, followed
+        with pytest.raises(RuntimeError, match="Half"):  # its encode: the float16 image into float32 weights
+            pipe(**call, generator=torch.Generator().manual_seed(0))
+        pipe.to(torch.bfloat16)
+        images = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    reference = tiny_pipeline("z_image_img2img")
+    with plant(reference.vae.get_submodule(CONV), 0, past_fp16), torch.no_grad():
+        reference = reference(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(images).all() and np.abs(images - reference).max() < 3e-2
+
+
+MOCHI_DECODE = (
+    "pipe.vae.decode(latents.float() * torch.tensor(pipe.vae.config.latents_std, device=latents.device).view(1, -1, "
+    "1, 1, 1) / pipe.vae.config.scaling_factor + torch.tensor(pipe.vae.config.latents_mean, device=latents.device)"
+    ".view(1, -1, 1, 1, 1)).sample"
+)
+
+
+def channel_past_fp16(out):
+    """The output's first channel past float16's max (7e4): Inf in float16, finite in float32."""
+    wide = out.float().clone()
+    wide[:, 0] = 7e4
+    return wide.to(out.dtype)
+
+
+def test_mochis_vae_is_told_its_calls_denormalization_which_followed_matches_a_float32_pipeline(tmp_path):
+    """Mochi hands its VAE float16 latents de-normalized by the VAE config's mean and std: it was told the generic
+    "as its call does before its vae.decode". Told that de-normalization as an expression, which followed as written
+    (the latent output with the VAE as it is, then the float32 VAE), the same fault planted (a channel past float16's
+    max: scaling the whole output saturates the frames, which then differ by the transformer's rounding's sign flips),
+    decodes finite frames equal to a float32 pipeline's within 1e-2 (measured 7e-4)."""
+    conv = "decoder.up_blocks.2.resnets.0.conv1.conv"
+    call = {**zoo_call("mochi"), "num_inference_steps": 2}  # (its schedule divides by half the steps)
+    pipe = tiny_pipeline("mochi", dtype=torch.float16)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error", level="basic"))
+    try:
+        with plant(pipe.vae.get_submodule(conv), 0, channel_past_fp16), dbg:
+            frames = pipe(**call, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+        errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    finally:
+        dbg.close()
+    assert frames.isnan().all()
+    assert [(a.kind, a.component, a.module, a.details["latent_decode"]) for a in errors] == [
+        ("nonfinite", "vae", conv, MOCHI_DECODE)
+    ]
+    assert f"decode them in float32 ({MOCHI_DECODE}), or run the whole pipeline in bfloat16" in errors[0].message
+    with plant(pipe.vae.get_submodule(conv), 0, channel_past_fp16), torch.no_grad():  # the advice, followed
+        latents = pipe(**call, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+        pipe.vae.to(torch.float32)
+        video = eval(MOCHI_DECODE, {"pipe": pipe, "latents": latents, "torch": torch})
+    video = pipe.video_processor.postprocess_video(video, output_type="pt")
+    reference = tiny_pipeline("mochi")
+    with plant(reference.vae.get_submodule(conv), 0, channel_past_fp16), torch.no_grad():
+        reference = reference(**call, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+    assert (latents.dtype, video.dtype) == (torch.float16, torch.float32) and reference.std() > 0.05
+    assert video.isfinite().all() and (video - reference).abs().max() < 1e-2
+
+
 class _CastingCogVideoX(diffusers.CogVideoXPipeline):
     """CogVideoX's call, its ``decode_latents`` overridden to cast the latents to the VAE's dtype."""
 
@@ -315,6 +420,63 @@ def test_a_subclass_that_keeps_the_call_is_read_through_its_own_override_of_the_
     parent's, not cast, whatever the override does)."""
     assert vae_details.call_facts(diffusers.CogVideoXPipeline).casts_latents is False
     assert vae_details.call_facts(_CastingCogVideoX).casts_latents is True
+
+
+def _made_by_exec(base: type, method: str) -> type:
+    """A subclass of ``base`` made by ``exec`` (as in a notebook cell), overriding ``method`` alone: no source."""
+    space = {"base": base}
+    exec(f"class Mine(base):\n    def {method}(self, *args, **kwargs):\n        return 0\n", space)
+    return space["Mine"]
+
+
+def test_a_method_whose_source_cannot_be_read_leaves_the_cast_reading_and_the_advice_as_its_parents():
+    """A subclass made by ``exec`` that overrides a method the call calls: that method reads as no source, the rest
+    as the parent's (before: inspect.getsource's OSError, shared with the encode reading's, made the cast not known,
+    and Flux's advice lost its latent-output recipe); one that overrides where the encode is reads as no encode."""
+    flux = _made_by_exec(diffusers.FluxPipeline, "_get_t5_prompt_embeds")
+    wan = _made_by_exec(diffusers.WanPipeline, "_get_t5_prompt_embeds")
+    i2v = _made_by_exec(diffusers.WanImageToVideoPipeline, "prepare_latents")
+    assert vae_details.call_facts(flux) == vae_details.call_facts(diffusers.FluxPipeline)
+    assert vae_details.call_facts(flux)[:2] == (False, False)
+    assert vae_details.call_facts(wan) == vae_details.call_facts(diffusers.WanPipeline)
+    assert vae_details.call_facts(wan)[:2] == (False, True)
+    facts = vae_details.call_facts(diffusers.WanImageToVideoPipeline), vae_details.call_facts(i2v)
+    assert [(fact.casts_latents, fact.input) for fact in facts] == [(True, True), (True, False)]
+
+
+class _EncodeBase(diffusers.DiffusionPipeline):
+    def prepare_latents(self, image):
+        return self._prepare(image)
+
+    def _prepare(self, image):
+        return self._encode_vae_image(image)
+
+    def _encode_vae_image(self, image):
+        return self.vae.encode(image).latent_dist.sample()
+
+
+class _MetDeepFirst(_EncodeBase):
+    """Its call reaches ``prepare_latents`` three calls deep first (through ``outer`` and ``middle``), where the
+    encode two calls further is past the reading's depth, then directly, where it is within it."""
+
+    def outer(self):
+        return self.middle()
+
+    def middle(self):
+        return self.prepare_latents(None)
+
+    def __call__(self, image=None):
+        self.outer()
+        latents = self.prepare_latents(image)
+        return self.vae.decode(latents.to(self.vae.dtype)).sample
+
+
+def test_a_method_met_deep_first_is_read_again_where_the_call_meets_it_shallower():
+    """``prepare_latents`` met first at the depth where its own calls are not followed, then in the call itself:
+    read again there, it reaches the encode (before: read once, at the first depth, the encode missed)."""
+    facts = vae_details.call_facts(_MetDeepFirst)
+    assert (facts.casts_latents, facts.input) == (True, True)
+    assert vae_details.reaches_encode(_MetDeepFirst) is True
 
 
 def test_sd_img2imgs_advice_falls_back_to_the_latent_output_with_the_vae_as_it_is_then_decodes_finite():

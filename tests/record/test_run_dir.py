@@ -291,5 +291,7 @@ def test_a_loaded_runs_anomalies_are_the_same_objects_at_each_read_so_a_cause_ke
     cause = run.anomalies[0]
     assert [a.kind for a in consequences(run.anomalies, cause)] == ["nonfinite_loss"]
     assert run.anomalies is run.anomalies
+    run.summary["anomalies"][1] = {**run.summary["anomalies"][1], "message": "edited"}  # an entry replaced
+    assert run.anomalies[1].message == "edited" and run.anomalies is run.anomalies
     run.summary["anomalies"] = run.summary["anomalies"][1:]  # another list: read anew
     assert [a.kind for a in run.anomalies] == ["nonfinite_loss"]

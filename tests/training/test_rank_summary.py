@@ -109,11 +109,11 @@ def test_details_bring_every_rank_anomalies_rows_earlier_rows_and_bucket_sums():
     assert [row.loss for row in details.rows] == [0.5, 1.0, 2.0]
     assert details.buckets[0] == [3.0, 2.0, 0.0] and exchange.pending_buckets is None
     assert [(a.rank, a.parameter) for a in details.anomalies] == [(0, "0.weight"), (1, "0.weight"), (2, "0.weight")]
-    assert exchange.unrecorded(details) == [
-        {"step": 2, "rank": 1},
-        {"step": 3, "rank": 1},
-        {"step": 2, "rank": 2},
-        {"step": 3, "rank": 2},
+    assert exchange.unrecorded(details) == [  # each with its monitored step (what a step_amended names it by)
+        (2, {"step": 2, "rank": 1}),
+        (3, {"step": 3, "rank": 1}),
+        (2, {"step": 2, "rank": 2}),
+        (3, {"step": 3, "rank": 2}),
     ]
     assert exchange.unrecorded(details) == []  # recorded once
     assert same_on_other_ranks(details.anomalies) == {1, 2}

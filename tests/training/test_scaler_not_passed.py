@@ -28,27 +28,30 @@ def _model(seed: int = 0, width: int = 32) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
 
 
-def _fp16_loop(config, pass_scaler: bool, steps: int = 10, watched: bool = True):
+def _fp16_loop(config, pass_scaler: bool, steps: int = 10, watched: bool = True, applied: bool = False):
     """Autocast fp16 (on the CPU) and a GradScaler at 65536: its first steps overflow and are skipped while
-    the scale falls. Returns each step's monitored result, the scale at each step, the weights, the debugger."""
+    the scale falls. The step given: the call's index, or (``applied``) the count of optimizer steps the scaler
+    applied, which stays while it skips (the first calls all step 0). Returns each step's monitored result, the
+    scale at each step, the weights, the debugger."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
     tdbg = TrainingDebugger(model, config=config) if watched else None
     data = torch.Generator().manual_seed(1)
-    results, scales = [], []
-    for step in range(steps):
+    results, scales, taken = [], [], 0
+    for call in range(steps):
         x = torch.randn(16, 8, generator=data) * 4
         with torch.autocast("cpu", dtype=torch.float16):
             loss = (model(x) - 3).square().mean()
         optimizer.zero_grad()
         scaler.scale(loss).backward()
         if tdbg is not None:
-            passed = scaler if pass_scaler else None
+            passed, step = scaler if pass_scaler else None, taken if applied else call
             results.append(tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, scaler=passed))
         scales.append(float(scaler.get_scale()))
         scaler.step(optimizer)
         scaler.update()
+        taken += scaler.get_scale() >= scales[-1]  # a skip lowers the scale: the count stays
     if tdbg is not None:
         tdbg.close()
     return results, scales, [p.detach().clone() for p in model.parameters()], tdbg

@@ -1091,8 +1091,13 @@ def test_a_forward_error_only_its_own_rank_recorded_is_read_from_its_events_file
     rank1.close()
     stall = name_stall([Position(0, "backward", 3), Position(1, "raised", 3, error=details["error"])])
     desync = stall_anomaly(stall, {"end": False, "by": 0})
-    (found,) = causes_kept_elsewhere([desync], RankFiles(tmp_path, rank=0), rank=0)
+    files = RankFiles(tmp_path, rank=0)
+    (found,) = causes_kept_elsewhere([desync], files, rank=0)
     assert found.to_dict() == cause.to_dict()
+    # the record's own copy: what the record and RankFiles (which folds that rank's repeats in) each edit is theirs
+    assert [a for a in files.read([1]) if a is found] == [] and found.to_dict() in [
+        a.to_dict() for a in files.read([1])
+    ]
     top = headline([desync, found], world_size=2)
     assert (top["kind"], top["where"], diagnosis_severity(*folded([desync, found])[0])) == (
         "step_error",
@@ -1195,9 +1200,42 @@ def test_a_kind_every_rank_records_for_itself_is_not_copied_and_only_one_ranks_k
     files = elsewhere.RankFiles(tmp_path, rank=0)
     (added,) = elsewhere.kept_elsewhere([], files, 0, world_size=2)
     assert added.to_dict() == error.to_dict()
-    assert (files.amended, files.lines_read, len(parsed)) == ({(1, 2): {"loss": 0.25}}, lines, 2)
+    assert (files.amended, files.lines_read, len(parsed)) == ({(1, 2, None): {"loss": 0.25}}, lines, 2)
     files.clear()  # clear_debug_history: the amended rows read go too (a later step 2 of a new phase keeps its own)
     assert (files.amended, elsewhere.kept_elsewhere([], files, 0, world_size=2)) == ({}, [])
+
+
+def test_a_copy_of_another_ranks_row_found_skipped_after_it_was_written_is_marked_as_its_rank_marked_it(tmp_path):
+    """Rank 1 records step 2 at monitored steps 1 and 2 (its count stayed: the first was skipped, found at the
+    next call: ``mark_skipped``, ``joined=1``) and step 3. The main process keeps a copy of each; its report
+    (``RankFiles`` reads rank 1's step_skipped, as ``training_report`` hands it on) marks the copy taken at
+    monitored step 1 alone, in its record and in its events file (rank 1's file gone: ``every_rank_steps``).
+    Before, the main's copies never said the step was skipped."""
+    from diffusion_debug.record import RunRecord
+    from diffusion_debug.record.run_dir import every_rank_steps
+    from diffusion_debug.training.ranks.elsewhere import RankFiles
+
+    config = DebugConfig(output_dir=str(tmp_path))
+    main = RunRecord(config, kind="training", run_dir=tmp_path, rank=0)
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    rows = [{"step": step, "loss": 0.5, "rank": 1} for step in (2, 2, 3)]
+    for joined, row in enumerate(rows, 1):
+        rank1.add_step(row, joined=joined)
+        main.add_rank_step(row, joined=joined)
+        if joined == 2:
+            rank1.mark_skipped(2, "grad_scaler", joined=1)
+    rank1.close()
+    files = RankFiles(tmp_path, rank=0)
+    files.read([1])
+    assert files.amended == {(1, 2, 1): {"skipped": "grad_scaler"}}
+    for (rank, step, joined), values in files.amended.items():
+        main.amend_rank_step(rank, step, values, joined=joined)
+    main.close()
+    expected = [{"step": 2, "loss": 0.5, "rank": 1, "skipped": "grad_scaler"}, *rows[1:]]
+    assert list(main.rank_steps) == expected
+    assert every_rank_steps(tmp_path) == expected  # rank 1's own file
+    (tmp_path / "events-rank1.jsonl").unlink()
+    assert every_rank_steps(tmp_path) == expected  # the main's copies stand in
 
 
 def test_the_main_copy_of_another_ranks_anomaly_takes_the_repeats_its_rank_folded(tmp_path):
@@ -1227,20 +1265,45 @@ def test_the_main_copy_of_another_ranks_anomaly_takes_the_repeats_its_rank_folde
     assert earlier.details["count"] == 3
 
 
-def test_a_copy_of_another_ranks_step_is_amended_as_every_rank_steps_reads_it(tmp_path):
-    """The main process keeps rank 1's rows of steps 2, 2 (a loop that repeated its step number) and 3. Rank 1
-    read its step 2 anew (loss 0.25, given as 2.0): both copies of step 2 take it, step 3 not, one step_amended
-    is written; the same values again write nothing. every_rank_steps of the run reads the same rows."""
+def test_a_copy_of_another_ranks_row_read_anew_is_the_one_its_rank_named_where_its_step_number_repeats(tmp_path):
+    """Rank 1 (a RunRecord writing its own events file) records step 2 at monitored step 1 (held, its norm scaled:
+    65536.0), reads it anew at the next (``amend_step``: 1.0, ``joined=1``), then records step 2 again at
+    monitored step 2 (its scaler skipped step 1: the count stayed; 2.0) and step 3 (3.0), each row with its
+    monitored step. The main process keeps a copy of each, with its monitored step. Its report (``RankFiles``
+    reads rank 1's step_amended) amends the copy taken at monitored step 1 alone (given as 2.0: ``3`` and ``3.0``
+    alike; the same values again write nothing):
+    in its record, as rank 1's own file reads, and from the main's events file alone (rank 1's file gone:
+    ``every_rank_steps``' copies and ``rebuild_summary``), the rows holding no ``joined``. Before, both copies of
+    step 2 took 1.0 (the later one the held row's values), in summary.json and the rebuilt summary."""
     from diffusion_debug.record import RunRecord
-    from diffusion_debug.record.run_dir import every_rank_steps
+    from diffusion_debug.record.run_dir import every_rank_steps, rebuild_summary
+    from diffusion_debug.training.ranks.elsewhere import RankFiles
 
-    main = RunRecord(DebugConfig(output_dir=str(tmp_path)), kind="training", run_dir=tmp_path, rank=0)
-    for step in (2, 2, 3):
-        main.add_rank_step({"step": step, "loss": 1.0, "rank": 1})
-    assert main.amend_rank_step(1, 2.0, {"loss": 0.25}) is True
-    assert main.amend_rank_step(1, 2, {"loss": 0.25}) is False
+    config = DebugConfig(output_dir=str(tmp_path))
+    main = RunRecord(config, kind="training", run_dir=tmp_path, rank=0)
+    rank1 = RunRecord(config, kind="training", run_dir=tmp_path, rank=1, events_name="events-rank1.jsonl")
+    rows = [{"step": 2, "grad_norm": norm, "rank": 1} for norm in (65536.0, 2.0)] + [
+        {"step": 3, "grad_norm": 3.0, "rank": 1}
+    ]
+    for joined, row in enumerate(rows, 1):
+        rank1.add_step(row, joined=joined)
+        main.add_rank_step(row, joined=joined)
+        if joined == 1:
+            rank1.amend_step(2, {"grad_norm": 1.0}, joined=1)
+    rank1.close()
+    files = RankFiles(tmp_path, rank=0)
+    files.read([1])
+    assert files.amended == {(1, 2, 1): {"grad_norm": 1.0}}
+    assert main.amend_rank_step(1, 2.0, {"grad_norm": 1.0}, joined=1) is True
+    assert main.amend_rank_step(1, 2, {"grad_norm": 1.0}, joined=1) is False
     main.close()
-    assert [(r["step"], r["loss"]) for r in main.rank_steps] == [(2, 0.25), (2, 0.25), (3, 1.0)]
+    expected = [{"step": 2, "grad_norm": 1.0, "rank": 1}, *rows[1:]]
+    assert list(main.rank_steps) == expected
     written = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [r["values"] for r in written if r["type"] == "step_amended"] == [{"loss": 0.25}]
-    assert [(r["step"], r["loss"]) for r in every_rank_steps(tmp_path)] == [(2, 0.25), (3, 1.0)]
+    assert [(r["rank"], r["joined"], r["values"]) for r in written if r["type"] == "step_amended"] == [
+        (1, 1, {"grad_norm": 1.0})
+    ]
+    assert every_rank_steps(tmp_path) == expected  # rank 1's own file
+    (tmp_path / "events-rank1.jsonl").unlink()
+    assert every_rank_steps(tmp_path) == expected  # the main's copies stand in
+    assert rebuild_summary(tmp_path)["steps"] == expected

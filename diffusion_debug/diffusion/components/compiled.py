@@ -24,8 +24,9 @@ the debugger puts no probe inside one: a compiled component is measured at its c
 the step row (its output, every step), and a NaN/Inf there is localised by a replay of the
 original module with full probes under ``torch.compiler.set_stance("force_eager")`` (names without
 the ``_orig_mod.`` prefix). An fp16 output near overflow is warned of from the abs-max read there
-(:meth:`~diffusion_debug.diffusion.call_events.CallEvents.output_overflow`), naming the component,
-not the module inside that made it (no replay is made for it).
+(:meth:`~diffusion_debug.diffusion.call_events.CallEvents.output_overflow`): a VAE's or text encoder's named
+at the module inside that made it by the same eager replay (its decoder's ``conv_out``), at the component where
+that replay names none (a hook the compiled code skips); a denoiser's at the component (no replay is made for it).
 
 ``vae.compile()`` and ``pipe.vae = torch.compile(pipe.vae)`` are none of these: they compile the
 VAE's ``forward``, which a pipeline's ``vae.decode`` / ``encode`` do not call (the wrapper hands

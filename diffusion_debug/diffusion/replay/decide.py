@@ -589,18 +589,24 @@ class OverflowReplayed:
     between: dict[str, str] | None = None
 
 
-def overflow_replayed(replayed: list[ModuleReading], block: str, fraction: float, *, clean: bool) -> OverflowReplayed:
+def overflow_replayed(
+    replayed: list[ModuleReading], block: str, fraction: float, clean: bool, compiled: bool = False
+) -> OverflowReplayed:
     """What the replay of ``block``'s call (``replayed``: its readings) shows of its near-overflow:
     an Inf the block clipped (looked for where the call's readings showed no NaN/Inf, ``clean``),
     else the module that made the values, as full probes would name it. Near-max values that every
     module took in with its inputs were brought by the call's own arguments (T5 in transformers 4.47
     adds the additive attention mask, float16's lowest value where a prompt is padded, into the
     position bias its blocks return): no module made an overflow, unless the component's own forward
-    built them between its modules."""
+    built them between its modules. ``compiled``: the call was a compiled component's, its eager replay not the
+    values it computed (a hook the compiled code skipped, rounding apart): passed in is no module named (its output's
+    warning, every call, no replay again), not the call's arguments' (their run's calls skipped, each run replayed)."""
     clipped = clipped_producer(replayed, block) if clean else None
     if clipped is not None:
         return OverflowReplayed(clipped=clipped)
     if checks.overflow_candidates(replayed, fraction) and checks.overflow_producer(replayed, fraction) is None:
         grown = overflow_between(replayed, fraction)
-        return OverflowReplayed(passed_in=True) if grown is None else OverflowReplayed(made=grown[0], between=grown[1])
+        if grown is None:
+            return OverflowReplayed(passed_in=not compiled)
+        return OverflowReplayed(made=grown[0], between=grown[1])
     return OverflowReplayed(made=checks.suspects(replayed, fraction).overflow)

@@ -24,13 +24,14 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ...record import Anomaly, distinct_details, followed_key, follows_key, loads
-from ...record.run_dir import anomaly_problem
+from ...record import Anomaly, followed_key, follows_key, loads
+from ...record.run_dir import FirstAnomalies, anomaly_problem, fold_repeat
+from .origin import copy_key
 
 ONE_RANK_KINDS = ("debugger_error", "step_error")
 """The kinds a rank records for itself alone, outside the step's exchange: the main process's record lacks them."""
 
-_WANTED = (*(f'"{kind}"'.encode() for kind in ONE_RANK_KINDS), b'"step_amended"')
+_WANTED = (*(f'"{kind}"'.encode() for kind in ONE_RANK_KINDS), b'"step_amended"', b'"step_skipped"')
 _CHUNK = 1 << 20  # bytes read at a time: a long file costs no more memory than this and its kept rows
 
 
@@ -49,10 +50,12 @@ class RankFiles:
         written is read again, whole, at a later read."""
         self._at: dict[int, tuple[Any, int]] = {}  # per rank: its file's identity and offset
         self._theirs: dict[int, list[Anomaly]] = {}
-        self._open: dict[int, dict[tuple, Anomaly]] = {}  # per rank: its anomalies by fold key and by place
-        self.amended: dict[tuple[int, Any], dict[str, Any]] = {}
-        """Per (rank, step): the values that rank read its own row of the step anew with (its ``step_amended``,
-        ``RunRecord.amend_step``), at most ``limit`` steps: what the main process's copy of the row takes."""
+        self._open: dict[int, FirstAnomalies] = {}  # per rank: its anomalies, as its repeats' rows name them
+        self.amended: dict[tuple[int, Any, Any], dict[str, Any]] = {}
+        """Per (rank, step, joined): the values that rank read its own row of the step, taken at monitored step
+        ``joined``, anew with (its ``step_amended``, ``RunRecord.amend_step``; its ``step_skipped``, as
+        ``skipped``), at most ``limit`` rows: what the main process's copy of that one row takes
+        (``RunRecord.amend_rank_step``), not its later rows of a step number the loop repeated."""
 
     def read(self, ranks: Iterable[int]) -> list[Anomaly]:
         """Each rank of ``ranks`` (not this one)'s own anomalies, read so far, by rank then as written."""
@@ -95,36 +98,22 @@ class RankFiles:
         if row is None or row.get("rank") != other:
             return
         kind = row.get("type")
-        if kind == "step_amended" and isinstance(row.get("values"), dict):
-            key = (other, row.get("step"))
-            if key in self.amended or len(self.amended) < self.limit:
-                self.amended.setdefault(key, {}).update(row["values"])
+        if kind in ("step_amended", "step_skipped"):  # a skip found after its row: the copy says so too
+            values = row.get("values") if kind == "step_amended" else {"skipped": row.get("reason")}
+            key = (other, row.get("step"), row.get("joined"))
+            if isinstance(values, dict) and (key in self.amended or len(self.amended) < self.limit):
+                self.amended.setdefault(key, {}).update(values)
         elif kind == "anomaly_repeated" and row.get("kind") in ONE_RANK_KINDS:  # as rebuild_summary folds it
-            opened = self._open.get(other, {})
-            first = opened.get(_fold_key(row)) if "details" in row else opened.get(_place(row))
+            first = self._open[other].named(row) if other in self._open else None
             if first is not None:
-                first.details["count"] = row.get("count", first.details.get("count", 1))
-                first.details["last_step"] = row.get("step")
-                if row.get("run") is not None:
-                    first.details["last_run"] = row["run"]
+                fold_repeat(first.details, row)
         elif kind == "anomaly" and row.get("kind") in ONE_RANK_KINDS:
             kept = self._theirs.setdefault(other, [])
             data = {k: v for k, v in row.items() if k not in ("type", "time")}
             if len(kept) < self.limit and anomaly_problem(data) is None:
                 anomaly = Anomaly.from_dict(data)
                 kept.append(anomaly)
-                opened = self._open.setdefault(other, {})
-                opened[_fold_key(data)] = opened[_place(data)] = anomaly
-
-
-def _place(row: dict) -> tuple:
-    return ("place", row.get("kind"), row.get("component") or "", row.get("module") or "", row.get("parameter"))
-
-
-def _fold_key(row: dict) -> tuple:
-    # the first anomaly's place and the details its kind tells repeats apart by, which its repeats' rows name
-    details = row.get("details") if isinstance(row.get("details"), dict) else {}
-    return (*_place(row)[1:], *distinct_details(str(row.get("kind")), details).values())
+                self._open.setdefault(other, FirstAnomalies()).add(data, anomaly)
 
 
 def _wanted_lines(lines: bytes) -> list[bytes]:
@@ -149,14 +138,6 @@ def _row(line: bytes) -> dict | None:
     return row if isinstance(row, dict) else None
 
 
-def same_key(anomaly: Anomaly) -> tuple:
-    """What makes an anomaly of another rank's file the one the main record holds (the exchange carried it): its
-    kind, rank, step and place, and the details that tell its kind apart at one place (not its severity nor its
-    other details, which the exchange may add to: the rank that made a NaN, what follows what)."""
-    place = (anomaly.kind, anomaly.rank, anomaly.step, anomaly.component, anomaly.module, anomaly.parameter)
-    return (*place, *distinct_details(anomaly.kind, anomaly.details).values())
-
-
 def kept_elsewhere(anomalies: Sequence[Anomaly], files: RankFiles, rank: int, world_size: int) -> list[Anomaly]:
     """The other ranks' own anomalies of a kind only one rank records (:data:`ONE_RANK_KINDS`: its
     ``debugger_error``, its forward's ``step_error``, recorded outside the step's exchange) that ``anomalies`` (the
@@ -164,10 +145,16 @@ def kept_elsewhere(anomalies: Sequence[Anomaly], files: RankFiles, rank: int, wo
     other kind is in the main record already, or recorded by every rank alike for itself (``unwatched_parameters``,
     ``gradient_sync_off``): a copy of each would repeat the main's own, once a rank. A copy already in the record
     (a report before) takes the repeat count its rank has folded since."""
-    have = {same_key(a): a for a in anomalies}
+
+    def same(anomaly: Anomaly) -> tuple:
+        """What the main record's copy of it is found by: its rank and ``copy_key``, not its severity nor its
+        other details (the exchange may grade it anew and add to them: the rank that made a NaN, what follows)."""
+        return (anomaly.rank, *copy_key(anomaly, severity=False))
+
+    have = {same(a): a for a in anomalies}
     out = []
     for a in files.read(range(world_size)):
-        key = same_key(a)
+        key = same(a)
         held = have.get(key)
         if held is None:
             have[key] = copy = Anomaly.from_dict(a.to_dict())
@@ -204,5 +191,5 @@ def causes_kept_elsewhere(anomalies: Sequence[Anomaly], files: RankFiles, rank: 
         keys = wanted[anomaly.rank]
         if follows_key(anomaly) in keys:
             keys.discard(follows_key(anomaly))
-            found.append(anomaly)
+            found.append(Anomaly.from_dict(anomaly.to_dict()))  # the record's own (RankFiles' folds repeats in)
     return found

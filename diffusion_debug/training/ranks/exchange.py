@@ -179,15 +179,16 @@ class RankExchange:
         if record is not None:
             self.context.append((joined, record))
 
-    def unrecorded(self, details: Details) -> list[dict]:
-        """Main process: the other ranks' record rows it has not recorded yet, oldest first."""
+    def unrecorded(self, details: Details) -> list[tuple[int, dict]]:
+        """Main process: the other ranks' record rows it has not recorded yet, oldest first, each with the
+        monitored step it was taken at (``joined``, what a rank's ``step_amended`` names it by)."""
         out = []
         for rank, rows in enumerate(details.records):
             if rank == self.ctx.rank:
                 continue
             for joined, row in rows:
                 if joined > self.recorded.get(rank, -1):
-                    out.append(row)
+                    out.append((joined, row))
                     self.recorded[rank] = joined
         return out
 
@@ -202,17 +203,12 @@ def one_per_step(anomalies: list[Anomaly]) -> list[Anomaly]:
     """
     seen, out = set(), []
     for a in anomalies:
-        if shared_by_ranks(a):
+        if a.kind in _ONE_PER_STEP or (a.kind == "lr_spike" and a.details.get("reason") == "lr_jump"):
             if (a.kind, a.step) in seen:
                 continue
             seen.add((a.kind, a.step))
         out.append(a)
     return out
-
-
-def shared_by_ranks(anomaly: Anomaly) -> bool:
-    """Whether ``anomaly`` is of a kind :func:`one_per_step` keeps once a step (the first rank's)."""
-    return anomaly.kind in _ONE_PER_STEP or (anomaly.kind == "lr_spike" and anomaly.details.get("reason") == "lr_jump")
 
 
 def same_on_other_ranks(anomalies: list[Anomaly]) -> set[int]:

@@ -35,11 +35,13 @@ from typing import Any, Sequence
 from ...record import Anomaly, distinct_details, make_anomaly, rebuilt
 
 
-def copy_key(anomaly: Anomaly) -> tuple:
+def copy_key(anomaly: Anomaly, *, severity: bool = True) -> tuple:
     """What makes two ranks' anomalies copies of one (DDP averages one rank's NaN into every rank's gradients):
     kind, severity, step and place, and the details that tell its kind apart at one place (``not_learning``'s
-    ``stalled_optimizer``: each optimizer's stall is a copy only of the same optimizer's on another rank)."""
-    place = (anomaly.kind, anomaly.severity, anomaly.step, anomaly.component, anomaly.module, anomaly.parameter)
+    ``stalled_optimizer``: each optimizer's stall is a copy only of the same optimizer's on another rank).
+    ``severity=False``: whatever its severity (the exchange may grade a rank's own anomaly anew)."""
+    grade = anomaly.severity if severity else None
+    place = (anomaly.kind, grade, anomaly.step, anomaly.component, anomaly.module, anomaly.parameter)
     return (*place, *distinct_details(anomaly.kind, anomaly.details).values())
 
 

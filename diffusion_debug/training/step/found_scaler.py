@@ -30,17 +30,19 @@ detail exchange, and where the step's reduce says some rank held none (its NaN l
 threshold) the holders release the step in place (``StepMonitor._held_alone``): every rank judges the same
 anomalies in the same step, and a release at a later step goes through that step's exchange; an optimizer whose
 step was released in place is searched once more at its next step that looks scaled, so the ranks that held and
-the one that did not (a NaN loss at the first step) hold together there. Limits: a rank that
-alone finds no scaler on its heap is not told apart (it reads the step as scaled; the policy still acts alike on
-every rank, from the exchange); once confirmed, the held step's recorded row is read unscaled
-(``RunRecord.amend_step``: the kept row and the stream, every rank's norm in it too) on its own rank only (the copy
-of it another rank's detail exchange gave the main process keeps the scaled norms); at close a pending trial is
-decided the same way, with no policy after it, except where the optimizer has not stepped since (the script failed
-between the monitor and ``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real
-NaN stays an error) with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can
-be decided leaves it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler
-stepping it (then the step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already
-at the suspicious step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
+the one that did not (a NaN loss at the first step) hold together there. Limits: a rank that alone finds no scaler
+on its heap is not told apart (it reads the step as scaled; the policy still acts alike on every rank, from the
+exchange); once confirmed, the held step's recorded row is read unscaled (``RunRecord.amend_step``: the kept row
+and the stream, every rank's norm in it too) on its own rank, and the main process's copy of that one row (from its
+detail exchange) at the main's next report (``amend_rank_step``); each is the row taken at the held step's
+monitored step (``joined``), not another row of its step number (a later one the loop repeated, or the other
+optimizer's of a GAN monitored twice a step); at close a pending trial is decided the same way, with no policy
+after it, except where the optimizer has not stepped since (the script failed between the monitor and
+``scaler.step``, maybe for the NaN itself): undecided, its anomalies go out as read (a real NaN stays an error)
+with one ``scaler_not_passed`` warning saying they may be scaled; a report before the trial can be decided leaves
+it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler stepping it (then the
+step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already at the suspicious
+step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class Trial:
     hook: Any = None
     max_grad_norm: float | None = None
     """The held step's ``max_grad_norm``: its row's ``grad_norm_clipped`` read anew from the unscaled norm."""
+    joined: int | None = None
+    """The held step's monitored step (``History.joined``): what names its row's copy on the main process."""
 
     def end(self) -> None:
         if self.hook is not None:
@@ -100,9 +104,9 @@ class FoundScalers:
         self._skip_read: Any = None
         """The per-optimizer state whose skip was counted: one ``update()`` skips every optimizer it found Inf in
         (a GAN's two), counted once, as the scale's fall counts it for a scaler passed."""
-        self.confirmed_at: tuple[Any, float, float | None] | None = None
-        """The held step just confirmed, its scale and its ``max_grad_norm``: its recorded row to unscale
-        (:func:`unscaled_values`)."""
+        self.confirmed_at: tuple[Any, float, float | None, int | None] | None = None
+        """The held step just confirmed, its scale, its ``max_grad_norm`` and its monitored step (``joined``): its
+        recorded row to unscale (:func:`unscaled_values`)."""
 
     def scaler_for(self, optimizer: Any) -> Any:
         """The scaler confirmed for ``optimizer``, or None."""
@@ -131,9 +135,17 @@ class FoundScalers:
         if raw is not None and raw in self._searched and self._searched[raw] is True:
             self._searched[raw] = False
 
-    def hold(self, optimizer: Any, step: Any, anomalies: list[Anomaly], max_grad_norm: float | None = None) -> bool:
+    def hold(
+        self,
+        optimizer: Any,
+        step: Any,
+        anomalies: list[Anomaly],
+        max_grad_norm: float | None = None,
+        joined: int | None = None,
+    ) -> bool:
         """At a step that looks scaled with no scaler known: search once for ``optimizer``; True when scalers
-        went on trial (``anomalies``, the step's verdict as read, are then held; ``max_grad_norm``, the step's)."""
+        went on trial (``anomalies``, the step's verdict as read, are then held; ``max_grad_norm`` and ``joined``,
+        its monitored step, the step's)."""
         raw = raw_optimizer(optimizer)
         if raw is None or self.trial is not None or noting() or (raw in self._searched and self._searched[raw]):
             return False  # (launch walks no heap: its patched GradScaler.scale passes every scaler it saw)
@@ -149,7 +161,8 @@ class FoundScalers:
                 candidates.append((weakref.ref(obj), obj._per_optimizer_states, float(obj.get_scale())))
         if not candidates:
             return False
-        trial = Trial(weakref.ref(raw), id(raw), candidates, step, list(anomalies), max_grad_norm=max_grad_norm)
+        held = list(anomalies)
+        trial = Trial(weakref.ref(raw), id(raw), candidates, step, held, max_grad_norm=max_grad_norm, joined=joined)
         if hasattr(raw, "register_step_post_hook"):  # (the list alone in its closure: no cycle to the optimizer;
             ran = trial.ran  # one entry at most, should a debugger never closed leave the hook on)
             trial.hook = raw.register_step_post_hook(lambda *_: ran or ran.append(True))
@@ -174,7 +187,7 @@ class FoundScalers:
             self.trial = None
             trial.end()
             self._confirmed[raw], self.any_confirmed = ref, True
-            self.confirmed_at = (trial.step, scale, trial.max_grad_norm)
+            self.confirmed_at = (trial.step, scale, trial.max_grad_norm, trial.joined)
             found_inf = sum(float(v.sum()) for v in entry.get("found_inf_per_device", {}).values())
             skipped = [] if states is self._skip_read else self._skip(trial, scale, scaler, found_inf, at)
             if skipped:
