@@ -20,13 +20,24 @@ report.html (a CI job that reads summary.json saves the seconds the page takes t
 the command gives the terminal to the launcher's process group (the script shares it), so the terminal's Ctrl-Z
 stops the launcher and its script, not the command, which is the shell's job: the shell would wait on for it and
 the terminal would stay wedged. The command waits for the launcher as su and sudo wait for theirs
-(:func:`wait_as_job`): when the launcher stops, it takes the terminal back and stops itself by the same signal, so
-the shell sees its job stopped (``jobs``); continued (``fg``: the shell gave it the terminal; ``bg``: it did not),
-it gives the terminal to the launcher's group where it holds it now, and continues that group.
+(:func:`wait_as_job`): when the launcher stops, it takes the terminal back and stops its own group by the same
+signal (the job: the command, and a pipeline's other commands or the ``bash -c`` that runs it, as the terminal's
+Ctrl-Z would have), so the shell sees its job stopped (``jobs``) at the first Ctrl-Z; continued (``fg``: the shell
+gave it the terminal; ``bg``: it did not), it gives the terminal to the launcher's group where it holds it now, and
+continues that group. Only under a job-control shell (:func:`under_job_control`): where the command leads the
+terminal's session (``docker run -it``, ``ssh -t host cmd``, ``tmux new cmd``) nothing would continue it, so a
+Ctrl-Z there is a brief pause (the launcher's group continued at once) and a ``kill -STOP`` of the launcher is
+waited out, as before.
 
-Its limits: outside a terminal's foreground (a scheduler, ``&``) the command does not stop with the launcher:
-nothing there would continue it. A launcher stopped and continued by someone else than the shell (``kill -STOP
--PGID``, then ``kill -CONT -PGID``) leaves the command stopped, the shell's job, until ``fg`` or ``bg``.
+Its limits: outside a terminal's foreground (a scheduler, ``&``), or with a stdin that is no terminal (``cmd <
+/dev/null``), the command does not give the launcher the terminal: a Ctrl-Z there stops the command alone, the
+training runs on. A launcher stopped and continued by someone else than the shell (``kill -STOP -PGID``, then
+``kill -CONT -PGID``) under a job-control shell leaves the command's job stopped until ``fg`` or ``bg``.
+
+Why the command's job control and the launcher's script group are here, with the script's end: they are the
+signal paths of the three processes of a launch (the command, the launcher, the script), each module of
+``diffusion_debug/jobs`` is one command's or a launch's part, and the folder holds its 20 modules
+(``tests/test_layering.py``); a module of their own waits for a package ``jobs/launch``.
 """
 
 from __future__ import annotations
@@ -314,50 +325,83 @@ LOOK_S = 0.1
 def wait_as_job(process: subprocess.Popen, terminal: int | None, sleep: Callable[[float], None] = time.sleep) -> int:
     """The return code of ``process`` (negative: the signal that ended it), the launcher, which leads a process
     group of its own; ``terminal``: the terminal the command gave that group (None: none, the launcher is waited
-    for as before). Each stop of the launcher stops this process too, until the shell continues it. Continued in
-    the background (``bg``), it looks every :data:`LOOK_S` whether the shell brought it to the foreground (a
-    ``fg`` of a running job sends no SIGCONT) and then gives the launcher's group the terminal."""
+    for as before). Under a job-control shell (:func:`under_job_control`) each stop of the launcher stops this
+    process's group too, the shell's job, until the shell continues it; continued in the background (``bg``), it
+    looks every :data:`LOOK_S` whether the shell brought it to the foreground (a ``fg`` of a running job sends no
+    SIGCONT) and then gives the launcher's group the terminal. With no such shell (the command leads the terminal's
+    session: ``docker run -it``, ``ssh -t host cmd``, ``tmux new cmd``) nothing would continue a stopped job: the
+    terminal's Ctrl-Z (SIGTSTP) is a brief pause, the launcher's group continued at once, and a launcher stopped by
+    someone else (``kill -STOP``) is waited for until that one continues it."""
     if terminal is None:
         return process.wait()
     group, background = process.pid, False
     while True:
         pid, status = os.waitpid(group, os.WUNTRACED | (os.WNOHANG if background else 0))
         if pid == 0:  # running in the background
-            if _foreground(terminal) == os.getpgrp():
+            if _foreground_group(terminal) == os.getpgrp():
                 background = not _continue(group, terminal)
             else:
                 sleep(LOOK_S)
         elif os.WIFSTOPPED(status):
-            background = not _stop_with(group, terminal, os.WSTOPSIG(status))
+            if under_job_control():
+                background = not _stop_with(group, terminal, os.WSTOPSIG(status))
+            elif os.WSTOPSIG(status) == signal.SIGTSTP:
+                _continue_group(group)
         else:
             process.returncode = os.waitstatus_to_exitcode(status)
             return process.returncode
 
 
+def under_job_control() -> bool:
+    """Whether a job-control shell would continue this process's group once stopped: the first of this process's
+    ancestors outside its group is in its session (a shell that made the group a job of its own; the kernel's
+    test that the group is not orphaned, read along this process's ancestry: from the parent for a command run
+    alone, through ``bash -c`` for one run in a shell's child). Not where the command leads the session (no shell
+    above it there) or where ancestors cannot be read (no /proc beyond the parent)."""
+    group, session, pid = os.getpgrp(), os.getsid(0), os.getppid()
+    for _ in range(64):
+        if pid <= 0:  # the command is the first process of its namespace (a container's pid 1)
+            return False
+        try:
+            if os.getpgid(pid) != group:
+                return os.getsid(pid) == session
+            stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+            pid = int(stat.rpartition(")")[2].split()[1])  # state, ppid
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
 def _stop_with(group: int, terminal: int, stopped_by: int) -> bool:
     """The launcher's ``group`` was stopped by ``stopped_by`` (the terminal's Ctrl-Z, a read of the terminal in
-    the background): this process stops too, the terminal its own again, and goes on when continued; whether in
-    the foreground."""
-    if _foreground(terminal) == group:
+    the background, a ``kill -STOP``), under a job-control shell: this process's group, the shell's job, stops too
+    (a pipeline's other commands, a ``bash -c`` running this one: what the terminal's Ctrl-Z would have stopped),
+    the terminal its own again, and goes on when continued; whether in the foreground."""
+    if _foreground_group(terminal) == group:
         set_foreground(terminal, os.getpgrp())
-    # the same signal, as the shell shows it ("Stopped", "Stopped (tty input)"); SIGSTOP where it is not at its
-    # default. In an orphaned group (the shell gone: none would continue it) the kernel drops a SIGTSTP: on at once
-    at_default = signal.getsignal(stopped_by) == signal.SIG_DFL
-    os.kill(os.getpid(), stopped_by if at_default else signal.SIGSTOP)
+    # the same signal, as the shell shows it ("Stopped", "Stopped (tty input)"); this process by SIGSTOP where
+    # it does not leave that signal at its default
+    os.killpg(os.getpgrp(), stopped_by)
+    if signal.getsignal(stopped_by) != signal.SIG_DFL:
+        os.kill(os.getpid(), signal.SIGSTOP)
     return _continue(group, terminal)
 
 
 def _continue(group: int, terminal: int) -> bool:
     """Continued by the shell: ``fg`` gave this process's group the terminal before it continued it (then it is
     the launcher's group's again), ``bg`` did not; whether in the foreground."""
-    foreground = _foreground(terminal) == os.getpgrp()
+    foreground = _foreground_group(terminal) == os.getpgrp()
     if foreground:
         set_foreground(terminal, group)
+    _continue_group(group)
+    return foreground
+
+
+def _continue_group(group: int) -> None:
     try:
         os.killpg(group, signal.SIGCONT)
     except (ProcessLookupError, PermissionError):
         pass
-    return foreground
 
 
 def take_terminal_back(terminal: int | None, group: int) -> None:
@@ -377,7 +421,8 @@ def take_terminal_back(terminal: int | None, group: int) -> None:
     set_foreground(terminal, os.getpgrp())
 
 
-def _foreground(terminal: int) -> int | None:
+def _foreground_group(terminal: int) -> int | None:
+    """The process group in the foreground of ``terminal`` (None: it cannot be read)."""
     try:
         return os.tcgetpgrp(terminal)
     except OSError:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import termios
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -43,10 +44,13 @@ def _launch_until(
     module: str = "diffusion_debug.cli launch",
     processes: list[str] = ONE_PROCESS,
     site: Path | None = None,
+    terminal: int | None = None,
 ) -> tuple[subprocess.Popen, int]:
     """``diffusion-debug launch`` (one process; ``module``: the launcher's module run directly) of a script
-    training until stopped, read until it printed ``rounds`` rounds (0: not read); the launcher and the script's pid
-    (no terminal: in one, :func:`_launch_in_a_shell`). ``site``: a folder first on the processes' PYTHONPATH."""
+    training until stopped, read until it printed ``rounds`` rounds (0: not read); the launcher and the script's pid.
+    ``site``: a folder first on the processes' PYTHONPATH. ``terminal``: a pty's slave end, the command's stdin and
+    controlling terminal, the command leading its session with no shell (else it has none; under a job-control
+    shell: :func:`_launch_in_a_shell`)."""
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     command = [sys.executable, "-m", *module.split(), "--debug-output-dir", str(tmp_path / "runs")]
@@ -55,6 +59,8 @@ def _launch_until(
     def started() -> None:
         for sent in (signal.SIGINT, signal.SIGQUIT):  # not ignored, as a shell without job control leaves them
             signal.signal(sent, signal.SIG_DFL)  # for `cmd &` (the command keeps a signal ignored ignored)
+        if terminal is not None:
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # its group the terminal's foreground (docker run -it, ssh -t)
 
     environment = cpu_launch_env(ROOT)
     if site is not None:
@@ -63,6 +69,7 @@ def _launch_until(
         command,
         env=environment,
         cwd=tmp_path,
+        stdin=terminal,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -410,16 +417,43 @@ def _until_foreground(terminal: int, group: int) -> bool:
 
 
 def test_a_sigterm_to_the_command_in_a_terminal_reaches_the_scripts_own_handler_once(tmp_path):
-    """``diffusion-debug launch`` in a terminal's foreground, where the script shares the launcher's group (it
-    reads the terminal, it has the terminal's Ctrl-C itself): a SIGTERM to the command's pid goes to the
-    launcher's pid alone, which forwards it (before: to the launcher's group and forwarded, twice)."""
+    """``diffusion-debug launch`` leading a terminal's session with no job-control shell (``docker run -it``,
+    ``ssh -t host cmd``: a pty whose foreground is the command's group), where the script shares the launcher's group
+    (it reads the terminal, it has the terminal's Ctrl-C itself). The terminal's Ctrl-Z is a brief pause: no shell
+    would continue a stopped job, and the script trains on. A ``kill -STOP`` and ``kill -CONT`` of the launcher
+    leave the command waiting (before: it stopped itself by SIGSTOP, which its orphaned group does not drop as it
+    drops a SIGTSTP, and stayed stopped for good). A SIGTERM to the command's pid then goes to the launcher's pid
+    alone, which forwards it (before: to the launcher's group and forwarded, twice), and the command ends by it."""
+    master, slave = pty.openpty()
     count = tmp_path / "handled.txt"
-    with _launch_in_a_shell(tmp_path, "--count-signals", str(count), "--cleanup-s", "1") as shell:
-        script_pid, command = shell.rounds(3), _command_of(shell)
-        assert os.getpgid(script_pid) == _launcher_of_pid(command) == os.tcgetpgrp(shell.master)
-        os.kill(command, signal.SIGTERM)
-        assert shell.status() == 128 + signal.SIGTERM
-    assert _gone(script_pid) and shell.out().splitlines()[-1].startswith("trained ")
+    watchdog = threading.Timer(300, stop_launch)
+    try:
+        args = ("--count-signals", str(count), "--cleanup-s", "1")
+        command, script_pid = _launch_until(tmp_path, 3, *args, terminal=slave)
+        watchdog.args = [command]  # a launch left stopped for good: its stdout ends, _rounds fails, not hangs
+        watchdog.start()
+        group = _launcher_of(command)
+        assert os.getpgid(script_pid) == group == os.tcgetpgrp(master)
+        os.write(master, b"\x1a")  # the terminal's suspend character: SIGTSTP to its foreground group
+        _rounds(command, 2)  # trains on
+        os.kill(group, signal.SIGSTOP)  # the launcher's pid alone, from outside the terminal
+        stopped = _until_status(group, stopped=True)
+        os.kill(group, signal.SIGCONT)
+        continued = _until_status(group, stopped=False)
+        _rounds(command, 2)
+        waiting = psutil.Process(command.pid).status() != psutil.STATUS_STOPPED
+        seen = (stopped, continued, waiting, os.tcgetpgrp(master))
+        if seen != (True, True, True, group):  # the command stopped for good, or the terminal not the launcher's
+            stop_launch(command)
+        assert seen == (True, True, True, group)
+        os.kill(command.pid, signal.SIGTERM)
+        stdout, stderr = _end(command)
+    finally:
+        watchdog.cancel()
+        os.close(slave)
+        os.close(master)
+    assert command.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
     assert count.read_text() == "SIGTERM\n"
 
 
