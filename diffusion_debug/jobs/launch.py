@@ -443,7 +443,7 @@ def _waiting_for_the_script(
             os.environ[OWN_GROUP] = "1"  # the script leaves this group (launch_end.leave_launcher_group)
         thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
         try:
-            with script_in_own_group(namespace):  # accelerate's module: the script's group made before it execs
+            with script_in_own_group(namespace):  # swapped until the script started, in its own group
                 thread.start()
                 while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):
                     thread.join(0.1)

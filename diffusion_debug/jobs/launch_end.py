@@ -43,7 +43,6 @@ signal paths of the three processes of a launch (the command, the launcher, the 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import subprocess
@@ -214,35 +213,64 @@ def script_in_own_group(namespace: dict[str, Any]) -> Iterator[None]:
     starts for the script with :data:`OWN_GROUP` set leads a group of its own before it execs (``Popen``'s
     ``process_group``, Python 3.11+: psutil's under accelerate 1.16, subprocess's before), so a signal to the
     launcher's group never reaches it, not in its first moments either (:func:`leave_launcher_group` then finds it
-    leading its group). Elsewhere (Python 3.10, an accelerate without either) the bootstrap leaves the group."""
-    replaced = {}
+    leading its group). Elsewhere (Python 3.10, an accelerate without either) the bootstrap leaves the group.
+    ``namespace`` holds the swapped modules only until that ``Popen`` (or the end of this block): accelerate's
+    ``except subprocess.CalledProcessError`` and its ``psutil.Process`` calls after it meet the modules themselves."""
+    swapped = {}
     if sys.version_info >= (3, 11):
         for name in ("psutil", "subprocess"):
             module = namespace.get(name)
-            if module is not None and hasattr(module, "Popen"):
-                replaced[name], namespace[name] = module, _OwnGroupPopen(module)
+            if isinstance(getattr(module, "Popen", None), type) and not isinstance(module, _OwnGroupModule):
+                swapped[name] = module  # one an outer block swapped is left to that block
+
+    def restore() -> None:
+        for name, module in swapped.items():
+            if isinstance(namespace.get(name), _OwnGroupModule):
+                namespace[name] = module
+
+    namespace.update({name: _OwnGroupModule(module, restore) for name, module in swapped.items()})
     try:
         yield
     finally:
-        namespace.update(replaced)
+        restore()
 
 
-class _OwnGroupPopen:
-    """``module`` (psutil, subprocess) whose ``Popen`` starts a process meant to leave its group in a group of
-    its own (:data:`OWN_GROUP` in its environment), and is ``module`` in all else."""
+class _OwnGroupModule:
+    """``module`` (psutil, subprocess) whose ``Popen`` starts a process meant to leave its group (:data:`OWN_GROUP`
+    in its environment) in a group of its own, and is ``module`` in all else. That ``Popen`` is a subclass of the
+    module's (``isinstance`` of its process is true for both) and calls ``restore`` once it started one."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, restore: Callable[[], None]) -> None:
         self._module = module
 
+        class Popen(module.Popen):
+            def __init__(self, *args: Any, **options: Any) -> None:
+                leaves = (options.get("env") or os.environ).get(OWN_GROUP) == "1"
+                if leaves and not _groups_asked(options):
+                    options["process_group"] = 0
+                try:
+                    super().__init__(*args, **options)
+                finally:
+                    if leaves:
+                        restore()
+
+        self.Popen = Popen
+
     def __getattr__(self, name: str) -> Any:
-        found = getattr(self._module, name)
-        return functools.partial(_popen_in_own_group, found) if name == "Popen" else found
+        return getattr(self._module, name)
 
 
-def _popen_in_own_group(popen: Callable[..., Any], *args: Any, **options: Any) -> Any:
-    if (options.get("env") or os.environ).get(OWN_GROUP) == "1":
-        options.setdefault("process_group", 0)
-    return popen(*args, **options)
+def _groups_asked(options: dict[str, Any]) -> bool:
+    """Whether a ``Popen`` call's ``options`` set the child's group or session themselves (``start_new_session``,
+    ``process_group``, or a ``preexec_fn`` that may): a ``process_group`` added to ``start_new_session`` fails in
+    the child (setsid, then setpgid: EPERM), and the script would never start.
+
+    >>> _groups_asked({"env": {}}), _groups_asked({"start_new_session": True}), _groups_asked({"preexec_fn": None})
+    (False, True, False)
+    """
+    return bool(options.get("start_new_session")) or any(
+        options.get(name) is not None for name in ("process_group", "preexec_fn")
+    )
 
 
 ENDS_AT_DEFAULT = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)

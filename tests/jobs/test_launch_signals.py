@@ -207,6 +207,35 @@ def test_the_same_signal_again_within_repeat_s_is_noted_not_raised_again(monkeyp
     assert (signals.received, launch_end.REPEAT_S) == (signal.SIGTERM, 2.0)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Popen's process_group is Python 3.11's")
+def test_the_launchers_popen_swap_starts_the_script_in_its_own_group_and_is_undone_at_that_popen(monkeypatch):
+    """launch_end.script_in_own_group on accelerate's module globals: the process started with OWN_GROUP set leads a
+    group of its own, and the globals are the modules again at once; a caller's own ``start_new_session`` is kept
+    (before: ``process_group`` added to it, PermissionError in the child, the script never started), and
+    ``isinstance`` with the swapped ``Popen`` works (before: a functools.partial, TypeError)."""
+    from diffusion_debug.jobs.launch_end import OWN_GROUP, script_in_own_group
+
+    probe = [sys.executable, "-c", "import os; print(os.getpid(), os.getpgrp(), os.getsid(0))"]
+    namespace = {"subprocess": subprocess, "psutil": psutil}
+
+    def started(popen: type, **options: object) -> list[int]:
+        process = popen(probe, stdout=subprocess.PIPE, text=True, **options)
+        assert isinstance(process, popen)
+        return [int(n) for n in process.communicate()[0].split()]
+
+    with script_in_own_group(namespace):  # no OWN_GROUP: the child in this group, the swap kept for the block
+        assert started(namespace["subprocess"].Popen)[1] == os.getpgrp() and namespace["subprocess"] is not subprocess
+    assert namespace == {"subprocess": subprocess, "psutil": psutil}
+    monkeypatch.setenv(OWN_GROUP, "1")
+    with script_in_own_group(namespace):
+        pid, group, session = started(namespace["psutil"].Popen)  # as accelerate 1.16 starts the script
+        assert (group, session) == (pid, os.getsid(0))
+        assert namespace == {"subprocess": subprocess, "psutil": psutil}  # undone at that Popen
+    with script_in_own_group(namespace):
+        pid, group, session = started(namespace["subprocess"].Popen, start_new_session=True)
+        assert (group, session) == (pid, pid)
+
+
 # a script with its own graceful stop (a checkpoint saved on SIGTERM or Ctrl-C, its handler counting its
 # calls) gets a signal sent to the launcher's pid alone (a supervisor, `kill PID`) once, forwarded (SIGTERM:
 # below, with SIGTSTP, SIGCONT and SIGUSR1); one sent to the launcher's whole group without a terminal (a
