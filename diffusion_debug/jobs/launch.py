@@ -274,7 +274,7 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     (negative: the signal that ended it)."""
     c_library = libc()
     reaper = c_library is not None and c_library.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    terminal = _foreground_terminal()
+    terminal = _stdin_terminal_if_foreground()
     forwarded: list[int] = []
     process = subprocess.Popen(command, env=environment, preexec_fn=lambda: _own_group(terminal, c_library))
     group = process.pid
@@ -301,7 +301,7 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     return returncode
 
 
-def _foreground_terminal() -> int | None:
+def _stdin_terminal_if_foreground() -> int | None:
     """The terminal on stdin when this process's group is its foreground (else None)."""
     try:
         fd = sys.stdin.fileno()
@@ -419,7 +419,7 @@ def _waiting_for_the_script(
                 raised.append(error)
 
         parent, received = os.getppid(), []
-        own_group = not _terminal_foreground()  # else the script shares this group, the terminal's foreground
+        own_group = not _holds_controlling_terminal()  # else the script shares this group, the terminal's foreground
 
         def note(signum: int, frame: Any) -> None:
             if signum in (signal.SIGTSTP, signal.SIGCONT):  # own_group
@@ -434,7 +434,7 @@ def _waiting_for_the_script(
             received.append((signum, time.monotonic()))
             if os.getppid() != parent:
                 end_by(signum)
-            if own_group or (len(received) == 1 and not (signum != signal.SIGTERM and _terminal_foreground())):
+            if own_group or (len(received) == 1 and not (signum != signal.SIGTERM and _holds_controlling_terminal())):
                 _forward_to_children(signum, as_sigterm=True)
 
         stops = (signal.SIGTSTP, signal.SIGCONT) if own_group else ()
@@ -465,7 +465,7 @@ def _waiting_for_the_script(
     return run
 
 
-def _terminal_foreground() -> bool:
+def _holds_controlling_terminal() -> bool:
     """Whether this process's group is its controlling terminal's foreground (a Ctrl-C or a hangup there
     reached every process of the group)."""
     try:

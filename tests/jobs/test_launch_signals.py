@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import os
 import pty
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -361,6 +363,8 @@ def _launch_in_a_shell(tmp_path: Path, *script_args: str) -> Iterator[_Shell]:
     session is stopped, the test failed)."""
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
+    if shutil.which("bash") is None:
+        pytest.skip("no bash to run the launch as a job of an interactive shell")
     master, slave = pty.openpty()
 
     def started() -> None:
@@ -558,6 +562,8 @@ def test_a_sigterm_to_the_launchers_group_in_the_scripts_first_moments_reaches_i
     the bootstrap (a sitecustomize that records the sender of the first SIGTERM it gets): the script has it from the
     launcher alone, forwarded once (before: from the group itself, the sender the test, as it had not left the
     launcher's group yet, and forwarded again), and the command ends by SIGTERM."""
+    if importlib.util.find_spec("sitecustomize") is not None:
+        pytest.skip("this Python has a sitecustomize of its own, which the test's would shadow")
     site, ready, senders = tmp_path / "site", tmp_path / "ready", tmp_path / "senders.txt"
     site.mkdir()
     (site / "sitecustomize.py").write_text(f"READY, SENDERS = {str(ready)!r}, {str(senders)!r}\n{FIRST_MOMENTS}")
@@ -566,6 +572,10 @@ def test_a_sigterm_to_the_launchers_group_in_the_scripts_first_moments_reaches_i
         if ready.exists() or command.poll() is not None:
             break
         time.sleep(0.1)
+    if not ready.exists():
+        stop_launch(command)
+        said = command.stderr.read()[-3000:]
+        pytest.fail(f"no {ready.name} from the script's process (the command's return code: {command.poll()}): {said}")
     launcher = _launcher_of(command)
     os.killpg(launcher, signal.SIGTERM)
     _, stderr = _end(command)
