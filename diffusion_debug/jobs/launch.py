@@ -46,7 +46,8 @@ and the command waits for it. SIGTERM rather than SIGKILL: a save that outlives 
 not cut. The script leads its group, so an ``os.setpgrp()`` of its own does nothing. In a terminal's
 foreground the script stays in the launcher's group, so it reads the terminal (pdb) and has the terminal's
 Ctrl-C, Ctrl-\\ and Ctrl-Z itself, the launcher with it (a Ctrl-Z stops the command too, the shell's job, and
-``fg`` or ``bg`` continues all three: :func:`~diffusion_debug.jobs.launch_end.wait_as_job`); the launcher forwards
+``fg`` or ``bg`` continues all three; with no job-control shell, ``docker run -it``, it is a brief pause:
+:func:`~diffusion_debug.jobs.launch_end.wait_as_job`); the launcher forwards
 to it only what a terminal never sends (SIGTERM, the first one; SIGUSR1, SIGUSR2). Why not tell a group signal from
 one to the launcher's pid instead: from one sender, ``kill(-PGID)`` and ``kill(PID)`` give the same siginfo
 (si_pid, si_code SI_USER), and whether the script had it too (SigPnd / ShdPnd in its /proc/PID/status) is gone once
@@ -289,7 +290,7 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     # a signal ignored here (a job started with nohup, or in the background by a shell) stays ignored
     previous = {s: signal.signal(s, forward) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
     try:
-        returncode = wait_as_job(process, terminal)  # the launcher's group stopped (Ctrl-Z): this shell job too
+        returncode = wait_as_job(process, terminal)  # the launcher stopped (Ctrl-Z): the shell's job too, if any
         if forwarded or returncode != 0:  # the script's processes may still be saving their run
             _wait_for_children(group, reaper)
     finally:
