@@ -31,12 +31,12 @@ it 5 seconds later, before report.html), and accelerate 1.16's exit status 128 +
 agent was signalled becomes the signal N again. SIGUSR1 and SIGUSR2 reach torchrun's workers (forwarded; as
 SIGTERM to a worker that leaves it at its default, so its run is saved; torchrun then ends with exit status 1).
 Each signal reaches the one-process script once. Outside a terminal's foreground (no terminal: a scheduler,
-a supervisor, ``&``) the script leaves the launcher's group for one of its own in the same session before
-its code runs (:func:`~diffusion_debug.jobs.launch_end.leave_launcher_group`): a signal to the launcher's
-group (``kill -TERM -PGID``, the command forwarding one) or to its pid reaches the launcher alone, which
-forwards it to the script (not to its DataLoader workers, which end with it). SIGINT, SIGTERM, SIGHUP and
-SIGQUIT stop the run (the launcher waits for the script, then ends by the signal); SIGUSR1 and SIGUSR2 are
-the script's to answer (a checkpoint before a preemption: the launch ends as the script does). One of SIGHUP,
+a supervisor, ``&``) the script leads a group of its own in the same session before its code runs
+(:func:`~diffusion_debug.jobs.launch_end.script_in_own_group`): a signal to the launcher's group (``kill -TERM
+-PGID``, the command forwarding one) or to its pid reaches the launcher alone, which forwards it to the script
+(not to its DataLoader workers, which end with it). SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the run (the launcher
+waits for the script, then ends by the signal); SIGUSR1 and SIGUSR2 are the script's to answer (a checkpoint before
+a preemption: the launch ends as the script does). One of SIGHUP,
 SIGQUIT, SIGUSR1 and SIGUSR2 that the script leaves at its default (no handler in its /proc/PID/status SigCgt,
 not ignored), which would end it with nothing saved, is sent to it as SIGTERM: it saves its run, and the
 launcher ends by the signal it had (SLURM's ``--signal=USR1@60`` to a script without a handler); SIGTSTP
@@ -45,10 +45,12 @@ the script gets SIGTERM as its parent dies (PR_SET_PDEATHSIG, set by the bootstr
 and the command waits for it. SIGTERM rather than SIGKILL: a save that outlives the launcher's GRACE_S is
 not cut. The script leads its group, so an ``os.setpgrp()`` of its own does nothing. In a terminal's
 foreground the script stays in the launcher's group, so it reads the terminal (pdb) and has the terminal's
-Ctrl-C, Ctrl-\\ and Ctrl-Z itself, the launcher with it; the launcher forwards to it only what a terminal
-never sends (SIGTERM, the first one; SIGUSR1, SIGUSR2). Why not tell a group signal from one to the
-launcher's pid instead: from one sender, ``kill(-PGID)`` and ``kill(PID)`` give the same siginfo (si_pid,
-si_code SI_USER), and whether the script had it too (SigPnd / ShdPnd in its /proc/PID/status) is gone once
+Ctrl-C, Ctrl-\\ and Ctrl-Z itself, the launcher with it (a Ctrl-Z stops the command too, the shell's job, and
+``fg`` or ``bg`` continues all three; with no job-control shell, ``docker run -it``, it is a brief pause:
+:func:`~diffusion_debug.jobs.launch_end.wait_as_job`); the launcher forwards
+to it only what a terminal never sends (SIGTERM, the first one; SIGUSR1, SIGUSR2). Why not tell a group signal from
+one to the launcher's pid instead: from one sender, ``kill(-PGID)`` and ``kill(PID)`` give the same siginfo
+(si_pid, si_code SI_USER), and whether the script had it too (SigPnd / ShdPnd in its /proc/PID/status) is gone once
 its handler ran.
 Under accelerate 1.16 the one-process script's stderr is a pipe through the launcher (accelerate keeps its
 tail for the error it raises): the script sees no terminal there, and what it writes to stderr after the
@@ -66,10 +68,10 @@ script fails with EPERM (it leads its group; in a terminal's foreground, and und
 works), as it does in torchrun's workers; a launch started with ``&`` and brought to the foreground keeps its
 script in its own group, which stops (SIGTTIN) if it reads the terminal; a script that ignores SIGTERM runs on
 after a ``kill -KILL -PGID``, and after a SIGHUP, SIGQUIT, SIGUSR1 or SIGUSR2 it leaves at its default (sent as
-SIGTERM); a SIGTSTP or SIGCONT sent to the command is not forwarded. An mpirun (accelerate's
-CPU multi-node launch) is the one-process launcher's child as the script is, and stays in its group. A signal to
-the launcher's group in the script's first moments, before the bootstrap left it, reaches the script from the group
-too.
+SIGTERM); a SIGTSTP or SIGCONT sent to the command is not forwarded. An mpirun (accelerate's CPU multi-node launch)
+is the one-process launcher's child as the script is, and stays in its group. Under Python 3.10 a signal to the
+launcher's group in the script's first moments, before the bootstrap left it, reaches the script from the group too
+(from 3.11 the launcher starts it in a group of its own: launch_end.script_in_own_group).
 Long because the signal paths of the command, the launcher and its one-process launcher are one design, read
 together, and split they would each need the others' docstring.
 """
@@ -87,7 +89,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DiffusionDebugError
-from .launch_end import OWN_GROUP, as_forwarded, die_with_parent, end_by, libc, session_children
+from .launch_end import (
+    OWN_GROUP,
+    as_forwarded,
+    die_with_parent,
+    end_by,
+    libc,
+    script_in_own_group,
+    session_children,
+    set_foreground,
+    take_terminal_back,
+    wait_as_job,
+)
 
 ENVIRONMENT = "DIFFUSION_DEBUG_LAUNCH"
 """The launcher's settings for every process (JSON: output_dir, config, level, policy)."""
@@ -262,7 +275,7 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     (negative: the signal that ended it)."""
     c_library = libc()
     reaper = c_library is not None and c_library.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    terminal = _foreground_terminal()
+    terminal = _stdin_terminal_if_foreground()
     forwarded: list[int] = []
     process = subprocess.Popen(command, env=environment, preexec_fn=lambda: _own_group(terminal, c_library))
     group = process.pid
@@ -277,11 +290,11 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     # a signal ignored here (a job started with nohup, or in the background by a shell) stays ignored
     previous = {s: signal.signal(s, forward) for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
     try:
-        returncode = process.wait()
+        returncode = wait_as_job(process, terminal)  # the launcher stopped (Ctrl-Z): the shell's job too, if any
         if forwarded or returncode != 0:  # the script's processes may still be saving their run
             _wait_for_children(group, reaper)
     finally:
-        _take_terminal_back(terminal)
+        take_terminal_back(terminal, group)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if reaper:
@@ -289,7 +302,7 @@ def run_forwarding(command: list[str], environment: dict[str, str]) -> int:
     return returncode
 
 
-def _foreground_terminal() -> int | None:
+def _stdin_terminal_if_foreground() -> int | None:
     """The terminal on stdin when this process's group is its foreground (else None)."""
     try:
         fd = sys.stdin.fileno()
@@ -304,23 +317,8 @@ def _own_group(terminal: int | None, c_library: Any) -> None:
     and SIGTERM when the launcher dies."""
     os.setpgid(0, 0)
     if terminal is not None:
-        _set_foreground(terminal, os.getpgrp())
+        set_foreground(terminal, os.getpgrp())
     die_with_parent(c_library)
-
-
-def _set_foreground(terminal: int, group: int) -> None:
-    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may take it
-    try:
-        os.tcsetpgrp(terminal, group)
-    except OSError:
-        pass
-    finally:
-        signal.signal(signal.SIGTTOU, previous)
-
-
-def _take_terminal_back(terminal: int | None) -> None:
-    if terminal is not None:
-        _set_foreground(terminal, os.getpgrp())
 
 
 def _wait_for_children(group: int, reaper: bool, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -370,7 +368,7 @@ def main(argv: list[str]) -> int:
     cpu_processes(args, os.environ)
     simple_launcher = getattr(accelerate_launch, "simple_launcher", None)  # detected, never assumed
     if simple_launcher is not None:
-        accelerate_launch.simple_launcher = _waiting_for_the_script(simple_launcher)
+        accelerate_launch.simple_launcher = _waiting_for_the_script(simple_launcher, vars(accelerate_launch))
     # SIGUSR1 / SIGUSR2 to the script's processes (torchrun's workers run in sessions of their own): left at
     # their default, they would end this launcher and leave the script to its parent-death SIGTERM; a worker that
     # leaves one at its default gets SIGTERM instead, so that its run is saved (as_forwarded)
@@ -398,7 +396,9 @@ def _restore(previous: dict[int, Any]) -> None:
         signal.signal(signum, handler)
 
 
-def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[[Any], None]:
+def _waiting_for_the_script(
+    simple_launcher: Callable[[Any], None], namespace: dict[str, Any]
+) -> Callable[[Any], None]:
     """accelerate's one-process launcher, run so that a signal leaves the script its time to save its run
     and the launcher then ends by that signal, under every accelerate: this process forwards the signal to the
     script (:func:`_forward_to_children`) and waits for it, up to :data:`GRACE_S`. accelerate 1.16 would
@@ -420,7 +420,7 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
                 raised.append(error)
 
         parent, received = os.getppid(), []
-        own_group = not _terminal_foreground()  # else the script shares this group, the terminal's foreground
+        own_group = not _holds_controlling_terminal()  # else the script shares this group, the terminal's foreground
 
         def note(signum: int, frame: Any) -> None:
             if signum in (signal.SIGTSTP, signal.SIGCONT):  # own_group
@@ -435,7 +435,7 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
             received.append((signum, time.monotonic()))
             if os.getppid() != parent:
                 end_by(signum)
-            if own_group or (len(received) == 1 and not (signum != signal.SIGTERM and _terminal_foreground())):
+            if own_group or (len(received) == 1 and not (signum != signal.SIGTERM and _holds_controlling_terminal())):
                 _forward_to_children(signum, as_sigterm=True)
 
         stops = (signal.SIGTSTP, signal.SIGCONT) if own_group else ()
@@ -444,9 +444,10 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
             os.environ[OWN_GROUP] = "1"  # the script leaves this group (launch_end.leave_launcher_group)
         thread = threading.Thread(target=launcher, name="accelerate launch", daemon=True)
         try:
-            thread.start()
-            while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):
-                thread.join(0.1)
+            with script_in_own_group(namespace):  # swapped until the script started, in its own group
+                thread.start()
+                while thread.is_alive() and not (received and time.monotonic() > received[0][1] + GRACE_S):
+                    thread.join(0.1)
         finally:
             os.environ.pop(OWN_GROUP, None)
             _restore(previous)
@@ -465,7 +466,7 @@ def _waiting_for_the_script(simple_launcher: Callable[[Any], None]) -> Callable[
     return run
 
 
-def _terminal_foreground() -> bool:
+def _holds_controlling_terminal() -> bool:
     """Whether this process's group is its controlling terminal's foreground (a Ctrl-C or a hangup there
     reached every process of the group)."""
     try:

@@ -15,17 +15,42 @@ the launcher's too, which forwards it; the launcher in a terminal's foreground, 
 ``DIFFUSION_DEBUG_NO_HTML=1`` in the launch's environment (:data:`NO_HTML`): the run is saved without
 report.html (a CI job that reads summary.json saves the seconds the page takes to build);
 ``diffusion-debug report RUN_DIR`` builds it later from the saved files.
+
+``diffusion-debug launch`` as a job of an interactive shell (Ctrl-Z, ``fg`` and ``bg``). In a terminal's foreground
+the command gives the terminal to the launcher's process group (the script shares it), so the terminal's Ctrl-Z
+stops the launcher and its script, not the command, which is the shell's job: the shell would wait on for it and
+the terminal would stay wedged. The command waits for the launcher as su and sudo wait for theirs
+(:func:`wait_as_job`): when the launcher stops, it takes the terminal back and stops its own group by the same
+signal (the job: the command, and a pipeline's other commands or the ``bash -c`` that runs it, as the terminal's
+Ctrl-Z would have), so the shell sees its job stopped (``jobs``) at the first Ctrl-Z; continued (``fg``: the shell
+gave it the terminal; ``bg``: it did not), it gives the terminal to the launcher's group where it holds it now, and
+continues that group. Only under a job-control shell (:func:`under_job_control`): where the command leads the
+terminal's session (``docker run -it``, ``ssh -t host cmd``, ``tmux new cmd``) nothing would continue it, so a
+Ctrl-Z there is a brief pause (the launcher's group continued at once) and a ``kill -STOP`` of the launcher is
+waited out, as before.
+
+Its limits: outside a terminal's foreground (a scheduler, ``&``), or with a stdin that is no terminal (``cmd <
+/dev/null``), the command does not give the launcher the terminal: a Ctrl-Z there stops the command alone, the
+training runs on. A launcher stopped and continued by someone else than the shell (``kill -STOP -PGID``, then
+``kill -CONT -PGID``) under a job-control shell leaves the command's job stopped until ``fg`` or ``bg``.
+
+Why the command's job control and the launcher's script group are here, with the script's end: they are the
+signal paths of the three processes of a launch (the command, the launcher, the script), each module of
+``diffusion_debug/jobs`` is one command's or a launch's part, and the folder holds its 20 modules
+(``tests/test_layering.py``); a module of their own waits for a package ``jobs/launch``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .pipeline_loading import one_line
 
@@ -171,14 +196,81 @@ def leave_launcher_group(environ: Any = os.environ) -> None:
     session, so that a signal to the launcher's group (``kill -TERM -PGID``, the command forwarding one) reaches
     the launcher alone, which forwards it to this process's pid, once. Run before the script, so no handler of
     the script's own is installed yet; the variable is taken out, so the script's subprocesses stay where it
-    starts them. A signal to the launcher's group that comes before this line (the script's first moments)
-    reaches the script from the group too."""
+    starts them. Where the launcher could not start it in a group of its own (:func:`script_in_own_group`), a
+    signal to the launcher's group that comes before this line (the script's first moments) reaches the script
+    from the group too."""
     if environ.pop(OWN_GROUP, None) != "1":
         return
     try:
         os.setpgid(0, 0)
     except OSError:  # a group leader already: the launcher signals its pid as any other's
         pass
+
+
+@contextlib.contextmanager
+def script_in_own_group(namespace: dict[str, Any]) -> Iterator[None]:
+    """While the one-process launcher runs accelerate's, whose module globals are ``namespace``: the process it
+    starts for the script with :data:`OWN_GROUP` set leads a group of its own before it execs (``Popen``'s
+    ``process_group``, Python 3.11+: psutil's under accelerate 1.16, subprocess's before), so a signal to the
+    launcher's group never reaches it, not in its first moments either (:func:`leave_launcher_group` then finds it
+    leading its group). Elsewhere (Python 3.10, an accelerate without either) the bootstrap leaves the group.
+    ``namespace`` holds the swapped modules only until that ``Popen`` (or the end of this block): accelerate's
+    ``except subprocess.CalledProcessError`` and its ``psutil.Process`` calls after it meet the modules themselves."""
+    swapped = {}
+    if sys.version_info >= (3, 11):
+        for name in ("psutil", "subprocess"):
+            module = namespace.get(name)
+            if isinstance(getattr(module, "Popen", None), type) and not isinstance(module, _OwnGroupModule):
+                swapped[name] = module  # one an outer block swapped is left to that block
+
+    def restore() -> None:
+        for name, module in swapped.items():
+            if isinstance(namespace.get(name), _OwnGroupModule):
+                namespace[name] = module
+
+    namespace.update({name: _OwnGroupModule(module, restore) for name, module in swapped.items()})
+    try:
+        yield
+    finally:
+        restore()
+
+
+class _OwnGroupModule:
+    """``module`` (psutil, subprocess) whose ``Popen`` starts a process meant to leave its group (:data:`OWN_GROUP`
+    in its environment) in a group of its own, and is ``module`` in all else. That ``Popen`` is a subclass of the
+    module's (``isinstance`` of its process is true for both) and calls ``restore`` once it started one."""
+
+    def __init__(self, module: Any, restore: Callable[[], None]) -> None:
+        self._module = module
+
+        class Popen(module.Popen):
+            def __init__(self, *args: Any, **options: Any) -> None:
+                leaves = (options.get("env") or os.environ).get(OWN_GROUP) == "1"
+                if leaves and not _groups_asked(options):
+                    options["process_group"] = 0
+                try:
+                    super().__init__(*args, **options)
+                finally:
+                    if leaves:
+                        restore()
+
+        self.Popen = Popen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _groups_asked(options: dict[str, Any]) -> bool:
+    """Whether a ``Popen`` call's ``options`` set the child's group or session themselves (``start_new_session``,
+    ``process_group``, or a ``preexec_fn`` that may): a ``process_group`` added to ``start_new_session`` fails in
+    the child (setsid, then setpgid: EPERM), and the script would never start.
+
+    >>> _groups_asked({"env": {}}), _groups_asked({"start_new_session": True}), _groups_asked({"preexec_fn": None})
+    (False, True, False)
+    """
+    return bool(options.get("start_new_session")) or any(
+        options.get(name) is not None for name in ("process_group", "preexec_fn")
+    )
 
 
 ENDS_AT_DEFAULT = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -252,3 +344,125 @@ def libc() -> Any:
         return ctypes.CDLL(None, use_errno=True)
     except (OSError, AttributeError):
         return None
+
+
+LOOK_S = 0.1
+"""How often a launch continued in the background looks whether it was brought to the foreground."""
+
+
+def wait_as_job(process: subprocess.Popen, terminal: int | None, sleep: Callable[[float], None] = time.sleep) -> int:
+    """The return code of ``process`` (negative: the signal that ended it), the launcher, which leads a process
+    group of its own; ``terminal``: the terminal the command gave that group (None: none, the launcher is waited
+    for as before). Under a job-control shell (:func:`under_job_control`) each stop of the launcher stops this
+    process's group too, the shell's job, until the shell continues it; continued in the background (``bg``), it
+    looks every :data:`LOOK_S` whether the shell brought it to the foreground (a ``fg`` of a running job sends no
+    SIGCONT) and then gives the launcher's group the terminal. With no such shell (the command leads the terminal's
+    session: ``docker run -it``, ``ssh -t host cmd``, ``tmux new cmd``) nothing would continue a stopped job: the
+    terminal's Ctrl-Z (SIGTSTP) is a brief pause, the launcher's group continued at once, and a launcher stopped by
+    someone else (``kill -STOP``) is waited for until that one continues it."""
+    if terminal is None:
+        return process.wait()
+    group, background = process.pid, False
+    while True:
+        pid, status = os.waitpid(group, os.WUNTRACED | (os.WNOHANG if background else 0))
+        if pid == 0:  # running in the background
+            if _foreground_group(terminal) == os.getpgrp():
+                background = not _continue(group, terminal)
+            else:
+                sleep(LOOK_S)
+        elif os.WIFSTOPPED(status):
+            if under_job_control():
+                background = not _stop_with(group, terminal, os.WSTOPSIG(status))
+            elif os.WSTOPSIG(status) == signal.SIGTSTP:
+                _continue_group(group)
+        else:
+            process.returncode = os.waitstatus_to_exitcode(status)
+            return process.returncode
+
+
+def under_job_control() -> bool:
+    """Whether a job-control shell would continue this process's group once stopped: the first of this process's
+    ancestors outside its group is in its session (a shell that made the group a job of its own; the kernel's
+    test that the group is not orphaned, read along this process's ancestry: from the parent for a command run
+    alone, through ``bash -c`` for one run in a shell's child). Not where the command leads the session (no shell
+    above it there) or where ancestors cannot be read (no /proc beyond the parent)."""
+    group, session, pid = os.getpgrp(), os.getsid(0), os.getppid()
+    for _ in range(64):
+        if pid <= 0:  # the command is the first process of its namespace (a container's pid 1)
+            return False
+        try:
+            if os.getpgid(pid) != group:
+                return os.getsid(pid) == session
+            stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+            pid = int(stat.rpartition(")")[2].split()[1])  # state, ppid
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def _stop_with(group: int, terminal: int, stopped_by: int) -> bool:
+    """The launcher's ``group`` was stopped by ``stopped_by`` (the terminal's Ctrl-Z, a read of the terminal in
+    the background, a ``kill -STOP``), under a job-control shell: this process's group, the shell's job, stops too
+    (a pipeline's other commands, a ``bash -c`` running this one: what the terminal's Ctrl-Z would have stopped),
+    the terminal its own again, and goes on when continued; whether in the foreground."""
+    if _foreground_group(terminal) == group:
+        set_foreground(terminal, os.getpgrp())
+    # the same signal, as the shell shows it ("Stopped", "Stopped (tty input)"); this process by SIGSTOP where
+    # it does not leave that signal at its default
+    os.killpg(os.getpgrp(), stopped_by)
+    if signal.getsignal(stopped_by) != signal.SIG_DFL:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return _continue(group, terminal)
+
+
+def _continue(group: int, terminal: int) -> bool:
+    """Continued by the shell: ``fg`` gave this process's group the terminal before it continued it (then it is
+    the launcher's group's again), ``bg`` did not; whether in the foreground."""
+    foreground = _foreground_group(terminal) == os.getpgrp()
+    if foreground:
+        set_foreground(terminal, group)
+    _continue_group(group)
+    return foreground
+
+
+def _continue_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGCONT)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def take_terminal_back(terminal: int | None, group: int) -> None:
+    """The terminal this process's group's again where the launcher's ``group``, or a group gone, holds it (not
+    where the shell took it back: a launch continued with ``bg``)."""
+    if terminal is None:
+        return
+    try:
+        foreground = os.tcgetpgrp(terminal)
+        if foreground != group:
+            os.killpg(foreground, 0)  # raises where no process of it is left
+            return
+    except ProcessLookupError:
+        pass
+    except OSError:
+        return
+    set_foreground(terminal, os.getpgrp())
+
+
+def _foreground_group(terminal: int) -> int | None:
+    """The process group in the foreground of ``terminal`` (None: it cannot be read)."""
+    try:
+        return os.tcgetpgrp(terminal)
+    except OSError:
+        return None
+
+
+def set_foreground(terminal: int, group: int) -> None:
+    """Make ``group`` the foreground of ``terminal`` (from a background group too), where it can."""
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may take it
+    try:
+        os.tcsetpgrp(terminal, group)
+    except OSError:
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, previous)

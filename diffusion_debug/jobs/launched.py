@@ -83,6 +83,11 @@ from pathlib import Path
 from threading import get_ident
 from typing import Any, Callable
 
+from .launch_end import leave_launcher_group
+
+if __name__ == "__main__":  # the script's process: out of the launcher's group before torch's import (seconds)
+    leave_launcher_group()
+
 import torch
 from torch import nn
 
@@ -95,7 +100,6 @@ from .launch_end import (
     describe_end,
     die_with_parent,
     end_by_signal,
-    leave_launcher_group,
     saved_line,
     writes_html,
 )
@@ -1089,7 +1093,7 @@ def main(argv: list[str] | None = None) -> None:
     if as_module:
         args = args[1:]
     script, script_args = args[0], args[1:]
-    leave_launcher_group()  # the one-process script outside a terminal: each signal once, forwarded by the launcher
+    leave_launcher_group()  # the one-process script outside a terminal (done already where run as __main__)
     die_with_parent()  # a launcher killed with SIGKILL leaves no process running on
     try:
         settings = json.loads(os.environ.get(ENVIRONMENT, "{}"))

@@ -5,15 +5,22 @@ the signal. Each test is a real launch of launch_small_script.py (one process)."
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import importlib.util
 import os
 import pty
+import select
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import termios
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
@@ -37,12 +44,15 @@ def _launch_until(
     rounds: int,
     *script_args: str,
     module: str = "diffusion_debug.cli launch",
-    terminal: int | None = None,
     processes: list[str] = ONE_PROCESS,
+    site: Path | None = None,
+    terminal: int | None = None,
 ) -> tuple[subprocess.Popen, int]:
     """``diffusion-debug launch`` (one process; ``module``: the launcher's module run directly) of a script
-    training until stopped, read until it printed ``rounds`` rounds; the launcher and the script's pid.
-    ``terminal``: a pty's slave end, the command's stdin and controlling terminal (else it has none)."""
+    training until stopped, read until it printed ``rounds`` rounds (0: not read); the launcher and the script's pid.
+    ``site``: a folder first on the processes' PYTHONPATH. ``terminal``: a pty's slave end, the command's stdin and
+    controlling terminal, the command leading its session with no shell (else it has none; under a job-control
+    shell: :func:`_launch_in_a_shell`)."""
     if accelerate_launcher() is None:
         pytest.skip("the accelerate launcher is not installed")
     command = [sys.executable, "-m", *module.split(), "--debug-output-dir", str(tmp_path / "runs")]
@@ -52,11 +62,14 @@ def _launch_until(
         for sent in (signal.SIGINT, signal.SIGQUIT):  # not ignored, as a shell without job control leaves them
             signal.signal(sent, signal.SIG_DFL)  # for `cmd &` (the command keeps a signal ignored ignored)
         if terminal is not None:
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # its group the terminal's foreground, as a shell's job
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # its group the terminal's foreground (docker run -it, ssh -t)
 
+    environment = cpu_launch_env(ROOT)
+    if site is not None:
+        environment["PYTHONPATH"] = os.pathsep.join([str(site), environment["PYTHONPATH"]])
     launcher = subprocess.Popen(
         command,
-        env=cpu_launch_env(ROOT),
+        env=environment,
         cwd=tmp_path,
         stdin=terminal,
         stdout=subprocess.PIPE,
@@ -65,9 +78,11 @@ def _launch_until(
         start_new_session=True,  # the test's signal goes to the launcher's pid alone
         preexec_fn=started,
     )
-    for line in launcher.stdout:
+    for line in launcher.stdout if rounds else ():
         if line.startswith(f"round {rounds - 1} "):
             return launcher, int(line.split()[-1])
+    if rounds == 0:
+        return launcher, 0
     stop_launch(launcher)
     pytest.fail(f"the launched script stopped before round {rounds}: {launcher.stderr.read()[-3000:]}")
 
@@ -194,6 +209,35 @@ def test_the_same_signal_again_within_repeat_s_is_noted_not_raised_again(monkeyp
     assert (signals.received, launch_end.REPEAT_S) == (signal.SIGTERM, 2.0)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Popen's process_group is Python 3.11's")
+def test_the_launchers_popen_swap_starts_the_script_in_its_own_group_and_is_undone_at_that_popen(monkeypatch):
+    """launch_end.script_in_own_group on accelerate's module globals: the process started with OWN_GROUP set leads a
+    group of its own, and the globals are the modules again at once; a caller's own ``start_new_session`` is kept
+    (before: ``process_group`` added to it, PermissionError in the child, the script never started), and
+    ``isinstance`` with the swapped ``Popen`` works (before: a functools.partial, TypeError)."""
+    from diffusion_debug.jobs.launch_end import OWN_GROUP, script_in_own_group
+
+    probe = [sys.executable, "-c", "import os; print(os.getpid(), os.getpgrp(), os.getsid(0))"]
+    namespace = {"subprocess": subprocess, "psutil": psutil}
+
+    def started(popen: type, **options: object) -> list[int]:
+        process = popen(probe, stdout=subprocess.PIPE, text=True, **options)
+        assert isinstance(process, popen)
+        return [int(n) for n in process.communicate()[0].split()]
+
+    with script_in_own_group(namespace):  # no OWN_GROUP: the child in this group, the swap kept for the block
+        assert started(namespace["subprocess"].Popen)[1] == os.getpgrp() and namespace["subprocess"] is not subprocess
+    assert namespace == {"subprocess": subprocess, "psutil": psutil}
+    monkeypatch.setenv(OWN_GROUP, "1")
+    with script_in_own_group(namespace):
+        pid, group, session = started(namespace["psutil"].Popen)  # as accelerate 1.16 starts the script
+        assert (group, session) == (pid, os.getsid(0))
+        assert namespace == {"subprocess": subprocess, "psutil": psutil}  # undone at that Popen
+    with script_in_own_group(namespace):
+        pid, group, session = started(namespace["subprocess"].Popen, start_new_session=True)
+        assert (group, session) == (pid, pid)
+
+
 # a script with its own graceful stop (a checkpoint saved on SIGTERM or Ctrl-C, its handler counting its
 # calls) gets a signal sent to the launcher's pid alone (a supervisor, `kill PID`) once, forwarded (SIGTERM:
 # below, with SIGTSTP, SIGCONT and SIGUSR1); one sent to the launcher's whole group without a terminal (a
@@ -269,52 +313,179 @@ def test_sigtstp_sigcont_sigusr1_then_sigterm_to_the_launcher_reach_the_script(t
     assert count.read_text() == "SIGUSR1\nSIGTERM\n"
 
 
-def test_one_ctrl_c_in_the_terminal_reaches_the_scripts_own_handler_once(tmp_path):
-    """``diffusion-debug launch`` in a terminal (a pty whose foreground is the command's group, as a shell
-    runs it): Ctrl-Z stops the training (the script, in the launcher's group, the terminal's foreground) with its
-    launcher, as under a plain launch, and a SIGCONT to the group continues both; then one Ctrl-C is one call of
-    the script's SIGINT handler, and the command ends by SIGINT."""
+class _Shell:
+    """An interactive bash in a pty (its controlling terminal, job control on), typed into through the pty's master
+    end, running ``diffusion-debug launch`` as its foreground job, its output in out.txt and err.txt."""
+
+    def __init__(self, tmp_path: Path, master: int, bash: subprocess.Popen) -> None:
+        self.tmp_path, self.master, self.bash, self.screen = tmp_path, master, bash, ""
+
+    def type(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def until(self, text: str, timeout: float = 120.0) -> str:
+        """Read the terminal until it shows ``text`` (else the test fails): what it showed up to it."""
+        deadline = time.monotonic() + timeout
+        while text not in self.screen:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.master], [], [], left)[0]:
+                pytest.fail(f"the terminal never showed {text!r}: {self.screen[-2000:]!r}")
+            try:
+                self.screen += os.read(self.master, 4096).decode(errors="replace")
+            except OSError:  # the shell and every job ended (EIO)
+                pytest.fail(f"the terminal closed before showing {text!r}: {self.screen[-2000:]!r}")
+        shown, _, self.screen = self.screen.partition(text)
+        return shown
+
+    def out(self) -> str:
+        out = self.tmp_path / "out.txt"
+        return out.read_text() if out.exists() else ""  # made once the shell read the line
+
+    def rounds(self, rounds: int) -> int:
+        """Until the script printed ``rounds`` rounds in all (else the test fails): its pid."""
+        for _ in range(3000):
+            lines = [line for line in self.out().splitlines() if line.startswith("round ")]
+            if len(lines) >= rounds:
+                return int(lines[-1].split()[-1])
+            time.sleep(0.1)
+        pytest.fail(f"the launched script stopped before round {rounds}: {(self.tmp_path / 'err.txt').read_text()}")
+
+    def status(self) -> int:
+        """The exit status the shell has for its last job."""
+        self.type('echo "status $? $((6 * 7))"\n')  # what the terminal echoes as typed is not "42"
+        return int(self.until(" 42").rpartition("status ")[2])
+
+
+@contextlib.contextmanager
+def _launch_in_a_shell(tmp_path: Path, *script_args: str) -> Iterator[_Shell]:
+    """``diffusion-debug launch`` (one process) of a script training until stopped, typed into an interactive bash
+    in a pty, started once the script printed 3 rounds; afterwards the shell exits (whatever is left in its
+    session is stopped, the test failed)."""
+    if accelerate_launcher() is None:
+        pytest.skip("the accelerate launcher is not installed")
+    if shutil.which("bash") is None:
+        pytest.skip("no bash to run the launch as a job of an interactive shell")
     master, slave = pty.openpty()
-    count = tmp_path / "handled.txt"
+
+    def started() -> None:
+        for sent in (signal.SIGINT, signal.SIGQUIT):  # not ignored, as a shell without job control leaves them
+            signal.signal(sent, signal.SIG_DFL)
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    environment = {**cpu_launch_env(ROOT), "PS1": "$ ", "TERM": "dumb", "HISTFILE": os.devnull}
+    bash = subprocess.Popen(
+        ["bash", "--norc", "--noprofile", "-i"],
+        env=environment,
+        cwd=tmp_path,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=started,
+    )
+    os.close(slave)
+    shell = _Shell(tmp_path, master, bash)
     try:
-        launcher, script_pid = _launch_until(
-            tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "1", terminal=slave
-        )
-        group = _launcher_of(launcher)
-        os.write(master, b"\x1a")  # the terminal's suspend character: SIGTSTP to its foreground group
-        stopped = _until_status(script_pid, stopped=True) and _until_status(group, stopped=True)
-        os.killpg(group, signal.SIGCONT)  # as a shell's fg does
-        continued = _until_status(script_pid, stopped=False)
-        if not (stopped and continued):
-            stop_launch(launcher)
-        assert (stopped, continued) == (True, True)
-        os.write(master, b"\x03")  # the terminal's interrupt character: SIGINT to its foreground group
-        stdout, stderr = _end(launcher)
+        command = [sys.executable, "-m", "diffusion_debug.cli", "launch", "--debug-output-dir", "runs", *ONE_PROCESS]
+        command += [str(SCRIPT), "--forever", *script_args]
+        shell.type(f"{shlex.join(command)} > out.txt 2> err.txt\n")
+        shell.rounds(3)
+        yield shell
+        shell.type("exit\n")
+        bash.wait(timeout=60)
     finally:
-        os.close(slave)
+        stop_launch(bash)
         os.close(master)
-    assert launcher.returncode == -signal.SIGINT, stderr[-3000:]
-    assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
+
+
+def _command_of(shell: _Shell) -> int:
+    """The pid of ``diffusion-debug launch``, the shell's job."""
+    (command,) = psutil.Process(shell.bash.pid).children()
+    return command.pid
+
+
+def test_ctrl_z_then_fg_in_an_interactive_shell_then_one_ctrl_c_reaches_the_scripts_own_handler_once(tmp_path):
+    """``diffusion-debug launch`` typed into bash in a terminal: Ctrl-Z stops the training (the script, in the
+    launcher's group, the terminal's foreground) with its launcher and the command, which the shell lists as its
+    stopped job (before: the command waited on for the stopped launcher, the shell for the command, the terminal
+    wedged); ``fg`` continues them with the launcher's group the terminal's foreground again, and the script trains
+    on; so it does after a second Ctrl-Z and ``bg``, the shell's group the foreground, and after ``fg`` again in the
+    foreground (the command gives the launcher's group the terminal: else a Ctrl-C reached the script twice). Then
+    one Ctrl-C is one call of the script's SIGINT handler, its run saved, and the command ends by SIGINT."""
+    count = tmp_path / "handled.txt"
+    with _launch_in_a_shell(tmp_path, "--count-signals", str(count), "--cleanup-s", "1") as shell:
+        script_pid = shell.rounds(3)
+        group = _launcher_of_pid(_command_of(shell))
+        shell.type("\x1a")  # the terminal's suspend character: SIGTSTP to its foreground group
+        shell.type('jobs; echo "listed $((6 * 7))"\n')  # read by the shell once its job stopped
+        listed = shell.until("listed 42").splitlines()
+        assert [line.split()[:2] for line in listed if line.startswith("[1]+")][-1] == ["[1]+", "Stopped"]
+        assert _until_status(script_pid, stopped=True) and _until_status(group, stopped=True)
+        shell.type("fg\n")
+        assert _until_status(script_pid, stopped=False) and _until_foreground(shell.master, group)
+        shell.rounds(shell.out().count("round ") + 2)  # trains on
+        shell.type("\x1a")
+        shell.type('bg; echo "resumed $((6 * 7))"\n')
+        shell.until("resumed 42")
+        assert _until_status(script_pid, stopped=False) and os.tcgetpgrp(shell.master) == shell.bash.pid
+        shell.rounds(shell.out().count("round ") + 2)  # trains on in the background
+        shell.type("fg\n")
+        assert _until_foreground(shell.master, group)
+        shell.type("\x03")  # the terminal's interrupt character: SIGINT to its foreground group
+        assert shell.status() == 128 + signal.SIGINT
+    assert _gone(script_pid) and shell.out().splitlines()[-1].startswith("trained ")
     assert count.read_text() == "SIGINT\n"
+    run = load_run(_run_dir(tmp_path))  # the script's own graceful stop: it finished
+    assert run.summary["end"] == {"status": "finished"} and run.summary["training"]["total_steps"] >= 5
+    assert (_run_dir(tmp_path) / "report.html").is_file()
+
+
+def _until_foreground(terminal: int, group: int) -> bool:
+    """Whether ``group`` is the terminal's foreground, looked at until it is, for up to 120 s."""
+    for _ in range(1200):
+        if os.tcgetpgrp(terminal) == group:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_a_sigterm_to_the_command_in_a_terminal_reaches_the_scripts_own_handler_once(tmp_path):
-    """``diffusion-debug launch`` in a terminal's foreground, where the script shares the launcher's group (it
-    reads the terminal, it has the terminal's Ctrl-C itself): a SIGTERM to the command's pid goes to the
-    launcher's pid alone, which forwards it (before: to the launcher's group and forwarded, twice)."""
+    """``diffusion-debug launch`` leading a terminal's session with no job-control shell (``docker run -it``,
+    ``ssh -t host cmd``: a pty whose foreground is the command's group), where the script shares the launcher's group
+    (it reads the terminal, it has the terminal's Ctrl-C itself). The terminal's Ctrl-Z is a brief pause: no shell
+    would continue a stopped job, and the script trains on. A ``kill -STOP`` and ``kill -CONT`` of the launcher
+    leave the command waiting (before: it stopped itself by SIGSTOP, which its orphaned group does not drop as it
+    drops a SIGTSTP, and stayed stopped for good). A SIGTERM to the command's pid then goes to the launcher's pid
+    alone, which forwards it (before: to the launcher's group and forwarded, twice), and the command ends by it."""
     master, slave = pty.openpty()
     count = tmp_path / "handled.txt"
+    watchdog = threading.Timer(300, stop_launch)
     try:
-        launcher, script_pid = _launch_until(
-            tmp_path, 3, "--count-signals", str(count), "--cleanup-s", "1", terminal=slave
-        )
-        assert os.getpgid(script_pid) == _launcher_of(launcher)  # in the launcher's group, the foreground
-        os.kill(launcher.pid, signal.SIGTERM)
-        stdout, stderr = _end(launcher)
+        args = ("--count-signals", str(count), "--cleanup-s", "1")
+        command, script_pid = _launch_until(tmp_path, 3, *args, terminal=slave)
+        watchdog.args = [command]  # a launch left stopped for good: its stdout ends, _rounds fails, not hangs
+        watchdog.start()
+        group = _launcher_of(command)
+        assert os.getpgid(script_pid) == group == os.tcgetpgrp(master)
+        os.write(master, b"\x1a")  # the terminal's suspend character: SIGTSTP to its foreground group
+        _rounds(command, 2)  # trains on
+        os.kill(group, signal.SIGSTOP)  # the launcher's pid alone, from outside the terminal
+        stopped = _until_status(group, stopped=True)
+        os.kill(group, signal.SIGCONT)
+        continued = _until_status(group, stopped=False)
+        _rounds(command, 2)
+        waiting = psutil.Process(command.pid).status() != psutil.STATUS_STOPPED
+        seen = (stopped, continued, waiting, os.tcgetpgrp(master))
+        if seen != (True, True, True, group):  # the command stopped for good, or the terminal not the launcher's
+            stop_launch(command)
+        assert seen == (True, True, True, group)
+        os.kill(command.pid, signal.SIGTERM)
+        stdout, stderr = _end(command)
     finally:
+        watchdog.cancel()
         os.close(slave)
         os.close(master)
-    assert launcher.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert command.returncode == -signal.SIGTERM, stderr[-3000:]
     assert _gone(script_pid) and stdout.splitlines()[-1].startswith("trained ")
     assert count.read_text() == "SIGTERM\n"
 
@@ -335,7 +506,11 @@ def test_a_sigint_to_the_launcher_started_directly_ends_it_with_the_scripts_clea
 def _launcher_of(command: subprocess.Popen) -> int:
     """The pid of the launcher (``python -m diffusion_debug.jobs.launch``) that ``diffusion-debug launch``
     started, the leader of its process group."""
-    (launcher,) = psutil.Process(command.pid).children()
+    return _launcher_of_pid(command.pid)
+
+
+def _launcher_of_pid(command: int) -> int:
+    (launcher,) = psutil.Process(command).children()
     return launcher.pid
 
 
@@ -368,3 +543,41 @@ def test_a_sigkill_to_the_launchers_group_leaves_no_script_and_the_command_waits
     assert command.returncode == 137, stderr[-3000:]
     assert script_gone and stdout.endswith("cleaned up\n"), stdout[-300:]
     assert load_run(_run_dir(tmp_path)).summary["end"] == {"status": "interrupted", "signal": "SIGTERM"}
+
+
+FIRST_MOMENTS = """
+import os, signal
+if b"diffusion_debug.jobs.launched" in open("/proc/self/cmdline", "rb").read():  # the script's process alone
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    open(READY, "w").close()
+    sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+    open(SENDERS, "w").write(f"{sender}\\n")
+    os._exit(0)
+"""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the launcher makes the script's group before exec from 3.11")
+def test_a_sigterm_to_the_launchers_group_in_the_scripts_first_moments_reaches_it_once_from_the_launcher(tmp_path):
+    """``kill -TERM -PGID`` of the launcher's group (no terminal) at the script's start, its interpreter not yet at
+    the bootstrap (a sitecustomize that records the sender of the first SIGTERM it gets): the script has it from the
+    launcher alone, forwarded once (before: from the group itself, the sender the test, as it had not left the
+    launcher's group yet, and forwarded again), and the command ends by SIGTERM."""
+    if importlib.util.find_spec("sitecustomize") is not None:
+        pytest.skip("this Python has a sitecustomize of its own, which the test's would shadow")
+    site, ready, senders = tmp_path / "site", tmp_path / "ready", tmp_path / "senders.txt"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"READY, SENDERS = {str(ready)!r}, {str(senders)!r}\n{FIRST_MOMENTS}")
+    command, _ = _launch_until(tmp_path, 0, site=site)
+    for _ in range(3000):
+        if ready.exists() or command.poll() is not None:
+            break
+        time.sleep(0.1)
+    if not ready.exists():
+        stop_launch(command)
+        said = command.stderr.read()[-3000:]
+        pytest.fail(f"no {ready.name} from the script's process (the command's return code: {command.poll()}): {said}")
+    launcher = _launcher_of(command)
+    os.killpg(launcher, signal.SIGTERM)
+    _, stderr = _end(command)
+    assert command.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert senders.read_text() == f"{launcher}\n"
