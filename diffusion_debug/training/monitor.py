@@ -156,7 +156,9 @@ class StepMonitor:
             sync.run += 1
             if sync.run == 1:
                 sync.since = recorded_index(call.step, self.history.joined, self.config.step_offset)
-            if sync.run == sync.at:  # a loop that turned gradient sync off and never back on
+                if incomplete == "deepspeed_unmanaged":  # no stretch ever ends: said once, at the first call
+                    self._unmanaged(call)
+            if sync.run == sync.at and incomplete != "deepspeed_unmanaged":  # sync turned off and never back on
                 self._sync_off(call, incomplete)
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         if self.sync_off.run:  # the stretch of micro-steps this optimizer step ends
@@ -214,6 +216,19 @@ class StepMonitor:
             cause = held_by(incomplete, self.accelerator, self.params.deepspeed)
             anomaly = sync_off(self.sync_off, index, self.ctx.rank, cause, self.history.previous_step)
             self.sink.emit(anomaly, log=self.ctx.is_main)
+
+    def _unmanaged(self, call: Call) -> None:
+        """A raw DeepSpeed engine whose ``managed_gradient_accumulation`` is false steps in every
+        ``engine.step()`` but is at its boundary only inside it (``DeepSpeedSteps.unmanaged``): every call reads
+        as a micro-step and no gradient is read. Said as the debugger's own limit (a ``debugger_error``; raised
+        with ``strict``), not as a sync left off: the weights do move (the ``not_learning`` said before was false)."""
+        index = recorded_index(call.step, self.history.joined, self.config.step_offset)
+        with self.sink.guard("reading DeepSpeed's gradients", step=index, rank=self.ctx.rank):
+            raise NotImplementedError(
+                "DeepSpeed's managed_gradient_accumulation is false: the engine reduces the gradients and steps "
+                "only inside engine.step(), after monitor_training_step, so no gradient norm, row or gradient "
+                "anomaly is recorded; set it true (DeepSpeed's default) to have them read"
+            )
 
     def judge_last_skip(self, at: str = "close") -> None:
         """At close (and at a report: ``at``): whether the last monitored step's optimizer step was

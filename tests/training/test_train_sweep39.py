@@ -8,7 +8,8 @@ are held against a naive reference:
   of step 2 is the loss's at step 2.
 - The same engine with ``managed_gradient_accumulation: false`` (the loop owns the boundary: DeepSpeed
   reduces and steps in every ``engine.step()``, called once after the step's micro-steps): xfail, the
-  debugger records no row at all (below).
+  debugger records no row at all (below); it says so once, a ``debugger_error`` at the first call, where
+  before it said at the 256th that the run did not learn (gradient sync off), a false alarm.
 - Accelerate's ``Accelerator(gradient_accumulation_steps=4)`` with ``accelerator.accumulate`` and
   ``accelerator.clip_grad_norm_`` on the tiny SD UNet: one row per optimizer step, its norm the clipped
   gradients' (as the optimizer applies them; told ``grad_norm=`` what ``clip_grad_norm_`` returned, the norm
@@ -89,10 +90,12 @@ def test_sweep39_zero2_accumulating_a_nan_in_a_first_micro_batch_is_the_loss_s_a
 
 @pytest.mark.xfail(
     strict=True,
-    reason="DEFECT: with managed_gradient_accumulation false DeepSpeed's is_gradient_accumulation_boundary() is "
-    "True only inside engine.step(), which the loop calls after the monitor: every call reads as a micro-step, "
-    "no row is ever recorded and the NaN loss is never judged (DeepSpeedSteps.at_boundary); stage 1 also "
-    "reduces only inside step(), so reading at the monitor is not a small fix",
+    reason="DEFECT, not fixed: with managed_gradient_accumulation false, DeepSpeed's is_gradient_accumulation_boundary"
+    "() is True only inside engine.step(), which the loop calls after the monitor, and only there are the gradients "
+    "whole: stage 0/1 reduce them in step(), stage 2's fragments raise ('Gradients are only available immediately "
+    "after backward and before engine step') until step() finalizes them. No row is recorded and the NaN loss is "
+    "never judged; reading them needs the engine's step wrapped (as under Accelerate's plugin) and the step's row "
+    "recorded after it: one debugger_error says so (next test)",
 )
 def test_sweep39_zero2_unmanaged_accumulation_records_a_row_per_step_and_the_nan_loss(
     one_rank_group, tmp_path, deepspeed_engine
@@ -169,3 +172,27 @@ def test_sweep39_accelerate_accumulate_four_clip_grad_norm_rows_norms_and_the_ap
         change = math.sqrt(sum(float((after[n] - before[n]).double().square().sum()) for n in names))
         weight = math.sqrt(sum(float(before[n].double().square().sum()) for n in names))
         assert info["applied_update_ratio"]["conv_norm_out"] == pytest.approx(change / weight, rel=1e-5)
+
+
+def test_sweep39_zero2_unmanaged_accumulation_says_once_that_no_gradient_is_read_not_that_nothing_learns(
+    one_rank_group, tmp_path, deepspeed_engine
+):
+    """The same unmanaged engine, 150 steps of two micro-steps, ``engine.step()`` once a step: the weights move
+    every step. Before, every call read as a micro-step and at the 256th the run was told ``not_learning``
+    (gradient sync off, "the weights never move", "monitor before engine.step()", which it does): a false alarm.
+    Now its first call says, once, why no gradient is read, and nothing else is said."""
+    engine, optimizer = _mlp_engine(deepspeed_engine, managed=False)
+    tdbg = TrainingDebugger(engine, config=DebugConfig(output_dir=str(tmp_path)))
+    generator = torch.Generator().manual_seed(0)
+    first = engine.module[0].weight.detach().clone()
+    for step in range(150):
+        for _ in range(2):
+            loss = engine(torch.randn(8, 4, generator=generator)).square().mean()
+            engine.backward(loss)
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+        engine.step()
+    anomalies = tdbg.report().anomalies
+    tdbg.close()
+    assert engine.global_steps == 150 and not torch.equal(first, engine.module[0].weight)
+    assert [(a.kind, a.severity, a.step) for a in anomalies] == [("debugger_error", "warning", 0)]
+    assert "managed_gradient_accumulation is false" in anomalies[0].message, anomalies[0].message
