@@ -135,6 +135,8 @@ class StepMonitor:
         self.sync_off = SyncOffWatch(accumulation_steps(accelerator, params.deepspeed))
         """The micro-steps since the last optimizer step: a loop whose gradient sync stays off is told (past
         the accumulation length Accelerate or DeepSpeed declares, four times over, if longer than the floor)."""
+        self.unmanaged_told = False
+        """A DeepSpeed engine's unmanaged accumulation was said (:meth:`_unmanaged`): no sync left off said after."""
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
         """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
 
@@ -156,9 +158,10 @@ class StepMonitor:
             sync.run += 1
             if sync.run == 1:
                 sync.since = recorded_index(call.step, self.history.joined, self.config.step_offset)
-                if incomplete == "deepspeed_unmanaged":  # no stretch ever ends: said once, at the first call
-                    self._unmanaged(call)
-            if sync.run == sync.at and incomplete != "deepspeed_unmanaged":  # sync turned off and never back on
+            if incomplete == "deepspeed_unmanaged" and not self.unmanaged_told:  # no stretch ever ends: said once
+                self.unmanaged_told = True
+                self._unmanaged(call)
+            if sync.run == sync.at and not self.unmanaged_told:  # a loop that turned gradient sync off for good
                 self._sync_off(call, incomplete)
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         if self.sync_off.run:  # the stretch of micro-steps this optimizer step ends
@@ -224,10 +227,9 @@ class StepMonitor:
         with ``strict``), not as a sync left off: the weights do move (the ``not_learning`` said before was false)."""
         index = recorded_index(call.step, self.history.joined, self.config.step_offset)
         with self.sink.guard("reading DeepSpeed's gradients", step=index, rank=self.ctx.rank):
-            raise NotImplementedError(
-                "DeepSpeed's managed_gradient_accumulation is false: the engine reduces the gradients and steps "
-                "only inside engine.step(), after monitor_training_step, so no gradient norm, row or gradient "
-                "anomaly is recorded; set it true (DeepSpeed's default) to have them read"
+            raise NotImplementedError(  # under the 200 characters a debugger_error's message keeps
+                "DeepSpeed's managed_gradient_accumulation is false: it reduces and steps only in engine.step(), "
+                "after the monitor, so no gradient or row is read; set it true (the default)"
             )
 
     def judge_last_skip(self, at: str = "close") -> None:

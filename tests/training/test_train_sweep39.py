@@ -174,25 +174,29 @@ def test_sweep39_accelerate_accumulate_four_clip_grad_norm_rows_norms_and_the_ap
         assert info["applied_update_ratio"]["conv_norm_out"] == pytest.approx(change / weight, rel=1e-5)
 
 
+@pytest.mark.parametrize("told", [False, True], ids=["no-flag", "accumulating-first"])
 def test_sweep39_zero2_unmanaged_accumulation_says_once_that_no_gradient_is_read_not_that_nothing_learns(
-    one_rank_group, tmp_path, deepspeed_engine
+    one_rank_group, tmp_path, deepspeed_engine, told
 ):
     """The same unmanaged engine, 150 steps of two micro-steps, ``engine.step()`` once a step: the weights move
     every step. Before, every call read as a micro-step and at the 256th the run was told ``not_learning``
     (gradient sync off, "the weights never move", "monitor before engine.step()", which it does): a false alarm.
-    Now its first call says, once, why no gradient is read, and nothing else is said."""
+    Now its first call says, once, why no gradient is read, and nothing else is said; so too where the loop
+    passes ``accumulating=True`` to the first micro-step (``told``: the engine's own boundary is met first at
+    the second)."""
     engine, optimizer = _mlp_engine(deepspeed_engine, managed=False)
     tdbg = TrainingDebugger(engine, config=DebugConfig(output_dir=str(tmp_path)))
     generator = torch.Generator().manual_seed(0)
     first = engine.module[0].weight.detach().clone()
     for step in range(150):
-        for _ in range(2):
+        for micro in range(2):
             loss = engine(torch.randn(8, 4, generator=generator)).square().mean()
             engine.backward(loss)
-            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step)
+            tdbg.monitor_training_step(loss, optimizer=optimizer, step=step, accumulating=told and micro == 0)
         engine.step()
     anomalies = tdbg.report().anomalies
     tdbg.close()
     assert engine.global_steps == 150 and not torch.equal(first, engine.module[0].weight)
     assert [(a.kind, a.severity, a.step) for a in anomalies] == [("debugger_error", "warning", 0)]
-    assert "managed_gradient_accumulation is false" in anomalies[0].message, anomalies[0].message
+    message = anomalies[0].message  # whole: the advice at its end is not cut
+    assert "managed_gradient_accumulation is false" in message and "set it true (the default))" in message, message
