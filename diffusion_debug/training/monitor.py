@@ -135,6 +135,8 @@ class StepMonitor:
         self.sync_off = SyncOffWatch(accumulation_steps(accelerator, params.deepspeed))
         """The micro-steps since the last optimizer step: a loop whose gradient sync stays off is told (past
         the accumulation length Accelerate or DeepSpeed declares, four times over, if longer than the floor)."""
+        self.unmanaged_told = False
+        """A DeepSpeed engine's unmanaged accumulation was said (:meth:`_unmanaged`): no sync left off said after."""
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
         """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
 
@@ -156,7 +158,10 @@ class StepMonitor:
             sync.run += 1
             if sync.run == 1:
                 sync.since = recorded_index(call.step, self.history.joined, self.config.step_offset)
-            if sync.run == sync.at:  # a loop that turned gradient sync off and never back on
+            if incomplete == "deepspeed_unmanaged" and not self.unmanaged_told:  # no stretch ever ends: said once
+                self.unmanaged_told = True
+                self._unmanaged(call)
+            if sync.run == sync.at and not self.unmanaged_told:  # a loop that turned gradient sync off for good
                 self._sync_off(call, incomplete)
             return {"step": call.step, "gradients_read": False, "micro_steps": self.measurer.accumulated.count}
         if self.sync_off.run:  # the stretch of micro-steps this optimizer step ends
@@ -214,6 +219,18 @@ class StepMonitor:
             cause = held_by(incomplete, self.accelerator, self.params.deepspeed)
             anomaly = sync_off(self.sync_off, index, self.ctx.rank, cause, self.history.previous_step)
             self.sink.emit(anomaly, log=self.ctx.is_main)
+
+    def _unmanaged(self, call: Call) -> None:
+        """A raw DeepSpeed engine whose ``managed_gradient_accumulation`` is false steps in every
+        ``engine.step()`` but is at its boundary only inside it (``DeepSpeedSteps.unmanaged``): every call reads
+        as a micro-step and no gradient is read. Said as the debugger's own limit (a ``debugger_error``; raised
+        with ``strict``), not as a sync left off: the weights do move (the ``not_learning`` said before was false)."""
+        index = recorded_index(call.step, self.history.joined, self.config.step_offset)
+        with self.sink.guard("reading DeepSpeed's gradients", step=index, rank=self.ctx.rank):
+            raise NotImplementedError(  # under the 200 characters a debugger_error's message keeps
+                "DeepSpeed's managed_gradient_accumulation is false: it reduces and steps only in engine.step(), "
+                "after the monitor, so no gradient or row is read; set it true (the default)"
+            )
 
     def judge_last_skip(self, at: str = "close") -> None:
         """At close (and at a report: ``at``): whether the last monitored step's optimizer step was

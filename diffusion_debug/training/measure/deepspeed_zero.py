@@ -25,10 +25,14 @@ the partitions on the parameters); with ZeRO's CPU offload the fragments are rea
 where they are; stage 3 reads a float32 copy of each partition, so ``zero_gradients`` (policy
 ``skip``) reaches stages 1 and 2 only, and nothing under Accelerate (the step already ran): the
 debugger refuses policy ``skip`` there (:meth:`ZeroPartitions.unzeroable`) before it starts; on
-stage 3 the update sketch and weight checks see empty parameters outside forward (not judged).
+stage 3 the update sketch and weight checks see empty parameters outside forward (not judged). An
+engine whose ``managed_gradient_accumulation`` is false (:meth:`DeepSpeedSteps.unmanaged`) has its
+gradients whole only inside ``engine.step()``, after the monitor: none is read, which its first call
+says (a ``debugger_error``).
 The tests run stages 2 and 3 on a raw engine, and stage 2 under Accelerate's plugin through
 ``launch`` (two CPU processes: the script names gloo to Accelerate, else each process trains
-alone); stage 1 and gradient accumulation were checked by hand.
+alone); stage 1 and gradient accumulation were checked by hand (and again in session 39: ZeRO-1 and
+ZeRO-2, 2 micro-steps, two ranks, norms equal to ``get_global_grad_norm()``).
 """
 
 from __future__ import annotations
@@ -183,6 +187,12 @@ class DeepSpeedSteps:
         is never stepped, so under ``gradient_accumulation_steps > 1`` never reaches its boundary."""
         engines = [e for e in self.engines if getattr(e, "optimizer", None) is not None]
         return all(bool(e.is_gradient_accumulation_boundary()) for e in engines)
+
+    def unmanaged(self) -> bool:
+        """An engine's ``managed_gradient_accumulation`` is false (DeepSpeed 0.19 on): the loop owns the boundary,
+        which exists only inside ``engine.step()``, where the engine also reduces (stage 0 and 1) or finalizes
+        (stage 2: its fragments raise until then) the gradients; the monitor, called before it, reads none."""
+        return any(not getattr(e, "managed_gradient_accumulation", lambda: True)() for e in self.engines)
 
     def steps_taken(self) -> tuple[int, ...]:
         """Each engine's ``global_steps``: it counts every optimizer step the engine took, those its

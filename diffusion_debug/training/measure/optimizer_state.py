@@ -24,7 +24,9 @@ def gradients_incomplete(accumulating: bool, accelerator: Any, deepspeed: Any = 
     ``hsdp_all_reduce``, under HSDP one does not all-reduce them across replicas (``set_requires_all_reduce(False)``);
     ``accelerate_sync_gradients``, Accelerate's ``sync_gradients`` False (the micro-steps of its gradient
     accumulation); else ``deepspeed_boundary``, a raw DeepSpeed engine's (``deepspeed``: ``DeepSpeedSteps``, ZeRO's
-    or stage 0's) accumulation boundary not reached. (``step.sync_off.held_by`` says each in words.)
+    or stage 0's) accumulation boundary not reached, or ``deepspeed_unmanaged``, never reached at a monitor
+    (``managed_gradient_accumulation`` false: :meth:`DeepSpeedSteps.unmanaged`). (``step.sync_off.held_by`` says
+    each in words.)
 
     >>> class Group: reduce_grads = False
     >>> gradients_incomplete(False, None, None, [Group()]), gradients_incomplete(False, None)
@@ -41,7 +43,7 @@ def gradients_incomplete(accumulating: bool, accelerator: Any, deepspeed: Any = 
         return None if getattr(accelerator, "sync_gradients", True) else "accelerate_sync_gradients"
     if deepspeed is None or deepspeed.at_boundary():
         return None
-    return "deepspeed_boundary"
+    return "deepspeed_unmanaged" if deepspeed.unmanaged() else "deepspeed_boundary"
 
 
 def find_scaler(accelerator: Any, optimizer: Any, scaler: Any) -> Any:
