@@ -78,6 +78,7 @@ HELD_BY = {
     "hsdp_all_reduce": "HSDP set_requires_all_reduce(False)",
     "accelerate_sync_gradients": "Accelerate's sync_gradients stays False",
     "deepspeed_boundary": "DeepSpeed's gradient-accumulation boundary not reached",
+    "deepspeed_unmanaged": "DeepSpeed's managed_gradient_accumulation is false (a boundary only in engine.step())",
 }
 """What each of :func:`~..measure.optimizer_state.gradients_incomplete`'s reasons holds the sync off with
 (:func:`held_by` adds the accumulation length, and to ``deepspeed_boundary`` "monitor before engine.step()": a
