@@ -914,7 +914,7 @@ def test_a_tracker_failure_still_applies_the_policy(mlp, tmp_path, monkeypatch):
     loss.backward()
     mlp[0].weight.grad[0, 0] = float("nan")
 
-    def failing(row):
+    def failing(row, **kwargs):
         raise RuntimeError("planted failure in add_step")
 
     monkeypatch.setattr(tdbg.record, "add_step", failing)
@@ -931,7 +931,7 @@ def test_strict_raises_a_late_failure_after_the_policy(mlp, tmp_path, monkeypatc
     loss = mlp(torch.randn(2, 4)).pow(2).mean()
     loss.backward()
     mlp[0].weight.grad[0, 0] = float("nan")
-    monkeypatch.setattr(tdbg.record, "add_step", lambda row: (_ for _ in ()).throw(RuntimeError("planted")))
+    monkeypatch.setattr(tdbg.record, "add_step", lambda row, **kwargs: (_ for _ in ()).throw(RuntimeError("planted")))
     with pytest.raises(RuntimeError, match="planted"):
         tdbg.monitor_training_step(loss, step=0)
     assert tdbg.should_stop  # the policy ran first
