@@ -326,3 +326,33 @@ def test_a_callback_steering_latents_and_guidance_in_fp16_inference_mode_at_two_
     ]
     assert torch.equal(call_steered(pipe, 32), expected[0])
     dbg.close()
+
+
+@pytest.mark.skipif(not HAS_REPEATED_BLOCKS, reason="this diffusers has no compile_repeated_blocks")
+@pytest.mark.xfail(
+    strict=True,
+    reason="hunt39d: FLUX.2's single-stream block clips float16 to +-65504, so an Inf made inside it leaves the "
+    "transformer finite; eager, the block sentinel sees the clipped 65504 and a replay names the producer, but a "
+    "compiled block has no sentinel (it would be traced) and the transformer's output is not near max: nothing said",
+)
+def test_an_fp16_inf_clipped_inside_a_compiled_flux2_klein_block_is_named_at_its_producer(tmp_path):
+    """An Inf weight in ``single_transformer_blocks.0.attn.to_out`` of an fp16 FLUX.2 [klein] whose repeated
+    blocks are compiled (aot_eager) from step 2: named there, as it is when the blocks run eagerly."""
+    if kind_missing("flux2_klein"):
+        pytest.skip("this diffusers has no FLUX.2 [klein]")
+    module = "single_transformer_blocks.0.attn.to_out"
+    pipe = tiny_pipeline("flux2_klein", dtype=torch.float16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.compile_repeated_blocks(backend="aot_eager", fullgraph=True)
+    dbg = DiffusionModelDebugger(pipe, DebugConfig(output_dir=str(tmp_path), log_level="error"))
+    with dbg:
+        image = weight_restored(
+            pipe,
+            "transformer",
+            module,
+            lambda: call_flux2_klein(pipe, callback_on_step_end=faulted_at("transformer", module, 2)),
+        )
+    assert bool(image.isfinite().all())  # the block's clip: the image stays finite
+    errors = [a for a in dbg.report().anomalies if a.severity == "error"]
+    assert [(a.kind, a.component, a.module, a.step) for a in errors] == [("nonfinite", "transformer", module, 2)]
+    dbg.close()
