@@ -11,7 +11,7 @@ import pkgutil
 import pytest
 
 import diffusion_debug
-from diffusion_debug.testing.features import QWEN_TOKENIZER_IN_MEMORY, kind_missing
+from diffusion_debug.testing.features import kind_missing
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 ALL_MODULES = ["diffusion_debug"] + sorted(
@@ -49,8 +49,6 @@ def _missing(name: str) -> str | None:
         return kind_missing("flux2_klein")
     if name == "diffusion_debug.testing.zoo_recent_video":
         return kind_missing("ltx")
-    if name == "diffusion_debug.testing.text_encoders" and not QWEN_TOKENIZER_IN_MEMORY:
-        return "this transformers' Qwen2Tokenizer reads its vocabulary from files"
     return None
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "CLIP_TEXT_PREFIX",
     "CPU_RANKS_JOIN_UNASKED",
     "FSDP2_ON_CPU",
+    "HALF_REPLICATE_PAD_ON_CPU",
     "HAS_CACHE_HOOKS",
     "HAS_GROUP_OFFLOAD",
     "HAS_LAYERWISE_CASTING",
@@ -137,6 +138,19 @@ def _fsdp2_on_cpu() -> bool:
 
 #: Whether FSDP2 (``fully_shard``) trains on CPU processes (gloo): torch 2.5's asks for CUDA streams.
 FSDP2_ON_CPU = _fsdp2_on_cpu()
+
+
+def _half_replicate_pad_on_cpu() -> bool:
+    try:
+        torch.nn.functional.pad(torch.zeros(1, 1, 1, 1, 1, dtype=torch.float16), (1,) * 6, mode="replicate")
+    except RuntimeError:
+        return False
+    return True
+
+
+#: Whether a CPU pads a float16 5-d tensor by replication (Mochi's VAE convs): torch 2.5's has no Half
+#: ``replication_pad3d`` kernel, so an fp16 Mochi cannot decode on a CPU there, watched or not.
+HALF_REPLICATE_PAD_ON_CPU = _half_replicate_pad_on_cpu()
 
 
 def _clip_text_prefix() -> str:

@@ -160,17 +160,30 @@ _QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 def qwen_tokenizer():
     """A ``Qwen2Tokenizer`` built in memory: byte-level BPE over the 256 byte characters (no merges)
-    and the special tokens of the chat template the pipeline wraps each prompt in.
+    and the special tokens of the chat template the pipeline wraps each prompt in. A transformers whose
+    ``Qwen2Tokenizer`` reads its vocabulary from files (before 5: the floor's 4.47) is handed vocab.json and
+    an empty merges.txt written to a temporary directory, as :func:`clip_tokenizer` is: the same tokens.
 
     >>> tok = qwen_tokenizer()
     >>> tok.convert_ids_to_tokens(tok("<|im_start|>a cat<|im_end|>").input_ids)
     ['<|im_start|>', 'a', 'Ġ', 'c', 'a', 't', '<|im_end|>']
     """
+    import inspect
+
     from transformers import Qwen2Tokenizer
 
     vocab = {char: i for i, char in enumerate(_bytes_to_unicode().values())}
     vocab.update({token: len(vocab) + i for i, token in enumerate(_QWEN_SPECIAL)})
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[])
+    if "vocab" in inspect.signature(Qwen2Tokenizer).parameters:
+        tok = Qwen2Tokenizer(vocab=vocab, merges=[])
+    else:
+        with tempfile.TemporaryDirectory(prefix="diffusion_debug_tok_") as tmp:
+            vocab_file, merges_file = os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt")
+            with open(vocab_file, "w", encoding="utf-8") as f:
+                json.dump(vocab, f, ensure_ascii=False)
+            with open(merges_file, "w", encoding="utf-8") as f:
+                f.write("#version: 0.2\n")
+            tok = Qwen2Tokenizer(vocab_file, merges_file)  # read whole in __init__: the folder may go
     tok.add_special_tokens({"additional_special_tokens": list(_QWEN_SPECIAL[1:])})
     tok.name_or_path = "diffusion_debug/tiny-qwen-tokenizer"
     return tok

@@ -10,7 +10,10 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import tiny_pipeline
+from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.zoo_video_audio import WAN22_CALL
+
+pytestmark = pytest.mark.skipif(bool(kind_missing("wan22")), reason=str(kind_missing("wan22")))
 
 MODULE = "blocks.0.ffn.net.2"
 

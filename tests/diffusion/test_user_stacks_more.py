@@ -20,6 +20,7 @@ import torch
 
 from diffusion_debug import DebugConfig, DiffusionModelDebugger
 from diffusion_debug.testing import plant_nonfinite, tiny_pipeline
+from diffusion_debug.testing.features import kind_missing
 from diffusion_debug.testing.zoo_more import CALLS
 
 CONV = "up_blocks.1.resnets.0.conv2"
@@ -373,7 +374,10 @@ def test_a_second_order_steps_row_has_the_sigma_its_model_call_ran_at(tmp_path, 
     assert len(ran_at) == 5
 
 
-@pytest.mark.parametrize("kind", list(CALLS))
+@pytest.mark.parametrize(
+    "kind",
+    [pytest.param(k, marks=pytest.mark.skipif(bool(kind_missing(k)), reason=str(kind_missing(k)))) for k in CALLS],
+)
 def test_a_pipeline_of_the_family_changes_no_output_and_its_fault_is_named(tmp_path, kind):
     kwargs, component, module = CALLS[kind]
     allowed = DIVERGE if kind in ("lcm", "pixart_sigma", "cogvideox") else ()

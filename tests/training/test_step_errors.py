@@ -4,6 +4,7 @@ it and goes on (``except Exception: continue``) skipped the step, and nothing el
 
 import contextlib
 import copy
+import gc
 
 import pytest
 import torch
@@ -117,12 +118,41 @@ def test_an_error_in_a_forward_without_grad_is_not_the_step_s(mlp, tmp_path):
     assert tdbg.report().anomalies == []
 
 
+def _checkpoint_goes_on_after_a_forward_error(mlp) -> bool:
+    """Whether an unwatched loop over a copy of ``mlp`` checkpointed (non-reentrant) goes on after its forward raised
+    at step 2 and the loop caught it: torch 2.5's leaves that forward's saved-tensors hook pushed until its frame is
+    collected, and the next backward raises ``CheckpointError``. The failed frames are dropped and collected before
+    this returns (the hook popped), so that later tests do not run under it."""
+    from torch.utils.checkpoint import CheckpointError, checkpoint
+
+    plain, head = copy.deepcopy(mlp), torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(list(plain.parameters()) + list(head.parameters()), lr=1e-2)
+    try:
+        _caught_loop(
+            None,
+            optimizer,
+            plain[2],
+            lambda: head(checkpoint(plain, torch.randn(2, 4), use_reentrant=False)).pow(2).mean(),
+            {2: ValueError("a bad batch")},
+            4,
+            catch=ValueError,
+        )
+    except CheckpointError:
+        goes_on = False
+    else:
+        goes_on = True
+    gc.collect()  # (out of the except: its traceback, which holds the failed frames, is gone)
+    return goes_on
+
+
 def test_a_checkpointed_model_s_recompute_in_backward_is_not_a_step_error(mlp, tmp_path):
     """Non-reentrant checkpointing over a watched model: backward re-runs its forward and stops it with an error of
     torch's (``_StopRecomputationError``) once it has what it needs, with gradients on, in training mode. Not the
     step's error: a clean run stays quiet; a real error in the checkpointed forward is still named, once."""
     from torch.utils.checkpoint import checkpoint
 
+    if not _checkpoint_goes_on_after_a_forward_error(mlp):
+        pytest.skip("this torch's checkpoint raises in the backward after a caught forward error, unwatched too")
     head = torch.nn.Linear(1, 1)
     tdbg = TrainingDebugger({"encoder": mlp, "head": head}, config=DebugConfig(output_dir=str(tmp_path)))
     optimizer = torch.optim.SGD(list(mlp.parameters()) + list(head.parameters()), lr=1e-2)

@@ -105,8 +105,12 @@ CONV = "down_blocks.1.resnets.0.conv2"
 
 def _checkpointed(unet):
     import functools
+    import inspect
 
-    unet.enable_gradient_checkpointing(functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
+    if "gradient_checkpointing_func" in inspect.signature(unet.enable_gradient_checkpointing).parameters:
+        unet.enable_gradient_checkpointing(functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
+    else:  # diffusers before 0.33 (the floor's 0.32) takes no function: its checkpoint is use_reentrant=False
+        unet.enable_gradient_checkpointing()
     assert unet.is_gradient_checkpointing
 
 
