@@ -237,14 +237,15 @@ class FoundScalers:
         """Each followed scaler whose ``update()`` replaced the state last looked at: the optimizers that state says
         it stepped are its own (a GAN's two, one ``GradScaler``; the other's norm, scaled, may read clean and never
         be searched), confirmed for it at their next step, their rows since that state began listed in
-        :attr:`learnt` (read with no scaler: to unscale by its scale then). Then the new state is followed."""
+        :attr:`learnt` (read with no scaler: to unscale by its scale then), once (one never monitored is not listed
+        at every update). Then the new state is followed."""
         for entry in self._following:
             ref, states, scale, since = entry
             scaler = ref()
             if scaler is None or scaler._per_optimizer_states is states:
                 continue
             for key, state in list(states.items()):
-                if key not in self._confirmed_ids and _stepped(state):
+                if key not in self._confirmed_ids and key not in self._stepped_by and _stepped(state):
                     self._stepped_by[key] = ref
                     self.learnt.append((key, scale, since))
             entry[1], entry[2] = scaler._per_optimizer_states, float(scaler.get_scale())
