@@ -156,10 +156,10 @@ def test_a_held_step_s_skip_released_at_a_third_optimizer_s_call_marks_the_held_
     assert (skip["step"], skip["joined"], skip["reason"]) == (0, 1, "grad_scaler")
 
 
-def _gan_fp16(tmp_path, passed: bool, order: str, bad: tuple[str, ...], steps: int = 4):
+def _gan_fp16(tmp_path, passed: bool, order: str, bad: tuple[str, ...], steps: int = 4, at: int = 1):
     """A GAN-style fp16 loop (autocast on the CPU), D then G monitored under one step number, one GradScaler
     (1024) stepping both: ``order`` "together" steps both after G's monitor call, "each" each one after its own;
-    an Inf planted in the gradients of each model in ``bad`` at step 1. Returns the kept rows, the run directory,
+    an Inf planted in the gradients of each model in ``bad`` at step ``at``. Returns the kept rows, the run directory,
     the report's anomalies and the naive reference of each call: its gradient norm over the scale it was made
     with, and whether its optimizer step was skipped (its weights unchanged by ``scaler.step``)."""
     import torch
@@ -188,7 +188,7 @@ def _gan_fp16(tmp_path, passed: bool, order: str, bad: tuple[str, ...], steps: i
                 loss = (nets[name](x) - target).square().mean()
             opts[name].zero_grad()
             scaler.scale(loss).backward()
-            if step == 1 and name in bad:
+            if step == at and name in bad:
                 next(nets[name].parameters()).grad[0, 0] = float("inf")
             grads = torch.cat([p.grad.flatten() for p in nets[name].parameters()])
             truth[step, name] = [float(torch.linalg.vector_norm(grads)) / float(scaler.get_scale()), None]
@@ -198,42 +198,46 @@ def _gan_fp16(tmp_path, passed: bool, order: str, bad: tuple[str, ...], steps: i
         if order == "together":
             truth[step, "D"][1], truth[step, "G"][1] = step_of("D"), step_of("G")
         scaler.update()
+    tdbg.close()  # (a skip at the last step is read here)
     kept, run_dir = [dict(row) for row in tdbg.record.steps], tdbg.record.run_dir
-    tdbg.close()
     return kept, run_dir, tdbg.report().anomalies, list(truth.values())
 
 
 @pytest.mark.parametrize("passed", [True, False], ids=["passed", "not-passed"])
 @pytest.mark.parametrize("order", ["together", "each"])
 @pytest.mark.parametrize("bad", [("D",), ("G",), ("D", "G")], ids=["D", "G", "both"])
-def test_a_gan_s_skip_marks_the_row_of_the_optimizer_the_scaler_skipped(tmp_path, passed, order, bad):
+@pytest.mark.parametrize("at", [1, 3], ids=["read-at-the-next-step", "read-at-close"])
+def test_a_gan_s_skip_marks_the_row_of_the_optimizer_the_scaler_skipped(tmp_path, passed, order, bad, at):
     """One GradScaler, two optimizers (a VAE fine-tune with a discriminator): an overflow in one model's gradients
-    at step 1 (or both), the scaler skips that optimizer's step alone and halves the scale, read at D's step 2. The
+    at step 1 (or both), the scaler skips that optimizer's step alone and halves the scale, read at D's step 2 (at
+    step 3, the last: read at close). The
     skip marks the row of the optimizer it skipped (the naive reference: its weights unchanged by ``scaler.step``),
     in the kept rows, the stream and a rebuilt summary alike, with one ``skipped_step`` (its scales, read at step
     2), and the Inf is an info, not a ``nonfinite`` error, whether the scaler was passed or not. Before, the skip
     was pinned on the last row monitored before the scale fell (G's, whose optimizer stepped), D's row said
     nothing; with the scaler not passed, G's rows (no scale on them: never searched) reset the scale the skip is
     read against, so no skip was recorded, and an Inf in G was a ``nonfinite`` error."""
-    kept, run_dir, anomalies, truth = _gan_fp16(tmp_path, passed, order, bad)
+    kept, run_dir, anomalies, truth = _gan_fp16(tmp_path, passed, order, bad, at=at)
     skipped = ["grad_scaler" if was else None for _, was in truth]
-    assert skipped == [None, None, *("grad_scaler" if n in bad else None for n in ("D", "G")), None, None, None, None]
+    assert skipped == [None] * 2 * at + ["grad_scaler" if n in bad else None for n in ("D", "G")] + [None] * (
+        6 - 2 * at
+    )
     assert [row.get("skipped") for row in kept] == skipped
     assert [row.get("skipped") for row in every_rank_steps(run_dir)] == skipped
     assert [row.get("skipped") for row in rebuild_summary(run_dir)["steps"]] == skipped
     marks = [(e["step"], e["joined"]) for e in read_jsonl(run_dir / "events.jsonl") if e["type"] == "step_skipped"]
-    assert marks == [(1, joined) for joined, name in ((3, "D"), (4, "G")) if name in bad]
+    assert marks == [(at, joined + 2 * at) for joined, name in ((1, "D"), (2, "G")) if name in bad]
     (skip,) = [a for a in anomalies if a.kind == "skipped_step"]  # one update() skipped them: counted once
-    assert (skip.step, skip.severity) == (1, "info")
+    assert (skip.step, skip.severity) == (at, "info")
     assert skip.details == {
         "scale_before": 1024.0,
         "scale_after": 512.0,
-        "detected_at_step": 2,
+        "detected_at_step": 2 if at == 1 else "close",
         "reason": "grad_scaler",
         "count": 1,
     }
     nonfinite = [(a.step, a.severity) for a in anomalies if a.kind == "nonfinite"]
-    assert nonfinite == [(1, "info")] * len(bad)
+    assert nonfinite == [(at, "info")] * len(bad)
     assert not [a for a in anomalies if a.severity == "error"]
 
 
