@@ -144,6 +144,10 @@ class StepMonitor:
         skip marks the row of the optimizer the scaler found Inf in (:meth:`_skipped_rows`); a GAN's other
         optimizer, found stepped by a confirmed scaler not passed, has its row read unscaled
         (:meth:`_unscale_learnt`)."""
+        self._scaler_states: Any = None
+        """The GradScaler's per-optimizer state at the last monitored step that had a scaler: where another
+        optimizer's step, monitored after it, has none (a GAN's generator in fp32), the skip the scale's fall tells
+        is read in it (:meth:`_skipped_rows`)."""
 
     def monitor(self, call: Call, incomplete: str | None) -> dict[str, Any]:
         """One ``monitor_training_step`` call; ``incomplete``: the caller's
@@ -250,7 +254,7 @@ class StepMonitor:
             self._early = last[3]
             for anomaly in skipped:
                 self.sink.emit(anomaly, log=self.ctx.is_main)
-                for at in self._skipped_rows(last, last[3]):
+                for at in self._skipped_rows(last[2], last[3]):
                     self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"], joined=at)
             self.history.counts.add_skip(skipped)
 
@@ -300,13 +304,12 @@ class StepMonitor:
                 return self._rows_of.get(given)
         return None
 
-    def _skipped_rows(self, last: tuple | None, fallback: int) -> list[int]:
+    def _skipped_rows(self, states: Any, fallback: int) -> list[int]:
         """The monitored steps (``joined``) of the rows whose optimizer step a GradScaler's ``update()`` skipped,
-        read when the scale fell after the ``last`` monitored step: where several optimizers were monitored, the
-        row of each one its per-optimizer state (``last``'s, the state that ``update()`` read) found Inf in, taken
-        while that state was the scaler's (a GAN's D, whose step the scaler skipped, not G's row monitored after
-        it; both where both overflowed); else, or where none is known, ``fallback`` (the last monitored step's)."""
-        states = None if last is None else last[2]
+        read when the scale fell: where several optimizers were monitored, the row of each one the per-optimizer
+        ``states`` (the last monitored with a scaler: the state that ``update()`` read) found Inf in, taken while
+        that state was the scaler's (a GAN's D, whose step the scaler skipped, not G's row monitored after it; both
+        where both overflowed); else, or where none is known, ``fallback`` (the last monitored step's)."""
         if not states or len(self._rows_of) < 2:
             return [fallback]
         rows = []
@@ -687,7 +690,9 @@ class StepMonitor:
         whose failure waits until the policy has run."""
         history, ctx = self.history, self.ctx
         info["anomalies"] = [a.kind for a in judged.anomalies] if judged.anomalies else []  # clean: no call
-        found, before = step.last, self._last  # this step's, from now on (not before: the skip it counts is pending)
+        found, states = step.last, self._scaler_states  # this step's from now on (the skip it counts is pending)
+        if found is not None and found[2] is not None:
+            self._scaler_states = found[2]
         self._last = (call.optimizer, call.scaler, None, history.joined) if found is None else (*found, history.joined)
         engines = self.params.deepspeed
         self._taken = engines.steps_taken() if engines is not None and not engines.capture else None
@@ -722,7 +727,7 @@ class StepMonitor:
                 row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
             for skip in skipped + late_skips:  # found now: the held step's row, else the skipped optimizer's (a GAN's)
                 rows = (
-                    [self._held_joined] if _among(skip, released) else self._skipped_rows(before, history.joined - 1)
+                    [self._held_joined] if _among(skip, released) else self._skipped_rows(states, history.joined - 1)
                 )
                 for at in rows:
                     self.sink.record.mark_skipped(skip.step, skip.details["reason"], joined=at)

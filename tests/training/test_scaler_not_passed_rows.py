@@ -256,3 +256,59 @@ def test_a_gan_s_other_optimizer_is_read_under_the_scaler_not_passed_that_steps_
     assert [row["grad_norm"] for row in rebuild_summary(run_dir)["steps"]] == pytest.approx(expected, rel=1e-4)
     amended = [(e["step"], e["joined"]) for e in read_jsonl(run_dir / "events.jsonl") if e["type"] == "step_amended"]
     assert amended == [(0, 1), (0, 2)]  # D's held row, then G's row of step 0
+
+
+def test_a_skip_of_the_scaled_optimizer_is_read_past_the_other_optimizer_s_unscaled_rows(tmp_path):
+    """D in fp16 under a GradScaler (1024, passed), updated after D's step; G in fp32 with a plain
+    ``optimizer.step()``, monitored after D (its rows carry no scale). An Inf in D's gradients at step 1: the scaler
+    skips D's step (the naive reference: D's weights unchanged) and halves the scale, read at D's step 2 past G's
+    row: D's row of step 1 says ``skipped``, G's rows none, one ``skipped_step`` (1024 -> 512). Before, each G row
+    (no scale) reset the scale the next D row was read against: the skip was never recorded."""
+    import torch
+
+    from diffusion_debug import TrainingDebugger
+
+    torch.manual_seed(0)
+    nets = {
+        name: torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, n))
+        for name, n in (("D", 1), ("G", 8))
+    }
+    opts = {name: torch.optim.SGD(net.parameters(), lr=1e-4) for name, net in nets.items()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    tdbg = TrainingDebugger(nets, config=DebugConfig(output_dir=str(tmp_path)))
+    g, truth = torch.Generator().manual_seed(1), []
+    for step in range(4):
+        x = torch.randn(16, 8, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (nets["D"](x) - 1.0).square().mean()
+        opts["D"].zero_grad()
+        scaler.scale(loss).backward()
+        if step == 1:
+            next(nets["D"].parameters()).grad[0, 0] = float("inf")
+        tdbg.monitor_training_step(loss, optimizer=opts["D"], step=step, scaler=scaler)
+        before = [p.detach().clone() for p in nets["D"].parameters()]
+        scaler.step(opts["D"])
+        scaler.update()
+        truth += [all(torch.equal(a, b) for a, b in zip(before, nets["D"].parameters())), False]
+        loss = (nets["G"](x) - 0.5).square().mean()
+        opts["G"].zero_grad()
+        loss.backward()
+        tdbg.monitor_training_step(loss, optimizer=opts["G"], step=step)
+        opts["G"].step()
+    tdbg.close()
+    run_dir = tdbg.record.run_dir
+    skipped = ["grad_scaler" if was else None for was in truth]
+    assert skipped == [None, None, "grad_scaler", None, None, None, None, None]
+    assert [row.get("skipped") for row in tdbg.record.steps] == skipped
+    assert [row.get("skipped") for row in every_rank_steps(run_dir)] == skipped
+    scales = [1024.0, None, 1024.0, None, 512.0, None, 512.0, None]
+    assert [row.get("grad_scale") for row in tdbg.record.steps] == scales
+    (skip,) = [a for a in tdbg.report().anomalies if a.kind == "skipped_step"]
+    assert (skip.step, skip.severity) == (1, "info")
+    assert skip.details == {
+        "scale_before": 1024.0,
+        "scale_after": 512.0,
+        "detected_at_step": 2,
+        "reason": "grad_scaler",
+        "count": 1,
+    }
