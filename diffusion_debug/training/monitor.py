@@ -45,6 +45,7 @@ from .measure.gradients import TrainableParameters
 from .measure.optimizer_state import (
     find_scaler,
     learning_rates,
+    raw_optimizer,
     scale_tensor,
     tracking_enabled,
 )
@@ -56,7 +57,7 @@ from .ranks.exchange import RankExchange, same_on_other_ranks
 from .ranks.origin import made_nonfinite, name_origin, name_overflow
 from .ranks.processes import RankContext
 from .step.coverage import COVERAGE_EVERY, CoverageWatch
-from .step.found_scaler import FoundScalers, unscaled_values
+from .step.found_scaler import FoundScalers, found_inf_by_optimizer, unscaled_values
 from .step.outputs import across_ranks, record_row, step_info, tracker_values
 from .step.policy import StepPolicy
 from .step.stability import StabilityActions
@@ -139,6 +140,16 @@ class StepMonitor:
         """A DeepSpeed engine's unmanaged accumulation was said (:meth:`_unmanaged`): no sync left off said after."""
         self.found = FoundScalers(config.grad_explosion_threshold, config.update_ratio_threshold)
         """A GradScaler the script did not pass, found at a step that looks scaled (``step.found_scaler``)."""
+        self._rows_of: dict[int, tuple[int, Any, float | None, Any]] = {}
+        """``id`` of each optimizer monitored -> its last row: its monitored step (``joined``), step number,
+        ``max_grad_norm`` and the GradScaler's per-optimizer state at its monitor (None: no scaler known). A GAN's
+        skip marks the row of the optimizer the scaler found Inf in (:meth:`_skipped_rows`); a GAN's other
+        optimizer, found stepped by a confirmed scaler not passed, has its row read unscaled
+        (:meth:`_unscale_learnt`)."""
+        self._scaler_states: Any = None
+        """The GradScaler's per-optimizer state at the last monitored step that had a scaler: where another
+        optimizer's step, monitored after it, has none (a GAN's generator in fp32), the skip the scale's fall tells
+        is read in it (:meth:`_skipped_rows`)."""
 
     def monitor(self, call: Call, incomplete: str | None) -> dict[str, Any]:
         """One ``monitor_training_step`` call; ``incomplete``: the caller's
@@ -260,7 +271,8 @@ class StepMonitor:
             self._early = last[3]
             for anomaly in skipped:
                 self.sink.emit(anomaly, log=self.ctx.is_main)
-                self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"], joined=last[3])
+                for at in self._skipped_rows(last[2], last[3]):
+                    self.sink.record.mark_skipped(anomaly.step, anomaly.details["reason"], joined=at)
             self.history.counts.add_skip(skipped)
 
     def last_skip(self, at: str) -> list[Anomaly] | None:
@@ -296,6 +308,51 @@ class StepMonitor:
         if history.overflowed is not None:  # the ranks whose own gradients overflowed, as the next detail step names
             skipped = name_overflow(skipped, *history.overflowed)
         return skipped
+
+    def _row_of(self, key: int) -> tuple[int, Any, float | None, Any] | None:
+        """The last row of the optimizer a GradScaler knows by ``key`` (``id`` of the optimizer ``scaler.step`` was
+        given: the raw one under a wrapper the monitor was given, Accelerate's)."""
+        row = self._rows_of.get(key)
+        if row is not None:
+            return row
+        for given, entry in self.history.stall.each.items():
+            optimizer = entry.ref()
+            if optimizer is not None and id(raw_optimizer(optimizer)) == key:
+                return self._rows_of.get(given)
+        return None
+
+    def _skipped_rows(self, states: Any, fallback: int) -> list[int]:
+        """The monitored steps (``joined``) of the rows whose optimizer step a GradScaler's ``update()`` skipped,
+        read when the scale fell: where several optimizers were monitored, the row of each one the per-optimizer
+        ``states`` (the last monitored with a scaler: the state that ``update()`` read) found Inf in, taken while
+        that state was the scaler's (a GAN's D, whose step the scaler skipped, not G's row monitored after it; both
+        where both overflowed); else, or where none is known, ``fallback`` (the last monitored step's)."""
+        if not states or len(self._rows_of) < 2:
+            return [fallback]
+        rows = []
+        for key, count in found_inf_by_optimizer(states, updated=True).items():  # the scale fell: update() read it
+            row = self._row_of(key) if count > 0 else None
+            if row is not None and row[3] is states:
+                rows.append(row[0])
+        return sorted(rows) or [fallback]
+
+    def _unscale_learnt(self) -> None:
+        """The rows of the optimizers just found stepped by a confirmed GradScaler not passed (a GAN's other one:
+        its norm, scaled, read clean, so it was never searched): its last row, where it was read with no scaler in
+        the state the scaler stepped it in, read unscaled by that state's scale (as the held row is)."""
+        learnt, self.found.learnt = self.found.learnt, []
+        record = self.sink.record
+        for key, scale, since in learnt:
+            found = self._row_of(key)
+            if found is None or found[0] < since or found[3] is not None:
+                continue
+            joined, index, max_grad_norm, _ = found
+            with self.sink.guard(
+                "unscaling a row of the optimizer a found scaler stepped", step=index, rank=self.ctx.rank
+            ):
+                row = record.step_row(index, joined)
+                if row is not None and row.get("grad_scale") is None:
+                    record.amend_step(index, unscaled_values(row, scale, max_grad_norm), joined=joined)
 
     def _hold_if_scaled(self, step: MonitoredStep, judged: Judgement, call: Call) -> None:
         """A step that looks scaled (no scaler known; no NaN loss, which no scaling makes): its verdict held while
@@ -438,7 +495,9 @@ class StepMonitor:
                 raise step.failure
             scaler = find_scaler(self.accelerator, call.optimizer, call.scaler)
             if scaler is None and self.found.any_confirmed:  # one the script did not pass (step.found_scaler)
-                scaler = self.found.scaler_for(call.optimizer)
+                scaler = self.found.scaler_for(call.optimizer, self.history.joined + 1)
+                if self.found.learnt:  # a GAN's other optimizer, stepped by it: its row read with no scaler
+                    self._unscale_learnt()
             step.last = (call.optimizer, scaler, getattr(scaler, "_per_optimizer_states", None))
             measured = self.measurer.measure(
                 scaler=scaler,
@@ -648,7 +707,9 @@ class StepMonitor:
         whose failure waits until the policy has run."""
         history, ctx = self.history, self.ctx
         info["anomalies"] = [a.kind for a in judged.anomalies] if judged.anomalies else []  # clean: no call
-        found = step.last  # this step's, from now on (not before: the skip it counts is pending until here)
+        found, states = step.last, self._scaler_states  # this step's from now on (the skip it counts is pending)
+        if found is not None and found[2] is not None:
+            self._scaler_states = found[2]
         self._last = (call.optimizer, call.scaler, None, history.joined) if found is None else (*found, history.joined)
         engines = self.params.deepspeed
         self._taken = engines.steps_taken() if engines is not None and not engines.capture else None
@@ -681,11 +742,20 @@ class StepMonitor:
             row = dict(step.record, **{k: info[k] for k in ("ranks", "losses_by_rank") if k in info})
             if "grad_norms_by_rank" in info:
                 row["grad_norms_by_rank"] = info["grad_norms_by_rank"]
-            for skip in skipped + late_skips:  # found now: the held step's row, else the last monitored step's
-                at = self._held_joined if _among(skip, released) else history.joined - 1
-                self.sink.record.mark_skipped(skip.step, skip.details["reason"], joined=at)
+            for skip in skipped + late_skips:  # found now: the held step's row, else the skipped optimizer's (a GAN's)
+                rows = (
+                    [self._held_joined] if _among(skip, released) else self._skipped_rows(states, history.joined - 1)
+                )
+                for at in rows:
+                    self.sink.record.mark_skipped(skip.step, skip.details["reason"], joined=at)
             self.sink.record.add_step(row, joined=history.joined)
             step.row_joined = history.joined
+            self._rows_of[id(call.optimizer)] = (
+                history.joined,
+                step.index,
+                call.max_grad_norm,
+                None if found is None else found[2],
+            )
             if ctx.is_main and step.details is not None:  # the other ranks' rows of this step and the ones before it
                 for joined, other in self.exchange.unrecorded(step.details):
                     self.sink.record.add_rank_step(other, joined=joined)

@@ -74,6 +74,8 @@ class RankHistory:
     memory_flagged: set[str] = field(default_factory=set)
     """Memory sources already flagged (``memory_growth`` is reported once per source)."""
     previous_scale: float | None = None
+    """The loss scale of the last measured row that carried one (a row with none, a GAN's optimizer stepped
+    without the GradScaler, keeps it: the other's skip is still read from the scale's fall)."""
     skips: deque[int] = field(default_factory=lambda: deque(maxlen=FREQUENT_SKIPS))
     """The measured-step numbers of the last skipped steps after the scale settled."""
     measured: int = 0
@@ -300,7 +302,8 @@ def judge_skipped(
         history = histories[r]
         history.measured += 1
         scale, previous = row.grad_scale, history.previous_scale
-        history.previous_scale = scale if math.isfinite(scale) else None
+        if math.isfinite(scale):  # a row with none (a GAN's other optimizer, unscaled) keeps the one before
+            history.previous_scale = scale
         by_scale = previous is not None and math.isfinite(scale) and scale < previous
         by_accelerate = math.isfinite(row.accelerate_skipped) and row.accelerate_skipped > 0
         skipped = previous_step is not None and (by_scale or by_accelerate)

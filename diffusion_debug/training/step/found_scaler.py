@@ -43,6 +43,14 @@ with one ``scaler_not_passed`` warning saying they may be scaled; a report befor
 it pending (the report lacks that one step) unless ``optimizer.step()`` ran with no scaler stepping it (then the
 step was unscaled: read as it is). A scaler whose state says it stepped the optimizer already at the suspicious
 step (a stale one's, stopped before ``update()``, at a reused id) is not tried.
+
+A GAN's other optimizer (one GradScaler stepping a generator's and a discriminator's): its scaled norm may read
+clean (684.9 under 1024: never searched), yet the confirmed scaler steps it too. Each per-optimizer state a confirmed
+scaler held is looked at once ``update()`` replaced it (:meth:`FoundScalers.scaler_for`, only where a scaler was
+confirmed): every optimizer it says was stepped there is that scaler's from its next step on, and its last row in
+that state, read with no scaler, is read unscaled by the monitor (:attr:`FoundScalers.learnt`). Limits: only that
+last row (an optimizer monitored twice in one state keeps its earlier row as read); anomalies its scaled rows raised
+before (an explosion of a norm over the threshold while another optimizer's trial was pending) stay as emitted.
 """
 
 from __future__ import annotations
@@ -107,13 +115,33 @@ class FoundScalers:
         self.confirmed_at: tuple[Any, float, float | None, int | None] | None = None
         """The held step just confirmed, its scale, its ``max_grad_norm`` and its monitored step (``joined``): its
         recorded row to unscale (:func:`unscaled_values`)."""
+        self._following: list[list] = []
+        """Each confirmed scaler (weakly), the per-optimizer state it held when last looked at, its scale then and
+        the first monitored step (``joined``) since: once ``update()`` replaced that state, the optimizers it
+        stepped in it are known (:meth:`_look_back`)."""
+        self._stepped_by: dict[int, weakref.ref] = {}
+        """``id`` of an optimizer a confirmed scaler stepped (a GAN's other one, whose own norm read clean) -> that
+        scaler: confirmed for it at its next step (:meth:`scaler_for`)."""
+        self._confirmed_ids: set[int] = set()
+        self.learnt: list[tuple[int, float, int]] = []
+        """Optimizers just found stepped by a confirmed scaler: ``id``, the scale and the first monitored step of
+        the state it stepped them in; their row in it, read with no scaler, is to unscale (the monitor takes them)."""
 
-    def scaler_for(self, optimizer: Any) -> Any:
-        """The scaler confirmed for ``optimizer``, or None."""
+    def scaler_for(self, optimizer: Any, joined: int | None = None) -> Any:
+        """The scaler confirmed for ``optimizer``, or None; ``joined``: this monitored step's (a state the scaler
+        holds from here on is followed from it)."""
+        if self._following:
+            self._look_back(joined)
+        raw = raw_optimizer(optimizer)
         try:
-            ref = self._confirmed.get(raw_optimizer(optimizer))
+            ref = self._confirmed.get(raw)
         except TypeError:  # not weakly referable: never searched, never confirmed
             return None
+        if ref is None and self._stepped_by:  # stepped by a confirmed one (a GAN's other optimizer)
+            ref = self._stepped_by.pop(id(raw), None)
+            if ref is not None:
+                self._confirmed[raw] = ref
+                self._confirmed_ids.add(id(raw))
         scaler = None if ref is None else ref()
         return scaler if scaler is not None and scaler.is_enabled() else None
 
@@ -187,8 +215,12 @@ class FoundScalers:
             self.trial = None
             trial.end()
             self._confirmed[raw], self.any_confirmed = ref, True
+            self._confirmed_ids.add(trial.key)
+            if trial.joined is not None and not any(f[0] is ref for f in self._following):
+                self._following.append([ref, states, scale, trial.joined + 1])  # the held row's own: unscaled apart
             self.confirmed_at = (trial.step, scale, trial.max_grad_norm, trial.joined)
-            found_inf = sum(float(v.sum()) for v in entry.get("found_inf_per_device", {}).values())
+            updated = scaler._per_optimizer_states is not states  # (update() summed them into the first)
+            found_inf = found_inf_by_optimizer(states, updated).get(trial.key, 0.0)
             skipped = [] if states is self._skip_read else self._skip(trial, scale, scaler, found_inf, at)
             if skipped:
                 self._skip_read = states
@@ -200,6 +232,24 @@ class FoundScalers:
         if waiting and raw is not None and now is None and not trial.ran and trial.hook is not None:
             return [*trial.held, self._undecided(trial)], []  # close with no step since: a crash (maybe the NaN's)
         return trial.held, []
+
+    def _look_back(self, joined: int | None) -> None:
+        """Each followed scaler whose ``update()`` replaced the state last looked at: the optimizers that state says
+        it stepped are its own (a GAN's two, one ``GradScaler``; the other's norm, scaled, may read clean and never
+        be searched), confirmed for it at their next step, their rows since that state began listed in
+        :attr:`learnt` (read with no scaler: to unscale by its scale then), once (one never monitored is not listed
+        at every update). Then the new state is followed."""
+        for entry in self._following:
+            ref, states, scale, since = entry
+            scaler = ref()
+            if scaler is None or scaler._per_optimizer_states is states:
+                continue
+            for key, state in list(states.items()):
+                if key not in self._confirmed_ids and key not in self._stepped_by and _stepped(state):
+                    self._stepped_by[key] = ref
+                    self.learnt.append((key, scale, since))
+            entry[1], entry[2] = scaler._per_optimizer_states, float(scaler.get_scale())
+            entry[3] = since if joined is None else joined
 
     def _undecided(self, trial: Trial) -> Anomaly:
         """At close, a trial never decided: the held step's anomalies go out as read (a real NaN stays an error,
@@ -285,6 +335,32 @@ def unscaled_values(row: dict[str, Any], scale: float, max_grad_norm: float | No
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def found_inf_by_optimizer(states: Any, updated: bool) -> dict[int, float]:
+    """Each optimizer's own Inf/NaN count in a GradScaler's per-optimizer state (keyed by ``id`` of the optimizer
+    ``scaler.step`` was given), ``updated``: the state ``update()`` read. ``update()`` sums every optimizer's count
+    into the first one's tensor in place (``found_inf_combined += ...``: on the scale's device ``.to`` is that
+    tensor itself), so there the first holds the sum: its own is that less the others'.
+
+    >>> import torch
+    >>> states = {1: {"found_inf_per_device": {"cpu": torch.tensor(1.0)}},
+    ...           2: {"found_inf_per_device": {"cpu": torch.tensor(1.0)}}}
+    >>> found_inf_by_optimizer(states, updated=True), found_inf_by_optimizer(states, updated=False)
+    ({1: 0.0, 2: 1.0}, {1: 1.0, 2: 1.0})
+    """
+    counts = [
+        (key, float(t.sum()))
+        for key, state in list(states.items())
+        if isinstance(state, dict)
+        for t in state.get("found_inf_per_device", {}).values()
+    ]
+    if updated and len(counts) > 1:
+        counts[0] = (counts[0][0], counts[0][1] - sum(c for _, c in counts[1:]))
+    out: dict[int, float] = {}
+    for key, count in counts:
+        out[key] = out.get(key, 0.0) + count
+    return out
 
 
 def _stepped(entry: Any) -> bool:
