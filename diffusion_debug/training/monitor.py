@@ -357,8 +357,10 @@ class StepMonitor:
     def _hold_if_scaled(self, step: MonitoredStep, judged: Judgement, call: Call) -> None:
         """A step that looks scaled (no scaler known; no NaN loss, which no scaling makes): its verdict held while
         the GradScalers alive are tried (``step.found_scaler``), once for its optimizer. Several processes: held on
-        every rank or released on every rank in the step (:meth:`_held_alone`)."""
-        if step.last is None or step.last[1] is not None or judged.flags.nonfinite_loss:
+        every rank or released on every rank in the step (:meth:`_held_alone`). Not a step whose measurement failed
+        (its row all NaN: no norm to look scaled; its debugger_error is said at once, as :meth:`_held_alone` releases
+        a step some rank failed)."""
+        if step.last is None or step.last[1] is not None or judged.flags.nonfinite_loss or step.failure is not None:
             return
         with self.sink.guard("looking for a GradScaler not passed", step=step.index, rank=self.ctx.rank):
             own = [a for a in judged.anomalies if a.kind != "skipped_step"]
