@@ -27,7 +27,13 @@ FLOOR_TESTS ?= tests/test_declared_versions.py tests/test_stats.py tests/test_re
 	tests/diffusion/test_text_diffusion.py tests/diffusion/test_causal_cache_vae.py \
 	tests/training/test_gradients.py tests/training/test_loss.py tests/training/test_stalls.py \
 	tests/training/test_watched_models.py tests/training/test_causes.py tests/training/test_training_debugger.py \
-	tests/training/test_pre_reduction.py tests/training/test_shared_clip.py tests/jobs/test_finetune.py tests/jobs/test_profile.py tests/jobs/test_launch_inputs.py
+	tests/training/test_pre_reduction.py tests/training/test_shared_clip.py tests/jobs/test_finetune.py tests/jobs/test_profile.py tests/jobs/test_launch_inputs.py \
+	tests/training/test_several_optimizers.py tests/training/test_scaler_not_passed.py \
+	tests/training/test_scaler_not_passed_rows.py tests/training/test_every_step_skipped.py tests/training/test_applied_update.py \
+	tests/training/test_rank_summary.py tests/training/test_sync_off.py tests/training/test_training_checks.py \
+	tests/training/test_anomaly_mode.py tests/training/test_step_row.py tests/training/test_module_health.py \
+	tests/diffusion/test_fp16_autocast.py tests/diffusion/test_fp16_autocast_replays.py tests/diffusion/test_near_max_origins.py \
+	tests/diffusion/test_second_origins.py
 
 .PHONY: demo test bench bench-user-path setup floor
 
