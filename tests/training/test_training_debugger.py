@@ -907,6 +907,29 @@ def test_a_mapping_is_accepted_as_config(mlp, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_failed_measurement_is_recorded_at_once_while_another_loops_grad_scaler_is_alive(mlp, tmp_path, monkeypatch):
+    """A failed measurement's row is all NaN, which read as 'looks scaled' while some GradScaler was alive (another
+    loop's, or one an earlier test left to the garbage collector): the step was held for the scaler's trial, and
+    under strict the error raised with its debugger_error never recorded. Now recorded at once."""
+    from diffusion_debug.training.measure import gradients
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    alive = torch.amp.GradScaler("cpu", init_scale=1024.0)  # another loop's scaler, alive beside this one
+    other = torch.nn.Linear(2, 1)
+    alive.scale(other(torch.ones(1, 2)).sum()).backward()
+    alive.step(torch.optim.SGD(other.parameters(), lr=0.1))
+    alive.update()
+    monkeypatch.setattr(gradients, "grad_norms", failing)
+    tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), strict=True))
+    with pytest.raises(RuntimeError, match="planted"):
+        _train(mlp, tdbg, 1)
+    errors = [(a.kind, a.details["where"], a.step) for a in tdbg.report().anomalies if a.severity != "info"]
+    assert errors == [("debugger_error", "measurement", 0)]
+    tdbg.close()
+
+
 def test_a_tracker_failure_still_applies_the_policy(mlp, tmp_path, monkeypatch):
     # A failure after the gather (here: recording the step) must not skip the policy.
     tdbg = TrainingDebugger(mlp, config=DebugConfig(output_dir=str(tmp_path), policy="skip"))
